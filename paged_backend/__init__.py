@@ -1,0 +1,43 @@
+"""paged_backend: paged KV cache and continuous batching under Hugging Face causal LMs, with vLLM's API.
+
+Importing the package is light: the engine (torch, transformers) loads on first use of ``LLM``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from paged_backend.lora.request import LoRARequest
+from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_backend.engine.llm_engine import LLMEngine
+    from paged_backend.entrypoints.llm import LLM, PagedGenerationBackend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "PagedGenerationBackend",
+    "LLMEngine",
+    "SamplingParams",
+    "LoRARequest",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+]
+
+_LAZY = {
+    "LLM": "paged_backend.entrypoints.llm",
+    "PagedGenerationBackend": "paged_backend.entrypoints.llm",
+    "LLMEngine": "paged_backend.engine.llm_engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'paged_backend' has no attribute {name!r}")

@@ -1,0 +1,105 @@
+"""The attention function registered with transformers' ``AttentionInterface``.
+
+We do not port architectures: the user's HF model runs its own ``forward`` on a flattened batch, and every
+attention layer calls :func:`paged_attention_forward` with the new tokens' q/k/v. It writes k/v into the paged
+cache and attends over each sequence's cached context through its block table, using the metadata the model
+runner passes as the ``attn_metadata`` forward kwarg (transformers forwards extra kwargs to attention).
+Because our name has no mask function registered, transformers builds no attention mask for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+
+from paged_backend.kernels.cache_write import write_kv_cache_torch
+from paged_backend.kernels.paged_attention import paged_attention_torch
+
+ATTN_IMPLEMENTATION = "paged_backend"
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, new-token offsets per sequence
+    context_lens: torch.Tensor  # [B] int32, cached + new tokens per sequence
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, each [num_blocks, block_size, Hkv, D]
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    attn_metadata: AttentionMetadata | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    if attn_metadata is None:
+        raise RuntimeError(
+            f"the '{ATTN_IMPLEMENTATION}' attention implementation only runs inside the paged engine "
+            "(it needs the attn_metadata forward kwarg)"
+        )
+    if query.shape[0] != 1:
+        raise RuntimeError(f"the paged engine runs a flattened batch of size 1, got batch size {query.shape[0]}")
+    k_cache, v_cache = attn_metadata.kv_caches[module.layer_idx]
+    if scaling is None:
+        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)  # [T, Hkv, D]
+    write_kv_cache_torch(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+    out = paged_attention_torch(
+        q, k_cache, v_cache, attn_metadata.block_tables, attn_metadata.cu_seqlens_q,
+        attn_metadata.context_lens, scaling, sliding_window, softcap,
+    )  # [T, H, D]
+    return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def check_model_supported(model: PreTrainedModel) -> None:
+    """Fail clearly for architectures whose attention does not go through ``ALL_ATTENTION_FUNCTIONS``."""
+    supported = getattr(type(model), "_supports_attention_backend", False)
+    if supported:
+        can_set = getattr(type(model), "_can_set_attn_implementation", None)
+        supported = can_set() if callable(can_set) else True
+    if not supported:
+        arch = ", ".join(getattr(model.config, "architectures", None) or [type(model).__name__])
+        raise ValueError(
+            f"architecture {arch} is not supported: its modeling code does not route attention through "
+            "transformers' ALL_ATTENTION_FUNCTIONS (supported examples: Llama, Mistral, Qwen2/3, Gemma, "
+            "Phi3, GPT-2, OPT, GPT-NeoX, Mixtral)"
+        )
+
+
+class PagedAttentionSwitch:
+    """Routes the model's attention to us only inside ``with switch:``, so the user's own ``generate`` on the
+    same model object keeps its original attention implementation. Configs are collected once."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
+        self.configs = list(
+            {id(c): c for c in configs if hasattr(c, "_attn_implementation_internal")}.values()
+        )
+        self.previous: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.previous = [c._attn_implementation_internal for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation_internal = ATTN_IMPLEMENTATION
+
+    def __exit__(self, *exc: object) -> None:
+        for c, previous in zip(self.configs, self.previous):
+            c._attn_implementation_internal = previous

@@ -1,0 +1,222 @@
+"""One frozen, validated configuration tree, built once from ``LLM(...)`` keyword arguments.
+
+Every field is checked here so that bad input fails early with a message naming the field and the allowed
+range; the rest of the engine trusts these values. Fields that depend on the loaded model (``max_model_len``,
+``max_num_batched_tokens`` defaults) are resolved later with :func:`dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "float16", "bfloat16", "float", "half")
+QUANTIZATIONS = (None, "awq")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def check_int(name: str, value: Any, low: int, high: int | None = None, allow_none: bool = False) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is an int in ``[low, high]``."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        if allow_none:
+            allowed += " or None"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_float(
+    name: str,
+    value: Any,
+    low: float,
+    high: float,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_none: bool = False,
+) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a real number inside the interval."""
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how. ``model`` is a path or hub id; a loaded model object travels separately."""
+
+    model: str
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    quantization: str | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_bool("trust_remote_code", self.trust_remote_code)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_int("max_model_len", self.max_model_len, 1, allow_none=True)
+        check_int("seed", self.seed, 0)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry and sizing."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_int("block_size", self.block_size, 1, 256)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
+        check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+        check_float("swap_space", self.swap_space, 0.0, 1024.0)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
+        check_float("kv_cache_memory_gib", self.kv_cache_memory_gib, 0.0, 4096.0, low_open=True)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budgets of the continuous-batching scheduler."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, allow_none=True)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        check_bool("enable_lora", self.enable_lora)
+        check_int("max_loras", self.max_loras, 1)
+        check_int("max_lora_rank", self.max_lora_rank, 1)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        ok = isinstance(self.device, str) and (
+            self.device in ("auto", "cpu", "cuda")
+            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        )
+        if not ok:
+            raise ValueError(f"device must be one of ['auto', 'cpu', 'cuda', 'cuda:N'], got {self.device!r}")
+        check_bool("enforce_eager", self.enforce_eager)
+
+
+_SECTIONS: dict[str, type] = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+    "lora_config": LoRAConfig,
+    "device_config": DeviceConfig,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole engine's configuration, passed down as one object."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Split flat ``LLM(...)`` kwargs into sections; an unknown name is a TypeError naming it."""
+        owners = {
+            f.name: section for section, kind in _SECTIONS.items() for f in dataclasses.fields(kind)
+        }
+        unknown = sorted(set(kwargs) - set(owners))
+        if unknown:
+            raise TypeError(
+                f"unexpected keyword argument(s) {unknown}; accepted: {sorted(set(owners) - {'model'})}"
+            )
+        grouped: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
+        for name, value in kwargs.items():
+            grouped[owners[name]][name] = value
+        return cls(
+            **{section: _SECTIONS[section](**values) for section, values in grouped.items() if section != "model_config"},
+            model_config=ModelConfig(model=model, **grouped["model_config"]),
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.cache_config.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """Resolved context limit; only valid after :meth:`resolve`."""
+        assert self.model_config.max_model_len is not None, "EngineConfig.resolve() has not run"
+        return self.model_config.max_model_len
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        assert self.scheduler_config.max_num_batched_tokens is not None, "EngineConfig.resolve() has not run"
+        return self.scheduler_config.max_num_batched_tokens
+
+    def resolve(self, model_max_len: int | None) -> EngineConfig:
+        """Fill model-dependent defaults: ``max_model_len`` from the model, the token budget from vLLM's default."""
+        max_model_len = self.model_config.max_model_len
+        if max_model_len is None:
+            if model_max_len is None:
+                raise ValueError("max_model_len must be given: the model config states no maximum length")
+            max_model_len = model_max_len
+        elif model_max_len is not None and max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len must be <= the model's maximum length {model_max_len}, got {max_model_len}"
+            )
+        budget = self.scheduler_config.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return dataclasses.replace(
+            self,
+            model_config=dataclasses.replace(self.model_config, max_model_len=max_model_len),
+            scheduler_config=dataclasses.replace(self.scheduler_config, max_num_batched_tokens=budget),
+        )

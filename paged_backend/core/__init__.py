@@ -1,0 +1,1 @@
+"""Scheduling and paged KV block management."""

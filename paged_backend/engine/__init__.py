@@ -1,0 +1,1 @@
+"""Engine: request state, the synchronous step loop."""

@@ -1,0 +1,66 @@
+"""Incremental detokenization and stop-string handling.
+
+Text is produced piece by piece (vLLM's prefix/read offsets): each new token is decoded together with a few
+previous ones so spaces and merges come out right, and a piece that ends in an incomplete UTF-8 character is
+held back until it resolves. The final text is exactly the concatenation of the pieces. While a request runs,
+any tail of the text that could still become a stop string is held back too, so streamed text never has to be
+taken back when a stop string is cut.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paged_backend.engine.sequence import Sequence
+
+# Decode this many earlier tokens with each new one: enough context for spaces and multi-token characters.
+INITIAL_CONTEXT_TOKENS = 5
+
+
+def init_offsets(seq: Sequence) -> None:
+    """Start decoding right after the prompt, using its last tokens as context."""
+    seq.read_offset = seq.num_prompt_tokens
+    seq.prefix_offset = max(seq.num_prompt_tokens - INITIAL_CONTEXT_TOKENS, 0)
+
+
+def detokenize_incrementally(tokenizer: Any, seq: Sequence) -> str:
+    """Return the text the newest tokens add (possibly empty) and advance the sequence's offsets."""
+    skip = seq.params.skip_special_tokens
+    ids = seq.token_ids
+    prefix_text = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
+    new_text = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+    if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        return ""  # nothing new yet, or an incomplete UTF-8 character: wait for the next token
+    seq.prefix_offset = seq.read_offset
+    seq.read_offset = len(ids)
+    return new_text[len(prefix_text) :]
+
+
+def find_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    """Earliest stop string that ends inside the last ``new_chars`` characters: (start index, stop string)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        start = max(0, len(text) - new_chars - len(stop) + 1)
+        i = text.find(stop, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best
+
+
+def held_back_chars(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+def visible_text(seq: Sequence) -> str:
+    """Text that is safe to show now: all of it once finished, else without a possible stop-string start."""
+    if seq.status.finished or not seq.params.stop:
+        return seq.output_text
+    held = held_back_chars(seq.output_text, seq.params.stop)
+    return seq.output_text[: len(seq.output_text) - held]

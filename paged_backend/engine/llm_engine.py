@@ -1,0 +1,333 @@
+"""LLMEngine: the synchronous step loop (schedule -> forward -> sample -> detokenize -> outputs).
+
+Servers drive it through ``add_request`` / ``step`` / ``abort_request``; ``LLM.generate`` loops ``step`` until
+every request is done. Each ``step`` returns cumulative outputs of the requests that advanced, so a caller can
+stream the text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from paged_backend.attention import check_model_supported
+from paged_backend.config import EngineConfig
+from paged_backend.core.block_manager import BlockManager
+from paged_backend.core.scheduler import Scheduler
+from paged_backend.engine.detokenizer import (
+    detokenize_incrementally,
+    find_stop_string,
+    init_offsets,
+    visible_text,
+)
+from paged_backend.engine.sequence import Request, Sequence, SequenceStatus
+from paged_backend.lora.request import LORA_NOT_AVAILABLE
+from paged_backend.model_loader import load_model, load_tokenizer, model_max_length
+from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
+from paged_backend.sampler import SampleResult, Sampler
+from paged_backend.sampling_params import SamplingParams
+from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
+from paged_backend.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Mapping[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: str | PreTrainedModel, tokenizer: Any = None) -> None:
+        if config.parallel_config.tensor_parallel_size > 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not supported by this version yet")
+        if config.model_config.quantization is not None:
+            raise NotImplementedError(f"quantization={config.model_config.quantization!r} is not supported yet")
+        if config.lora_config.enable_lora:
+            raise NotImplementedError(LORA_NOT_AVAILABLE)
+        self.model, self.device = load_model(config, model)
+        check_model_supported(self.model)
+        self.tokenizer = load_tokenizer(config, model, tokenizer)
+        self.config = config.resolve(model_max_length(self.model))
+        self._log_inactive_options()
+
+        block_size = self.config.block_size
+        spec = KVCacheSpec.from_config(self.model.config, self.model.dtype)
+        num_blocks = self._num_kv_blocks(spec)
+        per_seq = math.ceil(self.config.max_model_len / block_size)
+        if num_blocks < per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens) but one sequence of "
+                f"max_model_len={self.config.max_model_len} needs {per_seq} blocks: lower max_model_len or give the "
+                "cache more memory (num_kv_blocks, kv_cache_memory_gib or gpu_memory_utilization)"
+            )
+        self.cache_engine = CacheEngine(spec, num_blocks, block_size, self.device)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(self.model, self.cache_engine, self.device)
+        self.sampler = Sampler(self.device, self.config.model_config.seed)
+        self.eos_token_ids = self._eos_token_ids()
+        self.vocab_size = self.model.config.get_text_config().vocab_size
+        self.requests: dict[str, Request] = {}
+        self._seq_counter = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB) on %s",
+            num_blocks, block_size, num_blocks * spec.bytes_per_block(block_size) / 2**30, self.device,
+        )
+
+    # ------------------------------------------------------------------ set-up
+    def _log_inactive_options(self) -> None:
+        if self.device.type != "cuda":
+            logger.info(
+                "running on %s: gpu_memory_utilization, swap_space and CUDA graphs have no effect here",
+                self.device,
+            )
+        elif not self.config.device_config.enforce_eager:
+            logger.info("CUDA graphs are not used by this version: every step runs eagerly")
+        if self.config.cache_config.enable_prefix_caching:
+            logger.info("enable_prefix_caching has no effect in this version: every prompt is prefilled")
+        logger.info("swap_space has no effect in this version: preemption recomputes")
+
+    def _num_kv_blocks(self, spec: KVCacheSpec) -> int:
+        cache = self.config.cache_config
+        block_bytes = spec.bytes_per_block(cache.block_size)
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if self.device.type == "cuda":
+            return self._profile_gpu_blocks(block_bytes)
+        by_memory = int(cache.kv_cache_memory_gib * 2**30) // block_bytes
+        # Never more than max_num_seqs full-length sequences could use.
+        cap = self.config.scheduler_config.max_num_seqs * math.ceil(self.config.max_model_len / cache.block_size)
+        return max(1, min(by_memory, cap))
+
+    def _profile_gpu_blocks(self, block_bytes: int) -> int:
+        """Blocks that fit in ``gpu_memory_utilization`` of the GPU once weights and the activation peak of a
+        ``max_num_batched_tokens`` forward are accounted for."""
+        from paged_backend.worker.profiler import profile_peak_memory
+
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        peak = profile_peak_memory(self.model, self.config, self.device)
+        budget = total * self.config.cache_config.gpu_memory_utilization - peak
+        num_blocks = int(budget // block_bytes)
+        logger.info(
+            "GPU memory: total %.1f GiB, weights + activation peak %.1f GiB, KV budget %.1f GiB",
+            total / 2**30, peak / 2**30, budget / 2**30,
+        )
+        if num_blocks < 1:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: gpu_memory_utilization={self.config.cache_config.gpu_memory_utilization} "
+                f"of {total / 2**30:.1f} GiB is below the {peak / 2**30:.1f} GiB that weights and activations take"
+            )
+        return num_blocks
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        generation_config = getattr(self.model, "generation_config", None)
+        for source in (getattr(generation_config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(t) for t in source)
+        return frozenset(ids)
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt is a string or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``."""
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict must have a 'prompt' or a 'prompt_token_ids' key")
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}"
+            )
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: pass tokenizer=... or use prompt_token_ids")
+        return prompt, list(self.tokenizer(prompt).input_ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        lora_request: Any = None,
+    ) -> None:
+        """Validate and queue a request; nothing is queued when validation fails."""
+        if lora_request is not None:
+            raise NotImplementedError(LORA_NOT_AVAILABLE)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but must be shorter than max_model_len={self.config.max_model_len}"
+            )
+        request = Request(request_id, text, ids, params, lora_request, arrival_time=time.monotonic())
+        for index in range(params.best_of):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed + index)
+            seq_id = next(self._seq_counter)
+            seq = Sequence(seq_id, index, request, list(ids), len(ids), arrival=seq_id, generator=generator)
+            seq.logprobs = [] if params.logprobs is not None else None
+            init_offsets(seq)
+            request.seqs.append(seq)
+        self.requests[request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add_seq(seq)
+        self.num_prompt_tokens += len(ids) * params.best_of
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Drop requests (unknown ids are ignored, as in vLLM) and free their blocks."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            request = self.requests.pop(rid, None)
+            for seq in request.seqs if request else []:
+                if not seq.status.finished:
+                    self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the (cumulative) outputs of every request that advanced."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished_seqs():
+                raise RuntimeError("scheduler made no progress although requests are waiting")
+            return []
+        logits, sample_seqs = self.runner.execute(sched, self.block_manager)
+        self.scheduler.on_step_done(sched)
+        if not sample_seqs:
+            return []
+        results = self.sampler(logits, sample_seqs, [self._min_tokens_stop_ids(s) for s in sample_seqs])
+        advanced: dict[str, Request] = {}
+        for seq, result in zip(sample_seqs, results):
+            self._append_token(seq, result)
+            advanced[seq.request.request_id] = seq.request
+        outputs = []
+        for request in advanced.values():
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            finished = request.finished
+            if finished:
+                self.requests.pop(request.request_id, None)
+            if finished or request.params.best_of == request.params.n:
+                outputs.append(self._make_output(request))
+        return outputs
+
+    def _min_tokens_stop_ids(self, seq: Sequence) -> frozenset[int]:
+        params = seq.params
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(params.stop_token_ids)
+
+    def _append_token(self, seq: Sequence, result: SampleResult) -> None:
+        params = seq.params
+        token = result.token_id
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += result.logprob
+        self.num_generated_tokens += 1
+        if seq.logprobs is not None and result.top_logprobs is not None:
+            seq.logprobs.append({tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in result.top_logprobs})
+
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        status: SequenceStatus | None = None
+        if may_stop and token in params.stop_token_ids:
+            status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif may_stop and not params.ignore_eos and token in self.eos_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        if self.tokenizer is not None and (status is None or params.include_stop_str_in_output):
+            delta = detokenize_incrementally(self.tokenizer, seq)
+            seq.output_text += delta
+            if status is None and params.stop and delta and may_stop:
+                hit = find_stop_string(seq.output_text, len(delta), params.stop)
+                if hit is not None:
+                    start, stop = hit
+                    end = start + len(stop) if params.include_stop_str_in_output else start
+                    seq.output_text = seq.output_text[:end]
+                    status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        if status is None and (
+            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+            or len(seq.token_ids) >= self.config.max_model_len
+        ):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish_seq(seq, status)
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        params = request.params
+        seqs = request.seqs
+        if params.best_of > params.n:  # only reported once finished: keep the n best, best first
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+        outputs = [
+            CompletionOutput(
+                index=i,
+                text=visible_text(seq),
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=float(seq.cumulative_logprob),
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for i, seq in enumerate(seqs)
+        ]
+        metrics = {"arrival_time": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["first_token_time"] = request.first_token_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            outputs=outputs,
+            finished=request.finished,
+            lora_request=request.lora_request,
+            metrics=metrics,
+        )
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        used = bm.num_used_blocks
+        stored = sum(seq.num_computed_tokens for seq in self.scheduler.running)
+        return {
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "block_size": bm.block_size,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_chunked_prefill_steps": self.scheduler.num_chunked_prefill_steps,
+            "prefix_cache_hit_rate": 0.0,
+            "kv_waste_fraction": 1.0 - stored / (used * bm.block_size) if used else 0.0,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+        }

@@ -1,0 +1,89 @@
+"""Per-request and per-sample state: token ids, how many are in the KV cache, text, finish state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from paged_backend.outputs import Logprob
+from paged_backend.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request. ``token_ids`` is prompt + output; the first ``num_computed_tokens`` are cached."""
+
+    seq_id: int
+    index: int
+    request: Request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    arrival: int
+    generator: Any = None  # torch.Generator for seeded requests
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    output_text: str = ""
+    stop_reason: int | str | None = None
+    # incremental detokenization offsets into token_ids (vLLM's prefix_offset / read_offset)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+
+@dataclass(eq=False)
+class Request:
+    """A user request: one prompt, its sampling parameters, ``best_of`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_request: Any = None
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.status.finished for seq in self.seqs)

@@ -1,0 +1,27 @@
+"""``paged-backend`` command line: ``demo`` runs the embedded tiny model (no download, no GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="paged-backend", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="generate with an embedded tiny random model and report tokens/s")
+    demo.add_argument("--num-prompts", type=int, default=32)
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--arch", default="llama", help="llama, mistral, qwen2, qwen3 or gpt2")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    if args.command == "demo":
+        from paged_backend.demo import run_demo
+
+        run_demo(args.num_prompts, args.max_tokens, args.arch)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""``LLM`` (alias ``PagedGenerationBackend``): vLLM's offline API over the paged engine."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from paged_backend.config import EngineConfig
+from paged_backend.engine.llm_engine import LLMEngine, PromptType
+from paged_backend.lora.request import LORA_NOT_AVAILABLE
+from paged_backend.outputs import RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Message = Mapping[str, Any]
+
+
+class LLM:
+    """Generate with a Hugging Face causal LM through a paged KV cache and continuous batching.
+
+    ``model`` is a path, a hub id or a loaded ``PreTrainedModel`` (pass ``tokenizer=`` with it). Other keyword
+    arguments are vLLM's engine arguments (see ``EngineConfig``); an unknown one is a TypeError.
+    """
+
+    def __init__(self, model: str | PreTrainedModel, tokenizer: Any = None, **kwargs: Any) -> None:
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+        tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
+        config = EngineConfig.from_kwargs(name, tokenizer=tokenizer_name, **kwargs)
+        self.llm_engine = LLMEngine(config, model, tokenizer)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def stats(self) -> dict[str, Any]:
+        """KV blocks, queue lengths, preemptions, prefix-cache hit rate, KV waste (see ``LLMEngine.stats``)."""
+        return self.llm_engine.stats()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: Any = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, Sequence):
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params must be one SamplingParams or a list of {len(prompts)} (one per prompt), "
+                    f"got a list of {len(params)}"
+                )
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        if lora_request is not None:
+            raise NotImplementedError(LORA_NOT_AVAILABLE)
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer: pass tokenizer=... to LLM")
+        if not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts or of conversations")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            # The template already holds any BOS: do not add special tokens a second time.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
+        return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._request_counter))
+                engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)  # a bad prompt queues nothing
+            raise
+        finished: dict[str, RequestOutput] = {}
+        start, generated = time.perf_counter(), engine.num_generated_tokens
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            try:
+                while len(finished) < len(ids):
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+                    if use_tqdm:
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(
+                            f"output: {(engine.num_generated_tokens - generated) / elapsed:.1f} toks/s", refresh=False
+                        )
+            except BaseException:
+                engine.abort_request([i for i in ids if i not in finished])
+                raise
+        return [finished[i] for i in ids]
+
+
+PagedGenerationBackend = LLM

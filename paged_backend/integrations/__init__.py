@@ -1,0 +1,1 @@
+"""Adapters for code users already have."""

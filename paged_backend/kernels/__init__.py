@@ -1,0 +1,1 @@
+"""Kernels, each with a torch reference twin that runs anywhere."""

@@ -1,0 +1,105 @@
+"""Load (or adopt) the user's HF model and tokenizer, on the right device and dtype."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from paged_backend.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_device(config: EngineConfig, model: PreTrainedModel | None) -> torch.device:
+    """``auto``: a given model's own device, else CUDA when present, else CPU."""
+    name = config.device_config.device
+    if name == "auto":
+        if model is not None:
+            return next(model.parameters()).device
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device must be 'cpu' or 'auto' on a machine without CUDA, got {name!r}")
+    return torch.device(name)
+
+
+def resolve_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``auto`` keeps the checkpoint's dtype, except fp32 checkpoints on a GPU run in bf16 (fp16 without bf16)."""
+    name = config.model_config.dtype
+    if name != "auto":
+        return _DTYPES[name]
+    dtype = checkpoint_dtype or torch.float32
+    if device.type == "cuda" and dtype == torch.float32:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return dtype
+
+
+def _from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
+    """Prefer the local copy (a folder, or a hub id already in the cache) so nothing downloads needlessly."""
+    if os.path.isdir(name):
+        return loader.from_pretrained(name, **kwargs)
+    try:
+        return loader.from_pretrained(name, local_files_only=True, **kwargs)
+    except OSError:
+        return loader.from_pretrained(name, **kwargs)
+
+
+def load_model(config: EngineConfig, model: str | PreTrainedModel) -> tuple[PreTrainedModel, torch.device]:
+    """Return the model in eval mode on its device. A model object is adopted as is (no second copy); only an
+    explicit ``dtype`` different from its own converts it in place."""
+    if isinstance(model, PreTrainedModel):
+        device = resolve_device(config, model)
+        if config.model_config.dtype != "auto" and model.dtype != _DTYPES[config.model_config.dtype]:
+            logger.info("converting the model from %s to %s in place", model.dtype, config.model_config.dtype)
+            model.to(_DTYPES[config.model_config.dtype])
+        if next(model.parameters()).device != device:
+            model.to(device)
+        return model.eval(), device
+    if not isinstance(model, str):
+        raise ValueError(f"model must be a path, a hub id or a transformers PreTrainedModel, got {type(model).__name__}")
+    device = resolve_device(config, None)
+    from transformers import AutoConfig
+
+    hf_config = _from_pretrained(AutoConfig, model, trust_remote_code=config.model_config.trust_remote_code)
+    checkpoint_dtype = getattr(hf_config, "dtype", None)
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
+    dtype = resolve_dtype(config, checkpoint_dtype, device)
+    loaded = _from_pretrained(
+        AutoModelForCausalLM, model, dtype=dtype, trust_remote_code=config.model_config.trust_remote_code
+    )
+    return loaded.to(device).eval(), device
+
+
+def load_tokenizer(config: EngineConfig, model: str | PreTrainedModel, tokenizer: Any) -> Any:
+    """A tokenizer object is used as is; a name loads; with neither, try the model's own folder."""
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    name = tokenizer if isinstance(tokenizer, str) else model if isinstance(model, str) else None
+    if name is None:
+        path = getattr(model.config, "_name_or_path", "")
+        if not path or not os.path.isdir(path):
+            logger.warning("no tokenizer given: only token-id prompts can be used (pass tokenizer=...)")
+            return None
+        name = path
+    return _from_pretrained(AutoTokenizer, name, trust_remote_code=config.model_config.trust_remote_code)
+
+
+def model_max_length(model: PreTrainedModel) -> int | None:
+    cfg = model.config.get_text_config()
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,50 @@
+"""Request outputs with vLLM's class and field names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Logprob:
+    """One entry of a per-token top-k dict: log probability, rank (1 = most likely), decoded text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled completion of a request.
+
+    ``cumulative_logprob`` is always a float: the sum of the sampled tokens' log probabilities under the
+    distribution they were actually drawn from. ``logprobs`` holds per-token dicts only when requested.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: Any = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything produced for one request so far (cumulative; ``finished`` once every sample ended)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
+    lora_request: Any = None
+    metrics: dict[str, float] = field(default_factory=dict)

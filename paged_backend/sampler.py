@@ -1,0 +1,157 @@
+"""Batched sampling with vLLM's semantics.
+
+Order, as in vLLM: penalties (repetition over prompt + output, presence/frequency over output), min_tokens
+(stop tokens masked), temperature, min-p, top-k, top-p. Greedy rows take the argmax. Random rows draw with an
+exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), from the request's own generator when it is seeded, so a
+seeded request samples the same tokens whatever else shares its batch. Log probabilities are those of the
+distribution the token was drawn from (temperature 1 and no filtering for greedy rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from paged_backend.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float
+    # (token id, logprob, rank) for the sampled token and the top-k, when logprobs were requested
+    top_logprobs: list[tuple[int, float, int]] | None = None
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device)
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [N, V]
+    prompt_tokens: list[list[int]],
+    output_tokens: list[list[int]],
+    presence: torch.Tensor,  # [N]
+    frequency: torch.Tensor,  # [N]
+    repetition: torch.Tensor,  # [N]
+) -> torch.Tensor:
+    """vLLM's penalties: repetition divides positive / multiplies negative logits of seen tokens."""
+    n, vocab = logits.shape
+    out_ids = _padded(output_tokens, vocab, logits.device)  # [N, Lo], padded with an extra column id
+    counts = torch.zeros(n, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]  # [N, V]
+    seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, _padded(prompt_tokens, vocab, logits.device), True)
+    seen = seen[:, :vocab] | (counts > 0)  # [N, V]
+    rep = repetition[:, None].expand_as(logits)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def sampling_logprobs(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N], 0 means greedy (treated as 1)
+    top_k: torch.Tensor,  # [N] int, <= 0 means off
+    top_p: torch.Tensor,  # [N]
+    min_p: torch.Tensor,  # [N]
+) -> torch.Tensor:
+    """Log-probabilities of the distribution actually sampled from; filtered tokens get -inf. [N, V]"""
+    vocab = logits.shape[-1]
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    logits = logits / temp[:, None]
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    use_top_k = bool((top_k > 0).any())
+    use_top_p = bool((top_p < 1).any())
+    if use_top_k or use_top_p:
+        sorted_logits, order = logits.sort(dim=-1)  # ascending
+        if use_top_k:
+            k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+            kth = sorted_logits.gather(1, (vocab - k).long()[:, None])  # [N, 1] k-th largest
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if use_top_p:
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cumulative <= (1 - top_p)[:, None]
+            drop[:, -1] = False  # always keep the most likely token
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return logits.log_softmax(-1)
+
+
+class Sampler:
+    """Turns the last-token logits of each sampling sequence into a token, its logprob and top-k logprobs."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], stop_ids: Seq[frozenset[int]]
+    ) -> list[SampleResult]:
+        """``logits`` [N, V] for ``seqs``; ``stop_ids[i]`` are the tokens barred until min_tokens is reached."""
+        logits = logits.float()
+        n, vocab = logits.shape
+        params = [s.params for s in seqs]
+        f32 = dict(dtype=torch.float32, device=logits.device)
+
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(
+                logits,
+                [s.token_ids[: s.num_prompt_tokens] if p.repetition_penalty != 1 else [] for s, p in zip(seqs, params)],
+                [s.output_token_ids for s in seqs],
+                torch.tensor([p.presence_penalty for p in params], **f32),
+                torch.tensor([p.frequency_penalty for p in params], **f32),
+                torch.tensor([p.repetition_penalty for p in params], **f32),
+            )
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            if seq.num_output_tokens < p.min_tokens and stop_ids[i]:
+                logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
+
+        logprobs = sampling_logprobs(
+            logits,
+            torch.tensor([p.temperature for p in params], **f32),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=logits.device),
+            torch.tensor([p.top_p for p in params], **f32),
+            torch.tensor([p.min_p for p in params], **f32),
+        )  # [N, V]
+        tokens = logprobs.argmax(dim=-1)  # greedy rows; random rows are overwritten below
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            q = torch.empty(len(random_rows), vocab, **f32)
+            unseeded = [j for j, i in enumerate(random_rows) if seqs[i].generator is None]
+            if unseeded:
+                q[unseeded] = torch.empty(len(unseeded), vocab, **f32).exponential_(generator=self.generator)
+            for j, i in enumerate(random_rows):
+                if seqs[i].generator is not None:
+                    q[j].exponential_(generator=seqs[i].generator)
+            rows = torch.tensor(random_rows, device=logits.device)
+            tokens[rows] = (logprobs[rows].exp() / q).argmax(dim=-1)
+
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
+        token_list = tokens.tolist()
+        chosen_list = chosen.tolist()
+        results = [SampleResult(t, lp) for t, lp in zip(token_list, chosen_list)]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            k = max(params[i].logprobs for i in want)
+            top_vals, top_ids = logprobs[want].topk(max(k, 1), dim=-1)  # [W, k]
+            ranks = (logprobs[want] > chosen[want][:, None]).sum(-1) + 1  # [W]
+            top_vals, top_ids, ranks = top_vals.tolist(), top_ids.tolist(), ranks.tolist()
+            for j, i in enumerate(want):
+                kk = params[i].logprobs
+                entries = [(token_list[i], chosen_list[i], ranks[j])]
+                entries += [(tid, val, r + 1) for r, (tid, val) in enumerate(zip(top_ids[j][:kk], top_vals[j][:kk]))]
+                results[i].top_logprobs = entries
+        return results

@@ -1,0 +1,84 @@
+"""SamplingParams with vLLM's field names and ranges; every bad value is a ValueError naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged_backend.config import check_bool, check_float, check_int
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. ``temperature=0`` means greedy; ``top_k`` of -1 or 0 means no top-k."""
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("n", self.n, 1)
+        if self.best_of is None:
+            self.best_of = self.n
+        check_int("best_of", self.best_of, self.n)
+        check_float("temperature", self.temperature, 0.0, float("inf"), high_open=True)
+        check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}")
+        check_float("min_p", self.min_p, 0.0, 1.0)
+        check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), low_open=True, high_open=True)
+        check_int("seed", self.seed, 0, allow_none=True)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        for token_id in self.stop_token_ids:
+            check_int("stop_token_ids[i]", token_id, 0)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_int("max_tokens", self.max_tokens, 1, allow_none=True)
+        check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
+        check_bool("skip_special_tokens", self.skip_special_tokens)
+        check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.best_of > 1 and self.temperature == 0:
+            raise ValueError(
+                f"best_of must be 1 when temperature is 0 (greedy), got best_of={self.best_of}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        )

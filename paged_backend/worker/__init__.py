@@ -1,0 +1,1 @@
+"""Running the model: batch flattening, KV cache allocation."""

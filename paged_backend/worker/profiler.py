@@ -1,0 +1,55 @@
+"""GPU memory profiling: the activation peak of one full-budget forward, to size the KV cache."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from transformers import PreTrainedModel
+
+from paged_backend.attention import AttentionMetadata
+from paged_backend.config import EngineConfig
+from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
+from paged_backend.worker.model_runner import ModelRunner
+
+# Dummy sequences are at most this long: enough to exercise the attention path without a quadratic blow-up.
+PROFILE_SEQ_LEN = 1024
+
+
+@torch.inference_mode()
+def profile_peak_memory(model: PreTrainedModel, config: EngineConfig, device: torch.device) -> int:
+    """Peak bytes allocated (weights included, the temporary cache excluded) by a forward over
+    ``max_num_batched_tokens`` tokens split into sequences of up to ``PROFILE_SEQ_LEN``."""
+    block_size = config.block_size
+    num_tokens = config.max_num_batched_tokens
+    seq_len = max(1, min(num_tokens, config.max_model_len - 1, PROFILE_SEQ_LEN))
+    num_seqs = math.ceil(num_tokens / seq_len)
+    blocks_per_seq = math.ceil(seq_len / block_size)
+    spec = KVCacheSpec.from_config(model.config, model.dtype)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    cache = CacheEngine(spec, num_seqs * blocks_per_seq, block_size, device)
+    cache_bytes = cache.num_blocks * spec.bytes_per_block(block_size)
+    runner = ModelRunner(model, cache, device)
+    lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    positions = torch.cat([torch.arange(n) for n in lens])  # [T]
+    owner = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])  # [T]
+    block_tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), blocks_per_seq)
+    cu_seqlens_q = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=(owner * blocks_per_seq * block_size + positions).to(device),
+        block_tables=block_tables.to(device),
+        cu_seqlens_q=cu_seqlens_q.to(device),
+        context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        kv_caches=cache.kv_caches,
+    )
+    vocab = model.config.get_text_config().vocab_size
+    input_ids = torch.randint(0, vocab, (num_tokens,), device=device)
+    runner.forward(input_ids, positions.to(device), metadata, (cu_seqlens_q[1:] - 1).long().to(device))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del runner, cache, metadata
+    torch.cuda.empty_cache()
+    return peak - cache_bytes
+
