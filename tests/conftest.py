@@ -1,0 +1,52 @@
+"""Shared fixtures: an offline tokenizer, tiny random fp32 models, and HF's own greedy output as the oracle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from paged_backend.demo import build_tiny_model, build_tiny_tokenizer
+
+EOS = 2
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def tiny_model(arch: str, vocab_size: int = 512):
+    """Session-cached tiny model (engines only borrow it, and restore its attention setting after each step)."""
+    if arch not in _MODELS:
+        _MODELS[arch] = build_tiny_model(arch, vocab_size=vocab_size)
+    return _MODELS[arch]
+
+
+def ragged_prompts(block_size: int, seed: int = 0, vocab_size: int = 512) -> list[list[int]]:
+    """Prompts of 1, bs-1, bs, bs+1 tokens and several blocks, from non-special token ids."""
+    rng = random.Random(seed)
+    lengths = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 2, 5 * block_size - 1, 11]
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF ``generate``'s greedy continuation, cut after the first EOS (HF pads after it)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=0,
+        )
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
+
+
+def assert_idle(llm) -> None:
+    """Block accounting is back to its idle value: every block free, nothing queued."""
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"], stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats

@@ -1,0 +1,45 @@
+"""Greedy output equals HF ``model.generate`` token for token, per prompt, across architectures."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_backend import LLM, SamplingParams
+from tests.conftest import EOS, assert_idle, hf_greedy, ragged_prompts, tiny_model
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+MAX_TOKENS = [5, 12, 9, 16, 3, 10, 7, 14]
+
+
+def _check(llm: LLM, model, prompts: list[list[int]]) -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS[: len(prompts)]]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, max_tokens, output in zip(prompts, MAX_TOKENS, outputs):
+        expected = hf_greedy(model, prompt, max_tokens)
+        assert output.prompt_token_ids == prompt
+        assert output.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
+        assert output.outputs[0].finish_reason == ("stop" if expected[-1] == EOS else "length")
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf_generate(arch: str, tokenizer) -> None:
+    model = tiny_model(arch)
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256)
+    _check(llm, model, ragged_prompts(4, seed=1))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf_with_preemption_and_chunked_prefill(arch: str, tokenizer) -> None:
+    model = tiny_model(arch)
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=10, max_model_len=40, max_num_batched_tokens=6)
+    _check(llm, model, ragged_prompts(4, seed=2))
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["num_chunked_prefill_steps"] > 0, stats
+
+
+def test_block_size_16_several_blocks(tokenizer) -> None:
+    model = tiny_model("llama")
+    llm = LLM(model, tokenizer=tokenizer, block_size=16, num_kv_blocks=64)
+    _check(llm, model, ragged_prompts(16, seed=3))
