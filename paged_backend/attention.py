@@ -60,8 +60,15 @@ def paged_attention_forward(
     v = value[0].transpose(0, 1)  # [T, Hkv, D]
     write_kv_cache_torch(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
     out = paged_attention_torch(
-        q, k_cache, v_cache, attn_metadata.block_tables, attn_metadata.cu_seqlens_q,
-        attn_metadata.context_lens, scaling, sliding_window, softcap,
+        q,
+        k_cache,
+        v_cache,
+        attn_metadata.block_tables,
+        attn_metadata.cu_seqlens_q,
+        attn_metadata.context_lens,
+        scaling,
+        sliding_window,
+        softcap,
     )  # [T, H, D]
     return out.unsqueeze(0), None  # [1, T, H, D]
 
@@ -90,9 +97,7 @@ class PagedAttentionSwitch:
 
     def __init__(self, model: PreTrainedModel) -> None:
         configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
-        self.configs = list(
-            {id(c): c for c in configs if hasattr(c, "_attn_implementation_internal")}.values()
-        )
+        self.configs = list({id(c): c for c in configs if hasattr(c, "_attn_implementation_internal")}.values())
         self.previous: list[Any] = []
 
     def __enter__(self) -> None:

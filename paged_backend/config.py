@@ -138,8 +138,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         ok = isinstance(self.device, str) and (
-            self.device in ("auto", "cpu", "cuda")
-            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+            self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         )
         if not ok:
             raise ValueError(f"device must be one of ['auto', 'cpu', 'cuda', 'cuda:N'], got {self.device!r}")
@@ -170,19 +169,19 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Split flat ``LLM(...)`` kwargs into sections; an unknown name is a TypeError naming it."""
-        owners = {
-            f.name: section for section, kind in _SECTIONS.items() for f in dataclasses.fields(kind)
-        }
+        owners = {f.name: section for section, kind in _SECTIONS.items() for f in dataclasses.fields(kind)}
         unknown = sorted(set(kwargs) - set(owners))
         if unknown:
-            raise TypeError(
-                f"unexpected keyword argument(s) {unknown}; accepted: {sorted(set(owners) - {'model'})}"
-            )
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted: {sorted(set(owners) - {'model'})}")
         grouped: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
         for name, value in kwargs.items():
             grouped[owners[name]][name] = value
         return cls(
-            **{section: _SECTIONS[section](**values) for section, values in grouped.items() if section != "model_config"},
+            **{
+                section: _SECTIONS[section](**values)
+                for section, values in grouped.items()
+                if section != "model_config"
+            },
             model_config=ModelConfig(model=model, **grouped["model_config"]),
         )
 

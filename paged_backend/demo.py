@@ -32,15 +32,47 @@ CHAT_TEMPLATE = (
 
 # Tiny configs: the attention shapes that matter (GQA, sliding window, learned positions) at toy sizes.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
-    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=7),
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  use_sliding_window=True, sliding_window=9, max_window_layers=1),
-    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=512),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=7,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=9,
+        max_window_layers=1,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+    ),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512),
 }
 
@@ -59,7 +91,9 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -102,9 +136,19 @@ def run_demo(num_prompts: int = 32, max_tokens: int = 64, arch: str = "llama") -
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     for output in outputs[:3]:
         logger.info("prompt %r -> %r", output.prompt, output.outputs[0].text)
-    result = {"prompts": num_prompts, "output_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    result = {
+        "prompts": num_prompts,
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+    }
     logger.info(
         "%d prompts, %d output tokens in %.2f s: %.0f output tokens/s (%s, %s)",
-        num_prompts, tokens, elapsed, result["tokens_per_s"], arch, llm.llm_engine.device,
+        num_prompts,
+        tokens,
+        elapsed,
+        result["tokens_per_s"],
+        arch,
+        llm.llm_engine.device,
     )
     return result

@@ -67,7 +67,9 @@ def load_model(config: EngineConfig, model: str | PreTrainedModel) -> tuple[PreT
             model.to(device)
         return model.eval(), device
     if not isinstance(model, str):
-        raise ValueError(f"model must be a path, a hub id or a transformers PreTrainedModel, got {type(model).__name__}")
+        raise ValueError(
+            f"model must be a path, a hub id or a transformers PreTrainedModel, got {type(model).__name__}"
+        )
     device = resolve_device(config, None)
     from transformers import AutoConfig
 

@@ -97,9 +97,8 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence], stop_ids: Seq[frozenset[int]]
-    ) -> list[SampleResult]:
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], stop_ids: Seq[frozenset[int]]) -> list[SampleResult]:
         """``logits`` [N, V] for ``seqs``; ``stop_ids[i]`` are the tokens barred until min_tokens is reached."""
         logits = logits.float()
         n, vocab = logits.shape

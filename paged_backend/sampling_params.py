@@ -34,6 +34,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_int("n", self.n, 1)
+        explicit_best_of = self.best_of is not None
         if self.best_of is None:
             self.best_of = self.n
         check_int("best_of", self.best_of, self.n)
@@ -58,16 +59,12 @@ class SamplingParams:
         check_int("max_tokens", self.max_tokens, 1, allow_none=True)
         check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
-            )
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
-        if self.best_of > 1 and self.temperature == 0:
-            raise ValueError(
-                f"best_of must be 1 when temperature is 0 (greedy), got best_of={self.best_of}"
-            )
+        if explicit_best_of and self.best_of > 1 and self.temperature == 0:
+            raise ValueError(f"best_of must be 1 when temperature is 0 (greedy), got best_of={self.best_of}")
 
     @property
     def greedy(self) -> bool:
@@ -79,6 +76,4 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

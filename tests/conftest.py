@@ -38,10 +38,14 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF ``generate``'s greedy continuation, cut after the first EOS (HF pads after it)."""
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=0,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=EOS,
+            pad_token_id=0,
         )
-    tokens = out[0, len(prompt):].tolist()
+    tokens = out[0, len(prompt) :].tolist()
     return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 

@@ -47,16 +47,14 @@ class BlockManager:
         return num_computed_tokens // self.block_size
 
     def num_new_blocks_needed(self, seq_id: int, num_computed_tokens: int, num_tokens: int) -> int:
-        """Blocks to take from the free list so ``num_tokens`` tokens fit, writes starting at ``num_computed_tokens``."""
+        """Free blocks needed so ``num_tokens`` tokens fit, with writes from ``num_computed_tokens`` on."""
         table = self.block_tables.get(seq_id, [])
         needed = max(0, -(-num_tokens // self.block_size) - len(table))
         first = self._first_written_block(num_computed_tokens)
         needed += sum(1 for block_id in table[first:] if self.blocks[block_id].ref_count > 1)
         return needed
 
-    def allocate_slots(
-        self, seq_id: int, num_computed_tokens: int, num_tokens: int
-    ) -> list[tuple[int, int]] | None:
+    def allocate_slots(self, seq_id: int, num_computed_tokens: int, num_tokens: int) -> list[tuple[int, int]] | None:
         """Make the sequence's table hold ``num_tokens`` tokens, with private blocks from ``num_computed_tokens`` on.
 
         Returns the (src, dst) block copies that copy-on-write requires, or None (and changes nothing) when the

@@ -112,9 +112,7 @@ class Scheduler:
             scheduled[seq] = num_new
             budget -= num_new
 
-        self.num_chunked_prefill_steps += sum(
-            1 for seq, n in scheduled.items() if n < seq.num_uncomputed_tokens
-        )
+        self.num_chunked_prefill_steps += sum(1 for seq, n in scheduled.items() if n < seq.num_uncomputed_tokens)
         # A copy into a block that a preemption freed again is moot.
         copies = [(src, dst) for src, dst in copies if self.block_manager.blocks[dst].ref_count > 0]
         return SchedulerOutput(list(scheduled), list(scheduled.values()), copies)

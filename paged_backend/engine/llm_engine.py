@@ -31,7 +31,7 @@ from paged_backend.engine.sequence import Request, Sequence, SequenceStatus
 from paged_backend.lora.request import LORA_NOT_AVAILABLE
 from paged_backend.model_loader import load_model, load_tokenizer, model_max_length
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_backend.sampler import SampleResult, Sampler
+from paged_backend.sampler import Sampler, SampleResult
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.model_runner import ModelRunner
@@ -78,7 +78,10 @@ class LLMEngine:
         self.num_generated_tokens = 0
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB) on %s",
-            num_blocks, block_size, num_blocks * spec.bytes_per_block(block_size) / 2**30, self.device,
+            num_blocks,
+            block_size,
+            num_blocks * spec.bytes_per_block(block_size) / 2**30,
+            self.device,
         )
 
     # ------------------------------------------------------------------ set-up
@@ -117,11 +120,14 @@ class LLMEngine:
         num_blocks = int(budget // block_bytes)
         logger.info(
             "GPU memory: total %.1f GiB, weights + activation peak %.1f GiB, KV budget %.1f GiB",
-            total / 2**30, peak / 2**30, budget / 2**30,
+            total / 2**30,
+            peak / 2**30,
+            budget / 2**30,
         )
         if num_blocks < 1:
+            utilization = self.config.cache_config.gpu_memory_utilization
             raise ValueError(
-                f"no GPU memory left for the KV cache: gpu_memory_utilization={self.config.cache_config.gpu_memory_utilization} "
+                f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} "
                 f"of {total / 2**30:.1f} GiB is below the {peak / 2**30:.1f} GiB that weights and activations take"
             )
         return num_blocks
@@ -129,7 +135,10 @@ class LLMEngine:
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
         generation_config = getattr(self.model, "generation_config", None)
-        for source in (getattr(generation_config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+        for source in (
+            getattr(generation_config, "eos_token_id", None),
+            getattr(self.tokenizer, "eos_token_id", None),
+        ):
             if isinstance(source, int):
                 ids.add(source)
             elif isinstance(source, (list, tuple)):
@@ -254,7 +263,9 @@ class LLMEngine:
         seq.cumulative_logprob += result.logprob
         self.num_generated_tokens += 1
         if seq.logprobs is not None and result.top_logprobs is not None:
-            seq.logprobs.append({tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in result.top_logprobs})
+            seq.logprobs.append(
+                {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in result.top_logprobs}
+            )
 
         may_stop = seq.num_output_tokens >= params.min_tokens
         status: SequenceStatus | None = None

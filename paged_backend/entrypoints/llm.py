@@ -30,7 +30,11 @@ class LLM:
     """
 
     def __init__(self, model: str | PreTrainedModel, tokenizer: Any = None, **kwargs: Any) -> None:
-        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+        name = (
+            model
+            if isinstance(model, str)
+            else getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+        )
         tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
         config = EngineConfig.from_kwargs(name, tokenizer=tokenizer_name, **kwargs)
         self.llm_engine = LLMEngine(config, model, tokenizer)
@@ -86,7 +90,9 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
+                list(conversation),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
             # The template already holds any BOS: do not add special tokens a second time.
@@ -116,7 +122,8 @@ class LLM:
                     if use_tqdm:
                         elapsed = max(time.perf_counter() - start, 1e-9)
                         bar.set_postfix_str(
-                            f"output: {(engine.num_generated_tokens - generated) / elapsed:.1f} toks/s", refresh=False
+                            f"output: {(engine.num_generated_tokens - generated) / elapsed:.1f} toks/s",
+                            refresh=False,
                         )
             except BaseException:
                 engine.abort_request([i for i in ids if i not in finished])

@@ -74,8 +74,18 @@ def paged_attention_torch(
         max_q = max(q_lens_list[i] for i in group)
         max_ctx = max(ctx_list[i] for i in group)
         result = _attend_group(
-            query, k_cache, v_cache, block_tables[idx], cu_seqlens_q[idx].long(), q_lens[idx].long(),
-            context_lens[idx].long(), max_q, max_ctx, scale, sliding_window, softcap,
+            query,
+            k_cache,
+            v_cache,
+            block_tables[idx],
+            cu_seqlens_q[idx].long(),
+            q_lens[idx].long(),
+            context_lens[idx].long(),
+            max_q,
+            max_ctx,
+            scale,
+            sliding_window,
+            softcap,
         )  # [G, Q, H, D]
         if max_q == 1:
             out[cu_seqlens_q[idx].long()] = result[:, 0].to(out.dtype)

@@ -39,7 +39,10 @@ class CacheEngine:
         self.block_size = block_size
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+            (
+                torch.zeros(shape, dtype=spec.dtype, device=device),
+                torch.zeros(shape, dtype=spec.dtype, device=device),
+            )
             for _ in range(spec.num_layers)
         ]
 

@@ -62,7 +62,13 @@ class ModelRunner:
             kv_caches=self.cache_engine.kv_caches,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long).to(**to)
-        return input_ids, pos.to(**to), metadata, torch.tensor(logits_indices, dtype=torch.long).to(**to), sample_seqs
+        return (
+            input_ids,
+            pos.to(**to),
+            metadata,
+            torch.tensor(logits_indices, dtype=torch.long).to(**to),
+            sample_seqs,
+        )
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, list[Sequence]]:

@@ -52,4 +52,3 @@ def profile_peak_memory(model: PreTrainedModel, config: EngineConfig, device: to
     del runner, cache, metadata
     torch.cuda.empty_cache()
     return peak - cache_bytes
-

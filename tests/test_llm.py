@@ -1,0 +1,206 @@
+"""LLM / LLMEngine behaviour: stops, min_tokens, EOS, seeds, n / best_of, streaming text, chat, paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_backend import LLM, LLMEngine, SamplingParams
+from paged_backend.demo import build_tiny_model
+from tests.conftest import EOS, assert_idle, hf_greedy, tiny_model
+
+PROMPT = [1, 40, 41, 42, 43, 44]
+
+
+@pytest.fixture(scope="module")
+def llm(tokenizer) -> LLM:
+    return LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128)
+
+
+def _greedy(llm: LLM, max_tokens: int = 24, **kwargs):
+    (out,) = llm.generate(
+        {"prompt_token_ids": PROMPT},
+        SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs),
+        use_tqdm=False,
+    )
+    return out.outputs[0]
+
+
+def test_text_prompts_are_tokenized_and_returned_in_order(llm, tokenizer) -> None:
+    prompts = ["Hello world!", "The paged KV cache stores keys", "A"]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in (7, 3, 5)], use_tqdm=False)
+    assert [o.prompt for o in outs] == prompts
+    assert [o.prompt_token_ids for o in outs] == [tokenizer(p).input_ids for p in prompts]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [7, 3, 5]
+    for o in outs:
+        assert o.finished and o.outputs[0].finish_reason == "length"
+        assert isinstance(o.outputs[0].cumulative_logprob, float) and o.outputs[0].logprobs is None
+        assert (
+            o.outputs[0].text
+            == tokenizer.decode(o.prompt_token_ids + o.outputs[0].token_ids, skip_special_tokens=True)[
+                len(tokenizer.decode(o.prompt_token_ids, skip_special_tokens=True)) :
+            ]
+        )
+    assert_idle(llm)
+
+
+def test_stop_token_ids(llm) -> None:
+    base = _greedy(llm)
+    stop = base.token_ids[4]
+    first = base.token_ids.index(stop)
+    out = _greedy(llm, stop_token_ids=[stop])
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_min_tokens_defers_stop_tokens(llm) -> None:
+    base = _greedy(llm)
+    stop = base.token_ids[0]
+    out = _greedy(llm, stop_token_ids=[stop], min_tokens=5, max_tokens=12)
+    assert len(out.token_ids) >= 5
+    assert stop not in out.token_ids[:4]
+    assert out.finish_reason == "length" or out.token_ids[-1] == stop
+
+
+def test_stop_strings_cut_text(llm) -> None:
+    base = _greedy(llm)
+    text = base.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = text.index(stop)
+    out = _greedy(llm, stop=[stop])
+    assert out.text == text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    kept = _greedy(llm, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == text[: cut + len(stop)]
+
+
+def test_eos_from_generation_config_and_ignore_eos(tokenizer) -> None:
+    model = build_tiny_model("llama", vocab_size=len(tokenizer))
+    base = hf_greedy(model, PROMPT, 12)
+    eos = base[3]
+    model.generation_config.eos_token_id = [EOS, eos]
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64)
+    out = _greedy(llm, max_tokens=12)
+    assert out.token_ids == base[: base.index(eos) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason is None
+    out = _greedy(llm, max_tokens=12, ignore_eos=True)
+    assert out.token_ids == base and out.finish_reason == "length"
+
+
+def test_max_model_len_ends_with_length(tokenizer) -> None:
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=16, max_model_len=10)
+    out = _greedy(llm, max_tokens=50)
+    assert len(PROMPT) + len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_logprobs_are_top_k_dicts_of_the_model_distribution(llm) -> None:
+    out = _greedy(llm, max_tokens=4, logprobs=3)
+    model = tiny_model("llama")
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + out.token_ids])).logits[0].log_softmax(-1)
+    total = 0.0
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        expected = logits[len(PROMPT) - 1 + step]
+        assert len(entry) in (3, 4) and entry[token].rank == 1
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(expected[tid].item(), abs=1e-4)
+        total += expected[token].item()
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm) -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
+    (alone,) = llm.generate({"prompt_token_ids": PROMPT}, seeded, use_tqdm=False)
+    others = SamplingParams(temperature=1.0, max_tokens=20)
+    batch = [{"prompt_token_ids": [1, 7, 8, 9] * k} for k in range(1, 4)]
+    mixed = llm.generate(batch + [{"prompt_token_ids": PROMPT}], [others] * 3 + [seeded], use_tqdm=False)
+    assert mixed[-1].outputs[0].token_ids == alone.outputs[0].token_ids
+    unseeded = [llm.generate({"prompt_token_ids": PROMPT}, others, use_tqdm=False)[0] for _ in range(2)]
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_n_and_best_of(llm) -> None:
+    (out,) = llm.generate(
+        {"prompt_token_ids": PROMPT},
+        SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=0),
+        use_tqdm=False,
+    )
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    (best,) = llm.generate(
+        {"prompt_token_ids": PROMPT},
+        SamplingParams(n=2, best_of=5, temperature=1.0, max_tokens=8, seed=0),
+        use_tqdm=False,
+    )
+    scores = [c.cumulative_logprob for c in best.outputs]
+    assert len(scores) == 2 and scores[0] >= scores[1]
+    (greedy,) = llm.generate(
+        {"prompt_token_ids": PROMPT}, SamplingParams(n=2, temperature=0, max_tokens=6), use_tqdm=False
+    )
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    assert_idle(llm)
+
+
+def test_streamed_pieces_concatenate_to_the_final_text(llm, tokenizer) -> None:
+    engine: LLMEngine = llm.llm_engine
+    base = _greedy(llm, max_tokens=30)
+    stop = base.text[10:13]
+    engine.add_request("s1", {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=30, stop=[stop]))
+    engine.add_request("s2", "Unicode text: caf", SamplingParams(temperature=0.9, max_tokens=30, seed=3))
+    seen = {"s1": "", "s2": ""}
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            assert text.startswith(seen[out.request_id]), "streamed text was taken back"
+            seen[out.request_id] = text
+            if out.finished:
+                final[out.request_id] = text
+    assert final["s1"] == base.text[: base.text.index(stop)]
+    assert seen == final
+    assert_idle(llm)
+
+
+def test_abort_frees_blocks(llm) -> None:
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": PROMPT * 3}, SamplingParams(max_tokens=50))
+    engine.add_request("b", {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert llm.stats()["num_free_blocks"] < llm.stats()["num_kv_blocks"]
+    assert 0.0 <= llm.stats()["kv_waste_fraction"] < 1.0
+    engine.abort_request(["a", "b", "unknown"])
+    assert not engine.has_unfinished_requests()
+    assert_idle(llm)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("c", {"prompt_token_ids": PROMPT})
+        engine.add_request("c", {"prompt_token_ids": PROMPT})
+    engine.abort_request("c")
+
+
+def test_chat_applies_the_template(llm, tokenizer) -> None:
+    conversation = [{"role": "user", "content": "Hello world!"}]
+    outs = llm.chat([conversation, conversation], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    expected = tokenizer(
+        tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    ).input_ids
+    assert outs[0].prompt_token_ids == expected and expected.count(tokenizer.bos_token_id) == 1
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    (single,) = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert single.outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_model_from_a_path_matches_hf(tmp_path, tokenizer) -> None:
+    model = tiny_model("qwen3")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), block_size=8, num_kv_blocks=80)
+    assert llm.llm_engine.model.dtype == torch.float32 and llm.get_tokenizer() is not None
+    out = _greedy(llm, max_tokens=10)
+    assert out.token_ids == hf_greedy(model, PROMPT, 10)
+
+
+def test_users_model_keeps_its_attention(llm) -> None:
+    model = tiny_model("llama")
+    _greedy(llm, max_tokens=2)
+    assert model.config._attn_implementation != "paged_backend"

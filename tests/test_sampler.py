@@ -1,0 +1,142 @@
+"""Sampler: exact filtered distributions, empirical frequencies, penalties, min_tokens, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from paged_backend.engine.sequence import Request, Sequence
+from paged_backend.sampler import Sampler, apply_penalties, sampling_logprobs
+from paged_backend.sampling_params import SamplingParams
+
+PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]
+
+
+def _logits() -> torch.Tensor:
+    return torch.tensor([PROBS]).log()  # [1, 6]
+
+
+def _dist(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> list[float]:
+    lp = sampling_logprobs(
+        _logits(),
+        torch.tensor([temperature]),
+        torch.tensor([top_k]),
+        torch.tensor([top_p]),
+        torch.tensor([min_p]),
+    )
+    return lp.exp()[0].tolist()
+
+
+def _normalized(weights: list[float]) -> list[float]:
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, PROBS),
+        ({"temperature": 0.5}, _normalized([p**2 for p in PROBS])),
+        ({"temperature": 2.0}, _normalized([p**0.5 for p in PROBS])),
+        ({"top_k": 3}, _normalized(PROBS[:3] + [0, 0, 0])),
+        ({"top_k": 1}, [1, 0, 0, 0, 0, 0]),
+        # keep the smallest set whose mass reaches top_p: 0.4 + 0.25 + 0.15 = 0.8 >= 0.7
+        ({"top_p": 0.7}, _normalized(PROBS[:3] + [0, 0, 0])),
+        ({"top_p": 0.4}, [1, 0, 0, 0, 0, 0]),
+        # min_p 0.3 * 0.4 = 0.12: tokens with p < 0.12 are dropped
+        ({"min_p": 0.3}, _normalized(PROBS[:3] + [0, 0, 0])),
+        # top-p applies to the top-k renormalized distribution (vLLM): 0.4/0.9 + 0.25/0.9 >= 0.7 after dropping
+        # the tail whose renormalized mass (0.1 + 0.15) / 0.9 <= 0.3
+        ({"top_k": 4, "top_p": 0.7}, _normalized([0.4, 0.25, 0, 0, 0, 0])),
+        ({"top_k": 2, "temperature": 0.5}, _normalized([0.16, 0.0625, 0, 0, 0, 0])),
+    ],
+)
+def test_filtered_distribution_is_exact(kwargs, expected) -> None:
+    assert _dist(**kwargs) == pytest.approx(expected, abs=1e-6)
+
+
+def _seqs(params: list[SamplingParams], prompt=(5, 6), outputs=()) -> list[Sequence]:
+    seqs = []
+    for i, p in enumerate(params):
+        request = Request(str(i), None, list(prompt), p)
+        seq = Sequence(i, 0, request, list(prompt) + list(outputs), len(prompt), arrival=i)
+        if p.seed is not None:
+            seq.generator = torch.Generator().manual_seed(p.seed)
+        seqs.append(seq)
+    return seqs
+
+
+def test_sampled_frequencies_follow_the_distribution() -> None:
+    n = 20000
+    params = SamplingParams(temperature=0.5, top_k=4)
+    expected = _normalized([p**2 for p in PROBS[:4]] + [0, 0])
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    results = sampler(_logits().expand(n, -1).clone(), _seqs([params] * n), [frozenset()] * n)
+    counts = [0] * 6
+    for r in results:
+        counts[r.token_id] += 1
+    for token, p in enumerate(expected):
+        sigma = math.sqrt(n * p * (1 - p)) + 1e-9
+        assert abs(counts[token] - n * p) <= 5 * sigma, (token, counts, expected)
+        if p == 0:
+            assert counts[token] == 0
+    # the reported logprob is that of the distribution sampled from
+    for r in results[:50]:
+        assert r.logprob == pytest.approx(math.log(expected[r.token_id]), abs=1e-5)
+
+
+def test_greedy_picks_argmax_and_reports_logprobs() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    (result,) = sampler(logits, _seqs([SamplingParams(temperature=0, logprobs=2)]), [frozenset()])
+    log_probs = logits.log_softmax(-1)[0]
+    assert result.token_id == 1
+    assert result.logprob == pytest.approx(log_probs[1].item())
+    assert result.top_logprobs == [
+        (1, pytest.approx(log_probs[1].item()), 1),
+        (1, pytest.approx(log_probs[1].item()), 1),
+        (3, pytest.approx(log_probs[3].item()), 2),
+    ]
+
+
+def test_penalties_match_hand_computation() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    # prompt has token 0; output has token 1 twice and token 3 once
+    out = apply_penalties(
+        logits.clone(),
+        [[0]],
+        [[1, 1, 3]],
+        presence=torch.tensor([0.5]),
+        frequency=torch.tensor([0.25]),
+        repetition=torch.tensor([2.0]),
+    )
+    expected = [
+        2.0 / 2,  # prompt token: repetition only
+        -1.0 * 2 - 0.25 * 2 - 0.5,  # negative logit multiplied, then frequency x2 and presence
+        0.5,  # unseen
+        3.0 / 2 - 0.25 - 0.5,
+        -2.0,
+    ]
+    assert out[0].tolist() == pytest.approx(expected)
+
+
+def test_min_tokens_masks_stop_tokens() -> None:
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    params = SamplingParams(temperature=0, min_tokens=2)
+    (early,) = sampler(logits.clone(), _seqs([params]), [frozenset({1})])
+    (late,) = sampler(logits.clone(), _seqs([params], outputs=(2, 2)), [frozenset({1})])
+    assert early.token_id == 2 and late.token_id == 1
+
+
+def test_seeded_rows_do_not_depend_on_the_batch() -> None:
+    logits = torch.randn(1, 50)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    alone = Sampler(torch.device("cpu"), seed=0)(logits.clone(), _seqs([seeded]), [frozenset()])
+    other = SamplingParams(temperature=1.0)
+    mixed = Sampler(torch.device("cpu"), seed=1)(
+        torch.cat([torch.randn(2, 50), logits]), _seqs([other, other, seeded]), [frozenset()] * 3
+    )
+    assert mixed[2].token_id == alone[0].token_id

@@ -1,0 +1,134 @@
+"""Every user-facing argument is validated with a message naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from paged_backend import LLM, LoRARequest, SamplingParams
+from paged_backend.config import EngineConfig
+from tests.conftest import assert_idle, tiny_model
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"n": 0}, "n"),
+        ({"n": 1.5}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.1}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": [3]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"skip_special_tokens": 1}, "skip_special_tokens"),
+        ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
+        ({"best_of": 2, "temperature": 0.0}, "best_of"),
+    ],
+)
+def test_sampling_params_errors_name_the_field(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accepts_vllm_forms() -> None:
+    params = SamplingParams(n=2, stop="###", top_k=0)
+    assert params.best_of == 2 and params.stop == ["###"] and not params.uses_top_k
+    assert SamplingParams(n=3, temperature=0).n == 3  # n > 1 greedy is allowed (identical samples)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"block_size": 12}, "block_size"),
+        ({"block_size": 0}, "block_size"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"swap_space": -1}, "swap_space"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"quantization": "gptq"}, "quantization"),
+        ({"device": "tpu"}, "device"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"num_kv_blocks": 0}, "num_kv_blocks"),
+        ({"kv_cache_memory_gib": 0}, "kv_cache_memory_gib"),
+        ({"enable_prefix_caching": "on"}, "enable_prefix_caching"),
+        ({"max_loras": 0}, "max_loras"),
+        ({"seed": -5}, "seed"),
+        ({"enforce_eager": 1}, "enforce_eager"),
+    ],
+)
+def test_engine_config_errors_name_the_field(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}"):
+        EngineConfig.from_kwargs("m", **kwargs)
+
+
+def test_unknown_kwarg_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="gpu_mem_util"):
+        LLM(tiny_model("llama"), gpu_mem_util=0.5)
+
+
+def test_request_errors_leave_the_engine_clean(tokenizer) -> None:
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64)
+    good = {"prompt_token_ids": [5, 6, 7]}
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([good, {"prompt_token_ids": list(range(3, 70))}], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([good, {"prompt_token_ids": [5, 100000]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="at least one token"):
+        llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([good, good], [SamplingParams(), SamplingParams(), SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([good, 12], use_tqdm=False)
+    with pytest.raises(NotImplementedError, match="LoRA"):
+        llm.generate(good, lora_request=LoRARequest("a", 1, "/tmp/a"), use_tqdm=False)
+    assert_idle(llm)
+    assert llm.llm_engine.requests == {}
+    (out,) = llm.generate(good, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_cache_too_small_for_max_model_len_fails_with_numbers() -> None:
+    with pytest.raises(ValueError, match=r"4 blocks .* max_model_len=512 needs 32 blocks"):
+        LLM(tiny_model("llama"), block_size=16, num_kv_blocks=4)
+
+
+def test_unsupported_architecture_is_named() -> None:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="BloomForCausalLM is not supported"):
+        LLM(model)
+
+
+def test_lora_request_import_paths() -> None:
+    from paged_backend.lora.request import LoRARequest as FromVllmPath
+
+    assert FromVllmPath is LoRARequest
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0, "/tmp/a")
+
+
+def test_import_is_light() -> None:
+    code = "import sys, paged_backend; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
