@@ -194,7 +194,7 @@ def test_model_from_a_path_matches_hf(tmp_path, tokenizer) -> None:
     model = tiny_model("qwen3")
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), block_size=8, num_kv_blocks=80)
+    llm = LLM(str(tmp_path), block_size=8, num_kv_blocks=80, device="cpu")
     assert llm.llm_engine.model.dtype == torch.float32 and llm.get_tokenizer() is not None
     out = _greedy(llm, max_tokens=10)
     assert out.token_ids == hf_greedy(model, PROMPT, 10)
