@@ -52,7 +52,10 @@ def paged_attention_forward(
         )
     if query.shape[0] != 1:
         raise RuntimeError(f"the paged engine runs a flattened batch of size 1, got batch size {query.shape[0]}")
-    k_cache, v_cache = attn_metadata.kv_caches[module.layer_idx]
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        raise RuntimeError(f"{type(module).__name__} has no layer_idx: the paged cache cannot tell its layer")
+    k_cache, v_cache = attn_metadata.kv_caches[layer_idx]
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
     q = query[0].transpose(0, 1)  # [T, H, D]

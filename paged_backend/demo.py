@@ -31,48 +31,20 @@ CHAT_TEMPLATE = (
 )
 
 # Tiny configs: the attention shapes that matter (GQA, sliding window, learned positions) at toy sizes.
+_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    ),
-    "mistral": dict(
-        model_type="mistral",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=7,
-    ),
-    "qwen2": dict(
-        model_type="qwen2",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        use_sliding_window=True,
-        sliding_window=9,
-        max_window_layers=1,
-    ),
-    "qwen3": dict(
-        model_type="qwen3",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=512,
-    ),
+    "llama": dict(_DECODER, model_type="llama"),
+    "mistral": dict(_DECODER, model_type="mistral", sliding_window=7),
+    # layer 0 full attention, layer 1 sliding window
+    "qwen2": dict(_DECODER, model_type="qwen2", use_sliding_window=True, sliding_window=9, max_window_layers=1),
+    "qwen3": dict(_DECODER, model_type="qwen3", num_key_value_heads=1, head_dim=32),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512),
 }
 

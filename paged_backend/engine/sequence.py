@@ -39,7 +39,7 @@ class Sequence:
 
     seq_id: int
     index: int
-    request: Request
+    request: Request = field(repr=False)
     token_ids: list[int]
     num_prompt_tokens: int
     arrival: int
