@@ -74,7 +74,7 @@ class ModelConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_int("max_model_len", self.max_model_len, 1, allow_none=True)
-        check_int("seed", self.seed, 0)
+        check_int("seed", self.seed, 0, 2**63 - 1)
 
 
 @dataclass(frozen=True)

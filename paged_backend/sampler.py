@@ -118,12 +118,13 @@ class Sampler:
             if seq.num_output_tokens < p.min_tokens and stop_ids[i]:
                 logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
 
+        # Greedy rows: temperature 1 and no filtering, so their logprobs are the model's own distribution.
         logprobs = sampling_logprobs(
             logits,
-            torch.tensor([p.temperature for p in params], **f32),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, device=logits.device),
-            torch.tensor([p.top_p for p in params], **f32),
-            torch.tensor([p.min_p for p in params], **f32),
+            torch.tensor([0.0 if p.greedy else p.temperature for p in params], **f32),
+            torch.tensor([-1 if p.greedy else p.top_k for p in params], dtype=torch.long, device=logits.device),
+            torch.tensor([1.0 if p.greedy else p.top_p for p in params], **f32),
+            torch.tensor([0.0 if p.greedy else p.min_p for p in params], **f32),
         )  # [N, V]
         tokens = logprobs.argmax(dim=-1)  # greedy rows; random rows are overwritten below
         random_rows = [i for i, p in enumerate(params) if not p.greedy]

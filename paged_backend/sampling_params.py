@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from paged_backend.config import check_bool, check_float, check_int
 
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy (as in vLLM): dividing by them overflows the logits.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. ``temperature=0`` means greedy; ``top_k`` of -1 or 0 means no top-k."""
+    """How to sample one request. ``temperature=0`` (or below 1e-5) means greedy; ``top_k`` -1 or 0 means off."""
 
     n: int = 1
     best_of: int | None = None
@@ -46,12 +48,17 @@ class SamplingParams:
         check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_float("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), low_open=True, high_open=True)
-        check_int("seed", self.seed, 0, allow_none=True)
+        # each sample i draws from seed + i, which must fit torch's 64-bit seeds
+        check_int("seed", self.seed, 0, 2**63 - self.best_of, allow_none=True)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, (list, tuple, type(None))) or not all(
+            isinstance(s, str) and s for s in self.stop or []
+        ):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(self.stop or [])
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token_id in self.stop_token_ids:
             check_int("stop_token_ids[i]", token_id, 0)
@@ -63,12 +70,12 @@ class SamplingParams:
         check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
-        if explicit_best_of and self.best_of > 1 and self.temperature == 0:
+        if explicit_best_of and self.best_of > 1 and self.greedy:
             raise ValueError(f"best_of must be 1 when temperature is 0 (greedy), got best_of={self.best_of}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def uses_top_k(self) -> bool:

@@ -107,6 +107,17 @@ def test_logprobs_are_top_k_dicts_of_the_model_distribution(llm) -> None:
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-3)
 
 
+def test_tiny_temperature_is_greedy_and_greedy_ignores_filters(llm) -> None:
+    base = _greedy(llm, max_tokens=8, logprobs=1)
+    (tiny,) = llm.generate(
+        {"prompt_token_ids": PROMPT}, SamplingParams(temperature=1e-39, max_tokens=8, seed=1), use_tqdm=False
+    )
+    assert tiny.outputs[0].token_ids == base.token_ids
+    filtered = _greedy(llm, max_tokens=8, logprobs=1, top_k=1, top_p=0.1, min_p=0.9)
+    assert filtered.token_ids == base.token_ids
+    assert filtered.cumulative_logprob == pytest.approx(base.cumulative_logprob) and base.cumulative_logprob < 0
+
+
 def test_seeded_sampling_is_reproducible_across_batches(llm) -> None:
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
     (alone,) = llm.generate({"prompt_token_ids": PROMPT}, seeded, use_tqdm=False)

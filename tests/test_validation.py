@@ -29,6 +29,9 @@ from tests.conftest import assert_idle, tiny_model
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"seed": -1}, "seed"),
+        ({"seed": 2**63 - 1, "n": 2, "temperature": 1.0}, "seed"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"stop": [""]}, "stop"),
         ({"stop": [3]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
@@ -100,12 +103,24 @@ def test_request_errors_leave_the_engine_clean(tokenizer) -> None:
         llm.generate([good, good], [SamplingParams(), SamplingParams(), SamplingParams()], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([good, 12], use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(good, SamplingParams(stop_token_ids=[10**9]), use_tqdm=False)
     with pytest.raises(NotImplementedError, match="LoRA"):
         llm.generate(good, lora_request=LoRARequest("a", 1, "/tmp/a"), use_tqdm=False)
     assert_idle(llm)
     assert llm.llm_engine.requests == {}
     (out,) = llm.generate(good, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_stop_strings_need_a_tokenizer() -> None:
+    llm = LLM(tiny_model("llama"), block_size=4, num_kv_blocks=16, max_model_len=16)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(stop=["a"]), use_tqdm=False)
+    # a prompt of exactly max_model_len tokens is accepted and ends after one token
+    (out,) = llm.generate({"prompt_token_ids": list(range(3, 19))}, SamplingParams(max_tokens=5), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    assert_idle(llm)
 
 
 def test_cache_too_small_for_max_model_len_fails_with_numbers() -> None:

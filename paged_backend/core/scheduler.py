@@ -2,8 +2,8 @@
 
 Every step has a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). Running
 sequences go first, decodes before unfinished (chunked) prefills, then waiting sequences are admitted in FIFO
-order while their next chunk's blocks fit (plus a small watermark). Admission looks only at what a sequence
-needs now, not at ``max_tokens``; when a running sequence cannot get a block, the newest running sequence is
+order while the blocks of their prompt fit (plus a small watermark). Admission looks only at what a sequence
+needs now, not at ``max_tokens``; when a running sequence cannot get a block, the newest running request is
 preempted by recompute: its blocks are freed and it waits again, at the front, to redo its prefill.
 """
 
@@ -63,7 +63,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
-        copies: list[tuple[int, int]] = []
+        copies: dict[Sequence, list[tuple[int, int]]] = {}
         preempted_now: set[Sequence] = set()
 
         # Running sequences: decodes first, then unfinished prefills; oldest first within each.
@@ -73,39 +73,40 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while True:
+            while seq.status is SequenceStatus.RUNNING:
                 result = self.block_manager.allocate_slots(
                     seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_new
                 )
                 if result is not None:
-                    copies += result
+                    copies[seq] = result
                     scheduled[seq] = num_new
                     budget -= num_new
                     break
-                victim = max(self.running, key=lambda s: s.arrival)
-                budget += scheduled.pop(victim, 0)
-                self._preempt(victim)
-                preempted_now.add(victim)
-                if victim is seq:
-                    break
+                # Out of blocks: preempt the newest running request (all its samples), maybe this one.
+                newest = max(self.running, key=lambda s: s.arrival).request
+                for victim in sorted(self.running, key=lambda s: s.arrival, reverse=True):
+                    if victim.request is newest:
+                        budget += scheduled.pop(victim, 0)
+                        copies.pop(victim, None)
+                        self._preempt(victim)
+                        preempted_now.add(victim)
 
-        # Waiting sequences, FIFO, while blocks (plus a watermark when others run) and budgets allow.
+        # Waiting sequences, FIFO, while the blocks of their whole prompt fit (plus a watermark when others
+        # run); only the chunk that fits the token budget is allocated now.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq in preempted_now:
-                break
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            needed = self.block_manager.num_new_blocks_needed(
-                seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            )
+            if seq in preempted_now and self.running:
+                break  # let the running sequences free blocks before it tries again
+            needed = self.block_manager.num_new_blocks_needed(seq.seq_id, seq.num_computed_tokens, len(seq.token_ids))
             watermark = self.block_manager.watermark_blocks if self.running else 0
             if self.block_manager.num_free_blocks - needed < watermark:
                 break
+            num_new = min(seq.num_uncomputed_tokens, budget)
             result = self.block_manager.allocate_slots(
                 seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_new
             )
             assert result is not None
-            copies += result
+            copies[seq] = result
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -113,9 +114,8 @@ class Scheduler:
             budget -= num_new
 
         self.num_chunked_prefill_steps += sum(1 for seq, n in scheduled.items() if n < seq.num_uncomputed_tokens)
-        # A copy into a block that a preemption freed again is moot.
-        copies = [(src, dst) for src, dst in copies if self.block_manager.blocks[dst].ref_count > 0]
-        return SchedulerOutput(list(scheduled), list(scheduled.values()), copies)
+        block_copies = [pair for seq in scheduled for pair in copies[seq]]
+        return SchedulerOutput(list(scheduled), list(scheduled.values()), block_copies)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the KV cache; the sequence re-prefills prompt + output so far."""

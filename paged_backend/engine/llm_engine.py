@@ -189,10 +189,13 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but must be shorter than max_model_len={self.config.max_model_len}"
-            )
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.config.max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer=... or use stop_token_ids")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         request = Request(request_id, text, ids, params, lora_request, arrival_time=time.monotonic())
         for index in range(params.best_of):
             generator = None
