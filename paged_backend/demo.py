@@ -46,7 +46,26 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(_DECODER, model_type="qwen2", use_sliding_window=True, sliding_window=9, max_window_layers=1),
     "qwen3": dict(_DECODER, model_type="qwen3", num_key_value_heads=1, head_dim=32),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512),
-}
+    # attention logit softcapping, query_pre_attn_scalar scaling, alternating sliding/full layers
+    "gemma2": dict(
+        _DECODER, model_type="gemma2", head_dim=16, sliding_window=5, attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=24,
+    ),
+    "gemma3": dict(
+        _DECODER, model_type="gemma3_text", num_hidden_layers=3, head_dim=16, sliding_window=5,
+        query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
+    "phi3": dict(_DECODER, model_type="phi3"),
+    "opt": dict(
+        model_type="opt", hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512, word_embed_proj_dim=64,
+    ),
+    "gpt_neox": dict(
+        model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512,
+    ),
+    "mixtral": dict(_DECODER, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+}  # fmt: skip
 
 
 def build_tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:

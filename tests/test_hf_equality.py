@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.demo import TINY_CONFIGS
 from tests.conftest import EOS, assert_idle, hf_greedy, ragged_prompts, tiny_model
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
+ARCHS = sorted(TINY_CONFIGS)
 MAX_TOKENS = [5, 12, 9, 16, 3, 10, 7, 14]
 
 

@@ -13,7 +13,11 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="generate with an embedded tiny random model and report tokens/s")
     demo.add_argument("--num-prompts", type=int, default=32)
     demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument("--arch", default="llama", help="llama, mistral, qwen2, qwen3 or gpt2")
+    demo.add_argument(
+        "--arch",
+        default="llama",
+        help="llama, mistral, qwen2, qwen3, gpt2, gemma2, gemma3, phi3, opt, gpt_neox or mixtral",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if args.command == "demo":
