@@ -87,7 +87,7 @@ def llama8b_sizing() -> dict[str, float]:
     return {
         "startup_s": startup,
         "num_kv_blocks": stats["num_kv_blocks"],
-        "kv_gib": stats["num_kv_blocks"] * 16 * 2 * 32 * 8 * 128 * 2 / 2**30,
+        "kv_gib": stats["num_kv_blocks"] * llm.llm_engine.cache_engine.spec.bytes_per_block(16) / 2**30,
         "batch16_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / batch_s,
         "single_tok_s": 128 / single_s,
     }

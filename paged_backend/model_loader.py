@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from paged_backend.config import EngineConfig
 
@@ -71,8 +71,6 @@ def load_model(config: EngineConfig, model: str | PreTrainedModel) -> tuple[PreT
             f"model must be a path, a hub id or a transformers PreTrainedModel, got {type(model).__name__}"
         )
     device = resolve_device(config, None)
-    from transformers import AutoConfig
-
     hf_config = _from_pretrained(AutoConfig, model, trust_remote_code=config.model_config.trust_remote_code)
     checkpoint_dtype = getattr(hf_config, "dtype", None)
     if isinstance(checkpoint_dtype, str):

@@ -91,11 +91,12 @@ class LLMEngine:
                 "running on %s: gpu_memory_utilization, swap_space and CUDA graphs have no effect here",
                 self.device,
             )
-        elif not self.config.device_config.enforce_eager:
-            logger.info("CUDA graphs are not used by this version: every step runs eagerly")
+        else:
+            logger.info("swap_space has no effect in this version: preemption recomputes")
+            if not self.config.device_config.enforce_eager:
+                logger.info("CUDA graphs are not used by this version: every step runs eagerly")
         if self.config.cache_config.enable_prefix_caching:
             logger.info("enable_prefix_caching has no effect in this version: every prompt is prefilled")
-        logger.info("swap_space has no effect in this version: preemption recomputes")
 
     def _num_kv_blocks(self, spec: KVCacheSpec) -> int:
         cache = self.config.cache_config
