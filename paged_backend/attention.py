@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from paged_backend.kernels.cache_write import write_kv_cache_torch
-from paged_backend.kernels.paged_attention import paged_attention_torch
+from paged_backend.kernels.ops import paged_attention, paged_attention_op, write_kv_cache, write_kv_cache_op
 
 ATTN_IMPLEMENTATION = "paged_backend"
 
@@ -25,7 +24,7 @@ ATTN_IMPLEMENTATION = "paged_backend"
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each sequence attends to."""
 
-    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token (-1: padding, not written)
     block_tables: torch.Tensor  # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, new-token offsets per sequence
     context_lens: torch.Tensor  # [B] int32, cached + new tokens per sequence
@@ -61,18 +60,19 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)  # [T, Hkv, D]
-    write_kv_cache_torch(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-    out = paged_attention_torch(
-        q,
-        k_cache,
-        v_cache,
+    tables, cu_seqlens_q, context_lens = (
         attn_metadata.block_tables,
         attn_metadata.cu_seqlens_q,
         attn_metadata.context_lens,
-        scaling,
-        sliding_window,
-        softcap,
-    )  # [T, H, D]
+    )
+    if torch.compiler.is_compiling():  # opaque custom ops inside a compiled graph
+        write_kv_cache_op(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        out = paged_attention_op(
+            q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scaling, sliding_window or 0, softcap or 0.0
+        )
+    else:
+        write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scaling, sliding_window, softcap)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 

@@ -63,17 +63,21 @@ def sampling_logprobs(
     top_k: torch.Tensor,  # [N] int, <= 0 means off
     top_p: torch.Tensor,  # [N]
     min_p: torch.Tensor,  # [N]
+    filters: tuple[bool, bool, bool] | None = None,
 ) -> torch.Tensor:
-    """Log-probabilities of the distribution actually sampled from; filtered tokens get -inf. [N, V]"""
+    """Log-probabilities of the distribution actually sampled from; filtered tokens get -inf. [N, V]
+    ``filters`` says whether any row uses min-p, top-k, top-p; the caller knows it on the host, which saves a
+    device sync per flag."""
     vocab = logits.shape[-1]
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     logits = logits / temp[:, None]
-    if bool((min_p > 0).any()):
+    if filters is None:
+        filters = (bool((min_p > 0).any()), bool((top_k > 0).any()), bool((top_p < 1).any()))
+    use_min_p, use_top_k, use_top_p = filters
+    if use_min_p:
         probs = logits.softmax(-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
-    use_top_k = bool((top_k > 0).any())
-    use_top_p = bool((top_p < 1).any())
     if use_top_k or use_top_p:
         sorted_logits, order = logits.sort(dim=-1)  # ascending
         if use_top_k:
@@ -89,6 +93,12 @@ def sampling_logprobs(
     return logits.log_softmax(-1)
 
 
+def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """One device-to-host read for both (token ids < 2**53 are exact in float64)."""
+    both = torch.stack([tokens.double(), logprobs.double()]).tolist()
+    return [int(t) for t in both[0]], both[1]
+
+
 class Sampler:
     """Turns the last-token logits of each sampling sequence into a token, its logprob and top-k logprobs."""
 
@@ -97,6 +107,13 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    @staticmethod
+    def _greedy(logits: torch.Tensor) -> list[SampleResult]:
+        """All-greedy batch without penalties or logprobs (the common case): argmax and its logprob, no sort."""
+        tokens = logits.argmax(dim=-1)  # [N]
+        chosen = logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(dim=-1)  # [N]
+        return [SampleResult(t, lp) for t, lp in zip(*_to_host(tokens, chosen))]
+
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], stop_ids: Seq[frozenset[int]]) -> list[SampleResult]:
         """``logits`` [N, V] for ``seqs``; ``stop_ids[i]`` are the tokens barred until min_tokens is reached."""
@@ -104,6 +121,11 @@ class Sampler:
         n, vocab = logits.shape
         params = [s.params for s in seqs]
         f32 = dict(dtype=torch.float32, device=logits.device)
+        barred = [
+            i for i, (seq, p) in enumerate(zip(seqs, params)) if seq.num_output_tokens < p.min_tokens and stop_ids[i]
+        ]
+        if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params) and not barred:
+            return self._greedy(logits)
 
         if any(p.has_penalties for p in params):
             logits = apply_penalties(
@@ -114,9 +136,8 @@ class Sampler:
                 torch.tensor([p.frequency_penalty for p in params], **f32),
                 torch.tensor([p.repetition_penalty for p in params], **f32),
             )
-        for i, (seq, p) in enumerate(zip(seqs, params)):
-            if seq.num_output_tokens < p.min_tokens and stop_ids[i]:
-                logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
+        for i in barred:
+            logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
 
         # Greedy rows: temperature 1 and no filtering, so their logprobs are the model's own distribution.
         logprobs = sampling_logprobs(
@@ -125,6 +146,11 @@ class Sampler:
             torch.tensor([-1 if p.greedy else p.top_k for p in params], dtype=torch.long, device=logits.device),
             torch.tensor([1.0 if p.greedy else p.top_p for p in params], **f32),
             torch.tensor([0.0 if p.greedy else p.min_p for p in params], **f32),
+            filters=(
+                any(p.min_p > 0 for p in params if not p.greedy),
+                any(p.top_k > 0 for p in params if not p.greedy),
+                any(p.top_p < 1 for p in params if not p.greedy),
+            ),
         )  # [N, V]
         tokens = logprobs.argmax(dim=-1)  # greedy rows; random rows are overwritten below
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -140,8 +166,7 @@ class Sampler:
             tokens[rows] = (logprobs[rows].exp() / q).argmax(dim=-1)
 
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
-        token_list = tokens.tolist()
-        chosen_list = chosen.tolist()
+        token_list, chosen_list = _to_host(tokens, chosen)
         results = [SampleResult(t, lp) for t, lp in zip(token_list, chosen_list)]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on CPU; this must be set before any kernel is decorated.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from paged_backend.demo import build_tiny_model, build_tiny_tokenizer
 

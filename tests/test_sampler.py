@@ -140,3 +140,16 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
         torch.cat([torch.randn(2, 50), logits]), _seqs([other, other, seeded]), [frozenset()] * 3
     )
     assert mixed[2].token_id == alone[0].token_id
+
+
+def test_greedy_fast_path_matches_the_general_path() -> None:
+    """An all-greedy batch skips the sort; its tokens and logprobs equal those of the general path (which a
+    logprobs request forces)."""
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(3))
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    fast = sampler(logits.clone(), _seqs([SamplingParams(temperature=0)] * 7), [frozenset()] * 7)
+    general = sampler(logits.clone(), _seqs([SamplingParams(temperature=0, logprobs=0)] * 7), [frozenset()] * 7)
+    assert [r.token_id for r in fast] == logits.argmax(-1).tolist() == [r.token_id for r in general]
+    for a, b in zip(fast, general):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-6)
+        assert a.top_logprobs is None

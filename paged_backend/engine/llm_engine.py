@@ -68,7 +68,14 @@ class LLMEngine:
         self.cache_engine = CacheEngine(spec, num_blocks, block_size, self.device)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.cache_engine, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            self.cache_engine,
+            self.device,
+            enforce_eager=self.config.device_config.enforce_eager,
+            max_num_seqs=self.config.scheduler_config.max_num_seqs,
+            max_model_len=self.config.max_model_len,
+        )
         self.sampler = Sampler(self.device, self.config.model_config.seed)
         self.eos_token_ids = self._eos_token_ids()
         self.vocab_size = self.model.config.get_text_config().vocab_size
@@ -88,13 +95,11 @@ class LLMEngine:
     def _log_inactive_options(self) -> None:
         if self.device.type != "cuda":
             logger.info(
-                "running on %s: gpu_memory_utilization, swap_space and CUDA graphs have no effect here",
+                "running on %s: gpu_memory_utilization, swap_space, torch.compile and CUDA graphs have no effect here",
                 self.device,
             )
         else:
             logger.info("swap_space has no effect in this version: preemption recomputes")
-            if not self.config.device_config.enforce_eager:
-                logger.info("CUDA graphs are not used by this version: every step runs eagerly")
         if self.config.cache_config.enable_prefix_caching:
             logger.info("enable_prefix_caching has no effect in this version: every prompt is prefilled")
 

@@ -1,8 +1,17 @@
-"""Cache write: store the new tokens' k/v into their paged slots (``slot = block_id * block_size + offset``)."""
+"""Cache write: store the new tokens' k/v into their paged slots (``slot = block_id * block_size + offset``).
+
+A negative slot means "padding, write nothing": CUDA-graph batches are padded up to their bucket size.
+"""
 
 from __future__ import annotations
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with Linux torch; elsewhere the twin runs
+    triton = None
 
 
 def write_kv_cache_torch(
@@ -13,5 +22,81 @@ def write_kv_cache_torch(
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
     """Reference twin: an ``index_copy_`` over the flattened (block, offset) axis."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_cache_kernel(
+        key_ptr,
+        value_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_mapping_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEADS_PAD: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
+        """One program per token: its [Hkv, D] k and v rows go to one cache slot."""
+        token = tl.program_id(0)
+        slot = tl.load(slot_mapping_ptr + token)
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        heads = tl.arange(0, HEADS_PAD)
+        dims = tl.arange(0, DIM_PAD)
+        # A padding token (slot -1) writes nothing: its mask is false everywhere.
+        limit = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+        mask = (heads[:, None] < limit) & (dims[None, :] < HEAD_DIM)
+        k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+        v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache_triton(
+    key: torch.Tensor,  # [T, Hkv, D], last dim contiguous
+    value: torch.Tensor,  # [T, Hkv, D], last dim contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Triton twin of :func:`write_kv_cache_torch` (no host sync; negative slots are skipped)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        key, value = key.contiguous(), value.contiguous()
+    _write_kv_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+    )

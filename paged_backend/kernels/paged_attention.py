@@ -7,7 +7,15 @@ sliding window ``w`` only keys at positions ``> pos - w`` (transformers' convent
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with Linux torch; elsewhere the twin runs
+    triton = None
 
 
 def _attend_group(
@@ -92,4 +100,302 @@ def paged_attention_torch(
         else:  # a single prefill
             start, n = starts[group[0]], q_lens_list[group[0]]
             out[start : start + n] = result[0, :n].to(out.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- Triton
+# One kernel serves prefill, mixed and decode batches. A program owns a tile of BLOCK_Q query tokens of one
+# sequence times the G query heads that share one KV head (rows = BLOCK_Q * G_PAD), so each KV tile is loaded
+# once per KV head. The kernel finds its sequence by a binary search over ``cu_seqlens_q``; the grid depends
+# only on T and B, so it is the same at every replay of a CUDA graph. With NUM_SPLITS > 1 (decode of long
+# contexts with few sequences) each program covers a slice of the context and writes a partial output plus
+# its log-sum-exp; a reduce kernel merges the slices.
+
+MAX_SPLITS = 32
+MIN_SPLIT_TOKENS = 256  # a slice shorter than this is not worth its reduce
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        out_ptr,  # [T, H, D] final, or [S, T, H, D] fp32 partials when NUM_SPLITS > 1
+        lse_ptr,  # [S, T, H] fp32 (NUM_SPLITS > 1 only)
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        cu_seqlens_q_ptr,
+        context_lens_ptr,
+        num_seqs,
+        scale,
+        softcap,
+        sliding_window,
+        stride_qt,
+        stride_qh,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        stride_bt,
+        stride_os,
+        stride_ot,
+        stride_oh,
+        stride_ls,
+        stride_lt,
+        QUERIES_PER_KV: tl.constexpr,
+        G_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        MIN_SPLIT: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr,
+    ):
+        BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+        LOG2E: tl.constexpr = 1.4426950408889634
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+
+        # Sequence of this program: the largest i with cu_seqlens_q[i] // BLOCK_Q + i <= pid.
+        lo = pid * 0
+        hi = lo + num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= pid:
+                lo = mid
+            else:
+                hi = mid - 1
+        seq = lo
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        tile_start = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of the tile, within the seq
+        ctx_len = tl.load(context_lens_ptr + seq)
+        prefix = ctx_len - q_len  # tokens cached before this step's queries
+
+        offs_m = tl.arange(0, BLOCK_M)
+        q_tok = tile_start + offs_m // G_PAD  # [M]
+        head = kv_head * QUERIES_PER_KV + offs_m % G_PAD  # [M]
+        row_valid = (q_tok < q_len) & (offs_m % G_PAD < QUERIES_PER_KV)
+        offs_d = tl.arange(0, DIM_PAD)
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(
+            q_ptr + (q_start + q_tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [M, D]
+        q_pos = prefix + q_tok  # [M] absolute positions
+
+        # Keys this tile can see: [kv_lo, kv_hi). An empty range (tile past q_len) runs no iteration.
+        kv_hi = prefix + tl.minimum(tile_start + BLOCK_Q, q_len)
+        kv_lo = kv_hi * 0
+        if USE_WINDOW:
+            kv_lo = tl.maximum(kv_lo, prefix + tile_start - sliding_window + 1)
+        kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+        kv_hi = tl.where(tile_start < q_len, kv_hi, kv_lo)
+        if NUM_SPLITS > 1:
+            per_split = tl.maximum(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), MIN_SPLIT)
+            per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+            kv_lo = kv_lo + split * per_split
+            kv_hi = tl.minimum(kv_hi, kv_lo + per_split)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        for start_n in range(kv_lo, kv_hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)  # [N]
+            n_mask = offs_n < kv_hi
+            blocks = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+            slots = blocks.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+            k = tl.load(
+                k_cache_ptr + slots[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0
+            )  # [D, N]
+            s = tl.dot(q, k) * scale  # [M, N] fp32
+            if USE_SOFTCAP:
+                s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
+            allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(allowed, s * LOG2E, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_cache_ptr + slots[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0
+            )  # [N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        token = (q_start + q_tok).to(tl.int64)
+        out_mask = row_valid[:, None] & d_mask[None, :]
+        if NUM_SPLITS > 1:
+            dst = split * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_ptr + dst, out, mask=out_mask)
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # log2 domain
+            tl.store(lse_ptr + split * stride_ls + token * stride_lt + head, lse, mask=row_valid)
+        else:
+            dst = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _reduce_splits_kernel(
+        out_ptr,  # [T, H, D]
+        partial_ptr,  # [S, T, H, D] fp32
+        lse_ptr,  # [S, T, H] fp32, log2 domain
+        stride_ot,
+        stride_oh,
+        stride_ps,
+        stride_pt,
+        stride_ph,
+        stride_ls,
+        stride_lt,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+    ):
+        """Merge the slices of one (token, head): weights 2^(lse_s - max lse), empty slices weigh 0."""
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, DIM_PAD)
+        s_mask = offs_s < NUM_SPLITS
+        lse = tl.load(lse_ptr + offs_s * stride_ls + token * stride_lt + head, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)))  # [S]
+        parts = tl.load(
+            partial_ptr + offs_s[:, None] * stride_ps + token * stride_pt + head * stride_ph + offs_d[None, :],
+            mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )  # [S, D]
+        total = tl.sum(w, 0)
+        out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        tl.store(
+            out_ptr + token * stride_ot + head * stride_oh + offs_d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=offs_d < HEAD_DIM,
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_tokens: int, num_kv_heads: int, device: torch.device) -> int:
+    """Split the context only for decode-only batches too small to fill the GPU: aim for two programs per SM.
+    Short contexts still take one slice (MIN_SPLIT_TOKENS is enforced in the kernel)."""
+    if num_tokens != num_seqs or device.type != "cuda":
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(MAX_SPLITS, _next_pow2(-(-target // programs))))
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [T, H, D], last dim contiguous
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32, cached + new tokens
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    out: torch.Tensor | None = None,  # [T, H, D], written in place when given
+) -> torch.Tensor:  # [T, H, D]
+    """Triton twin of :func:`paged_attention_torch`; no host synchronisation, grid fixed by (T, B).
+    ``num_splits`` defaults to :func:`choose_num_splits`."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = block_tables.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_tokens, num_kv_heads, query.device)
+    g_pad = _next_pow2(queries_per_kv)
+    dim_pad = _next_pow2(head_dim)
+    # Prefill tiles hold ~64 rows; decode tiles the minimum of 16 rows tl.dot needs.
+    rows = 16 if num_tokens == num_seqs else 64
+    block_q = max(1, rows // g_pad)
+    block_n = 32 if dim_pad >= 256 else 64
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    if num_splits > 1:
+        partial = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
+        lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
+        target, stride_os, stride_ls, stride_lt = partial, partial.stride(0), lse.stride(0), lse.stride(1)
+        stride_ot, stride_oh = partial.stride(1), partial.stride(2)
+    else:
+        target, lse, stride_os, stride_ls, stride_lt = out, out, 0, 0, 0
+        stride_ot, stride_oh = out.stride(0), out.stride(1)
+    _paged_attention_kernel[grid](
+        target,
+        lse,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        num_seqs,
+        float(scale),
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        stride_os,
+        stride_ot,
+        stride_oh,
+        stride_ls,
+        stride_lt,
+        QUERIES_PER_KV=queries_per_kv,
+        G_PAD=g_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        DIM_PAD=dim_pad,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=k_cache.shape[1],
+        NUM_SPLITS=num_splits,
+        MIN_SPLIT=min_split_tokens,
+        USE_WINDOW=bool(sliding_window),
+        USE_SOFTCAP=bool(softcap),
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial,
+            lse,
+            out.stride(0),
+            out.stride(1),
+            partial.stride(0),
+            partial.stride(1),
+            partial.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=_next_pow2(num_splits),
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+        )
     return out

@@ -1,9 +1,18 @@
-"""Flattens one scheduled step into a single ``[1, T]`` forward of the user's HF model and returns the logits
-of every sequence that samples this step."""
+"""Runs one scheduled step as a single ``[1, T]`` forward of the user's HF model and returns the logits of
+every sequence that samples this step.
+
+On CUDA (unless ``enforce_eager``) the forward is compiled once with ``torch.compile`` (dynamic token and
+sequence dimensions; our attention and cache write stay opaque custom ops) and decode-only steps replay CUDA
+graphs. Compiled calls always have at least two sequences, two tokens and two logit rows: a dimension of size
+1 would make dynamo specialise and compile a second graph.
+"""
 
 from __future__ import annotations
 
 import inspect
+import logging
+import math
+import time
 
 import torch
 from transformers import PreTrainedModel
@@ -13,69 +22,114 @@ from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.engine.sequence import Sequence
 from paged_backend.worker.cache_engine import CacheEngine
+from paged_backend.worker.cuda_graphs import CUDAGraphRunner
+from paged_backend.worker.step_inputs import StepInputs, build_step_inputs, pad_step_inputs
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, cache_engine: CacheEngine, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache_engine: CacheEngine,
+        device: torch.device,
+        enforce_eager: bool = True,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
+    ) -> None:
         self.model = model
         self.cache_engine = cache_engine
         self.device = device
         self.block_size = cache_engine.block_size
         self.switch = PagedAttentionSwitch(model)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.compiled = None
+        self.graphs: CUDAGraphRunner | None = None
+        if device.type == "cuda" and not enforce_eager:
+            self._compile()
+            self.graphs = CUDAGraphRunner(
+                self._forward_fn,
+                cache_engine.kv_caches,
+                max_num_seqs,
+                math.ceil(max_model_len / self.block_size),
+                device,
+            )
+            with torch.inference_mode(), self.switch:
+                self.graphs.capture()
 
-    def prepare_inputs(
-        self, sched: SchedulerOutput, block_manager: BlockManager
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Sequence]]:
-        """Build ``input_ids [T]``, ``position_ids [T]``, the attention metadata, the logit rows to keep [N]
-        and the sequences those rows belong to (those whose step reaches their last known token)."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        seq_of_token: list[int] = []
-        cu_seqlens_q = [0]
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        sample_seqs: list[Sequence] = []
-        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            tokens += seq.token_ids[start:end]
-            positions += range(start, end)
-            seq_of_token += [i] * n
-            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
-            context_lens.append(end)
-            tables.append(block_manager.get_block_table(seq.seq_id))
-            if end == len(seq.token_ids):
-                logits_indices.append(cu_seqlens_q[-1] - 1)
-                sample_seqs.append(seq)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)  # [B, W]
-        pos = torch.tensor(positions, dtype=torch.long)  # [T]
-        owner = torch.tensor(seq_of_token, dtype=torch.long)  # [T]
-        slot_mapping = block_tables[owner, pos // self.block_size].long() * self.block_size + pos % self.block_size
-        to = dict(device=self.device, non_blocking=True)
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(**to),
-            block_tables=block_tables.to(**to),
-            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32).to(**to),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32).to(**to),
-            kv_caches=self.cache_engine.kv_caches,
+    # ------------------------------------------------------------------ set-up
+    def _compile(self) -> None:
+        """Compile with a generic warm-up batch whose dimensions all differ and exceed 1, so later batches of any
+        size reuse the one graph. If compilation fails, steps run eagerly (still with CUDA graphs)."""
+        start = time.perf_counter()
+        self.compiled = torch.compile(self._model_forward, dynamic=True)
+        warmup = StepInputs(
+            input_ids=torch.zeros(7, dtype=torch.long),
+            positions=torch.arange(7),
+            slot_mapping=torch.full((7,), -1, dtype=torch.long),
+            block_tables=torch.zeros(3, 5, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, 4, 6, 7], dtype=torch.int32),
+            context_lens=torch.tensor([4, 2, 1], dtype=torch.int32),
+            logits_indices=torch.tensor([3, 6]),
+            sample_seqs=[],
         )
-        input_ids = torch.tensor(tokens, dtype=torch.long).to(**to)
-        return (
-            input_ids,
-            pos.to(**to),
-            metadata,
-            torch.tensor(logits_indices, dtype=torch.long).to(**to),
-            sample_seqs,
-        )
+        try:
+            with torch.inference_mode(), self.switch:
+                d = warmup.to(self.device, self.cache_engine.kv_caches)
+                self.compiled(d.input_ids, d.positions, d.metadata, d.logits_indices)
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the eager forward
+            logger.warning("torch.compile failed (%s: %s); running the model eagerly", type(exc).__name__, exc)
+            self.compiled = None
+            return
+        logger.info("compiled the model forward in %.1f s", time.perf_counter() - start)
+
+    def _forward_fn(self, *args) -> torch.Tensor:
+        return (self.compiled or self._model_forward)(*args)
+
+    # ------------------------------------------------------------------ the step
+    def prepare_inputs(self, sched: SchedulerOutput, block_manager: BlockManager) -> StepInputs:
+        return build_step_inputs(sched, block_manager, self.block_size)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step; returns logits ``[N, V]`` for the ``N`` sequences that sample."""
         self.cache_engine.copy_blocks(sched.block_copies)
-        input_ids, positions, metadata, logits_indices, sample_seqs = self.prepare_inputs(sched, block_manager)
-        return self.forward(input_ids, positions, metadata, logits_indices), sample_seqs
+        inputs = self.prepare_inputs(sched, block_manager)
+        return self.run(inputs), inputs.sample_seqs
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:  # [N, V]
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            with self.switch:
+                logits = self.graphs.run(inputs)  # [B, V]: every decode sequence samples
+            return logits
+        n = inputs.logits_indices.shape[0]
+        if self.compiled is not None:
+            short = inputs.num_seqs < 2 or inputs.num_tokens < 2
+            inputs = pad_step_inputs(inputs, 1 if short else 0, min_logits=2)
+        d = inputs.to(self.device, self.cache_engine.kv_caches)
+        with self.switch:
+            logits = self._forward_fn(d.input_ids, d.positions, d.metadata, d.logits_indices)
+        return logits[:n]
+
+    def _model_forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [N]
+    ) -> torch.Tensor:  # [N, V]
+        kwargs = {"logits_to_keep": logits_indices} if self.takes_logits_to_keep else {}
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            attn_metadata=metadata,
+            **kwargs,
+        )
+        logits = out.logits[0]
+        return logits if self.takes_logits_to_keep else logits[logits_indices]
 
     def forward(
         self,
@@ -84,14 +138,6 @@ class ModelRunner:
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N]
     ) -> torch.Tensor:  # [N, V]
-        kwargs = {"logits_to_keep": logits_indices} if self.takes_logits_to_keep else {}
+        """One eager forward on device tensors (the memory profiler's entry)."""
         with self.switch:
-            out = self.model(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                attn_metadata=metadata,
-                **kwargs,
-            )
-        logits = out.logits[0]
-        return logits if self.takes_logits_to_keep else logits[logits_indices]
+            return self._model_forward(input_ids, positions, metadata, logits_indices)

@@ -1,0 +1,92 @@
+"""The cache write and paged attention as ``torch.library`` custom ops, so ``torch.compile`` keeps them opaque
+(one node each, no graph break) while it fuses the model's small ops around them. Each op runs the Triton
+kernel on CUDA and the torch twin elsewhere. Outside compilation the attention function calls the dispatchers
+directly, skipping the custom-op dispatch cost."""
+
+from __future__ import annotations
+
+import torch
+
+from paged_backend.kernels.cache_write import triton, write_kv_cache_torch, write_kv_cache_triton
+from paged_backend.kernels.paged_attention import paged_attention_torch, paged_attention_triton
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = padding
+) -> None:
+    if key.is_cuda and triton is not None:
+        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_cache_torch(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:  # [T, H, D]
+    args = (query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window, softcap)
+    if query.is_cuda and triton is not None:
+        return paged_attention_triton(*args)
+    return paged_attention_torch(*args)
+
+
+@torch.library.custom_op("paged_backend::write_kv_cache", mutates_args=("k_cache", "v_cache"))
+def write_kv_cache_op(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+@torch.library.custom_op("paged_backend::paged_attention", mutates_args=())
+def paged_attention_op(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,  # 0 = none
+    softcap: float,  # 0 = none
+) -> torch.Tensor:
+    return paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        scale,
+        sliding_window or None,
+        softcap or None,
+    )
+
+
+@paged_attention_op.register_fake
+def _paged_attention_fake(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+) -> torch.Tensor:
+    return query.new_empty(query.shape)

@@ -1,0 +1,104 @@
+"""CUDA graphs for decode-only steps.
+
+A decode step is a few milliseconds of GPU work spread over hundreds of small kernel launches, so launching it
+from Python costs more than running it. We capture the whole forward once per bucket size (padding a batch up to
+the next bucket) over static input buffers, then each decode step copies its inputs in (two host-to-device
+copies) and replays. Every bucket shares one memory pool; larger buckets are captured first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from paged_backend.attention import AttentionMetadata
+from paged_backend.worker.step_inputs import StepInputs, pad_step_inputs
+
+logger = logging.getLogger(__name__)
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Buckets 2, 4, 8, then multiples of 16, up to the first that holds ``max_num_seqs``. (No bucket of 1: a
+    dimension of size 1 would make torch.compile specialise and compile a second graph.)"""
+    sizes = [2, 4, 8] + list(range(16, max(max_num_seqs, 16) + 16, 16))
+    return [s for s in sizes if s < max_num_seqs] + [next(s for s in sizes if s >= max_num_seqs)]
+
+
+class CUDAGraphRunner:
+    def __init__(
+        self,
+        forward: ForwardFn,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
+        self.forward = forward
+        self.kv_caches = kv_caches
+        self.device = device
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_size = self.sizes[-1]
+        n = self.max_size
+        # Rows: input_ids, positions, slot_mapping, context_lens; one copy moves them all.
+        self.staging = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
+        self.static_ints = torch.zeros(4, n, dtype=torch.long, device=device)
+        self.static_ints[2].fill_(-1)
+        self.static_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # decode: one token each
+        self.logits_indices = torch.arange(n, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _run(self, size: int) -> torch.Tensor:  # [size, V]
+        ids, pos, slots, ctx = self.static_ints[:, :size]
+        metadata = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=self.static_tables[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            context_lens=ctx,
+            kv_caches=self.kv_caches,
+        )
+        return self.forward(ids, pos, metadata, self.logits_indices[:size])
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first. Inputs are all padding: no cache slot is read or written."""
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize(self.device)
+        for size in reversed(self.sizes):
+            for _ in range(2):  # warm-up: compile kernels, settle the allocator
+                self._run(size)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._run(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured %d CUDA graphs (batch sizes %s) in %.1f s",
+            len(self.sizes),
+            self.sizes,
+            time.perf_counter() - start,
+        )
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return inputs.decode_only and inputs.num_seqs <= self.max_size and bool(self.graphs)
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:  # [B, V], a view valid until the next replay
+        b = inputs.num_seqs
+        size = next(s for s in self.sizes if s >= b)
+        padded = pad_step_inputs(inputs, size - b)
+        self.staging[0, :size] = padded.input_ids
+        self.staging[1, :size] = padded.positions
+        self.staging[2, :size] = padded.slot_mapping
+        self.staging[3, :size] = padded.context_lens
+        self.static_ints[:, :size].copy_(self.staging[:, :size], non_blocking=True)
+        width = inputs.block_tables.shape[1]
+        self.static_tables[:b, :width].copy_(inputs.block_tables, non_blocking=True)
+        self.graphs[size].replay()
+        return self.outputs[size][:b]

@@ -1,0 +1,122 @@
+"""One step's flattened inputs, built on the host, and the padding that keeps shapes inside CUDA-graph buckets.
+
+A padding sequence has one token at slot -1 (nothing is written) and a context of 0 (nothing is read), so its
+output row is zeros and it changes no real sequence's result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from paged_backend.attention import AttentionMetadata
+from paged_backend.core.block_manager import BlockManager
+from paged_backend.core.scheduler import SchedulerOutput
+from paged_backend.engine.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    """Host tensors of one step (``int64`` except where noted)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T], -1 = padding
+    block_tables: torch.Tensor  # [B, W] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    context_lens: torch.Tensor  # [B] int32
+    logits_indices: torch.Tensor  # [N] rows of the sequences that sample
+    sample_seqs: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_tokens == self.num_seqs
+
+    def to(self, device: torch.device, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DeviceInputs:
+        to = dict(device=device, non_blocking=True)
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping.to(**to),
+            block_tables=self.block_tables.to(**to),
+            cu_seqlens_q=self.cu_seqlens_q.to(**to),
+            context_lens=self.context_lens.to(**to),
+            kv_caches=kv_caches,
+        )
+        return DeviceInputs(self.input_ids.to(**to), self.positions.to(**to), metadata, self.logits_indices.to(**to))
+
+
+@dataclass
+class DeviceInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [N]
+
+
+def build_step_inputs(sched: SchedulerOutput, block_manager: BlockManager, block_size: int) -> StepInputs:
+    """Flatten the scheduled sequences; a sequence samples when its step reaches its last known token."""
+    num_new = np.asarray(sched.num_new_tokens, dtype=np.int64)  # [B]
+    starts = np.asarray([seq.num_computed_tokens for seq in sched.seqs], dtype=np.int64)  # [B]
+    ends = starts + num_new
+    cu = np.zeros(len(num_new) + 1, dtype=np.int64)
+    np.cumsum(num_new, out=cu[1:])
+    tokens: list[int] = []
+    tables = [block_manager.get_block_table(seq.seq_id) for seq in sched.seqs]
+    logits_indices: list[int] = []
+    sample_seqs: list[Sequence] = []
+    for i, seq in enumerate(sched.seqs):
+        tokens += seq.token_ids[starts[i] : ends[i]]
+        if ends[i] == len(seq.token_ids):
+            logits_indices.append(int(cu[i + 1]) - 1)
+            sample_seqs.append(seq)
+    width = max(len(t) for t in tables)
+    block_tables = np.zeros((len(tables), width), dtype=np.int32)  # [B, W]
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = t
+    owner = np.repeat(np.arange(len(num_new)), num_new)  # [T]
+    positions = np.arange(int(cu[-1]), dtype=np.int64) - cu[owner] + starts[owner]  # [T]
+    slot_mapping = block_tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return StepInputs(
+        input_ids=torch.tensor(tokens, dtype=torch.long),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        block_tables=torch.from_numpy(block_tables),
+        cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
+        context_lens=torch.from_numpy(ends.astype(np.int32)),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        sample_seqs=sample_seqs,
+    )
+
+
+def pad_step_inputs(inputs: StepInputs, num_pad_seqs: int, min_logits: int = 0) -> StepInputs:
+    """Append ``num_pad_seqs`` padding sequences of one token; repeat the last logit row up to ``min_logits``
+    rows (the caller keeps only the first N)."""
+    if num_pad_seqs == 0 and inputs.logits_indices.shape[0] >= min_logits:
+        return inputs
+    t = inputs.num_tokens
+    pad_tokens = torch.zeros(num_pad_seqs, dtype=torch.long)
+    logits = inputs.logits_indices
+    if logits.shape[0] < min_logits:
+        last = logits[-1:] if logits.shape[0] else torch.tensor([t + num_pad_seqs - 1])
+        logits = torch.cat([logits, last.expand(min_logits - logits.shape[0])])
+    return replace(
+        inputs,
+        input_ids=torch.cat([inputs.input_ids, pad_tokens]),
+        positions=torch.cat([inputs.positions, pad_tokens]),
+        slot_mapping=torch.cat([inputs.slot_mapping, torch.full((num_pad_seqs,), -1, dtype=torch.long)]),
+        block_tables=torch.cat(
+            [inputs.block_tables, inputs.block_tables.new_zeros(num_pad_seqs, inputs.block_tables.shape[1])]
+        ),
+        cu_seqlens_q=torch.cat([inputs.cu_seqlens_q, torch.arange(t + 1, t + num_pad_seqs + 1, dtype=torch.int32)]),
+        context_lens=torch.cat([inputs.context_lens, torch.zeros(num_pad_seqs, dtype=torch.int32)]),
+        logits_indices=logits,
+    )

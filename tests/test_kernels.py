@@ -1,0 +1,149 @@
+"""Triton kernels against their torch twins: in Triton's interpreter on CPU (fp32/fp16; bf16 ``tl.dot`` is wrong
+there) and compiled on a GPU (fp16/bf16). Inputs are fresh random draws per case; outputs are poisoned with NaN
+first so an element a kernel forgot to write shows up."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from paged_backend.kernels.cache_write import write_kv_cache_torch, write_kv_cache_triton
+from paged_backend.kernels.paged_attention import (
+    choose_num_splits,
+    paged_attention_torch,
+    paged_attention_triton,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float16, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32, torch.float16]
+# Relative error bound ||out - ref|| / ||ref|| against the fp32 twin, per input dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def make_batch(
+    q_lens: list[int],
+    prefix_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    seed: int,
+) -> dict:
+    """A ragged batch over a shuffled paged cache: sequence i has prefix_lens[i] cached tokens plus q_lens[i]
+    new ones (already written), and its block table points at random distinct blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = [p + q for p, q in zip(prefix_lens, q_lens)]
+    blocks_per_seq = [-(-c // block_size) for c in ctx]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    width = max(blocks_per_seq)
+    tables = torch.zeros(len(q_lens), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = order[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return dict(
+        query=torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype),
+        k_cache=torch.randn(shape, generator=gen).to(DEVICE, dtype),
+        v_cache=torch.randn(shape, generator=gen).to(DEVICE, dtype),
+        block_tables=tables.to(DEVICE),
+        cu_seqlens_q=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=DEVICE),
+    )
+
+
+def check_attention(batch: dict, dtype: torch.dtype, **kwargs) -> None:
+    scale = batch["query"].shape[-1] ** -0.5
+    twin_kwargs = {k: v for k, v in kwargs.items() if k in ("sliding_window", "softcap")}
+    ref = paged_attention_torch(
+        batch["query"].float(), batch["k_cache"].float(), batch["v_cache"].float(),
+        batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], scale, **twin_kwargs,
+    )  # fmt: skip
+    poisoned = torch.full_like(batch["query"], float("nan"))
+    out = paged_attention_triton(**batch, scale=scale, out=poisoned, **kwargs)
+    assert out.data_ptr() == poisoned.data_ptr()
+    assert not out.isnan().any(), "some output elements were never written"
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_prefill_and_mixed_batch(dtype: torch.dtype, head_dim: int) -> None:
+    """Decodes, a fresh prompt, chunks over a cached prefix and block-boundary lengths in one batch (GQA 4:1)."""
+    q_lens = [1, 33, 7, 1, 16, 70]
+    prefix = [40, 0, 9, 15, 16, 50]
+    check_attention(make_batch(q_lens, prefix, 8, 2, head_dim, dtype, 16, seed=head_dim), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), [(4, 4, 16), (6, 2, 16), (8, 1, 8), (12, 4, 32)])
+def test_head_grouping_and_block_sizes(dtype: torch.dtype, num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    """MHA, a group of 3 (padded to 4 rows), MQA, and other block sizes."""
+    batch = make_batch([1, 20, 3], [30, 5, 61], num_heads, num_kv_heads, 64, dtype, block_size, seed=num_heads)
+    check_attention(batch, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(5, None), (40, None), (None, 7.5), (17, 20.0)])
+def test_sliding_window_and_softcap(dtype: torch.dtype, sliding_window: int | None, softcap: float | None) -> None:
+    batch = make_batch([1, 50, 9, 1], [80, 0, 30, 3], 8, 2, 64, dtype, 16, seed=sliding_window or 0)
+    check_attention(batch, dtype, sliding_window=sliding_window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_splits", "sliding_window"), [(1, None), (3, 50), (8, None), (8, 50)])
+def test_split_kv_decode(dtype: torch.dtype, num_splits: int, sliding_window: int | None) -> None:
+    """Decode-only batch with contexts from 1 token to many slices; some slices are empty, so the reduce must
+    give them no weight. A padding row of a CUDA-graph bucket (context 0) comes out as zeros, not NaN."""
+    prefix = [0, 130, 31, 15, 0]
+    batch = make_batch([1] * len(prefix), prefix, 8, 2, 64, dtype, 16, seed=num_splits)
+    batch["context_lens"][-1] = 0  # the padding row
+    check_attention(batch, dtype, num_splits=num_splits, min_split_tokens=16, sliding_window=sliding_window)
+    out = paged_attention_triton(**batch, scale=0.1, num_splits=num_splits, min_split_tokens=16)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+def test_split_heuristic_on_cpu() -> None:
+    assert choose_num_splits(1, 1, 8, torch.device("cpu")) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the heuristic reads the GPU's SM count")
+def test_split_heuristic_on_gpu() -> None:
+    """Splitting is for decode-only batches that leave SMs idle; prefill and big batches take one slice."""
+    cuda = torch.device("cuda", 0)
+    assert choose_num_splits(1, 1, 8, cuda) > 1
+    assert choose_num_splits(256, 256, 8, cuda) == 1
+    assert choose_num_splits(4, 100, 8, cuda) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(2, 64), (3, 80), (8, 128)])
+def test_cache_write(dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> None:
+    """Scattered slots land where the twin puts them; slot -1 (padding) and untouched slots stay as they were."""
+    rng = random.Random(head_dim)
+    num_blocks, block_size, num_tokens = 12, 16, 37
+    slots = rng.sample(range(num_blocks * block_size), num_tokens)
+    slots[5] = slots[20] = -1
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=DEVICE)
+    gen = torch.Generator().manual_seed(head_dim)
+    # Non-contiguous [T, Hkv, D] views, as the attention function gets them from [1, Hkv, T, D].
+    key = torch.randn(1, num_kv_heads, num_tokens, head_dim, generator=gen).to(DEVICE, dtype)[0].transpose(0, 1)
+    value = torch.randn(1, num_kv_heads, num_tokens, head_dim, generator=gen).to(DEVICE, dtype)[0].transpose(0, 1)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+    write_kv_cache_torch(key, value, caches[0], caches[1], slot_mapping)
+    write_kv_cache_triton(key, value, caches[2], caches[3], slot_mapping)
+    assert torch.equal(caches[0].isnan(), caches[2].isnan()) and torch.equal(caches[1].isnan(), caches[3].isnan())
+    assert torch.equal(caches[0].nan_to_num(), caches[2].nan_to_num())
+    assert torch.equal(caches[1].nan_to_num(), caches[3].nan_to_num())
+    written = (~caches[2].isnan()).flatten(0, 1).all(-1).all(-1).sum().item()
+    assert written == num_tokens - 2

@@ -1,0 +1,82 @@
+"""Step inputs and the padding that CUDA-graph buckets and compiled calls rely on (run here with the torch
+twins; on a GPU the same padding feeds the Triton kernels)."""
+
+from __future__ import annotations
+
+import torch
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.kernels.ops import paged_attention_op, write_kv_cache_op
+from paged_backend.worker.cuda_graphs import capture_sizes
+from paged_backend.worker.step_inputs import pad_step_inputs
+from tests.conftest import ragged_prompts, tiny_model
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == [2]
+    assert capture_sizes(5) == [2, 4, 8]
+    assert capture_sizes(16) == [2, 4, 8, 16]
+    sizes = capture_sizes(256)
+    assert sizes[:4] == [2, 4, 8, 16] and sizes[-1] == 256 and all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))
+    assert 1 not in sizes  # a size-1 dimension would make torch.compile specialise
+
+
+def test_step_inputs_and_padding_leave_real_rows_unchanged(tokenizer) -> None:
+    """A mixed step (prefills + decodes) and a decode-only step give the same logits with padding sequences
+    appended, and padding writes no cache slot."""
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, num_kv_blocks=64, max_num_batched_tokens=40)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(ragged_prompts(16)[:5]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3))
+    engine.step()  # leaves some prompts mid-prefill: the next step mixes decodes and prefill chunks
+    for expect_decode_only in (False, True):
+        sched = engine.scheduler.schedule()
+        inputs = engine.runner.prepare_inputs(sched, engine.block_manager)
+        assert inputs.decode_only is expect_decode_only
+        positions = torch.cat(
+            [
+                torch.arange(s.num_computed_tokens, s.num_computed_tokens + n)
+                for s, n in zip(sched.seqs, sched.num_new_tokens)
+            ]
+        )
+        assert torch.equal(inputs.positions, positions)
+        assert inputs.cu_seqlens_q[-1].item() == inputs.num_tokens == sum(sched.num_new_tokens)
+        caches_before = [k.clone() for k, _ in engine.cache_engine.kv_caches]
+        padded = pad_step_inputs(inputs, 3, min_logits=inputs.logits_indices.shape[0] + 2)
+        assert padded.num_seqs == inputs.num_seqs + 3 and padded.slot_mapping[-3:].tolist() == [-1, -1, -1]
+        padded_logits = engine.runner.run(padded)
+        written = [
+            (k != before).flatten(0, 1).any(-1).any(-1)
+            for (k, _), before in zip(engine.cache_engine.kv_caches, caches_before)
+        ]
+        allowed = torch.zeros_like(written[0])
+        allowed[inputs.slot_mapping] = True
+        assert all(not (w & ~allowed).any() for w in written)  # only the real tokens' slots
+        logits = engine.runner.run(inputs)
+        assert padded_logits.shape[0] == logits.shape[0] + 2
+        torch.testing.assert_close(padded_logits[: logits.shape[0]], logits)
+        engine.scheduler.on_step_done(sched)
+        engine.sampler(logits, inputs.sample_seqs, [frozenset()] * len(inputs.sample_seqs))
+        if not expect_decode_only:  # finish the prefills so the next step is decode-only
+            while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+                engine.step()
+    engine.abort_request([str(i) for i in range(5)])
+
+
+def test_custom_ops_schema_and_fake_kernels() -> None:
+    """torch.compile sees the kernels only through these ops: their schemas, fake (meta) implementations and
+    mutation declarations must be right."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 6, 4, 2, 8, generator=gen)
+    q, k, v = (
+        torch.randn(5, 4, 8, generator=gen),
+        torch.randn(5, 2, 8, generator=gen),
+        torch.randn(5, 2, 8, generator=gen),
+    )
+    slots = torch.tensor([0, 1, 2, 9, -1])
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    ctx = torch.tensor([3, 6], dtype=torch.int32)
+    torch.library.opcheck(write_kv_cache_op, (k, v, k_cache, v_cache, slots))
+    torch.library.opcheck(paged_attention_op, (q, k_cache, v_cache, tables, cu, ctx, 0.3, 0, 0.0))
+    torch.library.opcheck(paged_attention_op, (q, k_cache, v_cache, tables, cu, ctx, 0.3, 2, 5.0))
