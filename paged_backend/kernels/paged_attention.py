@@ -157,6 +157,7 @@ if triton is not None:
         MIN_SPLIT: tl.constexpr,
         USE_WINDOW: tl.constexpr,
         USE_SOFTCAP: tl.constexpr,
+        IEEE: tl.constexpr,  # fp32 inputs: full-precision dots, not TF32
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         LOG2E: tl.constexpr = 1.4426950408889634
@@ -217,7 +218,10 @@ if triton is not None:
             k = tl.load(
                 k_cache_ptr + slots[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0
             )  # [D, N]
-            s = tl.dot(q, k) * scale  # [M, N] fp32
+            if IEEE:
+                s = tl.dot(q, k, input_precision="ieee") * scale  # [M, N] fp32
+            else:
+                s = tl.dot(q, k) * scale
             if USE_SOFTCAP:
                 s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
             allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -232,7 +236,10 @@ if triton is not None:
             v = tl.load(
                 v_cache_ptr + slots[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0
             )  # [N, D]
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -380,6 +387,7 @@ def paged_attention_triton(
         MIN_SPLIT=min_split_tokens,
         USE_WINDOW=bool(sliding_window),
         USE_SOFTCAP=bool(softcap),
+        IEEE=query.dtype == torch.float32,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](

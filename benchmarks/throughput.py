@@ -1,0 +1,300 @@
+"""Throughput and latency of the paged engine beside Hugging Face, on DESIGN.md's benchmark model.
+
+Model: Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no EOS (fixed lengths). Workloads:
+  w1    256 prompts, lengths uniform in [64, 1024] (random.Random(0)), 256 new tokens each, greedy
+  w2    one 128-token prompt, 256 new tokens
+  ttft  a lone 1,024-token prompt: time to its first token, beside one plain HF forward over it
+Backends: paged (this library), hf (``model.generate``, batches of 64, left padded), hf_cb (``generate_batch``,
+transformers' continuous batching), hf_static (``generate`` with a static cache and torch.compile; w2 only).
+Every backend runs in this one process on identical prompts; throughput counts the output tokens actually
+returned. Before timing, greedy outputs of the paged engine are checked against HF ``generate`` on 8 prompts.
+
+    python benchmarks/throughput.py --workload w1,w2,ttft --backends paged,hf,hf_cb,hf_static \
+        --json benchmarks/results/h200.json --plot docs/images/h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from paged_backend import LLM, SamplingParams
+
+logger = logging.getLogger("benchmarks.throughput")
+
+MODEL_CONFIG = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+HF_BATCH = 64
+
+
+def build_model(num_layers: int | None) -> LlamaForCausalLM:
+    """Random normal(0, 0.02) weights on the GPU (norm weights stay 1), no EOS token."""
+    config = LlamaConfig(**{**MODEL_CONFIG, "num_hidden_layers": num_layers or MODEL_CONFIG["num_hidden_layers"]})
+    config.eos_token_id = config.bos_token_id = config.pad_token_id = None
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.02)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def w1_prompts(vocab: int, num_prompts: int) -> list[list[int]]:
+    rng = random.Random(0)
+    lengths = [rng.randint(64, 1024) for _ in range(num_prompts)]
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def one_prompt(vocab: int, length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def timed(fn) -> tuple[Any, float]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------------- backends
+def run_paged(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs, seconds = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    return [list(o.outputs[0].token_ids) for o in outs], seconds
+
+
+def run_hf(model, prompts: list[list[int]], max_tokens: int, static: bool = False) -> tuple[list[list[int]], float]:
+    def go() -> list[list[int]]:
+        results = []
+        for i in range(0, len(prompts), HF_BATCH):
+            batch = prompts[i : i + HF_BATCH]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device="cuda")
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
+            kwargs = {"cache_implementation": "static"} if static else {}
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **kwargs,
+            )
+            results += out[:, width:].tolist()
+        return results
+
+    return timed(go)
+
+
+def run_hf_cb(model, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    outs, seconds = timed(lambda: model.generate_batch(inputs=prompts, generation_config=config))
+    return [list(o.generated_tokens) for o in outs.values()], seconds
+
+
+def tokens_per_second(outputs: list[list[int]], seconds: float) -> float:
+    return sum(len(o) for o in outputs) / seconds
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+@torch.no_grad()
+def check_agreement(llm: LLM, model, vocab: int, num_tokens: int = 32) -> dict[str, Any]:
+    """Greedy outputs of 8 prompts against HF ``generate``. bf16 rounding differs between kernels, so besides
+    exact matches we report top-1 agreement: the share of the engine's tokens that are also HF's argmax when HF
+    reads the engine's own continuation (teacher forcing)."""
+    prompts = [one_prompt(vocab, n, seed=100 + n) for n in (5, 16, 17, 64, 100, 250, 513, 1000)]
+    paged, _ = run_paged(llm, prompts, num_tokens)
+    exact, agree, total = 0, 0, 0
+    for prompt, ours in zip(prompts, paged):
+        ref = model.generate(
+            input_ids=torch.tensor([prompt], device="cuda"),
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        exact += ref == ours
+        logits = model(torch.tensor([prompt + ours], device="cuda")).logits[0, len(prompt) - 1 : -1]
+        agree += (logits.argmax(-1).cpu() == torch.tensor(ours)).sum().item()
+        total += len(ours)
+    return {"prompts": len(prompts), "exact_matches": exact, "top1_agreement": agree / total}
+
+
+@torch.no_grad()
+def measure_ttft(llm: LLM, model, vocab: int, repeats: int = 5) -> dict[str, float]:
+    prompt = one_prompt(vocab, 1024, seed=7)
+    ids = torch.tensor([prompt], device="cuda")
+    model(ids)  # warm-up
+    hf = [timed(lambda: model(ids, use_cache=False))[1] for _ in range(repeats)]
+    run_paged(llm, [prompt], 1)
+    paged = [run_paged(llm, [prompt], 1)[1] for _ in range(repeats)]
+    return {"paged": 1e3 * statistics.median(paged), "hf_forward": 1e3 * statistics.median(hf)}
+
+
+def profile_decode(llm: LLM, vocab: int, path: Path) -> None:
+    """A torch.profiler trace table of a short W1-like run (64 prompts x 16 tokens)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = w1_prompts(vocab, 64)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_paged(llm, prompts, 16)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    path.write_text(table)
+    logger.info("profile written to %s", path)
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(k, results[k]) for k in ("w1", "w2", "ttft_1024_ms") if k in results]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    titles = {
+        "w1": "W1: 256 prompts, output tok/s",
+        "w2": "W2: single stream, tok/s",
+        "ttft_1024_ms": "TTFT, 1,024 tokens (ms)",
+    }
+    for ax, (key, values) in zip(axes[0], panels):
+        names = list(values)
+        bars = ax.bar(names, [values[n] for n in names], color=["#2a7" if n == "paged" else "#888" for n in names])
+        ax.bar_label(bars, fmt="%.0f" if key != "ttft_1024_ms" else "%.1f")
+        ax.set_title(titles[key], fontsize=10)
+    fig.suptitle(f"{results['machine']}, Llama-3-8B shape, bf16", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="w1,w2,ttft", help="comma list of w1, w2, ttft")
+    parser.add_argument(
+        "--backends", default="paged,hf,hf_cb,hf_static", help="comma list of paged, hf, hf_cb, hf_static"
+    )
+    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try (DESIGN: 32)")
+    parser.add_argument("--enforce-eager", action="store_true", help="paged engine without compile / CUDA graphs")
+    parser.add_argument("--skip-check", action="store_true", help="skip the greedy agreement check")
+    parser.add_argument("--profile", type=Path, default=None, help="write a torch.profiler table here")
+    parser.add_argument("--json", type=Path, default=None, help="write results here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
+    args = parser.parse_args(argv)
+    workloads = args.workload.split(",")
+    backends = args.backends.split(",")
+    unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - {"paged", "hf", "hf_cb", "hf_static"}
+    if unknown:
+        parser.error(f"unknown workload or backend: {sorted(unknown)}")
+
+    import transformers
+    import triton
+
+    import paged_backend
+
+    model = build_model(args.num_layers)
+    vocab = model.config.vocab_size
+    results: dict[str, Any] = {
+        "machine": torch.cuda.get_device_name(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "transformers": transformers.__version__,
+            "paged_backend": paged_backend.__version__,
+        },
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    llm = None
+    if "paged" in backends:
+        llm, startup = timed(lambda: LLM(model, enforce_eager=args.enforce_eager))
+        results["paged_startup_s"] = startup
+        logger.info("paged engine ready in %.1f s", startup)
+        if not args.skip_check:
+            results["agreement"] = check_agreement(llm, model, vocab)
+            logger.info("agreement with HF generate: %s", results["agreement"])
+
+    runners = {
+        "paged": lambda prompts: run_paged(llm, prompts, args.max_tokens),
+        "hf": lambda prompts: run_hf(model, prompts, args.max_tokens),
+        "hf_cb": lambda prompts: run_hf_cb(model, prompts, args.max_tokens),
+        "hf_static": lambda prompts: run_hf(model, prompts, args.max_tokens, static=True),
+    }
+    for workload in ("w1", "w2"):
+        if workload not in workloads:
+            continue
+        prompts = w1_prompts(vocab, args.num_prompts) if workload == "w1" else [one_prompt(vocab, 128, seed=1)]
+        results[workload] = {}
+        for backend in backends:
+            if backend == "hf_static" and workload == "w1":
+                continue  # DESIGN.md measures the static-cache baseline on W2 only
+            run = runners[backend]
+            if backend == "hf_static":
+                _, warm = timed(lambda: run(prompts))  # first call compiles  # noqa: B023
+                results["hf_static_first_call_s"] = warm
+            elif workload == "w2":
+                run(prompts[:1])  # warm-up for the single stream
+            try:
+                outputs, seconds = run(prompts)
+            except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
+                logger.exception("%s on %s failed", backend, workload)
+                results[workload][backend] = None
+                results.setdefault("errors", {})[f"{workload}/{backend}"] = f"{type(exc).__name__}: {exc}"
+                continue
+            results[workload][backend] = tokens_per_second(outputs, seconds)
+            logger.info(
+                "%s %s: %.1f tok/s (%d tokens in %.2f s)",
+                workload,
+                backend,
+                results[workload][backend],
+                sum(map(len, outputs)),
+                seconds,
+            )
+    if "ttft" in workloads and llm is not None:
+        results["ttft_1024_ms"] = measure_ttft(llm, model, vocab)
+        logger.info("ttft: %s", results["ttft_1024_ms"])
+    if args.profile is not None and llm is not None:
+        profile_decode(llm, vocab, args.profile)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot is not None:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot(results, args.plot)
+    logger.info("%s", json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    main()
