@@ -159,6 +159,66 @@ def measure_ttft(llm: LLM, model, vocab: int, repeats: int = 5) -> dict[str, flo
     return {"paged": 1e3 * statistics.median(paged), "hf_forward": 1e3 * statistics.median(hf)}
 
 
+def step_breakdown(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """Where a step's wall time goes: scheduling, input building, launching the forward (async for CUDA graphs),
+    sampling (which waits for the GPU) and the rest (appending tokens, outputs). Milliseconds per step."""
+    engine = llm.llm_engine
+    totals: dict[str, float] = dict.fromkeys(("schedule", "prepare", "launch", "sample+gpu_wait"), 0.0)
+
+    def wrap(fn, key):
+        def timed_fn(*a, **k):
+            start = time.perf_counter()
+            result = fn(*a, **k)
+            totals[key] += time.perf_counter() - start
+            return result
+
+        return timed_fn
+
+    originals = (engine.scheduler.schedule, engine.runner.prepare_inputs, engine.runner.run, engine.sampler)
+    engine.scheduler.schedule = wrap(engine.scheduler.schedule, "schedule")
+    engine.runner.prepare_inputs = wrap(engine.runner.prepare_inputs, "prepare")
+    engine.runner.run = wrap(engine.runner.run, "launch")
+    engine.sampler = wrap(engine.sampler, "sample+gpu_wait")
+    steps = 0
+    step = engine.step
+
+    def counted(*a, **k):
+        nonlocal steps
+        steps += 1
+        return step(*a, **k)
+
+    engine.step = counted
+    try:
+        _, seconds = run_paged(llm, prompts, max_tokens)
+    finally:
+        del engine.scheduler.schedule, engine.runner.prepare_inputs, engine.runner.run, engine.step
+        engine.sampler = originals[3]
+    result = {k: 1e3 * v / steps for k, v in totals.items()}
+    result["other"] = 1e3 * seconds / steps - sum(result.values())
+    result["steps"] = steps
+    result["step_ms"] = 1e3 * seconds / steps
+    return result
+
+
+def graph_replay_ms(llm: LLM, sizes: tuple[int, ...] = (2, 64, 256)) -> dict[int, float]:
+    """GPU time of one decode-graph replay with padding inputs (attention reads nothing): the non-attention
+    floor of a decode step."""
+    graphs = llm.llm_engine.runner.graphs
+    result = {}
+    for size in sizes:
+        if graphs is None or size not in graphs.graphs:
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graphs.graphs[size].replay()
+        start.record()
+        for _ in range(10):
+            graphs.graphs[size].replay()
+        end.record()
+        torch.cuda.synchronize()
+        result[size] = start.elapsed_time(end) / 10
+    return result
+
+
 def profile_decode(llm: LLM, vocab: int, path: Path) -> None:
     """A torch.profiler trace table of a short W1-like run (64 prompts x 16 tokens)."""
     from torch.profiler import ProfilerActivity, profile
@@ -207,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--enforce-eager", action="store_true", help="paged engine without compile / CUDA graphs")
     parser.add_argument("--skip-check", action="store_true", help="skip the greedy agreement check")
     parser.add_argument("--profile", type=Path, default=None, help="write a torch.profiler table here")
+    parser.add_argument("--breakdown", action="store_true", help="time the parts of a step (W1 and W2 shapes)")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
     args = parser.parse_args(argv)
@@ -283,6 +344,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "ttft" in workloads and llm is not None:
         results["ttft_1024_ms"] = measure_ttft(llm, model, vocab)
         logger.info("ttft: %s", results["ttft_1024_ms"])
+    if args.breakdown and llm is not None:
+        results["breakdown"] = {
+            "graph_replay_ms": graph_replay_ms(llm),
+            "w1": step_breakdown(llm, w1_prompts(vocab, args.num_prompts), args.max_tokens),
+            "w2": step_breakdown(llm, [one_prompt(vocab, 128, seed=1)], args.max_tokens),
+        }
     if args.profile is not None and llm is not None:
         profile_decode(llm, vocab, args.profile)
     if args.json is not None:

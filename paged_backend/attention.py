@@ -27,7 +27,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token (-1: padding, not written)
     block_tables: torch.Tensor  # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, new-token offsets per sequence
-    context_lens: torch.Tensor  # [B] int32, cached + new tokens per sequence
+    context_lens: torch.Tensor  # [B] int64, cached + new tokens per sequence
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, each [num_blocks, block_size, Hkv, D]
 
 

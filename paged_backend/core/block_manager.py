@@ -74,6 +74,13 @@ class BlockManager:
             table.append(self._take_free_block())
         return copies
 
+    def has_private_slot(self, seq_id: int, position: int) -> bool:
+        """True when the token at ``position`` can be written without allocating or copying (the common decode
+        step): a cheap check that spares ``allocate_slots`` for most sequences."""
+        table = self.block_tables.get(seq_id)
+        index = position // self.block_size
+        return table is not None and index < len(table) and self.blocks[table[index]].ref_count == 1
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """Give ``child`` the parent's blocks by reference (its later writes copy first)."""
         if child_seq_id in self.block_tables:

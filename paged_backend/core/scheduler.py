@@ -73,6 +73,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new == 1 and self.block_manager.has_private_slot(seq.seq_id, seq.num_computed_tokens):
+                scheduled[seq] = 1  # a decode whose slot is already allocated and not shared
+                budget -= 1
+                continue
             while seq.status is SequenceStatus.RUNNING:
                 result = self.block_manager.allocate_slots(
                     seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -114,7 +118,7 @@ class Scheduler:
             budget -= num_new
 
         self.num_chunked_prefill_steps += sum(1 for seq, n in scheduled.items() if n < seq.num_uncomputed_tokens)
-        block_copies = [pair for seq in scheduled for pair in copies[seq]]
+        block_copies = [pair for seq in scheduled for pair in copies.get(seq, ())]
         return SchedulerOutput(list(scheduled), list(scheduled.values()), block_copies)
 
     def _preempt(self, seq: Sequence) -> None:

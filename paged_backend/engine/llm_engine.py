@@ -53,6 +53,7 @@ class LLMEngine:
         check_model_supported(self.model)
         self.tokenizer = load_tokenizer(config, model, tokenizer)
         self.config = config.resolve(model_max_length(self.model))
+        self.max_model_len = self.config.max_model_len
         self._log_inactive_options()
 
         block_size = self.config.block_size
@@ -233,8 +234,10 @@ class LLMEngine:
         return len(self.requests)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; return the (cumulative) outputs of every request that advanced."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one batch; return the (cumulative) outputs of every request that advanced, or with
+        ``finished_only`` just of those that finished (building a snapshot of every running request each step
+        costs more than the step's bookkeeping when nobody streams)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished_seqs():
@@ -244,7 +247,11 @@ class LLMEngine:
         self.scheduler.on_step_done(sched)
         if not sample_seqs:
             return []
-        results = self.sampler(logits, sample_seqs, [self._min_tokens_stop_ids(s) for s in sample_seqs])
+        stop_ids = [
+            self._min_tokens_stop_ids(s) if s.num_output_tokens < s.params.min_tokens else frozenset()
+            for s in sample_seqs
+        ]
+        results = self.sampler(logits, sample_seqs, stop_ids)
         advanced: dict[str, Request] = {}
         for seq, result in zip(sample_seqs, results):
             self._append_token(seq, result)
@@ -256,7 +263,7 @@ class LLMEngine:
             finished = request.finished
             if finished:
                 self.requests.pop(request.request_id, None)
-            if finished or request.params.best_of == request.params.n:
+            if finished or (request.params.best_of == request.params.n and not finished_only):
                 outputs.append(self._make_output(request))
         return outputs
 
@@ -276,9 +283,10 @@ class LLMEngine:
                 {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in result.top_logprobs}
             )
 
-        may_stop = seq.num_output_tokens >= params.min_tokens
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        may_stop = num_output >= params.min_tokens
         status: SequenceStatus | None = None
-        if may_stop and token in params.stop_token_ids:
+        if may_stop and params.stop_token_ids and token in params.stop_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
         elif may_stop and not params.ignore_eos and token in self.eos_token_ids:
             status = SequenceStatus.FINISHED_STOPPED
@@ -293,8 +301,8 @@ class LLMEngine:
                     seq.output_text = seq.output_text[:end]
                     status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
         if status is None and (
-            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
-            or len(seq.token_ids) >= self.config.max_model_len
+            (params.max_tokens is not None and num_output >= params.max_tokens)
+            or len(seq.token_ids) >= self.max_model_len
         ):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:

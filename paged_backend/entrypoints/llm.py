@@ -115,7 +115,7 @@ class LLM:
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             try:
                 while len(finished) < len(ids):
-                    for output in engine.step():
+                    for output in engine.step(finished_only=True):
                         if output.finished:
                             finished[output.request_id] = output
                             bar.update(1)

@@ -71,7 +71,7 @@ class CUDAGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)
         for size in reversed(self.sizes):
-            for _ in range(2):  # warm-up: compile kernels, settle the allocator
+            for _ in range(1):  # warm-up: compile kernels, settle the allocator
                 self._run(size)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()

@@ -70,7 +70,7 @@ class ModelRunner:
             slot_mapping=torch.full((7,), -1, dtype=torch.long),
             block_tables=torch.zeros(3, 5, dtype=torch.int32),
             cu_seqlens_q=torch.tensor([0, 4, 6, 7], dtype=torch.int32),
-            context_lens=torch.tensor([4, 2, 1], dtype=torch.int32),
+            context_lens=torch.tensor([4, 2, 1]),
             logits_indices=torch.tensor([3, 6]),
             sample_seqs=[],
         )

@@ -41,7 +41,7 @@ def profile_peak_memory(model: PreTrainedModel, config: EngineConfig, device: to
         slot_mapping=(owner * blocks_per_seq * block_size + positions).to(device),
         block_tables=block_tables.to(device),
         cu_seqlens_q=cu_seqlens_q.to(device),
-        context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(lens, dtype=torch.long, device=device),
         kv_caches=cache.kv_caches,
     )
     vocab = model.config.get_text_config().vocab_size

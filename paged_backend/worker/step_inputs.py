@@ -26,7 +26,7 @@ class StepInputs:
     slot_mapping: torch.Tensor  # [T], -1 = padding
     block_tables: torch.Tensor  # [B, W] int32
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
-    context_lens: torch.Tensor  # [B] int32
+    context_lens: torch.Tensor  # [B]
     logits_indices: torch.Tensor  # [N] rows of the sequences that sample
     sample_seqs: list[Sequence]
 
@@ -65,19 +65,23 @@ class DeviceInputs:
 def build_step_inputs(sched: SchedulerOutput, block_manager: BlockManager, block_size: int) -> StepInputs:
     """Flatten the scheduled sequences; a sequence samples when its step reaches its last known token."""
     num_new = np.asarray(sched.num_new_tokens, dtype=np.int64)  # [B]
-    starts = np.asarray([seq.num_computed_tokens for seq in sched.seqs], dtype=np.int64)  # [B]
-    ends = starts + num_new
-    cu = np.zeros(len(num_new) + 1, dtype=np.int64)
-    np.cumsum(num_new, out=cu[1:])
+    starts_list = [seq.num_computed_tokens for seq in sched.seqs]
     tokens: list[int] = []
     tables = [block_manager.get_block_table(seq.seq_id) for seq in sched.seqs]
     logits_indices: list[int] = []
     sample_seqs: list[Sequence] = []
-    for i, seq in enumerate(sched.seqs):
-        tokens += seq.token_ids[starts[i] : ends[i]]
-        if ends[i] == len(seq.token_ids):
-            logits_indices.append(int(cu[i + 1]) - 1)
+    offset = 0
+    for seq, start, n in zip(sched.seqs, starts_list, sched.num_new_tokens):
+        end = start + n
+        offset += n
+        tokens += seq.token_ids[start:end]
+        if end == len(seq.token_ids):
+            logits_indices.append(offset - 1)
             sample_seqs.append(seq)
+    starts = np.asarray(starts_list, dtype=np.int64)  # [B]
+    ends = starts + num_new
+    cu = np.zeros(len(num_new) + 1, dtype=np.int64)
+    np.cumsum(num_new, out=cu[1:])
     width = max(len(t) for t in tables)
     block_tables = np.zeros((len(tables), width), dtype=np.int32)  # [B, W]
     for i, t in enumerate(tables):
@@ -91,7 +95,7 @@ def build_step_inputs(sched: SchedulerOutput, block_manager: BlockManager, block
         slot_mapping=torch.from_numpy(slot_mapping),
         block_tables=torch.from_numpy(block_tables),
         cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
-        context_lens=torch.from_numpy(ends.astype(np.int32)),
+        context_lens=torch.from_numpy(ends),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
         sample_seqs=sample_seqs,
     )
@@ -117,6 +121,6 @@ def pad_step_inputs(inputs: StepInputs, num_pad_seqs: int, min_logits: int = 0) 
             [inputs.block_tables, inputs.block_tables.new_zeros(num_pad_seqs, inputs.block_tables.shape[1])]
         ),
         cu_seqlens_q=torch.cat([inputs.cu_seqlens_q, torch.arange(t + 1, t + num_pad_seqs + 1, dtype=torch.int32)]),
-        context_lens=torch.cat([inputs.context_lens, torch.zeros(num_pad_seqs, dtype=torch.int32)]),
+        context_lens=torch.cat([inputs.context_lens, torch.zeros(num_pad_seqs, dtype=torch.long)]),
         logits_indices=logits,
     )
