@@ -322,6 +322,7 @@ def paged_attention_triton(
     num_splits: int | None = None,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     out: torch.Tensor | None = None,  # [T, H, D], written in place when given
+    launch: dict[str, int] | None = None,  # overrides of block_n / num_warps / num_stages, for tuning sweeps
 ) -> torch.Tensor:  # [T, H, D]
     """Triton twin of :func:`paged_attention_torch`; no host synchronisation, grid fixed by (T, B).
     ``num_splits`` defaults to :func:`choose_num_splits`."""
@@ -342,7 +343,9 @@ def paged_attention_triton(
     # Prefill tiles hold ~64 rows; decode tiles the minimum of 16 rows tl.dot needs.
     rows = 16 if num_tokens == num_seqs else 64
     block_q = max(1, rows // g_pad)
-    block_n = 32 if dim_pad >= 256 else 64
+    launch = launch or {}
+    block_n = launch.get("block_n", 32 if dim_pad >= 256 else 64)
+    tuning = {k: launch[k] for k in ("num_warps", "num_stages") if k in launch}
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     if num_splits > 1:
         partial = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
@@ -388,6 +391,7 @@ def paged_attention_triton(
         USE_WINDOW=bool(sliding_window),
         USE_SOFTCAP=bool(softcap),
         IEEE=query.dtype == torch.float32,
+        **tuning,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -71,8 +71,7 @@ class CUDAGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)
         for size in reversed(self.sizes):
-            for _ in range(1):  # warm-up: compile kernels, settle the allocator
-                self._run(size)
+            self._run(size)  # warm-up: compile kernels, settle the allocator
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -48,13 +48,14 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None
         if device.type == "cuda" and not enforce_eager:
             self._compile()
-            self.graphs = CUDAGraphRunner(
-                self._forward_fn,
-                cache_engine.kv_caches,
-                max_num_seqs,
-                math.ceil(max_model_len / self.block_size),
-                device,
-            )
+            with torch.inference_mode():  # static buffers must be inference tensors, like every step's inputs
+                self.graphs = CUDAGraphRunner(
+                    self._forward_fn,
+                    cache_engine.kv_caches,
+                    max_num_seqs,
+                    math.ceil(max_model_len / self.block_size),
+                    device,
+                )
             with torch.inference_mode(), self.switch:
                 self.graphs.capture()
 
