@@ -132,7 +132,7 @@ def check_agreement(llm: LLM, model, vocab: int, num_tokens: int = 32) -> dict[s
     reads the engine's own continuation (teacher forcing)."""
     prompts = [one_prompt(vocab, n, seed=100 + n) for n in (5, 16, 17, 64, 100, 250, 513, 1000)]
     paged, _ = run_paged(llm, prompts, num_tokens)
-    exact, agree, total = 0, 0, 0
+    exact, agree, hf_self, total = 0, 0, 0, 0
     for prompt, ours in zip(prompts, paged):
         ref = model.generate(
             input_ids=torch.tensor([prompt], device="cuda"),
@@ -142,10 +142,22 @@ def check_agreement(llm: LLM, model, vocab: int, num_tokens: int = 32) -> dict[s
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
         exact += ref == ours
-        logits = model(torch.tensor([prompt + ours], device="cuda")).logits[0, len(prompt) - 1 : -1]
-        agree += (logits.argmax(-1).cpu() == torch.tensor(ours)).sum().item()
+        for continuation, count in ((ours, "ours"), (ref, "hf")):
+            logits = model(torch.tensor([prompt + continuation], device="cuda")).logits[0, len(prompt) - 1 : -1]
+            hits = (logits.argmax(-1).cpu() == torch.tensor(continuation)).sum().item()
+            if count == "ours":
+                agree += hits
+            else:
+                hf_self += hits
         total += len(ours)
-    return {"prompts": len(prompts), "exact_matches": exact, "top1_agreement": agree / total}
+    # hf_self_agreement: the same measure for HF generate's own tokens (KV-cached decode vs one full forward),
+    # i.e. how often bf16 rounding alone flips the argmax on this random-weight model.
+    return {
+        "prompts": len(prompts),
+        "exact_matches": exact,
+        "top1_agreement": agree / total,
+        "hf_self_agreement": hf_self / total,
+    }
 
 
 @torch.no_grad()
@@ -296,6 +308,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+    def save() -> None:  # after every measurement, so a run cut short keeps what it measured
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+
     llm = None
     if "paged" in backends:
         llm, startup = timed(lambda: LLM(model, enforce_eager=args.enforce_eager))
@@ -333,6 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 results.setdefault("errors", {})[f"{workload}/{backend}"] = f"{type(exc).__name__}: {exc}"
                 continue
             results[workload][backend] = tokens_per_second(outputs, seconds)
+            save()
             logger.info(
                 "%s %s: %.1f tok/s (%d tokens in %.2f s)",
                 workload,
@@ -352,9 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
     if args.profile is not None and llm is not None:
         profile_decode(llm, vocab, args.profile)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    save()
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(results, args.plot)

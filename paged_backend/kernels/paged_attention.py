@@ -343,8 +343,12 @@ def paged_attention_triton(
     # Prefill tiles hold ~64 rows; decode tiles the minimum of 16 rows tl.dot needs.
     rows = 16 if num_tokens == num_seqs else 64
     block_q = max(1, rows // g_pad)
-    launch = launch or {}
-    block_n = launch.get("block_n", 32 if dim_pad >= 256 else 64)
+    # Launch settings from benchmarks/kernel_sweep.py on an H200 (decode at W1's shape: 3.7 TB/s of KV).
+    defaults = {"block_n": 128, "num_warps": 4, "num_stages": 3} if num_tokens == num_seqs else {"block_n": 64}
+    if dim_pad >= 256:
+        defaults["block_n"] = 32
+    launch = {**defaults, **(launch or {})}
+    block_n = launch["block_n"]
     tuning = {k: launch[k] for k in ("num_warps", "num_stages") if k in launch}
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     if num_splits > 1:
