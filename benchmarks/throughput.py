@@ -16,6 +16,7 @@ returned. Before timing, greedy outputs of the paged engine are checked against 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import platform
@@ -258,7 +259,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         "ttft_1024_ms": "TTFT, 1,024 tokens (ms)",
     }
     for ax, (key, values) in zip(axes[0], panels):
-        names = list(values)
+        names = [n for n in values if values[n] is not None]
         bars = ax.bar(names, [values[n] for n in names], color=["#2a7" if n == "paged" else "#888" for n in names])
         ax.bar_label(bars, fmt="%.0f" if key != "ttft_1024_ms" else "%.1f")
         ax.set_title(titles[key], fontsize=10)
@@ -314,7 +315,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(results, indent=2) + "\n")
 
-    llm = None
+    prompts_for = {"w1": w1_prompts(vocab, args.num_prompts), "w2": [one_prompt(vocab, 128, seed=1)]}
+
+    def measure(workload: str, backend: str, run) -> None:
+        prompts = prompts_for[workload]
+        if backend == "hf_static":
+            _, warm = timed(lambda: run(prompts))  # first call compiles
+            results["hf_static_first_call_s"] = warm
+        elif workload == "w2":
+            run(prompts)  # warm-up for the single stream
+        try:
+            outputs, seconds = run(prompts)
+        except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
+            logger.exception("%s on %s failed", backend, workload)
+            results.setdefault(workload, {})[backend] = None
+            results.setdefault("errors", {})[f"{workload}/{backend}"] = f"{type(exc).__name__}: {exc}"
+            return
+        results.setdefault(workload, {})[backend] = tokens_per_second(outputs, seconds)
+        save()
+        logger.info(
+            "%s %s: %.1f tok/s (%d tokens in %.2f s)",
+            workload,
+            backend,
+            results[workload][backend],
+            sum(map(len, outputs)),
+            seconds,
+        )
+
+    # The paged engine first, then it is released: its KV cache takes most of the GPU, which HF needs back.
     if "paged" in backends:
         llm, startup = timed(lambda: LLM(model, enforce_eager=args.enforce_eager))
         results["paged_startup_s"] = startup
@@ -322,55 +350,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.skip_check:
             results["agreement"] = check_agreement(llm, model, vocab)
             logger.info("agreement with HF generate: %s", results["agreement"])
+        for workload in ("w1", "w2"):
+            if workload in workloads:
+                measure(workload, "paged", lambda prompts: run_paged(llm, prompts, args.max_tokens))
+        if "ttft" in workloads:
+            results["ttft_1024_ms"] = measure_ttft(llm, model, vocab)
+            logger.info("ttft: %s", results["ttft_1024_ms"])
+        if args.breakdown:
+            results["breakdown"] = {
+                "graph_replay_ms": graph_replay_ms(llm),
+                "w1": step_breakdown(llm, prompts_for["w1"], args.max_tokens),
+                "w2": step_breakdown(llm, prompts_for["w2"], args.max_tokens),
+            }
+        if args.profile is not None:
+            profile_decode(llm, vocab, args.profile)
+        save()
+        del llm
+        torch._dynamo.reset()  # compiled code keeps the runner (and its KV cache) alive
+        gc.collect()
+        torch.cuda.empty_cache()
+        logger.info("paged engine released: %.1f GiB still allocated", torch.cuda.memory_allocated() / 2**30)
 
     runners = {
-        "paged": lambda prompts: run_paged(llm, prompts, args.max_tokens),
         "hf": lambda prompts: run_hf(model, prompts, args.max_tokens),
         "hf_cb": lambda prompts: run_hf_cb(model, prompts, args.max_tokens),
         "hf_static": lambda prompts: run_hf(model, prompts, args.max_tokens, static=True),
     }
-    for workload in ("w1", "w2"):
-        if workload not in workloads:
-            continue
-        prompts = w1_prompts(vocab, args.num_prompts) if workload == "w1" else [one_prompt(vocab, 128, seed=1)]
-        results[workload] = {}
-        for backend in backends:
-            if backend == "hf_static" and workload == "w1":
-                continue  # DESIGN.md measures the static-cache baseline on W2 only
-            run = runners[backend]
-            if backend == "hf_static":
-                _, warm = timed(lambda: run(prompts))  # first call compiles  # noqa: B023
-                results["hf_static_first_call_s"] = warm
-            elif workload == "w2":
-                run(prompts[:1])  # warm-up for the single stream
-            try:
-                outputs, seconds = run(prompts)
-            except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
-                logger.exception("%s on %s failed", backend, workload)
-                results[workload][backend] = None
-                results.setdefault("errors", {})[f"{workload}/{backend}"] = f"{type(exc).__name__}: {exc}"
-                continue
-            results[workload][backend] = tokens_per_second(outputs, seconds)
-            save()
-            logger.info(
-                "%s %s: %.1f tok/s (%d tokens in %.2f s)",
-                workload,
-                backend,
-                results[workload][backend],
-                sum(map(len, outputs)),
-                seconds,
-            )
-    if "ttft" in workloads and llm is not None:
-        results["ttft_1024_ms"] = measure_ttft(llm, model, vocab)
-        logger.info("ttft: %s", results["ttft_1024_ms"])
-    if args.breakdown and llm is not None:
-        results["breakdown"] = {
-            "graph_replay_ms": graph_replay_ms(llm),
-            "w1": step_breakdown(llm, w1_prompts(vocab, args.num_prompts), args.max_tokens),
-            "w2": step_breakdown(llm, [one_prompt(vocab, 128, seed=1)], args.max_tokens),
-        }
-    if args.profile is not None and llm is not None:
-        profile_decode(llm, vocab, args.profile)
+    for backend in [b for b in backends if b != "paged"]:
+        for workload in ("w1", "w2"):
+            if workload in workloads and not (backend == "hf_static" and workload == "w1"):  # DESIGN: W2 only
+                measure(workload, backend, runners[backend])
     save()
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
