@@ -31,7 +31,7 @@ def write_kv_cache_torch(
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_kt", "stride_kh", "stride_vt", "stride_vh"])
     def _write_kv_cache_kernel(
         key_ptr,
         value_ptr,

@@ -119,9 +119,23 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# Arguments that change from step to step are not specialised on (Triton would otherwise compile a new variant
+# whenever one of them becomes 1 or a multiple of 16, in the middle of serving).
+_VARYING_ARGS = [
+    "num_seqs",
+    "stride_qt",
+    "stride_qh",
+    "stride_bt",
+    "stride_os",
+    "stride_ot",
+    "stride_oh",
+    "stride_ls",
+    "stride_lt",
+]
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_VARYING_ARGS)
     def _paged_attention_kernel(
         out_ptr,  # [T, H, D] final, or [S, T, H, D] fp32 partials when NUM_SPLITS > 1
         lse_ptr,  # [S, T, H] fp32 (NUM_SPLITS > 1 only)
@@ -254,7 +268,9 @@ if triton is not None:
             dst = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
-    @triton.jit
+    @triton.jit(
+        do_not_specialize=["stride_ot", "stride_oh", "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt"]
+    )
     def _reduce_splits_kernel(
         out_ptr,  # [T, H, D]
         partial_ptr,  # [S, T, H, D] fp32
