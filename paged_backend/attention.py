@@ -18,6 +18,10 @@ from transformers import AttentionInterface, PreTrainedModel
 from paged_backend.kernels.ops import paged_attention, paged_attention_op, write_kv_cache, write_kv_cache_op
 
 ATTN_IMPLEMENTATION = "paged_backend"
+# Inside the engine's forward each attention module carries its layer's (k_cache, v_cache) under this name. Reading
+# it from the module (rather than indexing a list by ``layer_idx``) lets torch.compile reuse one compiled decoder
+# layer for every layer: an int like layer_idx would be specialised on, a tensor attribute is a graph input.
+KV_CACHE_ATTR = "paged_kv_cache"
 
 
 @dataclass
@@ -28,7 +32,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, new-token offsets per sequence
     context_lens: torch.Tensor  # [B] int64, cached + new tokens per sequence
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, each [num_blocks, block_size, Hkv, D]
 
 
 def paged_attention_forward(
@@ -51,10 +54,10 @@ def paged_attention_forward(
         )
     if query.shape[0] != 1:
         raise RuntimeError(f"the paged engine runs a flattened batch of size 1, got batch size {query.shape[0]}")
-    layer_idx = getattr(module, "layer_idx", None)
-    if layer_idx is None:
+    kv_cache = getattr(module, KV_CACHE_ATTR, None)
+    if kv_cache is None:
         raise RuntimeError(f"{type(module).__name__} has no layer_idx: the paged cache cannot tell its layer")
-    k_cache, v_cache = attn_metadata.kv_caches[layer_idx]
+    k_cache, v_cache = kv_cache  # each [num_blocks, block_size, Hkv, D]
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
     q = query[0].transpose(0, 1)  # [T, H, D]
@@ -96,18 +99,28 @@ def check_model_supported(model: PreTrainedModel) -> None:
 
 class PagedAttentionSwitch:
     """Routes the model's attention to us only inside ``with switch:``, so the user's own ``generate`` on the
-    same model object keeps its original attention implementation. Configs are collected once."""
+    same model object keeps its original attention implementation, and hands every module with a ``layer_idx``
+    its layer's KV cache for that time. Configs and modules are collected once."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
         self.configs = list({id(c): c for c in configs if hasattr(c, "_attn_implementation_internal")}.values())
+        self.layer_caches = [
+            (m, kv_caches[m.layer_idx])
+            for m in model.modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and 0 <= m.layer_idx < len(kv_caches)
+        ]
         self.previous: list[Any] = []
 
     def __enter__(self) -> None:
         self.previous = [c._attn_implementation_internal for c in self.configs]
         for c in self.configs:
             c._attn_implementation_internal = ATTN_IMPLEMENTATION
+        for module, kv_cache in self.layer_caches:
+            setattr(module, KV_CACHE_ATTR, kv_cache)
 
     def __exit__(self, *exc: object) -> None:
         for c, previous in zip(self.configs, self.previous):
             c._attn_implementation_internal = previous
+        for module, _ in self.layer_caches:
+            delattr(module, KV_CACHE_ATTR)

@@ -61,7 +61,7 @@ def make_batch(
     )
 
 
-def check_attention(batch: dict, dtype: torch.dtype, **kwargs) -> None:
+def check_attention(batch: dict, dtype: torch.dtype, **kwargs) -> torch.Tensor:
     scale = batch["query"].shape[-1] ** -0.5
     twin_kwargs = {k: v for k, v in kwargs.items() if k in ("sliding_window", "softcap")}
     ref = paged_attention_torch(
@@ -73,6 +73,7 @@ def check_attention(batch: dict, dtype: torch.dtype, **kwargs) -> None:
     assert out.data_ptr() == poisoned.data_ptr()
     assert not out.isnan().any(), "some output elements were never written"
     assert relative_error(out, ref) < TOLERANCE[dtype]
+    return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -102,13 +103,14 @@ def test_sliding_window_and_softcap(dtype: torch.dtype, sliding_window: int | No
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_splits", "sliding_window"), [(1, None), (3, 50), (8, None), (8, 50)])
 def test_split_kv_decode(dtype: torch.dtype, num_splits: int, sliding_window: int | None) -> None:
-    """Decode-only batch with contexts from 1 token to many slices; some slices are empty, so the reduce must
-    give them no weight. A padding row of a CUDA-graph bucket (context 0) comes out as zeros, not NaN."""
-    prefix = [0, 130, 31, 15, 0]
+    """Decode-only batch with contexts from 1 token to many slices of 16-token tiles; some slices are empty, so
+    the reduce must give them no weight, and a window far from the start moves the first slice. A padding row of
+    a CUDA-graph bucket (context 0) comes out as zeros, not NaN."""
+    prefix = [0, 700, 31, 0]
     batch = make_batch([1] * len(prefix), prefix, 8, 2, 64, dtype, 16, seed=num_splits)
     batch["context_lens"][-1] = 0  # the padding row
-    check_attention(batch, dtype, num_splits=num_splits, min_split_tokens=16, sliding_window=sliding_window)
-    out = paged_attention_triton(**batch, scale=0.1, num_splits=num_splits, min_split_tokens=16)
+    kwargs = dict(num_splits=num_splits, min_split_tokens=16, launch={"block_n": 16})
+    out = check_attention(batch, dtype, sliding_window=sliding_window, **kwargs)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 

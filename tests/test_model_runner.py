@@ -3,13 +3,15 @@ twins; on a GPU the same padding feeds the Triton kernels)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.attention import KV_CACHE_ATTR
 from paged_backend.kernels.ops import paged_attention_op, write_kv_cache_op
-from paged_backend.worker.cuda_graphs import capture_sizes
+from paged_backend.worker.cuda_graphs import capture_sizes, fits_decode_graph
 from paged_backend.worker.step_inputs import pad_step_inputs
-from tests.conftest import ragged_prompts, tiny_model
+from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tiny_model
 
 
 def test_capture_sizes() -> None:
@@ -19,6 +21,32 @@ def test_capture_sizes() -> None:
     sizes = capture_sizes(256)
     assert sizes[:4] == [2, 4, 8, 16] and sizes[-1] == 256 and all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))
     assert 1 not in sizes  # a size-1 dimension would make torch.compile specialise
+
+
+def test_only_real_decode_steps_replay_graphs(tokenizer) -> None:
+    """With a budget of one token per sequence, a new prompt's first chunk is one token that does not sample:
+    the step has one token per sequence but is not a decode step, and must not replay a decode graph."""
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, num_kv_blocks=64, max_num_batched_tokens=3, max_num_seqs=3)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for i, prompt in enumerate([[5], [6], [7, 8, 9, 10]]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    seen = []
+    while engine.has_unfinished_requests():
+        sched = engine.scheduler.schedule()
+        inputs = engine.runner.prepare_inputs(sched, engine.block_manager)
+        seen.append((inputs.decode_only, fits_decode_graph(inputs, 8), len(inputs.sample_seqs) == inputs.num_seqs))
+        engine.scheduler.on_step_done(sched)
+        logits = engine.runner.run(inputs)
+        stop_ids = [frozenset()] * len(inputs.sample_seqs)
+        for seq, result in zip(inputs.sample_seqs, engine.sampler(logits, inputs.sample_seqs, stop_ids)):
+            engine._append_token(seq, result)
+        for request_id in [r for r, req in engine.requests.items() if req.finished]:
+            engine.requests.pop(request_id)
+    assert (True, False, False) in seen  # the one-token chunk step happened and was kept off the graphs
+    assert all(fits == (decode and all_sample) for decode, fits, all_sample in seen)
+    assert not fits_decode_graph(inputs, 0)  # larger than the largest bucket
+    assert_idle(llm)
 
 
 def test_step_inputs_and_padding_leave_real_rows_unchanged(tokenizer) -> None:
@@ -80,3 +108,38 @@ def test_custom_ops_schema_and_fake_kernels() -> None:
     torch.library.opcheck(write_kv_cache_op, (k, v, k_cache, v_cache, slots))
     torch.library.opcheck(paged_attention_op, (q, k_cache, v_cache, tables, cu, ctx, 0.3, 0, 0.0))
     torch.library.opcheck(paged_attention_op, (q, k_cache, v_cache, tables, cu, ctx, 0.3, 2, 5.0))
+
+
+@pytest.mark.parametrize(
+    ("arch", "max_graphs"), [("llama", 1), ("gpt2", 1), ("mixtral", 1), ("qwen2", 2), ("gemma3", 2)]
+)
+def test_regional_compile_shares_one_graph_across_layers(tokenizer, arch: str, max_graphs: int) -> None:
+    """The decoder layer compiles once for every layer (twice where layers mix sliding and full attention), never
+    again as batch shapes change, and greedy output still equals HF. Dynamo only (a counting backend), so it runs
+    here; on a GPU the same graph goes to inductor."""
+    torch._dynamo.reset()
+    model = tiny_model(arch)
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_num_batched_tokens=40, max_model_len=128)
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    runner = llm.llm_engine.runner
+    runner.compile(counting_backend)
+    assert runner.regions is not None and len(runner.regions.layers) == model.config.num_hidden_layers
+    after_warmup = len(graphs)
+    assert 1 <= after_warmup <= max_graphs
+    prompts = ragged_prompts(16)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    assert len(graphs) == after_warmup, "a batch shape triggered a recompile"
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+    assert_idle(llm)
+    # Outside the engine's forward the user's model is untouched: no compiled forward, no cache attribute.
+    assert all("forward" not in layer.__dict__ for layer in runner.regions.layers)
+    assert not any(hasattr(m, KV_CACHE_ATTR) for m in model.modules())
+    torch._dynamo.reset()

@@ -29,17 +29,21 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s < max_num_seqs] + [next(s for s in sizes if s >= max_num_seqs)]
 
 
+def fits_decode_graph(inputs: StepInputs, max_size: int) -> bool:
+    """One token per sequence and every sequence samples (a one-token prefill chunk that is not its prompt's
+    end has the first property, not the second), in a batch no larger than the largest bucket."""
+    return inputs.decode_only and len(inputs.sample_seqs) == inputs.num_seqs and inputs.num_seqs <= max_size
+
+
 class CUDAGraphRunner:
     def __init__(
         self,
         forward: ForwardFn,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
     ) -> None:
         self.forward = forward
-        self.kv_caches = kv_caches
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
@@ -61,7 +65,6 @@ class CUDAGraphRunner:
             block_tables=self.static_tables[:size],
             cu_seqlens_q=self.cu_seqlens_q[: size + 1],
             context_lens=ctx,
-            kv_caches=self.kv_caches,
         )
         return self.forward(ids, pos, metadata, self.logits_indices[:size])
 
@@ -86,7 +89,7 @@ class CUDAGraphRunner:
         )
 
     def can_run(self, inputs: StepInputs) -> bool:
-        return inputs.decode_only and inputs.num_seqs <= self.max_size and bool(self.graphs)
+        return bool(self.graphs) and fits_decode_graph(inputs, self.max_size)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:  # [B, V], a view valid until the next replay
         b = inputs.num_seqs

@@ -1,18 +1,20 @@
 """Runs one scheduled step as a single ``[1, T]`` forward of the user's HF model and returns the logits of
 every sequence that samples this step.
 
-On CUDA (unless ``enforce_eager``) the forward is compiled once with ``torch.compile`` (dynamic token and
-sequence dimensions; our attention and cache write stay opaque custom ops) and decode-only steps replay CUDA
-graphs. Compiled calls always have at least two sequences, two tokens and two logit rows: a dimension of size
-1 would make dynamo specialise and compile a second graph.
+On CUDA (unless ``enforce_eager``) the decoder layer is compiled once with ``torch.compile`` (dynamic token and
+sequence dimensions; our attention and cache write stay opaque custom ops; see ``worker/compile.py``) and
+decode-only steps replay CUDA graphs. Compiled calls always have at least two sequences, two tokens and two
+logit rows: a dimension of size 1 would make dynamo specialise and compile a second graph.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import time
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -22,10 +24,14 @@ from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.engine.sequence import Sequence
 from paged_backend.worker.cache_engine import CacheEngine
+from paged_backend.worker.compile import RegionalCompile, find_decoder_layers
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.step_inputs import StepInputs, build_step_inputs, pad_step_inputs
 
 logger = logging.getLogger(__name__)
+
+# Compiled once on this batch: every dimension distinct and above 1, so the graph stays generic.
+_WARMUP = dict(q_lens=[4, 2, 1], context_lens=[4, 2, 1], logits_indices=[3, 6], width=5)
 
 
 class ModelRunner:
@@ -42,52 +48,62 @@ class ModelRunner:
         self.cache_engine = cache_engine
         self.device = device
         self.block_size = cache_engine.block_size
-        self.switch = PagedAttentionSwitch(model)
+        self.switch = PagedAttentionSwitch(model, cache_engine.kv_caches)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.compiled = None
+        self.regions: RegionalCompile | None = None
         self.graphs: CUDAGraphRunner | None = None
         if device.type == "cuda" and not enforce_eager:
-            self._compile()
+            self.compile()
             with torch.inference_mode():  # static buffers must be inference tensors, like every step's inputs
                 self.graphs = CUDAGraphRunner(
-                    self._forward_fn,
-                    cache_engine.kv_caches,
-                    max_num_seqs,
-                    math.ceil(max_model_len / self.block_size),
-                    device,
+                    self._model_forward, max_num_seqs, math.ceil(max_model_len / self.block_size), device
                 )
-            with torch.inference_mode(), self.switch:
+            with torch.inference_mode(), self.switch, self._compiled():
                 self.graphs.capture()
 
     # ------------------------------------------------------------------ set-up
-    def _compile(self) -> None:
-        """Compile with a generic warm-up batch whose dimensions all differ and exceed 1, so later batches of any
-        size reuse the one graph. If compilation fails, steps run eagerly (still with CUDA graphs)."""
+    def compile(self, backend: Any = "inductor") -> None:
+        """Compile the decoder layer on a generic warm-up batch. If that fails, steps run eagerly (still with
+        CUDA graphs on a GPU)."""
+        layers = find_decoder_layers(self.model)
+        if layers is None:
+            logger.warning("no repeated decoder layers found in %s: running eagerly", type(self.model).__name__)
+            return
         start = time.perf_counter()
-        self.compiled = torch.compile(self._model_forward, dynamic=True)
-        warmup = StepInputs(
-            input_ids=torch.zeros(7, dtype=torch.long),
-            positions=torch.arange(7),
-            slot_mapping=torch.full((7,), -1, dtype=torch.long),
-            block_tables=torch.zeros(3, 5, dtype=torch.int32),
-            cu_seqlens_q=torch.tensor([0, 4, 6, 7], dtype=torch.int32),
-            context_lens=torch.tensor([4, 2, 1]),
-            logits_indices=torch.tensor([3, 6]),
-            sample_seqs=[],
-        )
+        self.regions = RegionalCompile(layers, backend)
         try:
-            with torch.inference_mode(), self.switch:
-                d = warmup.to(self.device, self.cache_engine.kv_caches)
-                self.compiled(d.input_ids, d.positions, d.metadata, d.logits_indices)
+            with torch.inference_mode():  # inputs made here are inference tensors, like every step's
+                self.run(self._warmup_inputs())
+            if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the eager forward
             logger.warning("torch.compile failed (%s: %s); running the model eagerly", type(exc).__name__, exc)
-            self.compiled = None
+            self.regions = None
             return
-        logger.info("compiled the model forward in %.1f s", time.perf_counter() - start)
+        logger.info(
+            "compiled %s (shared by %d layers) in %.1f s",
+            type(layers[0]).__name__,
+            len(layers),
+            time.perf_counter() - start,
+        )
 
-    def _forward_fn(self, *args) -> torch.Tensor:
-        return (self.compiled or self._model_forward)(*args)
+    @staticmethod
+    def _warmup_inputs() -> StepInputs:
+        q_lens = _WARMUP["q_lens"]
+        num_tokens = sum(q_lens)
+        return StepInputs(
+            input_ids=torch.zeros(num_tokens, dtype=torch.long),
+            positions=torch.cat([torch.arange(n) for n in q_lens]),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long),  # writes nothing
+            block_tables=torch.zeros(len(q_lens), _WARMUP["width"], dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+            context_lens=torch.tensor(_WARMUP["context_lens"]),
+            logits_indices=torch.tensor(_WARMUP["logits_indices"]),
+            sample_seqs=[],
+        )
+
+    def _compiled(self) -> contextlib.AbstractContextManager:
+        return self.regions if self.regions is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ the step
     def prepare_inputs(self, sched: SchedulerOutput, block_manager: BlockManager) -> StepInputs:
@@ -103,15 +119,14 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor:  # [N, V]
         if self.graphs is not None and self.graphs.can_run(inputs):
             with self.switch:
-                logits = self.graphs.run(inputs)  # [B, V]: every decode sequence samples
-            return logits
+                return self.graphs.run(inputs)  # [B, V]: every decode sequence samples
         n = inputs.logits_indices.shape[0]
-        if self.compiled is not None:
+        if self.regions is not None:
             short = inputs.num_seqs < 2 or inputs.num_tokens < 2
-            inputs = pad_step_inputs(inputs, 1 if short else 0, min_logits=2)
-        d = inputs.to(self.device, self.cache_engine.kv_caches)
-        with self.switch:
-            logits = self._forward_fn(d.input_ids, d.positions, d.metadata, d.logits_indices)
+            inputs = pad_step_inputs(inputs, 1 if short else 0, min_logits=2, min_width=2)
+        d = inputs.to(self.device)
+        with self.switch, self._compiled():
+            logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices)
         return logits[:n]
 
     def _model_forward(

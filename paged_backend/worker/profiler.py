@@ -42,7 +42,6 @@ def profile_peak_memory(model: PreTrainedModel, config: EngineConfig, device: to
         block_tables=block_tables.to(device),
         cu_seqlens_q=cu_seqlens_q.to(device),
         context_lens=torch.tensor(lens, dtype=torch.long, device=device),
-        kv_caches=cache.kv_caches,
     )
     vocab = model.config.get_text_config().vocab_size
     input_ids = torch.randint(0, vocab, (num_tokens,), device=device)

@@ -42,14 +42,13 @@ class StepInputs:
     def decode_only(self) -> bool:
         return self.num_tokens == self.num_seqs
 
-    def to(self, device: torch.device, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DeviceInputs:
+    def to(self, device: torch.device) -> DeviceInputs:
         to = dict(device=device, non_blocking=True)
         metadata = AttentionMetadata(
             slot_mapping=self.slot_mapping.to(**to),
             block_tables=self.block_tables.to(**to),
             cu_seqlens_q=self.cu_seqlens_q.to(**to),
             context_lens=self.context_lens.to(**to),
-            kv_caches=kv_caches,
         )
         return DeviceInputs(self.input_ids.to(**to), self.positions.to(**to), metadata, self.logits_indices.to(**to))
 
@@ -101,11 +100,14 @@ def build_step_inputs(sched: SchedulerOutput, block_manager: BlockManager, block
     )
 
 
-def pad_step_inputs(inputs: StepInputs, num_pad_seqs: int, min_logits: int = 0) -> StepInputs:
+def pad_step_inputs(inputs: StepInputs, num_pad_seqs: int, min_logits: int = 0, min_width: int = 0) -> StepInputs:
     """Append ``num_pad_seqs`` padding sequences of one token; repeat the last logit row up to ``min_logits``
-    rows (the caller keeps only the first N)."""
+    rows (the caller keeps only the first N); widen the block tables with unused columns to ``min_width``."""
+    tables = inputs.block_tables
+    if tables.shape[1] < min_width:
+        tables = torch.cat([tables, tables.new_zeros(tables.shape[0], min_width - tables.shape[1])], dim=1)
     if num_pad_seqs == 0 and inputs.logits_indices.shape[0] >= min_logits:
-        return inputs
+        return replace(inputs, block_tables=tables)
     t = inputs.num_tokens
     pad_tokens = torch.zeros(num_pad_seqs, dtype=torch.long)
     logits = inputs.logits_indices
@@ -117,9 +119,7 @@ def pad_step_inputs(inputs: StepInputs, num_pad_seqs: int, min_logits: int = 0) 
         input_ids=torch.cat([inputs.input_ids, pad_tokens]),
         positions=torch.cat([inputs.positions, pad_tokens]),
         slot_mapping=torch.cat([inputs.slot_mapping, torch.full((num_pad_seqs,), -1, dtype=torch.long)]),
-        block_tables=torch.cat(
-            [inputs.block_tables, inputs.block_tables.new_zeros(num_pad_seqs, inputs.block_tables.shape[1])]
-        ),
+        block_tables=torch.cat([tables, tables.new_zeros(num_pad_seqs, tables.shape[1])]),
         cu_seqlens_q=torch.cat([inputs.cu_seqlens_q, torch.arange(t + 1, t + num_pad_seqs + 1, dtype=torch.int32)]),
         context_lens=torch.cat([inputs.context_lens, torch.zeros(num_pad_seqs, dtype=torch.long)]),
         logits_indices=logits,

@@ -1,0 +1,63 @@
+"""Regional compilation: ``torch.compile`` the decoder layer once and run every layer through it.
+
+Compiling the whole forward of a 32-layer model with dynamic shapes takes minutes, because dynamo traces and
+inductor compiles all 32 copies. The layers are instances of one class whose only differences are their weights
+(graph inputs) and their KV caches (tensor attributes, also graph inputs: see ``attention.KV_CACHE_ATTR``), so
+one compiled graph serves them all. Layers that really differ (sliding-window vs full attention in Gemma or
+Qwen2) compile one graph per kind. The layers' ``forward`` is swapped only inside ``with``, so the user's own
+calls to the model never see the compiled code.
+
+Shapes are dynamic, with duck sizing off: otherwise dynamo would give two dimensions that happen to be equal
+when it traces (say 2 logit rows and 2 KV heads) one symbol, and recompile when they differ.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch import nn
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The longest ``ModuleList`` of one class whose members each hold a module with an int ``layer_idx``."""
+
+    def has_layer_idx(module: nn.Module) -> bool:
+        return any(isinstance(getattr(m, "layer_idx", None), int) for m in module.modules())
+
+    best = None
+    for module in model.modules():
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) > 0
+            and len({type(m) for m in module}) == 1
+            and all(has_layer_idx(m) for m in module)
+            and (best is None or len(module) > len(best))
+        ):
+            best = module
+    return best
+
+
+class RegionalCompile:
+    def __init__(self, layers: nn.ModuleList, backend: Any = "inductor") -> None:
+        self.layers = list(layers)
+        compiled = torch.compile(type(self.layers[0]).forward, dynamic=True, backend=backend)
+        self.methods = [types.MethodType(compiled, layer) for layer in self.layers]
+        self.previous: list[Any] = []
+        self.no_duck_shapes = fx_config.patch(use_duck_shape=False)
+
+    def __enter__(self) -> None:
+        self.no_duck_shapes.__enter__()
+        self.previous = [layer.__dict__.get("forward") for layer in self.layers]
+        for layer, method in zip(self.layers, self.methods):
+            layer.forward = method
+
+    def __exit__(self, *exc: object) -> None:
+        for layer, previous in zip(self.layers, self.previous):
+            if previous is None:
+                del layer.forward
+            else:
+                layer.forward = previous
+        self.no_duck_shapes.__exit__(*exc)
