@@ -117,10 +117,10 @@ class PagedAttentionSwitch:
         for c in self.configs:
             c._attn_implementation_internal = ATTN_IMPLEMENTATION
         for module, kv_cache in self.layer_caches:
-            setattr(module, KV_CACHE_ATTR, kv_cache)
+            module.__dict__[KV_CACHE_ATTR] = kv_cache  # skips nn.Module.__setattr__'s checks, once per layer and step
 
     def __exit__(self, *exc: object) -> None:
         for c, previous in zip(self.configs, self.previous):
             c._attn_implementation_internal = previous
         for module, _ in self.layer_caches:
-            delattr(module, KV_CACHE_ATTR)
+            del module.__dict__[KV_CACHE_ATTR]
