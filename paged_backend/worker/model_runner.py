@@ -146,14 +146,3 @@ class ModelRunner:
         )
         logits = out.logits[0]
         return logits if self.takes_logits_to_keep else logits[logits_indices]
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        metadata: AttentionMetadata,
-        logits_indices: torch.Tensor,  # [N]
-    ) -> torch.Tensor:  # [N, V]
-        """One eager forward on device tensors (the memory profiler's entry)."""
-        with self.switch:
-            return self._model_forward(input_ids, positions, metadata, logits_indices)

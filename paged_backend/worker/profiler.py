@@ -8,10 +8,10 @@ import math
 import torch
 from transformers import PreTrainedModel
 
-from paged_backend.attention import AttentionMetadata
 from paged_backend.config import EngineConfig
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.model_runner import ModelRunner
+from paged_backend.worker.step_inputs import StepInputs
 
 # Dummy sequences are at most this long: enough to exercise the attention path without a quadratic blow-up.
 PROFILE_SEQ_LEN = 1024
@@ -37,17 +37,20 @@ def profile_peak_memory(model: PreTrainedModel, config: EngineConfig, device: to
     owner = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])  # [T]
     block_tables = torch.arange(len(lens) * blocks_per_seq, dtype=torch.int32).view(len(lens), blocks_per_seq)
     cu_seqlens_q = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
-    metadata = AttentionMetadata(
-        slot_mapping=(owner * blocks_per_seq * block_size + positions).to(device),
-        block_tables=block_tables.to(device),
-        cu_seqlens_q=cu_seqlens_q.to(device),
-        context_lens=torch.tensor(lens, dtype=torch.long, device=device),
-    )
     vocab = model.config.get_text_config().vocab_size
-    input_ids = torch.randint(0, vocab, (num_tokens,), device=device)
-    runner.forward(input_ids, positions.to(device), metadata, (cu_seqlens_q[1:] - 1).long().to(device))
+    inputs = StepInputs(
+        input_ids=torch.randint(0, vocab, (num_tokens,)),
+        positions=positions,
+        slot_mapping=owner * blocks_per_seq * block_size + positions,
+        block_tables=block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        context_lens=torch.tensor(lens),
+        logits_indices=(cu_seqlens_q[1:] - 1).long(),
+        sample_seqs=[],
+    )
+    runner.run(inputs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    del runner, cache, metadata
+    del runner, cache
     torch.cuda.empty_cache()
     return peak - cache_bytes
