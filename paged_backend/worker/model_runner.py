@@ -58,8 +58,14 @@ class ModelRunner:
                 self.graphs = CUDAGraphRunner(
                     self._model_forward, max_num_seqs, math.ceil(max_model_len / self.block_size), device
                 )
-            with torch.inference_mode(), self.switch, self._compiled():
-                self.graphs.capture()
+            try:
+                with torch.inference_mode(), self.switch, self._compiled():
+                    self.graphs.capture()
+            except Exception as exc:  # noqa: BLE001 - steps still run, without graphs
+                logger.warning(
+                    "CUDA graph capture failed (%s: %s); decode steps run without graphs", type(exc).__name__, exc
+                )
+                self.graphs = None
 
     # ------------------------------------------------------------------ set-up
     def compile(self, backend: Any = "inductor") -> None:
