@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             profile_decode(llm, vocab, args.profile)
         save()
         del llm
-        torch._dynamo.reset()  # compiled code keeps the runner (and its KV cache) alive
+        torch._dynamo.reset()  # drop compiled code and its guards, which may still refer to the engine's tensors
         gc.collect()
         torch.cuda.empty_cache()
         logger.info("paged engine released: %.1f GiB still allocated", torch.cuda.memory_allocated() / 2**30)

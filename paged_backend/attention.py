@@ -56,7 +56,10 @@ def paged_attention_forward(
         raise RuntimeError(f"the paged engine runs a flattened batch of size 1, got batch size {query.shape[0]}")
     kv_cache = getattr(module, KV_CACHE_ATTR, None)
     if kv_cache is None:
-        raise RuntimeError(f"{type(module).__name__} has no layer_idx: the paged cache cannot tell its layer")
+        raise RuntimeError(
+            f"{type(module).__name__} got no paged KV cache: the engine gives one to each module whose int "
+            "layer_idx is below the model's number of layers"
+        )
     k_cache, v_cache = kv_cache  # each [num_blocks, block_size, Hkv, D]
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
@@ -111,8 +114,12 @@ class PagedAttentionSwitch:
             if isinstance(getattr(m, "layer_idx", None), int) and 0 <= m.layer_idx < len(kv_caches)
         ]
         self.previous: list[Any] = []
+        self.depth = 0
 
     def __enter__(self) -> None:
+        self.depth += 1
+        if self.depth > 1:  # already switched: re-entering is a no-op
+            return
         self.previous = [c._attn_implementation_internal for c in self.configs]
         for c in self.configs:
             c._attn_implementation_internal = ATTN_IMPLEMENTATION
@@ -120,7 +127,10 @@ class PagedAttentionSwitch:
             module.__dict__[KV_CACHE_ATTR] = kv_cache  # skips nn.Module.__setattr__'s checks, once per layer and step
 
     def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
         for c, previous in zip(self.configs, self.previous):
             c._attn_implementation_internal = previous
         for module, _ in self.layer_caches:
-            del module.__dict__[KV_CACHE_ATTR]
+            module.__dict__.pop(KV_CACHE_ATTR, None)

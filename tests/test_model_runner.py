@@ -110,6 +110,14 @@ def test_custom_ops_schema_and_fake_kernels() -> None:
     torch.library.opcheck(paged_attention_op, (q, k_cache, v_cache, tables, cu, ctx, 0.3, 2, 5.0))
 
 
+def counting_backend(graphs: list):
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
 @pytest.mark.parametrize(
     ("arch", "max_graphs"), [("llama", 1), ("gpt2", 1), ("mixtral", 1), ("qwen2", 2), ("gemma3", 2)]
 )
@@ -117,20 +125,14 @@ def test_regional_compile_shares_one_graph_across_layers(tokenizer, arch: str, m
     """The decoder layer compiles once for every layer (twice where layers mix sliding and full attention), never
     again as batch shapes change, and greedy output still equals HF. Dynamo only (a counting backend), so it runs
     here; on a GPU the same graph goes to inductor."""
-    torch._dynamo.reset()
     model = tiny_model(arch)
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_num_batched_tokens=40, max_model_len=128)
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    graphs: list = []
     runner = llm.llm_engine.runner
-    runner.compile(counting_backend)
+    runner.compile(counting_backend(graphs))
     assert runner.regions is not None and len(runner.regions.layers) == model.config.num_hidden_layers
     after_warmup = len(graphs)
-    assert 1 <= after_warmup <= max_graphs
+    assert 1 <= after_warmup <= max_graphs and runner.regions.num_graphs == after_warmup
     prompts = ragged_prompts(16)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
@@ -142,4 +144,29 @@ def test_regional_compile_shares_one_graph_across_layers(tokenizer, arch: str, m
     # Outside the engine's forward the user's model is untouched: no compiled forward, no cache attribute.
     assert all("forward" not in layer.__dict__ for layer in runner.regions.layers)
     assert not any(hasattr(m, KV_CACHE_ATTR) for m in model.modules())
-    torch._dynamo.reset()
+
+
+def test_each_engine_compiles_its_own_graphs(tokenizer) -> None:
+    """Dynamo allows 8 graphs per code object, and transformers' decoder layers share one forward wrapper: each
+    engine compiles a fresh copy, so the ninth engine of a process still gets compiled layers."""
+    for _ in range(9):
+        llm = LLM(tiny_model("llama"), tokenizer=tokenizer, num_kv_blocks=16, max_model_len=64)
+        runner = llm.llm_engine.runner
+        runner.compile(counting_backend([]))
+        assert runner.regions is not None and runner.regions.num_graphs == 1
+
+
+def test_switch_and_regions_are_reentrant(tokenizer) -> None:
+    """Entering twice is a no-op, and leaving restores the user's model exactly."""
+    model = tiny_model("llama")
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=16, max_model_len=64)
+    runner = llm.llm_engine.runner
+    runner.compile(counting_backend([]))
+    before = model.config._attn_implementation
+    with runner.switch, runner.regions:
+        with runner.switch, runner.regions:
+            assert model.config._attn_implementation == "paged_backend"
+        assert hasattr(model.model.layers[0].self_attn, KV_CACHE_ATTR)
+        assert "forward" in model.model.layers[0].__dict__
+    assert model.config._attn_implementation == before
+    assert not any(hasattr(m, KV_CACHE_ATTR) or "forward" in m.__dict__ for m in model.modules())

@@ -40,24 +40,51 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return best
 
 
+def _fresh_copy(fn: types.FunctionType) -> types.FunctionType:
+    """The same function over a new code object. Dynamo keeps its compiled code, and its limit of 8 graphs, per
+    code object, and transformers gives every decoder layer class one shared ``forward`` wrapper: without a copy,
+    the engines of one process would share those 8 graphs and the later ones would silently run eagerly."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__dict__.update(fn.__dict__)
+    return copy
+
+
 class RegionalCompile:
+    """``with regions:`` routes every layer through the compiled forward; re-entering is a no-op."""
+
     def __init__(self, layers: nn.ModuleList, backend: Any = "inductor") -> None:
         self.layers = list(layers)
-        compiled = torch.compile(type(self.layers[0]).forward, dynamic=True, backend=backend)
+        self.num_graphs = 0
+        compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+
+        def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            self.num_graphs += 1
+            return compiler(gm, example_inputs)
+
+        forward = _fresh_copy(type(self.layers[0]).forward)
+        compiled = torch.compile(forward, dynamic=True, backend=counting_backend)
         self.methods = [types.MethodType(compiled, layer) for layer in self.layers]
         self.previous: list[Any] = []
+        self.depth = 0
         self.no_duck_shapes = fx_config.patch(use_duck_shape=False)
 
     def __enter__(self) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
         self.no_duck_shapes.__enter__()
         self.previous = [layer.__dict__.get("forward") for layer in self.layers]
         for layer, method in zip(self.layers, self.methods):
             layer.forward = method
 
     def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
         for layer, previous in zip(self.layers, self.previous):
             if previous is None:
-                del layer.forward
+                layer.__dict__.pop("forward", None)
             else:
                 layer.forward = previous
         self.no_duck_shapes.__exit__(*exc)

@@ -55,9 +55,9 @@ class ModelRunner:
         if device.type == "cuda" and not enforce_eager:
             self.compile()
             with torch.inference_mode():  # static buffers must be inference tensors, like every step's inputs
-                self.graphs = CUDAGraphRunner(
-                    self._model_forward, max_num_seqs, math.ceil(max_model_len / self.block_size), device
-                )
+                # Block-table width at least 2: a compiled dimension of size 1 would be specialised on.
+                width = max(2, math.ceil(max_model_len / self.block_size))
+                self.graphs = CUDAGraphRunner(self._model_forward, max_num_seqs, width, device)
             try:
                 with torch.inference_mode(), self.switch, self._compiled():
                     self.graphs.capture()
@@ -82,13 +82,16 @@ class ModelRunner:
                 self.run(self._warmup_inputs())
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            if self.regions.num_graphs == 0:  # dynamo gave up (e.g. a recompile limit) and ran eagerly
+                raise RuntimeError("dynamo produced no graph for the decoder layer")
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the eager forward
             logger.warning("torch.compile failed (%s: %s); running the model eagerly", type(exc).__name__, exc)
             self.regions = None
             return
         logger.info(
-            "compiled %s (shared by %d layers) in %.1f s",
+            "compiled %s into %d graph(s) shared by %d layers in %.1f s",
             type(layers[0]).__name__,
+            self.regions.num_graphs,
             len(layers),
             time.perf_counter() - start,
         )
