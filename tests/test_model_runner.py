@@ -9,7 +9,7 @@ import torch
 from paged_backend import LLM, SamplingParams
 from paged_backend.attention import KV_CACHE_ATTR
 from paged_backend.kernels.ops import paged_attention_op, write_kv_cache_op
-from paged_backend.worker.cuda_graphs import capture_sizes, fits_decode_graph
+from paged_backend.worker.cuda_graphs import CUDAGraphRunner, capture_sizes, fits_decode_graph
 from paged_backend.worker.step_inputs import pad_step_inputs
 from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tiny_model
 
@@ -170,3 +170,48 @@ def test_switch_and_regions_are_reentrant(tokenizer) -> None:
         assert "forward" in model.model.layers[0].__dict__
     assert model.config._attn_implementation == before
     assert not any(hasattr(m, KV_CACHE_ATTR) or "forward" in m.__dict__ for m in model.modules())
+
+
+class _ReplayInPython:
+    """Stands in for a captured CUDA graph: replaying re-runs the forward on the static buffers."""
+
+    def __init__(self, runner: CUDAGraphRunner, size: int) -> None:
+        self.runner, self.size = runner, size
+
+    def replay(self) -> None:
+        self.runner.outputs[self.size] = self.runner._run(self.size)
+
+
+def test_graph_runner_buffers_give_the_eager_logits(tokenizer) -> None:
+    """The decode-graph path (staging, padding rows, static block tables wider than needed, bucket choice) feeds
+    the forward the same step as the eager path, and its padding rows touch no real sequence's cache: decoding
+    through it matches HF greedy while requests finish and the batch shrinks through buckets 8, 4 and 2. Graphs
+    are replaced by re-running the forward on the static buffers, so this runs on CPU."""
+    model = tiny_model("llama")
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_model_len=128)
+    engine = llm.llm_engine
+    graph_runner = CUDAGraphRunner(engine.runner._model_forward, 8, 8, torch.device("cpu"))
+    graph_runner.graphs = {size: _ReplayInPython(graph_runner, size) for size in graph_runner.sizes}
+    prompts = ragged_prompts(16)[:5]
+    max_tokens = [3, 7, 12, 16, 20]
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=n))
+    seqs = [request.seqs[0] for request in engine.requests.values()]
+    engine.step()  # prefills
+    sizes_used = set()
+    while engine.scheduler.running:
+        sched = engine.scheduler.schedule()
+        inputs = engine.runner.prepare_inputs(sched, engine.block_manager)
+        assert graph_runner.can_run(inputs)
+        sizes_used.add(next(s for s in graph_runner.sizes if s >= inputs.num_seqs))
+        with torch.inference_mode(), engine.runner.switch:
+            replayed = graph_runner.run(inputs).clone()
+        engine.scheduler.on_step_done(sched)
+        stop_ids = [frozenset()] * len(inputs.sample_seqs)
+        for seq, result in zip(inputs.sample_seqs, engine.sampler(replayed, inputs.sample_seqs, stop_ids)):
+            engine._append_token(seq, result)
+    for seq, prompt, n in zip(seqs, prompts, max_tokens):
+        assert seq.output_token_ids == hf_greedy(model, prompt, n)
+    assert {8, 4, 2} <= sizes_used
+    engine.requests.clear()
+    assert_idle(llm)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from paged_backend.attention import AttentionMetadata
-from paged_backend.worker.step_inputs import StepInputs, pad_step_inputs
+from paged_backend.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,10 @@ class CUDAGraphRunner:
         self.max_size = self.sizes[-1]
         n = self.max_size
         # Rows: input_ids, positions, slot_mapping, context_lens; one copy moves them all.
-        self.staging = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
+        self.staging = torch.zeros(4, n, dtype=torch.long, pin_memory=device.type == "cuda")
         self.static_ints = torch.zeros(4, n, dtype=torch.long, device=device)
         self.static_ints[2].fill_(-1)
+        self.padding_column = torch.tensor([[0], [0], [-1], [0]])  # [4, 1]: see run()
         self.static_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # decode: one token each
         self.logits_indices = torch.arange(n, dtype=torch.long, device=device)
@@ -94,11 +95,12 @@ class CUDAGraphRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor:  # [B, V], a view valid until the next replay
         b = inputs.num_seqs
         size = next(s for s in self.sizes if s >= b)
-        padded = pad_step_inputs(inputs, size - b)
-        self.staging[0, :size] = padded.input_ids
-        self.staging[1, :size] = padded.positions
-        self.staging[2, :size] = padded.slot_mapping
-        self.staging[3, :size] = padded.context_lens
+        # Rows b..size are padding sequences: token 0 at position 0, slot -1 (no write), context 0 (no read).
+        self.staging[0, :b] = inputs.input_ids
+        self.staging[1, :b] = inputs.positions
+        self.staging[2, :b] = inputs.slot_mapping
+        self.staging[3, :b] = inputs.context_lens
+        self.staging[:, b:size] = self.padding_column
         self.static_ints[:, :size].copy_(self.staging[:, :size], non_blocking=True)
         width = inputs.block_tables.shape[1]
         self.static_tables[:b, :width].copy_(inputs.block_tables, non_blocking=True)
