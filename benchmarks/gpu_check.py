@@ -1,9 +1,9 @@
 """GPU check of the engine with its Triton kernels: greedy equality with HF ``generate`` on the GPU for the tiny
-fp32 models of every tested architecture (full-precision dots in fp32), eagerly and, for a few architectures,
-with torch.compile + CUDA graphs (``--compiled``; each compile takes a while). The kernels' own tests run with
+fp32 models of every tested architecture (full-precision dots in fp32), eagerly and with regional torch.compile
++ CUDA graphs (``--compiled`` picks the architectures; default all). The kernels' own tests run with
 ``python -m pytest tests/test_kernels.py`` on the same machine; speed is ``benchmarks/throughput.py``.
 
-Run: ``python benchmarks/gpu_check.py [--compiled llama,mistral,gpt2]`` on a CUDA machine.
+Run: ``python benchmarks/gpu_check.py [--compiled llama,gpt2]`` on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def tiny_equality(tokenizer, compiled: set[str]) -> list[tuple[str, str, int, in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="greedy equality with HF generate on the GPU")
-    parser.add_argument("--compiled", default="llama,mistral,gpt2", help="architectures also run compiled")
+    parser.add_argument("--compiled", default=",".join(TINY_CONFIGS), help="architectures also run compiled")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.info("torch %s, %s", torch.__version__, torch.cuda.get_device_name())

@@ -30,7 +30,7 @@ from paged_backend.worker.step_inputs import StepInputs, build_step_inputs, pad_
 
 logger = logging.getLogger(__name__)
 
-# Compiled once on this batch: every dimension distinct and above 1, so the graph stays generic.
+# Compiled once on this batch: every dimension above 1 (a size-1 dimension would be specialised on).
 _WARMUP = dict(q_lens=[4, 2, 1], context_lens=[4, 2, 1], logits_indices=[3, 6], width=5)
 
 
