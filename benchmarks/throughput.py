@@ -176,7 +176,8 @@ def measure_ttft(llm: LLM, model, vocab: int, repeats: int = 5) -> dict[str, flo
 
 def step_breakdown(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
     """Where a step's wall time goes: scheduling, input building, launching the forward (async for CUDA graphs),
-    sampling (which waits for the GPU) and the rest (appending tokens, outputs). Milliseconds per step."""
+    sampling (which waits for the GPU) and the rest (appending tokens, outputs; for a multi-step decode round,
+    which counts as one step, also the wait for the GPU). Milliseconds per step."""
     engine = llm.llm_engine
     totals: dict[str, float] = dict.fromkeys(("schedule", "prepare", "launch", "sample+gpu_wait"), 0.0)
 

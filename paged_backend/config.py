@@ -105,10 +105,14 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # Decode steps run back to back on the device per scheduling round (vLLM's multi-step scheduling), for
+    # batches where every sequence decodes greedily without penalties or logprobs.
+    num_scheduler_steps: int = 8
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, allow_none=True)
+        check_int("num_scheduler_steps", self.num_scheduler_steps, 1, 64)
 
 
 @dataclass(frozen=True)

@@ -93,10 +93,18 @@ def sampling_logprobs(
     return logits.log_softmax(-1)
 
 
-def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """One device-to-host read for both (token ids < 2**53 are exact in float64)."""
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Argmax of each row and its log-probability, on the device: ``([N], [N])``."""
+    logits = logits.float()  # [N, V]
+    tokens = logits.argmax(dim=-1)
+    return tokens, logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(dim=-1)
+
+
+def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list, list]:
+    """One device-to-host read for both, any shape (token ids < 2**53 are exact in float64)."""
     both = torch.stack([tokens.double(), logprobs.double()]).tolist()
-    return [int(t) for t in both[0]], both[1]
+    ints = [int(t) for t in both[0]] if tokens.dim() == 1 else [[int(t) for t in row] for row in both[0]]
+    return ints, both[1]
 
 
 class Sampler:
@@ -110,9 +118,7 @@ class Sampler:
     @staticmethod
     def _greedy(logits: torch.Tensor) -> list[SampleResult]:
         """All-greedy batch without penalties or logprobs (the common case): argmax and its logprob, no sort."""
-        tokens = logits.argmax(dim=-1)  # [N]
-        chosen = logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(dim=-1)  # [N]
-        return [SampleResult(t, lp) for t, lp in zip(*_to_host(tokens, chosen))]
+        return [SampleResult(t, lp) for t, lp in zip(*to_host(*greedy_tokens(logits)))]
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], stop_ids: Seq[frozenset[int]]) -> list[SampleResult]:
@@ -166,7 +172,7 @@ class Sampler:
             tokens[rows] = (logprobs[rows].exp() / q).argmax(dim=-1)
 
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
-        token_list, chosen_list = _to_host(tokens, chosen)
+        token_list, chosen_list = to_host(tokens, chosen)
         results = [SampleResult(t, lp) for t, lp in zip(token_list, chosen_list)]
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if want:

@@ -33,11 +33,43 @@ def test_greedy_matches_hf_generate(arch: str, tokenizer) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_hf_with_preemption_and_chunked_prefill(arch: str, tokenizer) -> None:
     model = tiny_model(arch)
-    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=10, max_model_len=40, max_num_batched_tokens=6)
+    llm = LLM(
+        model,
+        tokenizer=tokenizer,
+        block_size=4,
+        num_kv_blocks=10,
+        max_model_len=40,
+        max_num_batched_tokens=6,
+        num_scheduler_steps=1,  # one scheduling round per token, so decodes run out of blocks and preempt
+    )
     _check(llm, model, ragged_prompts(4, seed=2))
     stats = llm.stats()
     assert stats["num_preemptions"] > 0, stats
     assert stats["num_chunked_prefill_steps"] > 0, stats
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2", "qwen2"])
+def test_greedy_matches_hf_with_multi_step_decoding(arch: str, tokenizer, monkeypatch) -> None:
+    """Decode steps run 8 at a time on the device: sequences that finish (EOS, max_tokens, max_model_len) in
+    the middle of a run drop the rest, and sequences that cannot get blocks for 8 more tokens take one step."""
+    model = tiny_model(arch)
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=24, max_model_len=40, num_scheduler_steps=8)
+    engine = llm.llm_engine
+    runs = []
+    run_decode_steps = engine._run_decode_steps
+    monkeypatch.setattr(engine, "_run_decode_steps", lambda s, n: runs.append(n.copy()) or run_decode_steps(s, n))
+    prompts = ragged_prompts(4, seed=5)
+    max_tokens = [3, 9, 17, 30, 5, 12, 20, 25]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens],
+        use_tqdm=False,
+    )
+    for prompt, n, out in zip(prompts, max_tokens, outs):
+        expected = hf_greedy(model, prompt, min(n, 40 - len(prompt)))
+        assert out.outputs[0].token_ids == expected
+    assert any(n.max() == 8 for n in runs) and any(n.min() < n.max() for n in runs)
+    assert_idle(llm)
 
 
 def test_block_size_16_several_blocks(tokenizer) -> None:

@@ -14,13 +14,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from paged_backend.attention import check_model_supported
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
-from paged_backend.core.scheduler import Scheduler
+from paged_backend.core.scheduler import Scheduler, SchedulerOutput
 from paged_backend.engine.detokenizer import (
     detokenize_incrementally,
     find_stop_string,
@@ -31,10 +32,11 @@ from paged_backend.engine.sequence import Request, Sequence, SequenceStatus
 from paged_backend.lora.request import LORA_NOT_AVAILABLE
 from paged_backend.model_loader import load_model, load_tokenizer, model_max_length
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_backend.sampler import Sampler, SampleResult
+from paged_backend.sampler import Sampler, SampleResult, to_host
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.model_runner import ModelRunner
+from paged_backend.worker.step_inputs import advance_decode_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class LLMEngine:
             enforce_eager=self.config.device_config.enforce_eager,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
             max_model_len=self.config.max_model_len,
+            num_scheduler_steps=self.config.scheduler_config.num_scheduler_steps,
         )
         self.sampler = Sampler(self.device, self.config.model_config.seed)
         self.eos_token_ids = self._eos_token_ids()
@@ -243,19 +246,11 @@ class LLMEngine:
             if self.scheduler.has_unfinished_seqs():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []
-        logits, sample_seqs = self.runner.execute(sched, self.block_manager)
-        self.scheduler.on_step_done(sched)
-        if not sample_seqs:
-            return []
-        stop_ids = [
-            self._min_tokens_stop_ids(s) if s.num_output_tokens < s.params.min_tokens else frozenset()
-            for s in sample_seqs
-        ]
-        results = self.sampler(logits, sample_seqs, stop_ids)
-        advanced: dict[str, Request] = {}
-        for seq, result in zip(sample_seqs, results):
-            self._append_token(seq, result)
-            advanced[seq.request.request_id] = seq.request
+        num_steps = self._multi_step_plan(sched)
+        if num_steps is not None:
+            advanced = self._run_decode_steps(sched, num_steps)
+        else:
+            advanced = self._run_step(sched)
         outputs = []
         for request in advanced.values():
             if request.first_token_time is None:
@@ -266,6 +261,73 @@ class LLMEngine:
             if finished or (request.params.best_of == request.params.n and not finished_only):
                 outputs.append(self._make_output(request))
         return outputs
+
+    def _run_step(self, sched: SchedulerOutput) -> dict[str, Request]:
+        """One forward, then the sampler; returns the requests that got a token."""
+        logits, sample_seqs = self.runner.execute(sched, self.block_manager)
+        self.scheduler.on_step_done(sched)
+        if not sample_seqs:
+            return {}
+        stop_ids = [
+            self._min_tokens_stop_ids(s) if s.num_output_tokens < s.params.min_tokens else frozenset()
+            for s in sample_seqs
+        ]
+        results = self.sampler(logits, sample_seqs, stop_ids)
+        advanced: dict[str, Request] = {}
+        for seq, result in zip(sample_seqs, results):
+            self._append_token(seq, result)
+            advanced[seq.request.request_id] = seq.request
+        return advanced
+
+    def _multi_step_plan(self, sched: SchedulerOutput) -> np.ndarray | None:
+        """How many decode steps each sequence takes in one device-side run, or None for a normal step.
+
+        Only for batches where every sequence decodes one token greedily without penalties, logprobs or a
+        min_tokens barrier: their tokens can be fed to the next step on the device and checked afterwards.
+        A sequence takes no more steps than max_tokens and max_model_len leave it, and gets its blocks now."""
+        k = self.config.scheduler_config.num_scheduler_steps
+        if k == 1 or sched.block_copies or any(n != 1 for n in sched.num_new_tokens):
+            return None
+        for seq in sched.seqs:
+            p = seq.params
+            if (
+                seq.num_uncomputed_tokens != 1
+                or not p.greedy
+                or p.has_penalties
+                or p.logprobs is not None
+                or seq.num_output_tokens < p.min_tokens
+            ):
+                return None
+        steps = np.empty(len(sched.seqs), dtype=np.int64)
+        for i, seq in enumerate(sched.seqs):
+            left = self.max_model_len - len(seq.token_ids)
+            if seq.params.max_tokens is not None:
+                left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+            steps[i] = n = max(1, min(k, left))
+            end = seq.num_computed_tokens + n
+            if n > 1 and self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, end) is None:
+                steps[i] = 1  # no blocks for more: this sequence takes one step (its slots past it are -1)
+        return steps if steps.max() > 1 else None
+
+    def _run_decode_steps(self, sched: SchedulerOutput, num_steps: np.ndarray) -> dict[str, Request]:
+        """``num_steps.max()`` greedy decode steps back to back on the device, one host read at the end; then
+        each sequence's tokens are appended in order until it finishes (the rest were computed for nothing)."""
+        with torch.inference_mode():  # inputs are inference tensors, as in every other step
+            inputs = self.runner.prepare_inputs(sched, self.block_manager)
+            block_size = self.config.block_size
+            steps = [inputs] + [
+                advance_decode_inputs(inputs, k, num_steps, block_size) for k in range(1, int(num_steps.max()))
+            ]
+            tokens, logprobs = to_host(*self.runner.run_decode_steps(steps))  # [K][B] each
+        advanced: dict[str, Request] = {}
+        for i, seq in enumerate(sched.seqs):
+            for k in range(int(num_steps[i])):
+                if seq.status.finished:
+                    break
+                seq.num_computed_tokens += 1  # the step's input token is now in the cache
+                self._append_token(seq, SampleResult(tokens[k][i], logprobs[k][i]))
+            advanced[seq.request.request_id] = seq.request
+        return advanced
 
     def _min_tokens_stop_ids(self, seq: Sequence) -> frozenset[int]:
         params = seq.params

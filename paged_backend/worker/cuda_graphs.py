@@ -42,14 +42,17 @@ class CUDAGraphRunner:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
+        num_staging: int = 1,
     ) -> None:
         self.forward = forward
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
         n = self.max_size
-        # Rows: input_ids, positions, slot_mapping, context_lens; one copy moves them all.
-        self.staging = torch.zeros(4, n, dtype=torch.long, pin_memory=device.type == "cuda")
+        # Rows: input_ids, positions, slot_mapping, context_lens; one copy moves them all. Steps launched back to
+        # back without a host sync (multi-step decoding) each need their own pinned buffer: an asynchronous copy
+        # reads it only when the GPU gets there.
+        self.staging = torch.zeros(num_staging, 4, n, dtype=torch.long, pin_memory=device.type == "cuda")
         self.static_ints = torch.zeros(4, n, dtype=torch.long, device=device)
         self.static_ints[2].fill_(-1)
         self.padding_column = torch.tensor([[0], [0], [-1], [0]])  # [4, 1]: see run()
@@ -92,16 +95,22 @@ class CUDAGraphRunner:
     def can_run(self, inputs: StepInputs) -> bool:
         return bool(self.graphs) and fits_decode_graph(inputs, self.max_size)
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:  # [B, V], a view valid until the next replay
+    def run(self, inputs: StepInputs, input_ids: torch.Tensor | None = None, staging_index: int = 0) -> torch.Tensor:
+        """Replay the bucket that holds the batch; returns ``[B, V]``, a view valid until the next replay.
+        ``input_ids`` [B] on the device replaces ``inputs.input_ids``; steps launched without a host sync in
+        between must use different ``staging_index`` values."""
         b = inputs.num_seqs
         size = next(s for s in self.sizes if s >= b)
+        staging = self.staging[staging_index]
         # Rows b..size are padding sequences: token 0 at position 0, slot -1 (no write), context 0 (no read).
-        self.staging[0, :b] = inputs.input_ids
-        self.staging[1, :b] = inputs.positions
-        self.staging[2, :b] = inputs.slot_mapping
-        self.staging[3, :b] = inputs.context_lens
-        self.staging[:, b:size] = self.padding_column
-        self.static_ints[:, :size].copy_(self.staging[:, :size], non_blocking=True)
+        staging[0, :b] = inputs.input_ids
+        staging[1, :b] = inputs.positions
+        staging[2, :b] = inputs.slot_mapping
+        staging[3, :b] = inputs.context_lens
+        staging[:, b:size] = self.padding_column
+        self.static_ints[:, :size].copy_(staging[:, :size], non_blocking=True)
+        if input_ids is not None:
+            self.static_ints[0, :b].copy_(input_ids)
         width = inputs.block_tables.shape[1]
         self.static_tables[:b, :width].copy_(inputs.block_tables, non_blocking=True)
         self.graphs[size].replay()

@@ -23,6 +23,7 @@ from paged_backend.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.engine.sequence import Sequence
+from paged_backend.sampler import greedy_tokens
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile, find_decoder_layers
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
@@ -43,6 +44,7 @@ class ModelRunner:
         enforce_eager: bool = True,
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.model = model
         self.cache_engine = cache_engine
@@ -57,7 +59,7 @@ class ModelRunner:
             with torch.inference_mode():  # static buffers must be inference tensors, like every step's inputs
                 # Block-table width at least 2: a compiled dimension of size 1 would be specialised on.
                 width = max(2, math.ceil(max_model_len / self.block_size))
-                self.graphs = CUDAGraphRunner(self._model_forward, max_num_seqs, width, device)
+                self.graphs = CUDAGraphRunner(self._model_forward, max_num_seqs, width, device, num_scheduler_steps)
             try:
                 with torch.inference_mode(), self.switch, self._compiled():
                     self.graphs.capture()
@@ -125,18 +127,37 @@ class ModelRunner:
         inputs = self.prepare_inputs(sched, block_manager)
         return self.run(inputs), inputs.sample_seqs
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:  # [N, V]
+    def run(self, inputs: StepInputs, input_ids: torch.Tensor | None = None, step_index: int = 0) -> torch.Tensor:
+        """One step; returns ``[N, V]``. ``input_ids`` [T] on the device replaces ``inputs.input_ids``
+        (multi-step decoding feeds the previous step's sampled tokens without a trip to the host);
+        ``step_index`` is the step's place in such a run."""
         if self.graphs is not None and self.graphs.can_run(inputs):
-            with self.switch:
-                return self.graphs.run(inputs)  # [B, V]: every decode sequence samples
+            with self.switch:  # [B, V]: every decode sequence samples
+                return self.graphs.run(inputs, input_ids, step_index % self.graphs.staging.shape[0])
         n = inputs.logits_indices.shape[0]
         if self.regions is not None:
             short = inputs.num_seqs < 2 or inputs.num_tokens < 2
             inputs = pad_step_inputs(inputs, 1 if short else 0, min_logits=2, min_width=2)
         d = inputs.to(self.device)
+        if input_ids is not None:
+            d.input_ids = torch.cat([input_ids, d.input_ids[input_ids.shape[0] :]])  # keeps any padding token
         with self.switch, self._compiled():
             logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices)
         return logits[:n]
+
+    @torch.inference_mode()
+    def run_decode_steps(self, steps: list[StepInputs]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy decode steps back to back, each fed the previous one's tokens on the device; no host sync.
+        Returns the sampled tokens and their logprobs, ``[K, B]`` each."""
+        tokens: list[torch.Tensor] = []
+        logprobs: list[torch.Tensor] = []
+        previous = None
+        for k, inputs in enumerate(steps):
+            token, logprob = greedy_tokens(self.run(inputs, previous, k))  # [B], [B]
+            tokens.append(token)
+            logprobs.append(logprob)
+            previous = token
+        return torch.stack(tokens), torch.stack(logprobs)
 
     def _model_forward(
         self,

@@ -124,3 +124,22 @@ def pad_step_inputs(inputs: StepInputs, num_pad_seqs: int, min_logits: int = 0, 
         context_lens=torch.cat([inputs.context_lens, torch.zeros(num_pad_seqs, dtype=torch.long)]),
         logits_indices=logits,
     )
+
+
+def advance_decode_inputs(inputs: StepInputs, k: int, num_steps: np.ndarray, block_size: int) -> StepInputs:
+    """The inputs of the ``k``-th of several decode steps run back to back from ``inputs`` (step 0). Sequence
+    ``i`` takes ``num_steps[i]`` of them; past that its row repeats its last step with slot -1 (nothing written)
+    and its output is dropped. Input ids are left as they are: the runner feeds the previous step's sampled
+    tokens on the device."""
+    offset = torch.from_numpy(np.minimum(k, num_steps - 1))  # [B]
+    positions = inputs.positions + offset
+    tables = inputs.block_tables.numpy()
+    pos = positions.numpy()
+    slots = tables[np.arange(len(pos)), pos // block_size].astype(np.int64) * block_size + pos % block_size
+    slots[k >= num_steps] = -1
+    return replace(
+        inputs,
+        positions=positions,
+        slot_mapping=torch.from_numpy(slots),
+        context_lens=inputs.context_lens + offset,
+    )
