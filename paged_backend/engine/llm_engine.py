@@ -304,9 +304,14 @@ class LLMEngine:
             if seq.params.max_tokens is not None:
                 left = min(left, seq.params.max_tokens - seq.num_output_tokens)
             steps[i] = n = max(1, min(k, left))
-            end = seq.num_computed_tokens + n
-            if n > 1 and self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, end) is None:
-                steps[i] = 1  # no blocks for more: this sequence takes one step (its slots past it are -1)
+            if n > 1:
+                copies = self.block_manager.allocate_slots(
+                    seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n
+                )
+                if copies is None:
+                    steps[i] = 1  # no blocks for more: this sequence takes one step (its slots past it are -1)
+                else:
+                    self.cache_engine.copy_blocks(copies)  # copy-on-write of shared blocks, before any write
         return steps if steps.max() > 1 else None
 
     def _run_decode_steps(self, sched: SchedulerOutput, num_steps: np.ndarray) -> dict[str, Request]:
