@@ -76,3 +76,39 @@ def test_block_size_16_several_blocks(tokenizer) -> None:
     model = tiny_model("llama")
     llm = LLM(model, tokenizer=tokenizer, block_size=16, num_kv_blocks=64)
     _check(llm, model, ragged_prompts(16, seed=3))
+
+
+def test_multi_step_equals_single_step_with_stops(tokenizer) -> None:
+    """Stop tokens, stop strings and max_model_len reached in the middle of a multi-step round give the same
+    tokens, text and finish reasons as one step per round."""
+    model = tiny_model("llama")
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(4, seed=7)]
+
+    def generate(num_scheduler_steps: int, params: list[SamplingParams]):
+        llm = LLM(
+            model,
+            tokenizer=tokenizer,
+            block_size=4,
+            num_kv_blocks=80,
+            max_model_len=40,
+            num_scheduler_steps=num_scheduler_steps,
+        )
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert_idle(llm)
+        return [
+            (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for o in outs
+        ]
+
+    plain = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True) for _ in prompts]
+    reference = generate(1, plain)
+    stop_token = reference[0][0][6]
+    stop_string = reference[1][1][5:8]
+    params = list(plain)
+    params[0] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_token])
+    params[1] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop_string])
+    params[2] = SamplingParams(temperature=0, max_tokens=38, ignore_eos=True)  # a 4-token prompt: hits max_model_len
+    single, multi = generate(1, params), generate(8, params)
+    assert multi == single
+    assert single[0][2:] == ("stop", stop_token) and single[1][2:] == ("stop", stop_string)
+    assert single[2][2] == "length" and len(single[2][0]) == 36

@@ -292,6 +292,7 @@ class LLMEngine:
             p = seq.params
             if (
                 seq.num_uncomputed_tokens != 1
+                or seq.num_output_tokens == 0  # a first token goes out at once (time to first token)
                 or not p.greedy
                 or p.has_penalties
                 or p.logprobs is not None
@@ -308,11 +309,13 @@ class LLMEngine:
                 copies = self.block_manager.allocate_slots(
                     seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n
                 )
-                if copies is None:
-                    steps[i] = 1  # no blocks for more: this sequence takes one step (its slots past it are -1)
+                if copies is None:  # no free blocks for all n: as many steps as its blocks already hold
+                    capacity = len(self.block_manager.get_block_table(seq.seq_id)) * self.config.block_size
+                    steps[i] = max(1, min(n, capacity - seq.num_computed_tokens))
                 else:
                     self.cache_engine.copy_blocks(copies)  # copy-on-write of shared blocks, before any write
-        return steps if steps.max() > 1 else None
+        # A round runs steps.max() forwards for the whole batch: not worth it when most rows would idle.
+        return steps if steps.max() > 1 and 2 * steps.sum() >= steps.max() * len(steps) else None
 
     def _run_decode_steps(self, sched: SchedulerOutput, num_steps: np.ndarray) -> dict[str, Request]:
         """``num_steps.max()`` greedy decode steps back to back on the device, one host read at the end; then

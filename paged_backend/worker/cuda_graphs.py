@@ -108,7 +108,7 @@ class CUDAGraphRunner:
         staging[2, :b] = inputs.slot_mapping
         staging[3, :b] = inputs.context_lens
         staging[:, b:size] = self.padding_column
-        self.static_ints[:, :size].copy_(staging[:, :size], non_blocking=True)
+        self.static_ints.copy_(staging, non_blocking=True)  # whole and contiguous: a true async copy
         if input_ids is not None:
             self.static_ints[0, :b].copy_(input_ids)
         width = inputs.block_tables.shape[1]
