@@ -4,6 +4,7 @@
    64..1,280, Llama-3-8B heads, bf16) and W2's (one sequence), over a sweep of tile sizes and launch settings.
 2. The decode step's GEMMs at 1, 2, 4 and 256 rows (cuBLAS through ``F.linear``): whether a batch of one is
    worth its own CUDA graph, and the weight-read floor.
+3. The few-row Triton GEMM (``kernels/small_gemm.py``) against cuBLAS on the same shapes, over tile sizes.
 
 Run: ``python benchmarks/kernel_sweep.py`` on a CUDA machine.
 """
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_backend.kernels.paged_attention import paged_attention_triton
+from paged_backend.kernels.small_gemm import linear_triton
 
 logger = logging.getLogger("kernel_sweep")
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -30,6 +32,23 @@ def gpu_ms(fn, repeats: int = 20) -> float:
     start.record()
     for _ in range(repeats):
         fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def graph_ms(fn, repeats: int = 10) -> float:
+    """GPU time of ``fn`` replayed from a CUDA graph of ``repeats`` calls: no launch gaps, as in a decode step."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
@@ -91,7 +110,35 @@ def gemm_floor() -> None:
         )
 
 
+def small_gemm_sweep() -> None:
+    """Per-layer time of the 7 projections (and the LM head) with the Triton few-row GEMM vs cuBLAS, each timed
+    inside a CUDA graph as it would run in a decode step."""
+    weights = [torch.randn(o, i, device="cuda", dtype=torch.bfloat16) * 0.02 for o, i in LAYER_SHAPES]
+    lm_head = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    layer_bytes = sum(w.numel() * 2 for w in weights)
+    for rows in (1, 2, 4):
+        x = {i: torch.randn(rows, i, device="cuda", dtype=torch.bfloat16) for i in (4096, 14336)}
+        cublas = sum(graph_ms(lambda w=w, x=x: F.linear(x[w.shape[1]], w)) for w in weights)
+        logger.info("%d rows: cuBLAS %.3f ms per layer (%.0f GB/s)", rows, cublas, layer_bytes / cublas / 1e6)
+        for block_n, block_k in itertools.product((32, 64, 128), (64, 128, 256)):
+            try:
+                ms = sum(
+                    graph_ms(lambda w=w, x=x: linear_triton(x[w.shape[1]], w, block_n=block_n, block_k=block_k))  # noqa: B023
+                    for w in weights
+                )
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                logger.info("   block_n=%d block_k=%d failed: %s", block_n, block_k, type(exc).__name__)
+                continue
+            logger.info(
+                "   triton block_n=%d block_k=%d: %.3f ms (%.0f GB/s)", block_n, block_k, ms, layer_bytes / ms / 1e6
+            )
+        head = graph_ms(lambda x=x: F.linear(x[4096], lm_head))
+        head_triton = graph_ms(lambda x=x: linear_triton(x[4096], lm_head))
+        logger.info("   LM head: cuBLAS %.3f ms, triton %.3f ms", head, head_triton)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     attention_sweep()
     gemm_floor()
+    small_gemm_sweep()
