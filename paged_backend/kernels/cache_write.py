@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with Linux torch; elsewhere the twin runs
-    triton = None
+from paged_backend.kernels import tl, triton
 
 
 def write_kv_cache_torch(

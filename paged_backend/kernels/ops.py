@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from paged_backend.kernels.cache_write import triton, write_kv_cache_torch, write_kv_cache_triton
+from paged_backend.kernels import triton
+from paged_backend.kernels.cache_write import write_kv_cache_torch, write_kv_cache_triton
 from paged_backend.kernels.paged_attention import paged_attention_torch, paged_attention_triton
 
 

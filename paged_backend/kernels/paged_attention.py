@@ -7,15 +7,9 @@ sliding window ``w`` only keys at positions ``> pos - w`` (transformers' convent
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with Linux torch; elsewhere the twin runs
-    triton = None
+from paged_backend.kernels import num_sms, tl, triton
 
 
 def _attend_group(
@@ -310,18 +304,13 @@ if triton is not None:
         )
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(num_seqs: int, num_tokens: int, num_kv_heads: int, device: torch.device) -> int:
     """Split the context only for decode-only batches too small to fill the GPU: aim for two programs per SM.
     Short contexts still take one slice (MIN_SPLIT_TOKENS is enforced in the kernel)."""
     if num_tokens != num_seqs or device.type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    target = 2 * num_sms(device)
     return max(1, min(MAX_SPLITS, _next_pow2(-(-target // programs))))
 
 

@@ -8,15 +8,9 @@ the reduction dimension too (partial sums in fp32, then a deterministic reduce).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with Linux torch; elsewhere the twin runs
-    triton = None
+from paged_backend.kernels import num_sms, tl, triton
 
 MAX_ROWS = 16  # rows beyond this are cuBLAS's job
 
@@ -80,11 +74,6 @@ if triton is not None:
             tl.store(out_ptr + split * stride_os + rows[:, None] * stride_om + cols[None, :], acc, mask=mask)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def linear_triton(
     x: torch.Tensor,  # [M, K], M <= MAX_ROWS, rows contiguous
     weight: torch.Tensor,  # [N, K], rows contiguous
@@ -105,7 +94,7 @@ def linear_triton(
         out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     col_tiles = triton.cdiv(n, block_n)
     if split_k is None:
-        target = 2 * _num_sms(x.device.index or 0) if x.is_cuda else 1
+        target = 2 * num_sms(x.device) if x.is_cuda else 1
         split_k = max(1, min(triton.cdiv(k, block_k), triton.cdiv(target, col_tiles)))
     partial = out if split_k == 1 else torch.empty(split_k, num_rows, n, dtype=torch.float32, device=x.device)
     _small_gemm_kernel[(col_tiles, split_k)](
