@@ -2,9 +2,9 @@
 
 1. Decode attention: achieved KV bandwidth of the Triton kernel at W1's decode shape (256 sequences, contexts
    64..1,280, Llama-3-8B heads, bf16) and W2's (one sequence), over a sweep of tile sizes and launch settings.
+   W2's decode attention over the shortest context slice a program takes; prefill attention over tile sizes.
 2. The decode step's GEMMs at 1, 2, 4 and 256 rows (cuBLAS through ``F.linear``): whether a batch of one is
    worth its own CUDA graph, and the weight-read floor.
-3. The few-row Triton GEMM (``kernels/small_gemm.py``) against cuBLAS on the same shapes, over tile sizes.
 
 Run: ``python benchmarks/kernel_sweep.py`` on a CUDA machine.
 """
@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from paged_backend.kernels.paged_attention import paged_attention_triton
-from paged_backend.kernels.small_gemm import linear_triton
 
 logger = logging.getLogger("kernel_sweep")
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -98,6 +97,41 @@ def attention_sweep() -> None:
             logger.info("   %.3f ms (%.0f GB/s) %s", ms, gbytes / ms * 1e3, launch)
 
 
+def min_split_sweep() -> None:
+    """W2's decode attention (one sequence, contexts 128..384) inside a CUDA graph, over the shortest slice of
+    context one program takes: few sequences leave most SMs idle unless the context splits finely."""
+    for ctx in (128, 256, 384):
+        batch = decode_batch([ctx, 1])  # the engine pads one sequence to the 2-row graph bucket
+        row = []
+        for min_split in (16, 32, 64, 128, 256):
+            ms = graph_ms(lambda m=min_split: paged_attention_triton(**batch, scale=0.088, min_split_tokens=m))  # noqa: B023
+            row.append(f"{min_split}: {1e3 * ms:.1f} us")
+        logger.info("w2 attention, context %d, by min split tokens: %s", ctx, ", ".join(row))
+
+
+def prefill_sweep() -> None:
+    """Prefill attention (8 fresh 1,024-token prompts, causal) in TFLOP/s over tile rows and launch settings."""
+    lens = [1024] * 8
+    batch = decode_batch(lens)
+    batch["query"] = torch.randn(sum(lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    batch["cu_seqlens_q"] = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    tflop = sum(2 * 2 * n * n / 2 * HEAD_DIM * HEADS for n in lens) / 1e12
+    rows = []
+    for q_rows, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+        launch = dict(rows=q_rows, block_n=block_n, num_warps=warps, num_stages=stages)
+        try:
+            ms = gpu_ms(lambda: paged_attention_triton(**batch, scale=0.088, launch=launch))  # noqa: B023
+        except Exception as exc:  # noqa: BLE001 - out of shared memory etc.
+            logger.info("prefill %s failed: %s", launch, type(exc).__name__)
+            continue
+        rows.append((ms, launch))
+    rows.sort(key=lambda r: r[0])
+    default = gpu_ms(lambda: paged_attention_triton(**batch, scale=0.088))
+    logger.info("prefill 8 x 1024: default %.3f ms (%.0f TFLOP/s)", default, tflop / default * 1e3)
+    for ms, launch in rows[:6]:
+        logger.info("   %.3f ms (%.0f TFLOP/s) %s", ms, tflop / ms * 1e3, launch)
+
+
 def gemm_floor() -> None:
     weights = [torch.randn(o, i, device="cuda", dtype=torch.bfloat16) * 0.02 for o, i in LAYER_SHAPES]
     lm_head = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -110,35 +144,9 @@ def gemm_floor() -> None:
         )
 
 
-def small_gemm_sweep() -> None:
-    """Per-layer time of the 7 projections (and the LM head) with the Triton few-row GEMM vs cuBLAS, each timed
-    inside a CUDA graph as it would run in a decode step."""
-    weights = [torch.randn(o, i, device="cuda", dtype=torch.bfloat16) * 0.02 for o, i in LAYER_SHAPES]
-    lm_head = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
-    layer_bytes = sum(w.numel() * 2 for w in weights)
-    for rows in (1, 2, 4):
-        x = {i: torch.randn(rows, i, device="cuda", dtype=torch.bfloat16) for i in (4096, 14336)}
-        cublas = sum(graph_ms(lambda w=w, x=x: F.linear(x[w.shape[1]], w)) for w in weights)
-        logger.info("%d rows: cuBLAS %.3f ms per layer (%.0f GB/s)", rows, cublas, layer_bytes / cublas / 1e6)
-        for block_n, block_k in itertools.product((32, 64, 128), (64, 128, 256)):
-            try:
-                ms = sum(
-                    graph_ms(lambda w=w, x=x: linear_triton(x[w.shape[1]], w, block_n=block_n, block_k=block_k))  # noqa: B023
-                    for w in weights
-                )
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                logger.info("   block_n=%d block_k=%d failed: %s", block_n, block_k, type(exc).__name__)
-                continue
-            logger.info(
-                "   triton block_n=%d block_k=%d: %.3f ms (%.0f GB/s)", block_n, block_k, ms, layer_bytes / ms / 1e6
-            )
-        head = graph_ms(lambda x=x: F.linear(x[4096], lm_head))
-        head_triton = graph_ms(lambda x=x: linear_triton(x[4096], lm_head))
-        logger.info("   LM head: cuBLAS %.3f ms, triton %.3f ms", head, head_triton)
-
-
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     attention_sweep()
+    min_split_sweep()
+    prefill_sweep()
     gemm_floor()
-    small_gemm_sweep()

@@ -236,14 +236,28 @@ def graph_replay_ms(llm: LLM, sizes: tuple[int, ...] = (2, 64, 256)) -> dict[int
 
 
 def profile_decode(llm: LLM, vocab: int, path: Path) -> None:
-    """A torch.profiler trace table of a short W1-like run (64 prompts x 16 tokens)."""
+    """torch.profiler kernel tables: 10 replays of the decode graphs for 2 and 256 sequences (padding inputs,
+    so attention reads nothing), then a short W1-like run (64 prompts x 16 tokens) with prefill."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = w1_prompts(vocab, 64)
+    tables = []
+    graphs = llm.llm_engine.runner.graphs
+    for size in (2, 256):
+        if graphs is None or size not in graphs.graphs:
+            continue
+        graphs.graphs[size].replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                graphs.graphs[size].replay()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+        tables.append(f"decode graph, {size} sequences, 10 replays\n{table}")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_paged(llm, prompts, 16)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-    path.write_text(table)
+        run_paged(llm, w1_prompts(vocab, 64), 16)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    tables.append(f"64 prompts x 16 tokens\n{table}")
+    path.write_text("\n\n".join(tables))
     logger.info("profile written to %s", path)
 
 
@@ -364,6 +378,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.breakdown:
             results["breakdown"] = {
                 "graph_replay_ms": graph_replay_ms(llm),
+                "w1_prefill_only_s": run_paged(llm, prompts_for["w1"], 1)[1],
                 "w1": step_breakdown(llm, prompts_for["w1"], args.max_tokens),
                 "w2": step_breakdown(llm, prompts_for["w2"], args.max_tokens),
             }

@@ -16,7 +16,6 @@ from paged_backend.kernels.paged_attention import (
     paged_attention_torch,
     paged_attention_triton,
 )
-from paged_backend.kernels.small_gemm import linear_torch, linear_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float16, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32, torch.float16]
@@ -150,22 +149,3 @@ def test_cache_write(dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> No
     assert torch.equal(caches[1].nan_to_num(), caches[3].nan_to_num())
     written = (~caches[2].isnan()).flatten(0, 1).all(-1).all(-1).sum().item()
     assert written == num_tokens - 2
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("rows", "n", "k", "split_k", "bias"),
-    [(1, 96, 200, 1, False), (3, 130, 256, 3, True), (8, 64, 70, 2, False), (16, 33, 128, None, True)],
-)
-def test_small_gemm(dtype: torch.dtype, rows: int, n: int, k: int, split_k: int | None, bias: bool) -> None:
-    """Few-row GEMM against its fp32 twin: ragged N and K tiles, split-K partial sums, optional bias; the output
-    is poisoned first."""
-    gen = torch.Generator().manual_seed(rows * 1000 + n)
-    x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
-    weight = (torch.randn(n, k, generator=gen) * 0.1).to(DEVICE, dtype)
-    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
-    ref = linear_torch(x.float(), weight.float(), None if b is None else b.float())
-    poisoned = torch.full((rows, n), float("nan"), dtype=dtype, device=DEVICE)
-    out = linear_triton(x, weight, b, split_k=split_k, block_n=32, block_k=32, out=poisoned)
-    assert not out.isnan().any()
-    assert relative_error(out, ref) < TOLERANCE[dtype]

@@ -327,7 +327,7 @@ def paged_attention_triton(
     num_splits: int | None = None,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     out: torch.Tensor | None = None,  # [T, H, D], written in place when given
-    launch: dict[str, int] | None = None,  # overrides of block_n / num_warps / num_stages, for tuning sweeps
+    launch: dict[str, int] | None = None,  # overrides of rows / block_n / num_warps / num_stages, for sweeps
 ) -> torch.Tensor:  # [T, H, D]
     """Triton twin of :func:`paged_attention_torch`; no host synchronisation, grid fixed by (T, B).
     ``num_splits`` defaults to :func:`choose_num_splits`."""
@@ -345,14 +345,16 @@ def paged_attention_triton(
         num_splits = choose_num_splits(num_seqs, num_tokens, num_kv_heads, query.device)
     g_pad = _next_pow2(queries_per_kv)
     dim_pad = _next_pow2(head_dim)
-    # Prefill tiles hold ~64 rows; decode tiles the minimum of 16 rows tl.dot needs.
-    rows = 16 if num_tokens == num_seqs else 64
-    block_q = max(1, rows // g_pad)
-    # Launch settings from benchmarks/kernel_sweep.py on an H200 (decode at W1's shape: 3.7 TB/s of KV).
-    defaults = {"block_n": 128, "num_warps": 4, "num_stages": 3} if num_tokens == num_seqs else {"block_n": 64}
+    # Launch settings from benchmarks/kernel_sweep.py on an H200 (decode at W1's shape: 3.7 TB/s of KV). ``rows``
+    # is a tile's query rows (tokens x grouped heads): decode tiles take the minimum of 16 rows tl.dot needs.
+    if num_tokens == num_seqs:
+        defaults = {"rows": 16, "block_n": 128, "num_warps": 4, "num_stages": 3}
+    else:
+        defaults = {"rows": 64, "block_n": 64}
     if dim_pad >= 256:
         defaults["block_n"] = 32
     launch = {**defaults, **(launch or {})}
+    block_q = max(1, launch["rows"] // g_pad)
     block_n = launch["block_n"]
     tuning = {k: launch[k] for k in ("num_warps", "num_stages") if k in launch}
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)

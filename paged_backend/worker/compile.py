@@ -20,6 +20,8 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
+from paged_backend.worker.fuse_linears import fuse_sibling_linears
+
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     """The longest ``ModuleList`` of one class whose members each hold a module with an int ``layer_idx``."""
@@ -56,10 +58,12 @@ class RegionalCompile:
     def __init__(self, layers: nn.ModuleList, backend: Any = "inductor") -> None:
         self.layers = list(layers)
         self.num_graphs = 0
+        self.num_fused_groups = 0  # sibling projections run as one matrix product (fuse_linears.py)
         compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
 
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             self.num_graphs += 1
+            self.num_fused_groups += fuse_sibling_linears(gm, self.layers)
             return compiler(gm, example_inputs)
 
         forward = _fresh_copy(type(self.layers[0]).forward)

@@ -27,6 +27,7 @@ from paged_backend.sampler import greedy_tokens
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile, find_decoder_layers
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
+from paged_backend.worker.fuse_linears import packing_backend
 from paged_backend.worker.step_inputs import StepInputs, build_step_inputs, pad_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -78,9 +79,12 @@ class ModelRunner:
             logger.warning("no repeated decoder layers found in %s: running eagerly", type(self.model).__name__)
             return
         start = time.perf_counter()
-        self.regions = RegionalCompile(layers, backend)
         try:
             with torch.inference_mode():  # inputs made here are inference tensors, like every step's
+                # A first dynamo-only trace packs sibling projections (fuse_linears.py), then the real compile.
+                self.regions = RegionalCompile(layers, packing_backend(list(layers)))
+                self.run(self._warmup_inputs())
+                self.regions = RegionalCompile(layers, backend)
                 self.run(self._warmup_inputs())
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -91,10 +95,11 @@ class ModelRunner:
             self.regions = None
             return
         logger.info(
-            "compiled %s into %d graph(s) shared by %d layers in %.1f s",
+            "compiled %s into %d graph(s) shared by %d layers (%d groups of sibling projections fused) in %.1f s",
             type(layers[0]).__name__,
             self.regions.num_graphs,
             len(layers),
+            self.regions.num_fused_groups,
             time.perf_counter() - start,
         )
 

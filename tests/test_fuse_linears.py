@@ -1,0 +1,118 @@
+"""Sibling projections fused in the compiled decoder layer (worker/fuse_linears.py). Dynamo-only backends, so
+this runs on CPU; the GPU check (benchmarks/gpu_check.py) runs the same graphs through inductor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.worker.compile import RegionalCompile
+from paged_backend.worker.fuse_linears import fuse_sibling_linears, is_packed, packing_backend
+from tests.conftest import hf_greedy, ragged_prompts, tiny_model
+
+LINEAR = torch._C._nn.linear
+
+
+class Block(nn.Module):
+    """q/k/v with biases on one input, gate/up without on another, and a lone down projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+        self.gate, self.up, self.down = nn.Linear(8, 12, bias=False), nn.Linear(8, 12, bias=False), nn.Linear(12, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.q(x), self.k(x) * 2, self.v(x).relu()], dim=-1)
+        y = x + h[..., :8]
+        return self.down(torch.sigmoid(self.gate(y)) * self.up(y))
+
+
+def linear_inputs(graphs: list) -> list:
+    return [n.args[0] for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and n.target is LINEAR]
+
+
+def compile_blocks(blocks: list[nn.Module], pack_first: bool) -> tuple[list, RegionalCompile]:
+    graphs: list = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(5, 8)
+    if pack_first:
+        with RegionalCompile(nn.ModuleList(blocks), packing_backend(blocks)):
+            blocks[0](x)
+    regions = RegionalCompile(nn.ModuleList(blocks), capture)
+    with regions:
+        blocks[0](x)
+    return graphs, regions
+
+
+def test_fused_graph_equals_the_modules_and_packs_every_layer() -> None:
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(3)]
+    x = torch.randn(7, 8)
+    with torch.no_grad():
+        expected = [b(x) for b in blocks]
+        graphs, regions = compile_blocks(blocks, pack_first=True)
+        assert regions.num_fused_groups == 2
+        inputs = linear_inputs(graphs)
+        assert len(inputs) == 3 and len(set(inputs)) == 3  # qkv, gate_up, down: one call per input
+        for block in blocks:
+            assert is_packed([block.q.weight, block.k.weight, block.v.weight])
+            assert is_packed([block.q.bias, block.k.bias, block.v.bias])
+            assert is_packed([block.gate.weight, block.up.weight])
+            assert block.q.weight.is_leaf and block.q.weight.requires_grad  # still the user's parameters
+        with regions:
+            for block, want in zip(blocks, expected):
+                torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-6)
+        for block, want in zip(blocks, expected):  # the plain modules read the packed weights too
+            torch.testing.assert_close(block(x), want, rtol=0, atol=0)
+
+
+def test_groups_stay_separate_unless_packed_in_every_layer() -> None:
+    blocks = [Block() for _ in range(2)]
+    graphs, regions = compile_blocks(blocks, pack_first=False)
+    assert regions.num_fused_groups == 0 and len(linear_inputs(graphs)) == 6
+    blocks = [Block() for _ in range(2)]
+    with RegionalCompile(nn.ModuleList(blocks), packing_backend(blocks)):
+        blocks[0](torch.randn(2, 8))
+    blocks[1].k.weight = nn.Parameter(blocks[1].k.weight.detach().clone())  # one layer's q/k/v no longer packed
+    graphs, regions = compile_blocks(blocks, pack_first=False)
+    assert regions.num_fused_groups == 1  # gate/up only
+    assert fuse_sibling_linears(graphs[0], blocks) == 0  # already rewritten: nothing left to fuse
+
+
+@pytest.mark.parametrize(("arch", "groups"), [("llama", 2), ("qwen2", 4), ("phi3", 0)])
+def test_engine_fuses_hf_projections(tokenizer, arch: str, groups: int) -> None:
+    """q/k/v (with Qwen2's biases) and gate/up fuse in HF's own modules, one pair per compiled graph (Qwen2's
+    sliding and full layers compile apart); Phi-3 already fuses them in its checkpoint. Greedy output still
+    equals HF generate, and the user's model gives the same logits as before packing."""
+    model = tiny_model(arch)
+    ids = torch.tensor([ragged_prompts(16)[4]])
+    with torch.no_grad():
+        before = model(ids).logits
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_num_batched_tokens=40, max_model_len=128)
+    runner = llm.llm_engine.runner
+    graphs: list = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    runner.compile(capture)
+    assert runner.regions is not None and runner.regions.num_fused_groups == groups
+    if groups:
+        for layer in runner.regions.layers:
+            attn = layer.self_attn
+            assert is_packed([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+    prompts = ragged_prompts(16)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
