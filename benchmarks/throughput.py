@@ -295,6 +295,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try (DESIGN: 32)")
     parser.add_argument("--enforce-eager", action="store_true", help="paged engine without compile / CUDA graphs")
+    parser.add_argument(
+        "--num-scheduler-steps", type=int, default=None, help="paged engine's decode steps per round (default: its own)"
+    )
     parser.add_argument("--skip-check", action="store_true", help="skip the greedy agreement check")
     parser.add_argument("--profile", type=Path, default=None, help="write a torch.profiler table here")
     parser.add_argument("--breakdown", action="store_true", help="time the parts of a step (W1 and W2 shapes)")
@@ -363,7 +366,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # The paged engine first, then it is released: its KV cache takes most of the GPU, which HF needs back.
     if "paged" in backends:
-        llm, startup = timed(lambda: LLM(model, enforce_eager=args.enforce_eager))
+        engine_args: dict[str, Any] = {"enforce_eager": args.enforce_eager}
+        if args.num_scheduler_steps is not None:
+            engine_args["num_scheduler_steps"] = args.num_scheduler_steps
+        results["engine_args"] = engine_args
+        llm, startup = timed(lambda: LLM(model, **engine_args))
         results["paged_startup_s"] = startup
         logger.info("paged engine ready in %.1f s", startup)
         if not args.skip_check:
