@@ -119,3 +119,128 @@ TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_coun
 def test_rejects_empty_pool() -> None:
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0, 16)
+
+
+def test_prefix_cache_reuses_full_blocks_and_evicts_least_recently_used() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    tokens = [1, 2, 3, 4, 5]
+    assert bm.allocate_slots(0, 0, 5) == []
+    bm.cache_full_blocks(0, tokens, 5)
+    first, second, _ = bm.get_block_table(0)
+    assert bm.num_cached_blocks == 2  # the partial last block is never cached
+    assert bm.find_cached_prefix(tokens) == [first, second]
+    assert bm.find_cached_prefix([1, 2, 3, 4]) == [first]  # the last token is always recomputed
+    assert bm.find_cached_prefix([1, 2, 3, 9, 9]) == [first]
+    assert bm.find_cached_prefix(tokens, lora_id=1) == []  # another adapter's KV is not reused
+    bm.free(0)
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2  # freed, still reusable
+    # A second sequence reuses both blocks, then frees them: its last block becomes the older entry.
+    bm.allocate_cached_prefix(1, bm.find_cached_prefix(tokens))
+    assert bm.get_block_table(1) == [first, second] and bm.num_free_blocks == 2
+    bm.free(1)
+    # Needing all 4 blocks: the 2 never-cached ones go first, then `second` (freed first), then `first`.
+    assert bm.allocate_slots(2, 0, 6) == []
+    assert bm.find_cached_prefix(tokens) == [first] and bm.num_cached_blocks == 1
+    assert bm.allocate_slots(2, 6, 8) == []
+    assert bm.find_cached_prefix(tokens) == [] and bm.num_cached_blocks == 0
+    bm.free(2)
+    assert bm.num_free_blocks == 4
+
+
+def test_kv_waste_counts_shared_blocks_once() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate_slots(0, 0, 6)  # 6 tokens in 2 blocks
+    bm.fork(0, 1)
+    assert bm.kv_waste_fraction({0: 6, 1: 6}) == pytest.approx(2 / 8)
+    bm.allocate_slots(1, 6, 7)  # the child copies the partial block and writes a seventh token
+    assert bm.kv_waste_fraction({0: 6, 1: 7}) == pytest.approx((2 + 1) / 12)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    """Sequences over a two-token alphabet (so prefixes repeat) are admitted through the prefix cache, extended,
+    forked and freed. A model of every block's KV content checks that a cache hit and every cached block hold
+    exactly the KV that recomputing would give (a slot's KV depends on every token up to its own), through
+    copy-on-write and eviction."""
+
+    @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 4]))
+    def setup(self, num_blocks: int, block_size: int) -> None:
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+        self.tokens: dict[int, list[int]] = {}  # seq id -> tokens, all computed
+        self.content: dict[int, list[tuple | None]] = {}  # block id -> the token prefix each slot's KV encodes
+        self.next_id = 0
+
+    def _write(self, seq_id: int, start: int, copies: list[tuple[int, int]]) -> None:
+        bs, table, tokens = self.bm.block_size, self.bm.get_block_table(seq_id), self.tokens[seq_id]
+        for src, dst in copies:
+            self.content[dst] = list(self.content[src])
+        for pos in range(start, len(tokens)):
+            block_id = table[pos // bs]
+            assert self.bm.blocks[block_id].ref_count == 1, "a shared block was written"
+            self.content.setdefault(block_id, [None] * bs)[pos % bs] = tuple(tokens[: pos + 1])
+        self.bm.cache_full_blocks(seq_id, tokens, len(tokens))
+
+    @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=12))
+    def add(self, tokens: list[int]) -> None:
+        bs = self.bm.block_size
+        cached = self.bm.find_cached_prefix(tokens)
+        for j, block_id in enumerate(cached):
+            expected = [tuple(tokens[: j * bs + i + 1]) for i in range(bs)]
+            assert self.content[block_id] == expected, "a cache hit holds the KV of another prefix"
+        if self.bm.num_blocks_to_admit(len(tokens), cached) > self.bm.num_free_blocks:
+            return
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        self.bm.allocate_cached_prefix(seq_id, cached)
+        copies = self.bm.allocate_slots(seq_id, len(cached) * bs, len(tokens))
+        assert copies is not None, "admission said the blocks fit"
+        self.tokens[seq_id] = list(tokens)
+        self._write(seq_id, len(cached) * bs, copies)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 1), min_size=1, max_size=6))
+    def append(self, data: st.DataObject, extra: list[int]) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        old = len(self.tokens[seq_id])
+        copies = self.bm.allocate_slots(seq_id, old, old + len(extra))
+        if copies is not None:
+            self.tokens[seq_id] += extra
+            self._write(seq_id, old, copies)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child, self.next_id = self.next_id, self.next_id + 1
+        self.bm.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.bm.free(seq_id)
+        del self.tokens[seq_id]
+
+    @invariant()
+    def accounting(self) -> None:
+        bm = self.bm
+        refs = Counter(b for seq_id in self.tokens for b in bm.get_block_table(seq_id))
+        free, evictable = set(bm.free_block_ids), set(bm.evictable)
+        assert len(free) == len(bm.free_block_ids) and not free & evictable and not (free | evictable) & set(refs)
+        assert len(free) + len(evictable) + len(refs) == bm.num_blocks, "a block leaked"
+        for block in bm.blocks:
+            assert block.ref_count == refs.get(block.block_id, 0)
+            assert (block.block_id in evictable) <= (block.block_hash is not None)
+            assert (block.block_id in free) <= (block.block_hash is None)
+        for key, block_id in bm.cached_blocks.items():
+            assert bm.blocks[block_id].key == key
+            assert tuple(prefix[-1] for prefix in self.content[block_id]) == key[1], "a cached block changed"
+
+    def teardown(self) -> None:
+        if hasattr(self, "bm"):
+            for seq_id in list(self.tokens):
+                self.bm.free(seq_id)
+            assert self.bm.num_free_blocks == self.bm.num_blocks
+
+
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+TestPrefixCacheMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)

@@ -151,6 +151,30 @@ def test_n_and_best_of(llm) -> None:
     assert_idle(llm)
 
 
+def test_samples_share_one_prefill(tokenizer) -> None:
+    """n=4: the prompt's blocks are allocated once and forked; each sample then equals a lone request seeded
+    like it (sample i draws from seed + i), so forking changes nothing but the memory."""
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=128)
+    engine: LLMEngine = llm.llm_engine
+    prompt = list(range(10, 10 + 13))  # 3 full blocks and a partial one
+    engine.add_request("n4", {"prompt_token_ids": prompt}, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8))
+    engine.step()  # prefill once, then every sample draws its first token
+    stats = llm.stats()
+    assert stats["num_running"] == 4
+    assert stats["num_kv_blocks"] - stats["num_free_blocks"] == 4  # ceil(13 / 4): shared, not 4 x 4
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    (out,) = outputs
+    assert_idle(llm)
+    for i, sample in enumerate(out.outputs):
+        (alone,) = llm.generate(
+            {"prompt_token_ids": prompt}, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8), use_tqdm=False
+        )
+        assert sample.token_ids == alone.outputs[0].token_ids
+    with pytest.raises(ValueError, match="best_of must be <= max_num_seqs"):
+        engine.add_request("big", {"prompt_token_ids": prompt}, SamplingParams(n=300, temperature=1.0))
+
+
 def test_streamed_pieces_concatenate_to_the_final_text(llm, tokenizer) -> None:
     engine: LLMEngine = llm.llm_engine
     base = _greedy(llm, max_tokens=30)

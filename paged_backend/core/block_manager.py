@@ -1,48 +1,137 @@
-"""Paged KV block allocator: free list, reference counts, block tables, fork and copy-on-write.
+"""Paged KV block allocator: free list, reference counts, block tables, fork, copy-on-write, prefix caching.
 
 A sequence's KV cache is a list of fixed-size blocks (its block table). Blocks are reference counted so
 sequences can share them (``fork``); a shared block that is about to be written is first copied
 (copy-on-write), and the copy is reported to the caller, who moves the cached KV before the next forward.
-``Block.block_hash`` is where prefix caching keeps the hash of a full block.
+
+Prefix caching: once a block is full its content never changes, so it is registered under the key
+``(parent block's hash, its tokens, LoRA id)`` and gets a ``block_hash``: an id of the exact token prefix it
+ends. A new sequence walks its tokens block by block through these keys and reuses every block it finds,
+skipping their prefill. The keys hold the tokens themselves, so two different prefixes never collide. A freed
+block that holds a cached prefix stays reusable ("evictable") until its memory is needed: blocks that were never
+cached are handed out first, then evictable ones, least recently used first. The partial last block of a
+sequence is never registered, so it is never shared through the cache.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+BlockKey = tuple[int, tuple[int, ...], int]  # (parent block_hash or ROOT, the block's tokens, LoRA id)
+ROOT = -1  # the parent of a sequence's first block
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: int | None = None  # id of the token prefix this full block ends, when it is cached
+    key: BlockKey | None = None  # where ``BlockManager.cached_blocks`` holds it
 
 
 class BlockManager:
     """Owns every KV block; sequences are known by integer ids."""
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_prefix_caching: bool = False
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # free and holding no cached prefix
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recently used first
+        self.cached_blocks: dict[BlockKey, int] = {}
         self.block_tables: dict[int, list[int]] = {}
+        self.block_hashes: dict[int, list[int]] = {}  # seq id -> block_hash of each of its leading full blocks
+        self._hash_ids = itertools.count()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose prefix a new sequence could reuse (in use or evictable)."""
+        return len(self.cached_blocks)
 
     def get_block_table(self, seq_id: int) -> list[int]:
         return self.block_tables.get(seq_id, [])
 
+    def kv_waste_fraction(self, num_tokens: dict[int, int]) -> float:
+        """Share of the slots in blocks in use that hold no token, given each sequence's tokens in the cache.
+        A block shared by several sequences counts once."""
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        for seq_id, table in self.block_tables.items():
+            n = num_tokens.get(seq_id, 0)
+            for j, block_id in enumerate(table):
+                fill[block_id] = max(fill.get(block_id, 0), min(bs, max(0, n - j * bs)))
+        used = self.num_used_blocks
+        return 1.0 - sum(fill.values()) / (used * bs) if used else 0.0
+
+    # ------------------------------------------------------------------ prefix caching
+    def find_cached_prefix(self, token_ids: list[int], lora_id: int = 0) -> list[int]:
+        """Blocks holding the longest cached prefix of ``token_ids``; changes nothing. The last token is never
+        covered: its forward must run to give the next token's logits."""
+        if not self.enable_prefix_caching:
+            return []
+        found: list[int] = []
+        parent = ROOT
+        bs = self.block_size
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            block_id = self.cached_blocks.get((parent, tuple(token_ids[start : start + bs]), lora_id))
+            if block_id is None:
+                break
+            found.append(block_id)
+            parent = self.blocks[block_id].block_hash
+        return found
+
+    def num_blocks_to_admit(self, num_tokens: int, cached: list[int]) -> int:
+        """Free blocks that admitting a sequence of ``num_tokens`` tokens, reusing ``cached``, takes from the
+        pool: new blocks for the rest, plus the cached blocks that are now evictable."""
+        new = max(0, -(-num_tokens // self.block_size) - len(cached))
+        return new + sum(1 for block_id in cached if self.blocks[block_id].ref_count == 0)
+
+    def allocate_cached_prefix(self, seq_id: int, cached: list[int]) -> None:
+        """Start ``seq_id``'s (empty) block table with the blocks ``find_cached_prefix`` returned."""
+        if self.block_tables.get(seq_id):
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.evictable[block_id]
+            block.ref_count += 1
+        self.block_tables[seq_id] = list(cached)
+        self.block_hashes[seq_id] = [self.blocks[b].block_hash for b in cached]
+
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, lora_id: int = 0) -> None:
+        """Register the sequence's blocks that its computed tokens have filled since the last call. A block
+        whose prefix is already cached elsewhere stays unregistered; the sequence continues from that entry."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.block_hashes.setdefault(seq_id, [])
+        table = self.block_tables.get(seq_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), min(num_computed_tokens // bs, len(table))):
+            key = (hashes[-1] if hashes else ROOT, tuple(token_ids[i * bs : (i + 1) * bs]), lora_id)
+            existing = self.cached_blocks.get(key)
+            block = self.blocks[existing if existing is not None else table[i]]
+            if existing is None and block.block_hash is None:
+                block.block_hash, block.key = next(self._hash_ids), key
+                self.cached_blocks[key] = block.block_id
+            hashes.append(block.block_hash)
+
+    # ------------------------------------------------------------------ allocation
     def _first_written_block(self, num_computed_tokens: int) -> int:
         return num_computed_tokens // self.block_size
 
@@ -60,7 +149,7 @@ class BlockManager:
         Returns the (src, dst) block copies that copy-on-write requires, or None (and changes nothing) when the
         free list is too short.
         """
-        if self.num_new_blocks_needed(seq_id, num_computed_tokens, num_tokens) > len(self.free_block_ids):
+        if self.num_new_blocks_needed(seq_id, num_computed_tokens, num_tokens) > self.num_free_blocks:
             return None
         table = self.block_tables.setdefault(seq_id, [])
         copies: list[tuple[int, int]] = []
@@ -89,18 +178,29 @@ class BlockManager:
         for block_id in table:
             self.blocks[block_id].ref_count += 1
         self.block_tables[child_seq_id] = table
+        self.block_hashes[child_seq_id] = list(self.block_hashes.get(parent_seq_id, []))
 
     def free(self, seq_id: int) -> None:
-        """Drop the sequence's references; blocks nobody references go back to the free list."""
+        """Drop the sequence's references. Blocks nobody references go back to the pool; cached ones stay
+        reusable, the sequence's last blocks first in line for eviction."""
+        self.block_hashes.pop(seq_id, None)
         for block_id in reversed(self.block_tables.pop(seq_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                block.block_hash = None
-                self.free_block_ids.append(block_id)
+                if block.block_hash is None:
+                    self.free_block_ids.append(block_id)
+                else:
+                    self.evictable[block_id] = None
 
     def _take_free_block(self) -> int:
-        block_id = self.free_block_ids.popleft()
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        else:  # evict the least recently used cached block
+            block_id, _ = self.evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.cached_blocks[block.key]
+            block.block_hash = block.key = None
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"block {block_id} on the free list has ref_count {block.ref_count}"
         block.ref_count = 1

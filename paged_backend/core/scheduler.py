@@ -2,7 +2,8 @@
 
 Every step has a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). Running
 sequences go first, decodes before unfinished (chunked) prefills, then waiting sequences are admitted in FIFO
-order while the blocks of their prompt fit (plus a small watermark). Admission looks only at what a sequence
+order while the blocks of their prompt fit (plus a small watermark), reusing the blocks of their longest cached
+prefix (prefix caching, see block_manager.py) and skipping those tokens. Admission looks only at what a sequence
 needs now, not at ``max_tokens``; when a running sequence cannot get a block, the newest running request is
 preempted by recompute: its blocks are freed and it waits again, at the front, to redo its prefill.
 """
@@ -43,21 +44,30 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_chunked_prefill_steps = 0  # scheduled prefill chunks that stop short of the prompt's end
+        self.num_prompt_tokens_admitted = 0  # prompt tokens of first admissions ...
+        self.num_prompt_tokens_cached = 0  # ... and those of them served from the prefix cache
 
     def add_seq(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in place (a forked sample) joins the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running)
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Mark finished and release the sequence's blocks (running or waiting)."""
+        """Mark finished and release the sequence's blocks (running or waiting); blocks its computed tokens
+        filled stay in the prefix cache."""
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.cache_full_blocks([seq])
         self.block_manager.free(seq.seq_id)
 
     def schedule(self) -> SchedulerOutput:
@@ -96,15 +106,25 @@ class Scheduler:
                         preempted_now.add(victim)
 
         # Waiting sequences, FIFO, while the blocks of their whole prompt fit (plus a watermark when others
-        # run); only the chunk that fits the token budget is allocated now.
+        # run); blocks of a cached prefix are reused and their tokens skipped; only the chunk that fits the
+        # token budget is allocated now.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq in preempted_now and self.running:
                 break  # let the running sequences free blocks before it tries again
-            needed = self.block_manager.num_new_blocks_needed(seq.seq_id, seq.num_computed_tokens, len(seq.token_ids))
+            if self.running and len(self.running) + 1 + len(seq.request.unforked) > self.max_num_seqs:
+                break  # its samples will fork into the batch: keep room for them
+            cached = self.block_manager.find_cached_prefix(seq.token_ids, seq.lora_id)
+            needed = self.block_manager.num_blocks_to_admit(len(seq.token_ids), cached)
             watermark = self.block_manager.watermark_blocks if self.running else 0
             if self.block_manager.num_free_blocks - needed < watermark:
                 break
+            self.block_manager.allocate_cached_prefix(seq.seq_id, cached)
+            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
+            if seq.num_cached_prompt_tokens is None:  # first admission: count the prompt tokens it reuses
+                seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                self.num_prompt_tokens_admitted += seq.num_prompt_tokens
+                self.num_prompt_tokens_cached += seq.num_cached_prompt_tokens
             num_new = min(seq.num_uncomputed_tokens, budget)
             result = self.block_manager.allocate_slots(
                 seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -134,3 +154,15 @@ class Scheduler:
         """The batch ran: its tokens are now in the KV cache."""
         for seq, n in zip(output.seqs, output.num_new_tokens):
             seq.num_computed_tokens += n
+        self.cache_full_blocks(output.seqs)
+
+    def cache_full_blocks(self, seqs: list[Sequence]) -> None:
+        """Offer the blocks that computed tokens have filled to the prefix cache."""
+        if self.block_manager.enable_prefix_caching:
+            for seq in seqs:
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.lora_id)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens, over first admissions."""
+        return self.num_prompt_tokens_cached / max(1, self.num_prompt_tokens_admitted)

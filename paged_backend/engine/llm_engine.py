@@ -69,7 +69,9 @@ class LLMEngine:
                 "cache more memory (num_kv_blocks, kv_cache_memory_gib or gpu_memory_utilization)"
             )
         self.cache_engine = CacheEngine(spec, num_blocks, block_size, self.device)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, enable_prefix_caching=self.config.cache_config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(
             self.model,
@@ -104,8 +106,6 @@ class LLMEngine:
             )
         else:
             logger.info("swap_space has no effect in this version: preemption recomputes")
-        if self.config.cache_config.enable_prefix_caching:
-            logger.info("enable_prefix_caching has no effect in this version: every prompt is prefilled")
 
     def _num_kv_blocks(self, spec: KVCacheSpec) -> int:
         cache = self.config.cache_config
@@ -206,6 +206,11 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        if params.best_of > max_num_seqs:
+            raise ValueError(
+                f"best_of must be <= max_num_seqs={max_num_seqs} (its samples run together), got {params.best_of}"
+            )
         request = Request(request_id, text, ids, params, lora_request, arrival_time=time.monotonic())
         for index in range(params.best_of):
             generator = None
@@ -218,9 +223,10 @@ class LLMEngine:
             init_offsets(seq)
             request.seqs.append(seq)
         self.requests[request_id] = request
-        for seq in request.seqs:
-            self.scheduler.add_seq(seq)
-        self.num_prompt_tokens += len(ids) * params.best_of
+        # One prefill for all samples: the others fork its blocks when it samples its first token.
+        self.scheduler.add_seq(request.seqs[0])
+        request.unforked = request.seqs[1:]
+        self.num_prompt_tokens += len(ids)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Drop requests (unknown ids are ignored, as in vLLM) and free their blocks."""
@@ -268,6 +274,10 @@ class LLMEngine:
         self.scheduler.on_step_done(sched)
         if not sample_seqs:
             return {}
+        forked = [(row, child) for row, seq in enumerate(sample_seqs) for child in self._fork_samples(seq)]
+        if forked:  # the other samples draw their first token from their parent's logits row
+            logits = torch.cat([logits, logits[[row for row, _ in forked]]])  # [N + F, V]
+            sample_seqs = sample_seqs + [child for _, child in forked]
         stop_ids = [
             self._min_tokens_stop_ids(s) if s.num_output_tokens < s.params.min_tokens else frozenset()
             for s in sample_seqs
@@ -278,6 +288,20 @@ class LLMEngine:
             self._append_token(seq, result)
             advanced[seq.request.request_id] = seq.request
         return advanced
+
+    def _fork_samples(self, seq: Sequence) -> list[Sequence]:
+        """When a request's first sample has prefilled the prompt, its other samples take its blocks by
+        reference (copy-on-write from their first token on) and start running."""
+        request = seq.request
+        if not request.unforked or seq is not request.seqs[0]:
+            return []
+        children, request.unforked = request.unforked, []
+        for child in children:
+            self.block_manager.fork(seq.seq_id, child.seq_id)
+            child.num_computed_tokens = seq.num_computed_tokens
+            child.num_cached_prompt_tokens = 0  # the prompt was counted once, with the first sample
+            self.scheduler.add_running(child)
+        return children
 
     def _multi_step_plan(self, sched: SchedulerOutput) -> np.ndarray | None:
         """How many decode steps each sequence takes in one device-side run, or None for a normal step.
@@ -335,6 +359,8 @@ class LLMEngine:
                 seq.num_computed_tokens += 1  # the step's input token is now in the cache
                 self._append_token(seq, SampleResult(tokens[k][i], logprobs[k][i]))
             advanced[seq.request.request_id] = seq.request
+        # Finished sequences offered their blocks to the prefix cache in finish_seq.
+        self.scheduler.cache_full_blocks([seq for seq in sched.seqs if not seq.status.finished])
         return advanced
 
     def _min_tokens_stop_ids(self, seq: Sequence) -> frozenset[int]:
@@ -414,8 +440,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
-        used = bm.num_used_blocks
-        stored = sum(seq.num_computed_tokens for seq in self.scheduler.running)
+        in_cache = {seq.seq_id: seq.num_computed_tokens for seq in self.scheduler.running}
         return {
             "num_kv_blocks": bm.num_blocks,
             "num_free_blocks": bm.num_free_blocks,
@@ -424,8 +449,9 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_chunked_prefill_steps": self.scheduler.num_chunked_prefill_steps,
-            "prefix_cache_hit_rate": 0.0,
-            "kv_waste_fraction": 1.0 - stored / (used * bm.block_size) if used else 0.0,
+            "num_cached_blocks": bm.num_cached_blocks,
+            "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,
+            "kv_waste_fraction": bm.kv_waste_fraction(in_cache),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
         }

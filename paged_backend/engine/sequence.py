@@ -50,6 +50,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     output_text: str = ""
     stop_reason: int | str | None = None
+    num_cached_prompt_tokens: int | None = None  # prompt tokens reused from the prefix cache at first admission
     # incremental detokenization offsets into token_ids (vLLM's prefix_offset / read_offset)
     prefix_offset: int = 0
     read_offset: int = 0
@@ -57,6 +58,12 @@ class Sequence:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    @property
+    def lora_id(self) -> int:
+        """Part of every prefix-cache key: KV computed under one adapter is not reused under another."""
+        lora = self.request.lora_request
+        return 0 if lora is None else int(lora.lora_int_id)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -85,6 +92,7 @@ class Request:
     params: SamplingParams
     lora_request: Any = None
     seqs: list[Sequence] = field(default_factory=list)
+    unforked: list[Sequence] = field(default_factory=list)  # samples waiting for the first one's prefill
     arrival_time: float = 0.0
     first_token_time: float | None = None
 
