@@ -13,6 +13,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float", "half")
 QUANTIZATIONS = (None, "awq")
+PREEMPTION_MODES = (None, "recompute", "swap")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
@@ -108,11 +109,15 @@ class SchedulerConfig:
     # Decode steps run back to back on the device per scheduling round (vLLM's multi-step scheduling), for
     # batches where every sequence decodes greedily without penalties or logprobs.
     num_scheduler_steps: int = 8
+    # What preemption does with a request's KV: "swap" copies its blocks to swap_space (pinned CPU memory) and
+    # back; "recompute" drops them and prefills again. None: swap on a GPU when swap_space > 0, else recompute.
+    preemption_mode: str | None = None
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, allow_none=True)
         check_int("num_scheduler_steps", self.num_scheduler_steps, 1, 64)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,10 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        if self.scheduler_config.preemption_mode == "swap" and self.cache_config.swap_space == 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

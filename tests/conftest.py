@@ -58,4 +58,5 @@ def assert_idle(llm) -> None:
     """Block accounting is back to its idle value: every block free, nothing queued."""
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"], stats
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_swapped"] == 0, stats
+    assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"], stats

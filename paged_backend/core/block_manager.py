@@ -1,4 +1,5 @@
-"""Paged KV block allocator: free list, reference counts, block tables, fork, copy-on-write, prefix caching.
+"""Paged KV block allocator: free list, reference counts, block tables, fork, copy-on-write, prefix caching and
+swap space.
 
 A sequence's KV cache is a list of fixed-size blocks (its block table). Blocks are reference counted so
 sequences can share them (``fork``); a shared block that is about to be written is first copied
@@ -35,7 +36,12 @@ class BlockManager:
     """Owns every KV block; sequences are known by integer ids."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+        num_cpu_blocks: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -50,6 +56,11 @@ class BlockManager:
         self.block_tables: dict[int, list[int]] = {}
         self.block_hashes: dict[int, list[int]] = {}  # seq id -> block_hash of each of its leading full blocks
         self._hash_ids = itertools.count()
+        # Swap space: CPU blocks of preempted sequences, reference counted like device blocks.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_free_block_ids: deque[int] = deque(range(num_cpu_blocks))
+        self.cpu_ref_counts = [0] * num_cpu_blocks
+        self.cpu_block_tables: dict[int, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -180,9 +191,55 @@ class BlockManager:
         self.block_tables[child_seq_id] = table
         self.block_hashes[child_seq_id] = list(self.block_hashes.get(parent_seq_id, []))
 
+    # ------------------------------------------------------------------ swap space
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        distinct = {b for seq_id in seq_ids for b in self.block_tables.get(seq_id, [])}
+        return len(distinct) <= len(self.cpu_free_block_ids)
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to CPU blocks (a block they share is copied once) and release their device
+        blocks. Returns the (device block, CPU block) copies to make before the device blocks are reused."""
+        mapping: dict[int, int] = {}
+        for seq_id in seq_ids:
+            cpu_table = []
+            for block_id in self.block_tables.get(seq_id, []):
+                if block_id not in mapping:
+                    mapping[block_id] = self.cpu_free_block_ids.popleft()
+                self.cpu_ref_counts[mapping[block_id]] += 1
+                cpu_table.append(mapping[block_id])
+            self.free(seq_id)
+            self.cpu_block_tables[seq_id] = cpu_table
+        return list(mapping.items())
+
+    def num_blocks_to_swap_in(self, seq_ids: list[int]) -> int:
+        return len({c for seq_id in seq_ids for c in self.cpu_block_tables.get(seq_id, [])})
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]]:
+        """Give the swapped sequences device blocks again (shared ones shared again). Returns the (CPU block,
+        device block) copies to make before the next forward. The caller checked the free blocks suffice."""
+        mapping: dict[int, int] = {}
+        for seq_id in seq_ids:
+            table = []
+            for cpu_id in self.cpu_block_tables.pop(seq_id):
+                if cpu_id in mapping:
+                    self.blocks[mapping[cpu_id]].ref_count += 1
+                else:
+                    mapping[cpu_id] = self._take_free_block()
+                table.append(mapping[cpu_id])
+                self._release_cpu_block(cpu_id)
+            self.block_tables[seq_id] = table
+        return list(mapping.items())
+
+    def _release_cpu_block(self, cpu_id: int) -> None:
+        self.cpu_ref_counts[cpu_id] -= 1
+        if self.cpu_ref_counts[cpu_id] == 0:
+            self.cpu_free_block_ids.append(cpu_id)
+
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references. Blocks nobody references go back to the pool; cached ones stay
         reusable, the sequence's last blocks first in line for eviction."""
+        for cpu_id in self.cpu_block_tables.pop(seq_id, []):
+            self._release_cpu_block(cpu_id)
         self.block_hashes.pop(seq_id, None)
         for block_id in reversed(self.block_tables.pop(seq_id, [])):
             block = self.blocks[block_id]

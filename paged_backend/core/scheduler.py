@@ -5,7 +5,9 @@ sequences go first, decodes before unfinished (chunked) prefills, then waiting s
 order while the blocks of their prompt fit (plus a small watermark), reusing the blocks of their longest cached
 prefix (prefix caching, see block_manager.py) and skipping those tokens. Admission looks only at what a sequence
 needs now, not at ``max_tokens``; when a running sequence cannot get a block, the newest running request is
-preempted by recompute: its blocks are freed and it waits again, at the front, to redo its prefill.
+preempted: swapped to CPU memory when there is swap space for its blocks (it comes back, oldest first, before
+new requests are admitted), else by recompute: its blocks are freed and it waits again, at the front, to redo
+its prefill.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, CPU), made first
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU, device), made next
 
     @property
     def is_empty(self) -> bool:
@@ -42,7 +46,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()  # preempted with their KV in CPU memory, oldest first
         self.num_preemptions = 0
+        self.num_swapped_out = 0  # preemptions that swapped rather than recomputed
         self.num_chunked_prefill_steps = 0  # scheduled prefill chunks that stop short of the prompt's end
         self.num_prompt_tokens_admitted = 0  # prompt tokens of first admissions ...
         self.num_prompt_tokens_cached = 0  # ... and those of them served from the prefix cache
@@ -57,16 +63,16 @@ class Scheduler:
         self.running.append(seq)
 
     def has_unfinished_seqs(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         """Mark finished and release the sequence's blocks (running or waiting); blocks its computed tokens
         filled stay in the prefix cache."""
         seq.status = status
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self.cache_full_blocks([seq])
         self.block_manager.free(seq.seq_id)
 
@@ -75,6 +81,8 @@ class Scheduler:
         scheduled: dict[Sequence, int] = {}
         copies: dict[Sequence, list[tuple[int, int]]] = {}
         preempted_now: set[Sequence] = set()
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
 
         # Running sequences: decodes first, then unfinished prefills; oldest first within each.
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival)):
@@ -98,12 +106,39 @@ class Scheduler:
                     break
                 # Out of blocks: preempt the newest running request (all its samples), maybe this one.
                 newest = max(self.running, key=lambda s: s.arrival).request
-                for victim in sorted(self.running, key=lambda s: s.arrival, reverse=True):
-                    if victim.request is newest:
-                        budget += scheduled.pop(victim, 0)
-                        copies.pop(victim, None)
-                        self._preempt(victim)
-                        preempted_now.add(victim)
+                victims = [v for v in self.running if v.request is newest]
+                for victim in victims:
+                    budget += scheduled.pop(victim, 0)
+                    copies.pop(victim, None)
+                swap_out += self._preempt(victims)
+                preempted_now.update(victims)
+
+        # Swapped requests, oldest first, come back before new ones are admitted, when all their blocks fit.
+        while self.swapped and budget > 0:
+            group = [s for s in self.swapped if s.request is self.swapped[0].request]
+            ids = [s.seq_id for s in group]
+            watermark = self.block_manager.watermark_blocks if self.running else 0
+            if (
+                preempted_now.intersection(group)
+                or len(self.running) + len(group) > self.max_num_seqs
+                or self.block_manager.num_free_blocks - self.block_manager.num_blocks_to_swap_in(ids) < watermark
+            ):
+                break
+            swap_in += self.block_manager.swap_in(ids)
+            for seq in group:
+                self.swapped.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                result = None
+                if num_new:
+                    result = self.block_manager.allocate_slots(
+                        seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_new
+                    )
+                if result is not None:  # else it runs from the next step on, like any running sequence
+                    copies[seq] = result
+                    scheduled[seq] = num_new
+                    budget -= num_new
 
         # Waiting sequences, FIFO, while the blocks of their whole prompt fit (plus a watermark when others
         # run); blocks of a cached prefix are reused and their tokens skipped; only the chunk that fits the
@@ -139,16 +174,28 @@ class Scheduler:
 
         self.num_chunked_prefill_steps += sum(1 for seq, n in scheduled.items() if n < seq.num_uncomputed_tokens)
         block_copies = [pair for seq in scheduled for pair in copies.get(seq, ())]
-        return SchedulerOutput(list(scheduled), list(scheduled.values()), block_copies)
+        return SchedulerOutput(list(scheduled), list(scheduled.values()), block_copies, swap_out, swap_in)
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: drop the KV cache; the sequence re-prefills prompt + output so far."""
-        self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+    def _preempt(self, victims: list[Sequence]) -> list[tuple[int, int]]:
+        """Preempt a request's running samples. With swap space that holds their blocks, swap them out (returns
+        the copies); otherwise by recompute: drop their KV, and they re-prefill prompt + output so far."""
+        victims = sorted(victims, key=lambda s: s.arrival)
+        for seq in victims:
+            self.running.remove(seq)
+        self.num_preemptions += len(victims)
+        ids = [seq.seq_id for seq in victims]
+        if self.block_manager.num_cpu_blocks and self.block_manager.can_swap_out(ids):
+            self.num_swapped_out += len(victims)
+            for seq in victims:
+                seq.status = SequenceStatus.SWAPPED
+                self.swapped.append(seq)
+            return self.block_manager.swap_out(ids)
+        for seq in reversed(victims):
+            self.block_manager.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        return []
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """The batch ran: its tokens are now in the KV cache."""

@@ -68,9 +68,13 @@ class LLMEngine:
                 f"max_model_len={self.config.max_model_len} needs {per_seq} blocks: lower max_model_len or give the "
                 "cache more memory (num_kv_blocks, kv_cache_memory_gib or gpu_memory_utilization)"
             )
-        self.cache_engine = CacheEngine(spec, num_blocks, block_size, self.device)
+        num_cpu_blocks = self._num_swap_blocks(spec)
+        self.cache_engine = CacheEngine(spec, num_blocks, block_size, self.device, num_cpu_blocks)
         self.block_manager = BlockManager(
-            num_blocks, block_size, enable_prefix_caching=self.config.cache_config.enable_prefix_caching
+            num_blocks,
+            block_size,
+            enable_prefix_caching=self.config.cache_config.enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(
@@ -100,12 +104,25 @@ class LLMEngine:
     # ------------------------------------------------------------------ set-up
     def _log_inactive_options(self) -> None:
         if self.device.type != "cuda":
+            swap = "" if self.config.scheduler_config.preemption_mode == "swap" else "swap_space, "
             logger.info(
-                "running on %s: gpu_memory_utilization, swap_space, torch.compile and CUDA graphs have no effect here",
+                "running on %s: gpu_memory_utilization, %storch.compile and CUDA graphs have no effect here",
                 self.device,
+                swap,
             )
-        else:
-            logger.info("swap_space has no effect in this version: preemption recomputes")
+
+    def _num_swap_blocks(self, spec: KVCacheSpec) -> int:
+        """CPU blocks of swap space, or 0 when preemption recomputes. By default a GPU swaps (swap_space > 0);
+        on a CPU device swapping would copy from CPU memory to CPU memory, so it is used only when asked for."""
+        mode = self.config.scheduler_config.preemption_mode
+        if mode is None:
+            mode = "swap" if self.device.type == "cuda" and self.config.cache_config.swap_space > 0 else "recompute"
+        if mode == "recompute":
+            return 0
+        block_bytes = spec.bytes_per_block(self.config.block_size)
+        num_cpu_blocks = int(self.config.cache_config.swap_space * 2**30) // block_bytes
+        logger.info("swap space: %d CPU blocks (%.2f GiB)", num_cpu_blocks, num_cpu_blocks * block_bytes / 2**30)
+        return num_cpu_blocks
 
     def _num_kv_blocks(self, spec: KVCacheSpec) -> int:
         cache = self.config.cache_config
@@ -310,7 +327,13 @@ class LLMEngine:
         min_tokens barrier: their tokens can be fed to the next step on the device and checked afterwards.
         A sequence takes no more steps than max_tokens and max_model_len leave it, and gets its blocks now."""
         k = self.config.scheduler_config.num_scheduler_steps
-        if k == 1 or sched.block_copies or any(n != 1 for n in sched.num_new_tokens):
+        if (
+            k == 1
+            or sched.block_copies
+            or sched.blocks_to_swap_out
+            or sched.blocks_to_swap_in
+            or any(n != 1 for n in sched.num_new_tokens)
+        ):
             return None
         for seq in sched.seqs:
             p = seq.params
@@ -448,6 +471,10 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swapped_out": self.scheduler.num_swapped_out,
+            "num_swapped": len(self.scheduler.swapped),
+            "num_free_cpu_blocks": len(bm.cpu_free_block_ids),
+            "num_cpu_blocks": bm.num_cpu_blocks,
             "num_chunked_prefill_steps": self.scheduler.num_chunked_prefill_steps,
             "num_cached_blocks": bm.num_cached_blocks,
             "prefix_cache_hit_rate": self.scheduler.prefix_cache_hit_rate,

@@ -13,6 +13,7 @@ from paged_backend.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()  # preempted, its KV blocks in CPU memory
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()

@@ -1,4 +1,5 @@
-"""The paged KV cache tensors: per layer ``[num_blocks, block_size, Hkv, D]`` for k and for v."""
+"""The paged KV cache tensors: per layer ``[num_blocks, block_size, Hkv, D]`` for k and for v, and the swap space
+in CPU memory with the same layout."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ class KVCacheSpec:
 class CacheEngine:
     """Allocates the cache once and moves blocks for copy-on-write."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device, num_cpu_blocks: int = 0
+    ) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -45,6 +48,37 @@ class CacheEngine:
             )
             for _ in range(spec.num_layers)
         ]
+        # Swap space: the same layout in (pinned, on a GPU machine) CPU memory.
+        cpu_shape = (num_cpu_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        pin = device.type == "cuda"
+        self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin),
+                torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin),
+            )
+            for _ in range(spec.num_layers if num_cpu_blocks else 0)
+        ]
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy (device block, CPU block) pairs to the swap space."""
+        if not mapping:
+            return
+        src = torch.tensor([s for s, _ in mapping], device=self.kv_caches[0][0].device)
+        dst = torch.tensor([d for _, d in mapping])
+        for (k_cache, v_cache), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_caches):
+            k_cpu.index_copy_(0, dst, k_cache.index_select(0, src).cpu())
+            v_cpu.index_copy_(0, dst, v_cache.index_select(0, src).cpu())
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy (CPU block, device block) pairs back from the swap space."""
+        if not mapping:
+            return
+        device = self.kv_caches[0][0].device
+        src = torch.tensor([s for s, _ in mapping])
+        dst = torch.tensor([d for _, d in mapping], device=device)
+        for (k_cache, v_cache), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_caches):
+            k_cache.index_copy_(0, dst, k_cpu.index_select(0, src).to(device, non_blocking=True))
+            v_cache.index_copy_(0, dst, v_cpu.index_select(0, src).to(device, non_blocking=True))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

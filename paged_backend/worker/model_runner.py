@@ -128,6 +128,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step; returns logits ``[N, V]`` for the ``N`` sequences that sample."""
+        self.cache_engine.swap_out(sched.blocks_to_swap_out)  # before the freed blocks are written again
+        self.cache_engine.swap_in(sched.blocks_to_swap_in)
         self.cache_engine.copy_blocks(sched.block_copies)
         inputs = self.prepare_inputs(sched, block_manager)
         return self.run(inputs), inputs.sample_seqs

@@ -1,0 +1,223 @@
+"""Memory features on DESIGN.md's benchmark model: prefix caching, KV waste, samples that share a prefill.
+
+prefix   64 requests, each one 2,000-token system prompt + its own 50-token question, 64 new tokens each,
+         submitted at once after one request has put the system prompt in the cache (a server's steady
+         state): mean time to first token and output tok/s with ``enable_prefix_caching`` on and off; beside
+         them HF ``generate`` on the same 64 prompts in one left-padded batch (its time to first token is one
+         batched forward over the full prompts, ``max_new_tokens=1``).
+waste    W1 (256 prompts of 64..1,024 tokens, 256 new each): the peak of ``stats()["kv_waste_fraction"]``,
+         sampled every step; beside it, computed from the same lengths, the share of KV slots that hold no
+         token in HF ``generate``'s batches of 64 (left padded to the longest prompt) and in a static
+         reservation of the workload's longest sequence (1,280 tokens) per request.
+samples  W1's first 64 prompts, 64 new tokens, temperature 1: n=4, best_of=8 (one prefill, 8 forked samples)
+         against the same prompts as 512 independent requests: output tok/s (tokens returned) and the peak of
+         KV blocks in use.
+
+  python benchmarks/memory.py --json benchmarks/results/h200_memory.json     # on a CUDA machine
+  python benchmarks/memory.py --tiny                                          # smoke run on CPU, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.throughput import HF_BATCH, build_model, w1_prompts
+from paged_backend import LLM, SamplingParams
+from paged_backend.demo import build_tiny_model
+
+logger = logging.getLogger("benchmarks.memory")
+
+
+def release(llm: LLM) -> None:
+    """Give the engine's KV cache back before the next engine or HF needs the memory."""
+    del llm
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def drive(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str, on_step: Callable[[], None] | None = None
+) -> tuple[list[Any], float]:
+    """Submit every prompt at once and step to the end; ``on_step`` runs after each step."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    done = {}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step(finished_only=True):
+            done[out.request_id] = out
+        if on_step is not None:
+            on_step()
+    seconds = time.perf_counter() - start
+    return [done[f"{tag}-{i}"] for i in range(len(prompts))], seconds
+
+
+def output_tokens(outputs: list[Any]) -> int:
+    return sum(len(c.token_ids) for out in outputs for c in out.outputs)
+
+
+def prefix_workload(make_llm: Callable[..., LLM], model, vocab: int, sizes: dict[str, int]) -> dict[str, Any]:
+    rng = random.Random(1)
+    system = [rng.randrange(vocab) for _ in range(sizes["system"])]
+    prompts = [system + [rng.randrange(vocab) for _ in range(sizes["question"])] for _ in range(64)]
+    params = SamplingParams(temperature=0, max_tokens=sizes["new"], ignore_eos=True)
+    result: dict[str, Any] = {}
+    for caching in (True, False):
+        llm = make_llm(enable_prefix_caching=caching)
+        drive(llm, [system + [1]], SamplingParams(temperature=0, max_tokens=1), "warm")  # the system prompt
+        outputs, seconds = drive(llm, prompts, params, "prefix")
+        ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outputs]
+        name = "paged_caching_on" if caching else "paged_caching_off"
+        result[name] = {
+            "mean_ttft_ms": 1e3 * statistics.mean(ttft),
+            "output_tok_s": output_tokens(outputs) / seconds,
+            "hit_rate": llm.stats()["prefix_cache_hit_rate"],
+        }
+        logger.info("prefix %s: %s", name, result[name])
+        release(llm)
+    ids = torch.tensor(prompts, device=model.device)  # equal lengths: no padding needed
+    with torch.no_grad():
+        model.generate(ids[:2], max_new_tokens=2, do_sample=False)  # warm-up
+        first = timed(lambda: model.generate(ids, max_new_tokens=1, do_sample=False))
+        whole = timed(lambda: model.generate(ids, max_new_tokens=sizes["new"], min_new_tokens=sizes["new"]))
+    result["hf"] = {"mean_ttft_ms": 1e3 * first, "output_tok_s": 64 * sizes["new"] / whole}
+    logger.info("prefix hf: %s", result["hf"])
+    on, off = result["paged_caching_on"]["mean_ttft_ms"], result["paged_caching_off"]["mean_ttft_ms"]
+    result["ttft_speedup_from_caching"] = off / on
+    return result
+
+
+def w1_like(vocab: int, num_prompts: int, sizes: dict[str, int]) -> list[list[int]]:
+    """W1's prompts (cut to ``max_prompt`` tokens for the tiny model)."""
+    return [p[: sizes["max_prompt"]] for p in w1_prompts(vocab, num_prompts)]
+
+
+def waste_workload(make_llm: Callable[..., LLM], vocab: int, sizes: dict[str, int]) -> dict[str, Any]:
+    prompts = w1_like(vocab, sizes["w1_prompts"], sizes)
+    new = sizes["w1_new"]
+    llm = make_llm()
+    engine = llm.llm_engine
+    peaks = {"kv_waste_fraction": 0.0, "used_blocks": 0}
+
+    def sample() -> None:
+        if engine.block_manager.num_used_blocks > peaks["used_blocks"]:
+            peaks["used_blocks"] = engine.block_manager.num_used_blocks
+        peaks["kv_waste_fraction"] = max(peaks["kv_waste_fraction"], llm.stats()["kv_waste_fraction"])
+
+    drive(llm, prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True), "w1", sample)
+    release(llm)
+    lengths = [len(p) for p in prompts]
+    padded = used = 0
+    for i in range(0, len(lengths), HF_BATCH):
+        batch = lengths[i : i + HF_BATCH]
+        padded += len(batch) * (max(batch) + new)
+        used += sum(n + new for n in batch)
+    longest = max(lengths) + new
+    result = {
+        "paged_peak_kv_waste_fraction": peaks["kv_waste_fraction"],
+        "paged_peak_used_blocks": peaks["used_blocks"],
+        "hf_padded_batches_waste_fraction": 1 - used / padded,
+        "static_reservation_waste_fraction": 1 - sum(n + new for n in lengths) / (len(lengths) * longest),
+    }
+    logger.info("waste: %s", result)
+    return result
+
+
+def samples_workload(make_llm: Callable[..., LLM], vocab: int, sizes: dict[str, int]) -> dict[str, Any]:
+    prompts = w1_like(vocab, sizes["samples_prompts"], sizes)
+    result: dict[str, Any] = {}
+    runs = {
+        "n4_best_of8": (prompts, SamplingParams(n=4, best_of=8, temperature=1.0, max_tokens=64, ignore_eos=True)),
+        "independent_512": (
+            [p for p in prompts for _ in range(8)],
+            SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True),
+        ),
+    }
+    for name, (batch, params) in runs.items():
+        llm = make_llm()
+        engine = llm.llm_engine
+        peak = [0]
+
+        def sample(engine=engine, peak=peak) -> None:
+            peak[0] = max(peak[0], engine.block_manager.num_used_blocks)
+
+        outputs, seconds = drive(llm, batch, params, name, sample)
+        computed = llm.stats()["num_generated_tokens"]  # best_of computes 8 samples, returns 4
+        result[name] = {
+            "returned_tok_s": output_tokens(outputs) / seconds,
+            "computed_tok_s": computed / seconds,
+            "peak_used_blocks": peak[0],
+        }
+        logger.info("samples %s: %s", name, result[name])
+        release(llm)
+    return result
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="prefix,waste,samples", help="comma list of prefix, waste, samples")
+    parser.add_argument("--tiny", action="store_true", help="tiny random Llama on CPU, workloads scaled down")
+    parser.add_argument("--json", type=Path, default=None, help="write results here")
+    args = parser.parse_args(argv)
+    workloads = set(args.workload.split(","))
+    if args.tiny:
+        model = build_tiny_model("llama", vocab_size=512)
+        model.generation_config.eos_token_id = None
+        sizes = dict(system=200, question=10, new=8, w1_prompts=16, w1_new=16, samples_prompts=4, max_prompt=400)
+        kwargs = dict(block_size=16, num_kv_blocks=2048, max_model_len=512)
+    else:
+        model = build_model(None)
+        sizes = dict(system=2000, question=50, new=64, w1_prompts=256, w1_new=256, samples_prompts=64, max_prompt=1024)
+        kwargs = {}
+    vocab = model.config.vocab_size
+
+    def make_llm(**extra: Any) -> LLM:
+        return LLM(model, **kwargs, **extra)
+
+    results: dict[str, Any] = {
+        "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "command": "python benchmarks/memory.py " + " ".join(argv if argv is not None else []),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if "prefix" in workloads:
+        results["prefix"] = prefix_workload(make_llm, model, vocab, sizes)
+    if "waste" in workloads:
+        results["waste"] = waste_workload(make_llm, vocab, sizes)
+    if "samples" in workloads:
+        results["samples"] = samples_workload(make_llm, vocab, sizes)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    logger.info("%s", json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    main(sys.argv[1:])

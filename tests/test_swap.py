@@ -1,0 +1,86 @@
+"""Preemption by swapping: a request's blocks go to CPU swap space and come back; greedy output still equals HF
+``generate`` and the recompute mode, for one and for forked samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.core.block_manager import BlockManager
+from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tiny_model
+
+BS = 4
+
+
+def tight_llm(model, tokenizer, mode: str, caching: bool = False) -> LLM:
+    """16 blocks of 4 tokens and 8 tokens a step: the ragged batch below cannot all stay resident."""
+    return LLM(
+        model,
+        tokenizer=tokenizer,
+        block_size=BS,
+        num_kv_blocks=16,
+        max_num_batched_tokens=8,
+        max_model_len=48,
+        preemption_mode=mode,
+        swap_space=0.01,
+        enable_prefix_caching=caching,
+    )
+
+
+@pytest.mark.parametrize(("arch", "caching"), [("llama", False), ("mistral", True)])
+def test_swapped_requests_resume_exactly(tokenizer, arch: str, caching: bool) -> None:
+    model = tiny_model(arch)
+    prompts = ragged_prompts(BS)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outputs = {}
+    for mode in ("swap", "recompute"):
+        llm = tight_llm(model, tokenizer, mode, caching)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs[mode] = [list(o.outputs[0].token_ids) for o in outs]
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0
+        assert (stats["num_swapped_out"] > 0) == (mode == "swap")
+        assert_idle(llm)
+    assert outputs["swap"] == outputs["recompute"]
+    for prompt, out in zip(prompts, outputs["swap"]):
+        assert out == hf_greedy(model, prompt, 12)
+
+
+def test_forked_samples_swap_together(tokenizer) -> None:
+    """n=2 greedy samples share their prompt blocks; swapped out and in as one request, both still equal HF."""
+    model = tiny_model("llama")
+    llm = tight_llm(model, tokenizer, "swap")
+    prompts = ragged_prompts(BS)[4:]
+    params = SamplingParams(n=2, temperature=0, max_tokens=12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.stats()["num_swapped_out"] > 0
+    for prompt, out in zip(prompts, outs):
+        expected = hf_greedy(model, prompt, 12)
+        assert [list(c.token_ids) for c in out.outputs] == [expected, expected]
+    assert_idle(llm)
+
+
+def test_block_manager_swaps_shared_blocks_once() -> None:
+    bm = BlockManager(num_blocks=6, block_size=4, num_cpu_blocks=4)
+    bm.allocate_slots(0, 0, 6)
+    bm.fork(0, 1)
+    bm.allocate_slots(1, 6, 7)  # the child copies the partial block: 3 distinct blocks
+    assert bm.can_swap_out([0, 1])
+    out = bm.swap_out([0, 1])
+    assert len(out) == 3 and bm.num_free_blocks == 6 and len(bm.cpu_free_block_ids) == 1
+    assert bm.num_blocks_to_swap_in([0, 1]) == 3
+    back = bm.swap_in([0, 1])
+    assert sorted(c for c, _ in back) == sorted(c for _, c in out)
+    assert bm.get_block_table(0)[0] == bm.get_block_table(1)[0]  # still shared
+    assert bm.blocks[bm.get_block_table(0)[0]].ref_count == 2
+    bm.free(0)
+    bm.swap_out([1])
+    bm.free(1)  # a swapped sequence that is aborted gives its CPU blocks back
+    assert bm.num_free_blocks == 6 and len(bm.cpu_free_block_ids) == 4
+
+
+def test_preemption_mode_is_validated(tokenizer) -> None:
+    with pytest.raises(ValueError, match="preemption_mode"):
+        LLM(tiny_model("llama"), tokenizer=tokenizer, preemption_mode="spill")
+    with pytest.raises(ValueError, match="swap_space > 0"):
+        LLM(tiny_model("llama"), tokenizer=tokenizer, preemption_mode="swap", swap_space=0)
