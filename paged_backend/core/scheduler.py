@@ -204,10 +204,16 @@ class Scheduler:
         self.cache_full_blocks(output.seqs)
 
     def cache_full_blocks(self, seqs: list[Sequence]) -> None:
-        """Offer the blocks that computed tokens have filled to the prefix cache."""
-        if self.block_manager.enable_prefix_caching:
-            for seq in seqs:
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.lora_id)
+        """Offer the blocks that computed tokens have filled to the prefix cache. Most steps fill no block: the
+        check for that stays here, inline, since it runs for every sequence of every step."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return
+        bs, known = bm.block_size, bm.block_hashes
+        for seq in seqs:
+            hashes = known.get(seq.seq_id)
+            if hashes is None or (len(hashes) + 1) * bs <= seq.num_computed_tokens:
+                bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.lora_id)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
