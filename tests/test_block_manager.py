@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import pytest
@@ -40,36 +41,68 @@ def test_fork_shares_then_copies_on_write() -> None:
     assert bm.num_free_blocks == 6
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
+class SequencesMachine(RuleBasedStateMachine):
+    """Fork and free over ``self.seqs`` (seq id -> the test's model of its tokens), shared by the machines below;
+    each subclass sets ``self.bm`` and ``self.seqs`` and adds its own rules and invariants."""
+
+    bm: BlockManager
+    seqs: dict
+
+    def new_id(self) -> int:
+        self.next_id = getattr(self, "next_id", 0) + 1
+        return self.next_id - 1
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        child = self.new_id()
+        self.bm.fork(parent, child)
+        self.seqs[child] = copy.copy(self.seqs[parent])
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.bm.free(seq_id)
+        del self.seqs[seq_id]
+
+    def teardown(self) -> None:
+        if hasattr(self, "bm"):
+            for seq_id in list(self.seqs):
+                self.bm.free(seq_id)
+            assert self.bm.num_free_blocks == self.bm.num_blocks
+
+
+class BlockManagerMachine(SequencesMachine):
     """Random allocate / append / fork / free; the invariants check every reference count."""
 
     @initialize(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 8]))
     def setup(self, num_blocks: int, block_size: int) -> None:
         self.bm = BlockManager(num_blocks, block_size)
-        self.lengths: dict[int, int] = {}  # seq id -> tokens it holds
-        self.next_id = 0
+        self.seqs: dict[int, int] = {}  # seq id -> tokens it holds
 
     @rule(num_tokens=st.integers(1, 40))
     def add(self, num_tokens: int) -> None:
-        seq_id, self.next_id = self.next_id, self.next_id + 1
+        seq_id = self.new_id()
         before = self.bm.num_free_blocks
         if self.bm.allocate_slots(seq_id, 0, num_tokens) is None:
             assert self.bm.num_free_blocks == before and self.bm.get_block_table(seq_id) == []
             self.bm.free(seq_id)
         else:
-            self.lengths[seq_id] = num_tokens
+            self.seqs[seq_id] = num_tokens
 
-    @precondition(lambda self: self.lengths)
+    @precondition(lambda self: self.seqs)
     @rule(data=st.data(), extra=st.integers(1, 10))
     def append(self, data: st.DataObject, extra: int) -> None:
-        seq_id = data.draw(st.sampled_from(sorted(self.lengths)))
-        old = self.lengths[seq_id]
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        old = self.seqs[seq_id]
         table_before = list(self.bm.get_block_table(seq_id))
         copies = self.bm.allocate_slots(seq_id, old, old + extra)
         if copies is None:
             assert self.bm.get_block_table(seq_id) == table_before
             return
-        self.lengths[seq_id] = old + extra
+        self.seqs[seq_id] = old + extra
         table = self.bm.get_block_table(seq_id)
         for src, dst in copies:
             assert src in table_before and dst in table and dst not in table_before
@@ -77,39 +110,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for block_id in table[old // self.bm.block_size :]:
             assert self.bm.blocks[block_id].ref_count == 1
 
-    @precondition(lambda self: self.lengths)
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        parent = data.draw(st.sampled_from(sorted(self.lengths)))
-        child, self.next_id = self.next_id, self.next_id + 1
-        self.bm.fork(parent, child)
-        self.lengths[child] = self.lengths[parent]
-
-    @precondition(lambda self: self.lengths)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
-        seq_id = data.draw(st.sampled_from(sorted(self.lengths)))
-        self.bm.free(seq_id)
-        del self.lengths[seq_id]
-
     @invariant()
     def accounting(self) -> None:
         bm = self.bm
-        refs = Counter(b for seq_id in self.lengths for b in bm.get_block_table(seq_id))
+        refs = Counter(b for seq_id in self.seqs for b in bm.get_block_table(seq_id))
         free = list(bm.free_block_ids)
         assert len(free) == len(set(free)), "a block is on the free list twice"
         assert not set(free) & set(refs), "a referenced block is on the free list"
         assert len(free) + len(refs) == bm.num_blocks, "a block leaked"
         for block in bm.blocks:
             assert block.ref_count == refs.get(block.block_id, 0)
-        for seq_id, n in self.lengths.items():
+        for seq_id, n in self.seqs.items():
             assert len(bm.get_block_table(seq_id)) == -(-n // bm.block_size)
-
-    def teardown(self) -> None:
-        if hasattr(self, "bm"):
-            for seq_id in list(self.lengths):
-                self.bm.free(seq_id)
-            assert self.bm.num_free_blocks == self.bm.num_blocks
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
@@ -156,7 +168,7 @@ def test_kv_waste_counts_shared_blocks_once() -> None:
     assert bm.kv_waste_fraction({0: 6, 1: 7}) == pytest.approx((2 + 1) / 12)
 
 
-class PrefixCacheMachine(RuleBasedStateMachine):
+class PrefixCacheMachine(SequencesMachine):
     """Sequences over a two-token alphabet (so prefixes repeat) are admitted through the prefix cache, extended,
     forked and freed. A model of every block's KV content checks that a cache hit and every cached block hold
     exactly the KV that recomputing would give (a slot's KV depends on every token up to its own), through
@@ -165,12 +177,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 4]))
     def setup(self, num_blocks: int, block_size: int) -> None:
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
-        self.tokens: dict[int, list[int]] = {}  # seq id -> tokens, all computed
+        self.seqs: dict[int, list[int]] = {}  # seq id -> tokens, all computed
         self.content: dict[int, list[tuple | None]] = {}  # block id -> the token prefix each slot's KV encodes
-        self.next_id = 0
 
     def _write(self, seq_id: int, start: int, copies: list[tuple[int, int]]) -> None:
-        bs, table, tokens = self.bm.block_size, self.bm.get_block_table(seq_id), self.tokens[seq_id]
+        bs, table, tokens = self.bm.block_size, self.bm.get_block_table(seq_id), self.seqs[seq_id]
         for src, dst in copies:
             self.content[dst] = list(self.content[src])
         for pos in range(start, len(tokens)):
@@ -188,42 +199,27 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert self.content[block_id] == expected, "a cache hit holds the KV of another prefix"
         if self.bm.num_blocks_to_admit(len(tokens), cached) > self.bm.num_free_blocks:
             return
-        seq_id, self.next_id = self.next_id, self.next_id + 1
+        seq_id = self.new_id()
         self.bm.allocate_cached_prefix(seq_id, cached)
         copies = self.bm.allocate_slots(seq_id, len(cached) * bs, len(tokens))
         assert copies is not None, "admission said the blocks fit"
-        self.tokens[seq_id] = list(tokens)
+        self.seqs[seq_id] = list(tokens)
         self._write(seq_id, len(cached) * bs, copies)
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.seqs)
     @rule(data=st.data(), extra=st.lists(st.integers(0, 1), min_size=1, max_size=6))
     def append(self, data: st.DataObject, extra: list[int]) -> None:
-        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        old = len(self.tokens[seq_id])
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        old = len(self.seqs[seq_id])
         copies = self.bm.allocate_slots(seq_id, old, old + len(extra))
         if copies is not None:
-            self.tokens[seq_id] += extra
+            self.seqs[seq_id] += extra
             self._write(seq_id, old, copies)
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        parent = data.draw(st.sampled_from(sorted(self.tokens)))
-        child, self.next_id = self.next_id, self.next_id + 1
-        self.bm.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
-        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.bm.free(seq_id)
-        del self.tokens[seq_id]
 
     @invariant()
     def accounting(self) -> None:
         bm = self.bm
-        refs = Counter(b for seq_id in self.tokens for b in bm.get_block_table(seq_id))
+        refs = Counter(b for seq_id in self.seqs for b in bm.get_block_table(seq_id))
         free, evictable = set(bm.free_block_ids), set(bm.evictable)
         assert len(free) == len(bm.free_block_ids) and not free & evictable and not (free | evictable) & set(refs)
         assert len(free) + len(evictable) + len(refs) == bm.num_blocks, "a block leaked"
@@ -234,12 +230,6 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for key, block_id in bm.cached_blocks.items():
             assert bm.blocks[block_id].key == key
             assert tuple(prefix[-1] for prefix in self.content[block_id]) == key[1], "a cached block changed"
-
-    def teardown(self) -> None:
-        if hasattr(self, "bm"):
-            for seq_id in list(self.tokens):
-                self.bm.free(seq_id)
-            assert self.bm.num_free_blocks == self.bm.num_blocks
 
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
