@@ -14,6 +14,7 @@ from paged_backend.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from paged_backend.engine.llm_engine import LLMEngine
     from paged_backend.entrypoints.llm import LLM, PagedGenerationBackend
+    from paged_backend.integrations.hf import patch, patched, unpatch
 
 __version__ = "0.1.0"
 
@@ -26,12 +27,18 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "patch",
+    "unpatch",
+    "patched",
 ]
 
 _LAZY = {
     "LLM": "paged_backend.entrypoints.llm",
     "PagedGenerationBackend": "paged_backend.entrypoints.llm",
     "LLMEngine": "paged_backend.engine.llm_engine",
+    "patch": "paged_backend.integrations.hf",
+    "unpatch": "paged_backend.integrations.hf",
+    "patched": "paged_backend.integrations.hf",
 }
 
 

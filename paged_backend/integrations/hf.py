@@ -1,0 +1,321 @@
+"""Drop-in for Hugging Face code: ``patch(model)`` makes ``model.generate`` run on the paged engine.
+
+The replacement takes HF's arguments and returns what HF returns. HF's own ``_prepare_generation_config`` merges
+``generation_config``, the model's defaults and keyword arguments, so invalid combinations raise HF's errors.
+What the engine cannot do (beam search, assisted decoding, custom logits processors or stopping criteria,
+scores, attentions, ...) runs on the original ``generate`` after one warning naming the reason, or raises with
+``fallback="error"``. Callers on several threads share the engine: whichever holds the lock steps it for all,
+so their requests batch together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import itertools
+import logging
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from paged_backend.outputs import RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+FALLBACKS = ("warn", "error")
+_MARK = "__paged_backend_generate__"
+# GenerationConfig fields the engine honours, or that do not change the result.
+_HONOURED = {
+    "max_new_tokens",
+    "max_length",
+    "min_new_tokens",
+    "min_length",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "num_return_sequences",
+    "num_beams",
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+    "decoder_start_token_id",
+    "stop_strings",
+    "return_dict_in_generate",
+    "use_cache",
+    "cache_implementation",
+    "transformers_version",
+    "_from_model_config",
+}
+# Fields that only act with beam search or an assistant model (both fall back on their own), or on how HF compiles.
+_NO_EFFECT = {
+    "early_stopping",
+    "length_penalty",
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold",
+    "assistant_lookbehind",
+    "target_lookbehind",
+    "assistant_early_exit",
+    "max_matching_ngram_size",
+    "compile_config",
+    "disable_compile",
+    "cache_config",
+    "return_legacy_cache",
+}
+# Values at which the other logits processors do nothing (besides None and False).
+_NEUTRAL = {
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+    "guidance_scale": 1.0,
+}
+_FLAGS_OFF = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+# generate() arguments that carry objects the engine cannot run.
+_OBJECT_ARGUMENTS = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "assistant_model",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "synced_gpus",
+)
+_MODEL_KWARGS = {"attention_mask", "tokenizer", "use_cache"}
+
+
+class PagedGenerate:
+    """What ``model.generate`` becomes: the engine (built on the first call, over the model's own weights) and
+    the original method for fallbacks."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, fallback: str, engine_kwargs: dict[str, Any]) -> None:
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {list(FALLBACKS)}, got {fallback!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.fallback = fallback
+        self.engine_kwargs = engine_kwargs
+        self.previous = model.__dict__.get("generate")  # an instance attribute to restore, if there was one
+        self.original = self.previous or type(model).generate.__get__(model)
+        self.llm: Any = None
+        self.lock = threading.RLock()  # held while stepping the engine or running HF's generate
+        self.latest: dict[str, RequestOutput] = {}
+        self.ids = itertools.count()
+
+    @property
+    def engine(self) -> Any:
+        with self.lock:
+            if self.llm is None:
+                from paged_backend.entrypoints.llm import LLM
+
+                self.llm = LLM(self.model, tokenizer=self.tokenizer, **self.engine_kwargs)
+            return self.llm.llm_engine
+
+    # ------------------------------------------------------------------ the call
+    def __call__(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        streamer: Any = None,
+        **kwargs: Any,
+    ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
+        reason = next((f"{name} is set" for name in _OBJECT_ARGUMENTS if kwargs.get(name)), None)
+        if reason is None and kwargs.get("inputs_embeds") is not None:
+            reason = "inputs_embeds is set"
+        if reason is not None:
+            return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
+        hf_kwargs = {k: v for k, v in kwargs.items() if k not in _OBJECT_ARGUMENTS}
+        config, model_kwargs = self.model._prepare_generation_config(copy.deepcopy(generation_config), **hf_kwargs)
+        input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
+        reason = unsupported(config, model_kwargs, input_ids)
+        if reason is not None:
+            return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
+        if config.stop_strings and self.tokenizer is None:
+            if self.llm is None and model_kwargs.get("tokenizer") is not None:
+                self.tokenizer = model_kwargs["tokenizer"]  # the engine, built now, detokenizes with it
+            else:
+                reason = "stop_strings need the tokenizer: pass it to patch()"
+                return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        mask = attention_mask(input_ids, model_kwargs.get("attention_mask"), config)
+        eos = [] if config.eos_token_id is None else list(torch.tensor(config.eos_token_id).view(-1).tolist())
+        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+        width = input_ids.shape[1]
+        max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - width
+        if max_new < 1:  # HF's own generate says what is wrong with the lengths
+            return self._fall_back("no tokens left to generate", inputs, generation_config, streamer, kwargs)
+        prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
+        params = [sampling_params(config, eos, max_new, width) for _ in prompts]
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        outputs = self._run(prompts, params, streamer)
+        rows = [
+            (i, list(c.token_ids)) for i, out in enumerate(outputs) for c in sorted(out.outputs, key=lambda c: c.index)
+        ]
+        new = max(len(tokens) for _, tokens in rows)
+        sequences = torch.full((len(rows), width + new), pad, dtype=torch.long, device=input_ids.device)
+        for r, (i, tokens) in enumerate(rows):
+            sequences[r, :width] = input_ids[i]
+            sequences[r, width : width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        if streamer is not None:
+            streamer.end()
+        if config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences
+
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams], streamer: Any) -> list[RequestOutput]:
+        """Add the requests, then step the engine (whichever caller holds the lock steps for everyone) until
+        all of them finished; stream the new tokens of a lone request."""
+        engine = self.engine
+        rids: list[str] = []
+        with self.lock:
+            try:
+                for prompt, p in zip(prompts, params):
+                    rids.append(f"hf-{next(self.ids)}")
+                    engine.add_request(rids[-1], {"prompt_token_ids": prompt}, p)
+            except Exception:
+                engine.abort_request(rids)
+                raise
+        streamed = 0
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(rids):
+            with self.lock:
+                waiting = [rid for rid in rids if rid not in results]
+                if not any(rid in self.latest and self.latest[rid].finished for rid in waiting):
+                    for out in engine.step():
+                        self.latest[out.request_id] = out
+                for rid in waiting:
+                    if rid in self.latest and self.latest[rid].finished:
+                        results[rid] = self.latest.pop(rid)
+                first = results.get(rids[0]) or self.latest.get(rids[0])
+            if streamer is not None and first is not None:
+                tokens = first.outputs[0].token_ids
+                for token in tokens[streamed:]:
+                    streamer.put(torch.tensor([token]))
+                streamed = len(tokens)
+        return [results[rid] for rid in rids]
+
+    def _fall_back(
+        self, reason: str, inputs: Any, generation_config: Any, streamer: Any, kwargs: dict[str, Any]
+    ) -> Any:
+        if self.fallback == "error":
+            raise NotImplementedError(f"the paged engine cannot run this generate call: {reason}")
+        warnings.warn(f"paged_backend: {reason}; running the original generate", stacklevel=3)
+        with self.lock:  # the engine's steps switch the model's attention: never at the same time
+            return self.original(inputs, generation_config=generation_config, streamer=streamer, **kwargs)
+
+
+def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any], input_ids: Any) -> str | None:
+    """Why the engine cannot run this call, or None."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2) or input_ids.numel() == 0:
+        return "input_ids must be a 1-D or 2-D tensor of token ids"
+    if config.num_beams != 1:
+        return f"num_beams={config.num_beams} (beam search)"
+    for flag in _FLAGS_OFF:
+        if getattr(config, flag, False):
+            return f"{flag}=True"
+    for name, value in config.to_diff_dict().items():
+        if name in _HONOURED or name in _NO_EFFECT or value is None or value is False:
+            continue
+        if name not in _NEUTRAL or value != _NEUTRAL[name]:
+            return f"{name}={value!r}"
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
+    if extra:
+        return f"model arguments {extra}"
+    return None
+
+
+def attention_mask(input_ids: torch.Tensor, mask: torch.Tensor | None, config: GenerationConfig) -> torch.Tensor:
+    """The given mask, or HF's inference: padding where the pad token appears, when it is not also EOS."""
+    if mask is not None:
+        return mask.view(input_ids.shape)
+    pad, eos = config.pad_token_id, config.eos_token_id
+    eos_ids = [] if eos is None else torch.tensor(eos).view(-1).tolist()
+    if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
+        return input_ids.ne(pad).long()
+    return torch.ones_like(input_ids)
+
+
+def sampling_params(config: GenerationConfig, eos: list[int], max_new: int, width: int) -> SamplingParams:
+    """One row's SamplingParams. EOS comes from the config alone (``ignore_eos`` keeps the engine's own set out).
+    Sampled rows draw their seed from torch's global generator, so ``torch.manual_seed`` reproduces them."""
+    n = config.num_return_sequences or 1
+    min_new = config.min_new_tokens if config.min_new_tokens is not None else max(0, (config.min_length or 0) - width)
+    common = dict(
+        n=n,
+        max_tokens=max_new,
+        min_tokens=min(min_new, max_new),
+        stop_token_ids=eos,
+        ignore_eos=True,
+        stop=config.stop_strings,
+        include_stop_str_in_output=True,
+        repetition_penalty=config.repetition_penalty or 1.0,
+    )
+    if not config.do_sample:
+        return SamplingParams(temperature=0.0, **common)
+    return SamplingParams(
+        temperature=config.temperature if config.temperature is not None else 1.0,
+        top_k=config.top_k or -1,
+        top_p=config.top_p if config.top_p is not None else 1.0,
+        min_p=config.min_p or 0.0,
+        seed=int(torch.randint(0, 2**62, (1,)).item()),
+        **common,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- public
+def patch(model: PreTrainedModel, tokenizer: Any = None, fallback: str = "warn", **engine_kwargs: Any) -> PagedGenerate:
+    """Replace ``model.generate`` with the paged engine's; returns the handle (its ``engine`` is built on the first
+    call). Patching a patched model returns the existing handle."""
+    current = model.__dict__.get("generate")
+    if current is not None and hasattr(current, _MARK):
+        return getattr(current, _MARK)
+    handle = PagedGenerate(model, tokenizer, fallback, engine_kwargs)
+
+    @functools.wraps(handle.original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        return handle(*args, **kwargs)
+
+    setattr(generate, _MARK, handle)
+    model.generate = generate
+    return handle
+
+
+def unpatch(model: PreTrainedModel) -> None:
+    """Restore the ``generate`` the model had before ``patch``; a model that is not patched is left alone."""
+    current = model.__dict__.get("generate")
+    if current is None or not hasattr(current, _MARK):
+        return
+    handle: PagedGenerate = getattr(current, _MARK)
+    if handle.previous is None:
+        del model.generate
+    else:
+        model.generate = handle.previous
+
+
+@contextlib.contextmanager
+def patched(
+    model: PreTrainedModel, tokenizer: Any = None, fallback: str = "warn", **engine_kwargs: Any
+) -> Iterator[PagedGenerate]:
+    """``with patched(model): ...`` runs ``model.generate`` on the paged engine inside the block."""
+    handle = patch(model, tokenizer, fallback, **engine_kwargs)
+    try:
+        yield handle
+    finally:
+        unpatch(model)

@@ -1,0 +1,206 @@
+"""``patch(model)``: HF's ``model.generate`` on the paged engine gives what the unpatched method gives."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+from transformers import TextStreamer, pipeline
+
+from paged_backend import patch, patched, unpatch
+from tests.conftest import tiny_model
+
+ENGINE = dict(block_size=4, num_kv_blocks=512, max_model_len=128)
+PAD = 0
+
+
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40]]
+
+
+def unpatched(model, *args, **kwargs):
+    assert "generate" not in model.__dict__
+    with torch.no_grad():
+        return model.generate(*args, **kwargs)
+
+
+def engine_only(model, patch_tokenizer, *args, **kwargs):
+    """The patched call, failing on any warning (a fallback warns)."""
+    with patched(model, patch_tokenizer, **ENGINE) as handle, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model.generate(*args, **kwargs)
+        assert handle.llm is not None and handle.engine.model is model  # it ran, on the model's own weights
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gpt2"])
+def test_greedy_left_padded_batch_equals_hf(tokenizer, arch: str) -> None:
+    model = tiny_model(arch)
+    ids, mask = left_padded(PROMPTS)
+    expected = unpatched(model, ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(engine_only(model, tokenizer, ids, attention_mask=mask, max_new_tokens=12), expected)
+
+
+def test_right_padding_continues_the_real_tokens(tokenizer) -> None:
+    """HF warns that right padding is wrong for decoder-only models (it predicts from a pad position); the
+    patched generate continues each row's real tokens, laid out after the padded prompt as HF lays it out."""
+    model = tiny_model("llama")
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([p + [PAD] * (width - len(p)) for p in PROMPTS])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in PROMPTS])
+    out = engine_only(model, tokenizer, ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    left_ids, left_mask = left_padded(PROMPTS)
+    expected = unpatched(model, left_ids, attention_mask=left_mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out[:, :width], ids) and torch.equal(out[:, width:], expected[:, width:])
+
+
+def test_eos_lists_min_new_tokens_and_max_length(tokenizer) -> None:
+    """Extra EOS ids taken from HF's own continuation stop rows early (padded after); min_new_tokens holds them
+    back; max_length counts the padded prompt."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    free = unpatched(model, ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    width = ids.shape[1]
+    eos = [2, int(free[0, width + 2]), int(free[2, width + 5])]
+    for kwargs in (
+        dict(eos_token_id=eos, max_new_tokens=12),
+        dict(eos_token_id=eos, max_new_tokens=12, min_new_tokens=6),
+        dict(eos_token_id=eos, max_length=width + 7, min_length=width + 4),
+    ):
+        expected = unpatched(model, ids, attention_mask=mask, do_sample=False, **kwargs)
+        assert torch.equal(engine_only(model, tokenizer, ids, attention_mask=mask, **kwargs), expected), kwargs
+
+
+def test_stop_strings(tokenizer) -> None:
+    model = tiny_model("llama")
+    ids = torch.tensor([PROMPTS[0]])
+    free = unpatched(model, ids, max_new_tokens=12, do_sample=False)
+    stop = tokenizer.decode(free[0, len(PROMPTS[0]) + 4 :][:1]).strip() or tokenizer.decode(free[0, -1:])
+    kwargs = dict(max_new_tokens=12, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    expected = unpatched(model, ids, **kwargs)
+    assert expected.shape[1] < free.shape[1]  # the stop string cut HF's run short
+    assert torch.equal(engine_only(model, tokenizer, ids, **kwargs), expected)
+
+
+def test_sampling_shape_and_seeds(tokenizer) -> None:
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS[:2])
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(
+            engine_only(
+                model, tokenizer, ids, attention_mask=mask, do_sample=True, num_return_sequences=3, max_new_tokens=8
+            )
+        )
+    assert runs[0].shape == (6, ids.shape[1] + 8)
+    assert torch.equal(runs[0], runs[1])  # torch.manual_seed reproduces the samples
+    assert torch.equal(runs[0][:3, : ids.shape[1]], ids[[0, 0, 0]])  # each row's samples follow its prompt
+    assert len({tuple(r.tolist()) for r in runs[0][:3]}) > 1
+    with pytest.raises(ValueError, match="num_return_sequences"):  # HF's own validation
+        with patched(model, tokenizer, **ENGINE):
+            model.generate(ids, attention_mask=mask, do_sample=False, num_return_sequences=2)
+
+
+class Collect(TextStreamer):
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer, skip_prompt=True)
+        self.text = ""
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.text += text
+
+
+def test_streamer_and_return_dict(tokenizer) -> None:
+    model = tiny_model("llama")
+    ids = torch.tensor([PROMPTS[2]])
+    streamer = Collect(tokenizer)
+    out = engine_only(model, tokenizer, ids, max_new_tokens=16, do_sample=False, streamer=streamer)
+    assert streamer.text == tokenizer.decode(out[0, ids.shape[1] :])
+    result = engine_only(model, tokenizer, ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(result.sequences, out)
+
+
+def test_unsupported_calls_fall_back_to_hf(tokenizer) -> None:
+    """Beam search and scores run on HF's generate after one warning, with HF's exact result; fallback="error"
+    raises instead."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS[:2])
+    beam = dict(attention_mask=mask, max_new_tokens=6, num_beams=3)
+    scores = dict(attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True, output_scores=True)
+    expected_beam = unpatched(model, ids, **beam)
+    expected_scores = unpatched(model, ids, **scores)
+    with patched(model, tokenizer, **ENGINE):
+        with pytest.warns(UserWarning, match="num_beams=3") as record:
+            assert torch.equal(model.generate(ids, **beam), expected_beam)
+        assert len(record) == 1
+        with pytest.warns(UserWarning, match="output_scores"):
+            result = model.generate(ids, **scores)
+        assert torch.equal(result.sequences, expected_scores.sequences) and len(result.scores) == 6
+    with patched(model, tokenizer, fallback="error", **ENGINE), pytest.raises(NotImplementedError, match="num_beams"):
+        model.generate(ids, **beam)
+
+
+def test_pipeline_on_a_patched_model(tokenizer) -> None:
+    model = tiny_model("llama")
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    kwargs = dict(max_new_tokens=10, do_sample=False)
+    expected = generator("hello world", **kwargs)
+    with patched(model, tokenizer, **ENGINE) as handle:
+        assert generator("hello world", **kwargs) == expected
+        assert handle.llm is not None
+
+
+def test_threads_share_one_engine(tokenizer) -> None:
+    """8 threads call generate at once: each gets its own HF-equal result, and the engine batched them."""
+    model = tiny_model("llama")
+    prompts = [[10 + i, 20 + i, 30 + i] + [40 + j for j in range(i)] for i in range(8)]
+    expected = [unpatched(model, torch.tensor([p]), max_new_tokens=10, do_sample=False) for p in prompts]
+    handle = patch(model, tokenizer, **ENGINE)
+    engine = handle.engine
+    batch_sizes: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        batch_sizes.append(len(out.seqs))
+        return out
+
+    engine.scheduler.schedule = counting_schedule
+    start = threading.Barrier(8)
+    results: dict[int, torch.Tensor] = {}
+
+    def call(i: int) -> None:
+        start.wait()
+        results[i] = model.generate(torch.tensor([prompts[i]]), max_new_tokens=10, do_sample=False)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    unpatch(model)
+    for i in range(8):
+        assert torch.equal(results[i], expected[i])
+    assert max(batch_sizes) > 1
+
+
+def test_patch_is_idempotent_and_unpatch_restores() -> None:
+    model = tiny_model("llama")
+    assert "generate" not in model.__dict__
+    first = patch(model, **ENGINE)
+    assert patch(model) is first and first.llm is None  # the engine is built on the first call
+    unpatch(model)
+    assert "generate" not in model.__dict__  # the class's own method again
+    unpatch(model)  # harmless
+    with pytest.raises(ValueError, match="fallback"):
+        patch(model, fallback="ignore")
+    assert "generate" not in model.__dict__
