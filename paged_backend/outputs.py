@@ -31,6 +31,9 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     lora_request: Any = None
+    # Raw next-token logits [V] (fp32, CPU) of each generated token, only for requests added with keep_logits
+    # (HF's output_logits / output_scores through paged_backend.patch); not part of vLLM's API.
+    logits: list[Any] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -129,22 +129,44 @@ def test_streamer_and_return_dict(tokenizer) -> None:
     assert torch.equal(result.sequences, out)
 
 
+def test_scores_and_logits_match_hf(tokenizer) -> None:
+    """``output_logits`` are the model's raw rows, ``output_scores`` those after HF's own processors (here the
+    repetition penalty and min_new_tokens' EOS mask): both as HF reports them, step by step."""
+    model = tiny_model("llama")
+    ids = torch.tensor([PROMPTS[0]])
+    kwargs = dict(
+        max_new_tokens=8,
+        do_sample=False,
+        min_new_tokens=3,
+        repetition_penalty=1.3,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+    )
+    expected = unpatched(model, ids, **kwargs)
+    result = engine_only(model, tokenizer, ids, **kwargs)
+    assert torch.equal(result.sequences, expected.sequences)
+    assert len(result.logits) == len(expected.logits) == len(result.scores) == len(expected.scores)
+    for ours, theirs in zip(result.logits + result.scores, expected.logits + expected.scores):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert torch.isinf(result.scores[0][0, 2]) and not torch.isinf(result.scores[4][0, 2])  # EOS held back
+
+
 def test_unsupported_calls_fall_back_to_hf(tokenizer) -> None:
-    """Beam search and scores run on HF's generate after one warning, with HF's exact result; fallback="error"
-    raises instead."""
+    """Beam search and a logits processor the engine lacks run on HF's generate after one warning, with HF's
+    exact result; fallback="error" raises instead."""
     model = tiny_model("llama")
     ids, mask = left_padded(PROMPTS[:2])
     beam = dict(attention_mask=mask, max_new_tokens=6, num_beams=3)
-    scores = dict(attention_mask=mask, max_new_tokens=6, return_dict_in_generate=True, output_scores=True)
+    ngram = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, no_repeat_ngram_size=2)
     expected_beam = unpatched(model, ids, **beam)
-    expected_scores = unpatched(model, ids, **scores)
+    expected_ngram = unpatched(model, ids, **ngram)
     with patched(model, tokenizer, **ENGINE):
         with pytest.warns(UserWarning, match="num_beams=3") as record:
             assert torch.equal(model.generate(ids, **beam), expected_beam)
         assert len(record) == 1
-        with pytest.warns(UserWarning, match="output_scores"):
-            result = model.generate(ids, **scores)
-        assert torch.equal(result.sequences, expected_scores.sequences) and len(result.scores) == 6
+        with pytest.warns(UserWarning, match="no_repeat_ngram_size=2"):
+            assert torch.equal(model.generate(ids, **ngram), expected_ngram)
     with patched(model, tokenizer, fallback="error", **ENGINE), pytest.raises(NotImplementedError, match="num_beams"):
         model.generate(ids, **beam)
 

@@ -201,8 +201,11 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         lora_request: Any = None,
+        keep_logits: bool = False,
     ) -> None:
-        """Validate and queue a request; nothing is queued when validation fails."""
+        """Validate and queue a request; nothing is queued when validation fails. ``keep_logits`` keeps each
+        generated token's raw logits row in the outputs (for HF's ``output_logits``; it disables multi-step
+        decoding for the request's batches)."""
         if lora_request is not None:
             raise NotImplementedError(LORA_NOT_AVAILABLE)
         if request_id in self.requests:
@@ -237,6 +240,7 @@ class LLMEngine:
             seq_id = next(self._seq_counter)
             seq = Sequence(seq_id, index, request, list(ids), len(ids), arrival=seq_id, generator=generator)
             seq.logprobs = [] if params.logprobs is not None else None
+            seq.logits = [] if keep_logits else None
             init_offsets(seq)
             request.seqs.append(seq)
         self.requests[request_id] = request
@@ -295,6 +299,9 @@ class LLMEngine:
         if forked:  # the other samples draw their first token from their parent's logits row
             logits = torch.cat([logits, logits[[row for row, _ in forked]]])  # [N + F, V]
             sample_seqs = sample_seqs + [child for _, child in forked]
+        for row, seq in enumerate(sample_seqs):
+            if seq.logits is not None:
+                seq.logits.append(logits[row].float().cpu())
         stop_ids = [
             self._min_tokens_stop_ids(s) if s.num_output_tokens < s.params.min_tokens else frozenset()
             for s in sample_seqs
@@ -343,6 +350,7 @@ class LLMEngine:
                 or not p.greedy
                 or p.has_penalties
                 or p.logprobs is not None
+                or seq.logits is not None
                 or seq.num_output_tokens < p.min_tokens
             ):
                 return None
@@ -442,6 +450,7 @@ class LLMEngine:
                 token_ids=list(seq.output_token_ids),
                 cumulative_logprob=float(seq.cumulative_logprob),
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                logits=list(seq.logits) if seq.logits is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             )

@@ -52,6 +52,7 @@ class Sequence:
     output_text: str = ""
     stop_reason: int | str | None = None
     num_cached_prompt_tokens: int | None = None  # prompt tokens reused from the prefix cache at first admission
+    logits: list[Any] | None = None  # raw logits row of each generated token, when the request keeps them
     # incremental detokenization offsets into token_ids (vLLM's prefix_offset / read_offset)
     prefix_offset: int = 0
     read_offset: int = 0

@@ -3,7 +3,7 @@
 The replacement takes HF's arguments and returns what HF returns. HF's own ``_prepare_generation_config`` merges
 ``generation_config``, the model's defaults and keyword arguments, so invalid combinations raise HF's errors.
 What the engine cannot do (beam search, assisted decoding, custom logits processors or stopping criteria,
-scores, attentions, ...) runs on the original ``generate`` after one warning naming the reason, or raises with
+attentions, hidden states, ...) runs on the original ``generate`` after one warning naming the reason, or raises with
 ``fallback="error"``. Callers on several threads share the engine: whichever holds the lock steps it for all,
 so their requests batch together.
 """
@@ -22,6 +22,16 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from paged_backend.outputs import RequestOutput
@@ -51,6 +61,8 @@ _HONOURED = {
     "decoder_start_token_id",
     "stop_strings",
     "return_dict_in_generate",
+    "output_scores",
+    "output_logits",
     "use_cache",
     "cache_implementation",
     "transformers_version",
@@ -84,7 +96,7 @@ _NEUTRAL = {
     "diversity_penalty": 0.0,
     "guidance_scale": 1.0,
 }
-_FLAGS_OFF = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+_FLAGS_OFF = ("output_attentions", "output_hidden_states")
 # generate() arguments that carry objects the engine cannot run.
 _OBJECT_ARGUMENTS = (
     "logits_processor",
@@ -164,7 +176,8 @@ class PagedGenerate:
         params = [sampling_params(config, eos, max_new, width) for _ in prompts]
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        outputs = self._run(prompts, params, streamer)
+        keep_logits = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
+        outputs = self._run(prompts, params, streamer, keep_logits)
         rows = [
             (i, list(c.token_ids)) for i, out in enumerate(outputs) for c in sorted(out.outputs, key=lambda c: c.index)
         ]
@@ -175,11 +188,23 @@ class PagedGenerate:
             sequences[r, width : width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         if streamer is not None:
             streamer.end()
-        if config.return_dict_in_generate:
+        if not config.return_dict_in_generate:
+            return sequences
+        if not keep_logits:
             return GenerateDecoderOnlyOutput(sequences=sequences)
-        return sequences
+        completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        logits = step_logits(completions, new, sequences.device)
+        scores = None
+        if config.output_scores:
+            processors = hf_processors(config, width)
+            scores = tuple(processors(sequences[:, : width + t], row.clone()) for t, row in enumerate(logits))
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences, scores=scores, logits=logits if config.output_logits else None
+        )
 
-    def _run(self, prompts: list[list[int]], params: list[SamplingParams], streamer: Any) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[list[int]], params: list[SamplingParams], streamer: Any, keep_logits: bool = False
+    ) -> list[RequestOutput]:
         """Add the requests, then step the engine (whichever caller holds the lock steps for everyone) until
         all of them finished; stream the new tokens of a lone request."""
         engine = self.engine
@@ -188,7 +213,7 @@ class PagedGenerate:
             try:
                 for prompt, p in zip(prompts, params):
                     rids.append(f"hf-{next(self.ids)}")
-                    engine.add_request(rids[-1], {"prompt_token_ids": prompt}, p)
+                    engine.add_request(rids[-1], {"prompt_token_ids": prompt}, p, keep_logits=keep_logits)
             except Exception:
                 engine.abort_request(rids)
                 raise
@@ -239,6 +264,43 @@ def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any], input_id
     if extra:
         return f"model arguments {extra}"
     return None
+
+
+def step_logits(completions: list[Any], num_steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """HF's ``logits``: one ``[rows, V]`` fp32 tensor per step. A row that already finished holds NaN at later
+    steps (HF has the logits of feeding it padding there)."""
+    vocab = completions[0].logits[0].shape[-1]
+    steps = []
+    for t in range(num_steps):
+        step = torch.full((len(completions), vocab), float("nan"))
+        for r, c in enumerate(completions):
+            if t < len(c.logits):
+                step[r] = c.logits[t]
+        steps.append(step.to(device))
+    return tuple(steps)
+
+
+def hf_processors(config: GenerationConfig, width: int) -> LogitsProcessorList:
+    """HF's processors and warpers for the settings the engine honours, in HF's order, so ``scores`` are what HF
+    reports for the same logits."""
+    eos = config.eos_token_id
+    processors = LogitsProcessorList()
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+    if eos is not None and config.min_length is not None and config.min_length > 0:
+        processors.append(MinLengthLogitsProcessor(config.min_length, eos))
+    if eos is not None and config.min_new_tokens is not None and config.min_new_tokens > 0:
+        processors.append(MinNewTokensLengthLogitsProcessor(width, config.min_new_tokens, eos))
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k is not None and config.top_k != 0:
+            processors.append(TopKLogitsWarper(config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            processors.append(TopPLogitsWarper(config.top_p))
+        if config.min_p is not None:
+            processors.append(MinPLogitsWarper(config.min_p))
+    return processors
 
 
 def attention_mask(input_ids: torch.Tensor, mask: torch.Tensor | None, config: GenerationConfig) -> torch.Tensor:
