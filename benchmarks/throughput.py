@@ -4,8 +4,9 @@ Model: Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no EOS (fixed leng
   w1    256 prompts, lengths uniform in [64, 1024] (random.Random(0)), 256 new tokens each, greedy
   w2    one 128-token prompt, 256 new tokens
   ttft  a lone 1,024-token prompt: time to its first token, beside one plain HF forward over it
-Backends: paged (this library), hf (``model.generate``, batches of 64, left padded), hf_cb (``generate_batch``,
-transformers' continuous batching), hf_static (``generate`` with a static cache and torch.compile; w2 only).
+Backends: paged (this library), hf_patched (``model.generate`` after ``paged_backend.patch``, called like hf),
+hf (``model.generate``, batches of 64, left padded), hf_cb (``generate_batch``, transformers' continuous
+batching), hf_static (``generate`` with a static cache and torch.compile; w2 only).
 Every backend runs in this one process on identical prompts, after an untimed warm-up (W1: 64 prompts x 8
 tokens; W2: the workload once; hf_static: its compiling first call); throughput counts the output tokens
 actually returned. The paged engine is measured first, then released: HF needs the memory its KV cache held.
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from paged_backend import LLM, SamplingParams
+from paged_backend import LLM, SamplingParams, patch, unpatch
 
 logger = logging.getLogger("benchmarks.throughput")
 
@@ -285,11 +286,21 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def release_engine(what: str) -> None:
+    """Give an engine's KV cache back once its last reference is gone: HF's backends need the memory."""
+    torch._dynamo.reset()  # drop compiled code and its guards, which may still refer to the engine's tensors
+    gc.collect()
+    torch.cuda.empty_cache()
+    logger.info("%s released: %.1f GiB still allocated", what, torch.cuda.memory_allocated() / 2**30)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="w1,w2,ttft", help="comma list of w1, w2, ttft")
     parser.add_argument(
-        "--backends", default="paged,hf,hf_cb,hf_static", help="comma list of paged, hf, hf_cb, hf_static"
+        "--backends",
+        default="paged,hf,hf_cb,hf_static",
+        help="comma list of paged, hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
     )
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
@@ -306,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     workloads = args.workload.split(",")
     backends = args.backends.split(",")
-    unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - {"paged", "hf", "hf_cb", "hf_static"}
+    known_backends = {"paged", "hf_patched", "hf", "hf_cb", "hf_static"}
+    unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - known_backends
     if unknown:
         parser.error(f"unknown workload or backend: {sorted(unknown)}")
 
@@ -393,17 +405,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             profile_decode(llm, vocab, args.profile)
         save()
         del llm
-        torch._dynamo.reset()  # drop compiled code and its guards, which may still refer to the engine's tensors
-        gc.collect()
-        torch.cuda.empty_cache()
-        logger.info("paged engine released: %.1f GiB still allocated", torch.cuda.memory_allocated() / 2**30)
+        release_engine("paged engine")
+
+    # HF's generate, patched onto the engine (paged_backend.patch), called as HF code calls it: batches of 64.
+    if "hf_patched" in backends:
+        handle = patch(model)
+        for workload in ("w1", "w2"):
+            if workload in workloads:
+                measure(workload, "hf_patched", lambda prompts, max_tokens: run_hf(model, prompts, max_tokens))
+        unpatch(model)
+        handle.llm = None
+        release_engine("patched generate's engine")
 
     runners = {
         "hf": lambda prompts, max_tokens: run_hf(model, prompts, max_tokens),
         "hf_cb": lambda prompts, max_tokens: run_hf_cb(model, prompts, max_tokens),
         "hf_static": lambda prompts, max_tokens: run_hf(model, prompts, max_tokens, static=True),
     }
-    for backend in [b for b in backends if b != "paged"]:
+    for backend in [b for b in backends if b not in ("paged", "hf_patched")]:
         for workload in ("w1", "w2"):
             if workload in workloads and not (backend == "hf_static" and workload == "w1"):  # DESIGN: W2 only
                 measure(workload, backend, runners[backend])
