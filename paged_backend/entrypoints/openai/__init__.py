@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: vLLM's command line, flags and endpoints."""

@@ -1,0 +1,122 @@
+"""The OpenAI server's command line, with vLLM's flag names, so that a vLLM serving command's flags
+(``--model M --block-size 16 --swap-space 4 --max-num-seqs 256``) carry over unchanged.
+
+Engine flags map one to one onto ``LLM(...)`` keyword arguments (and are validated there); the rest configure
+the server itself (``ServerArgs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+API_KEY_ENV = "PAGED_BACKEND_API_KEY"
+
+# (flag, type, help): each flag's name with underscores is its LLM keyword; defaults are the engine's own.
+_ENGINE_FLAGS: list[tuple[str, type, str]] = [
+    ("--block-size", int, "tokens per KV block (default 16)"),
+    ("--swap-space", float, "GiB of pinned CPU memory for swapped-out blocks (default 4)"),
+    ("--max-num-seqs", int, "sequences per step (default 256)"),
+    ("--max-num-batched-tokens", int, "tokens per step (default 8192)"),
+    ("--max-model-len", int, "context limit (default: the model's)"),
+    ("--gpu-memory-utilization", float, "share of GPU memory to use (default 0.9)"),
+    ("--tensor-parallel-size", int, "GPUs to shard the model over (default 1)"),
+    ("--dtype", str, "auto, float32, float16, bfloat16 (default auto)"),
+    ("--quantization", str, "weight quantization: awq"),
+    ("--max-loras", int, "LoRA adapters in one batch (default 4)"),
+    ("--max-lora-rank", int, "largest LoRA rank (default 16)"),
+    ("--seed", int, "seed of unseeded sampling (default 0)"),
+    ("--num-scheduler-steps", int, "greedy decode steps per scheduling round (default 8)"),
+    ("--preemption-mode", str, "swap or recompute (default: swap on a GPU with swap space)"),
+    ("--device", str, "auto, cpu, cuda or cuda:N (default auto)"),
+]
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """What the server needs besides the engine's arguments."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_waiting_requests: int | None = None
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter path
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use in ``model``: ``--served-model-name``, else the model path."""
+        return self.served_model_name or self.model
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes name=path pairs, got {value!r}")
+    return name, path
+
+
+def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="OpenAI-compatible server over the paged engine (vLLM's flag names).",
+        epilog=f"The API key may also come from the {API_KEY_ENV} environment variable. "
+        "Use --host 0.0.0.0 to accept connections from other machines.",
+    )
+    parser.add_argument("--model", required=True, help="model path or hub id")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer path or hub id (default: the model's)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    for flag, kind, text in _ENGINE_FLAGS:
+        parser.add_argument(flag, type=kind, default=None, help=text)
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse KV blocks of shared prompt prefixes (default on)",
+    )
+    parser.add_argument("--enforce-eager", action="store_true", default=None, help="no torch.compile, no CUDA graphs")
+    parser.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
+    parser.add_argument(
+        "--lora-modules", type=_lora_module, nargs="+", default=[], metavar="NAME=PATH", help="adapters to serve"
+    )
+    parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    parser.add_argument("--api-key", default=None, help=f"required bearer token (or ${API_KEY_ENV})")
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    parser.add_argument(
+        "--max-waiting-requests", type=int, default=None, help="queue length beyond which requests get 429"
+    )
+    parser.add_argument(
+        "--worker-use-ray", action="store_true", help="run tensor-parallel workers with Ray (not available yet)"
+    )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve") -> tuple[ServerArgs, dict[str, Any]]:
+    """(server arguments, ``LLM`` keyword arguments) from a command line; exits with a message on bad flags."""
+    parser = make_parser(prog)
+    args = parser.parse_args(argv)
+    if args.worker_use_ray:
+        parser.exit(2, "--worker-use-ray: the Ray executor is not available in this version\n")
+    names = [flag[2:].replace("-", "_") for flag, *_ in _ENGINE_FLAGS]
+    names += ["enable_prefix_caching", "enforce_eager", "enable_lora"]
+    engine: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.tokenizer is not None:
+        engine["tokenizer"] = args.tokenizer
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        parser.error(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    server = ServerArgs(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        chat_template=args.chat_template,
+        max_waiting_requests=args.max_waiting_requests,
+        lora_modules=dict(args.lora_modules),
+    )
+    return server, engine
