@@ -1,0 +1,371 @@
+"""OpenAI-compatible HTTP server over the paged engine (``[server]`` extra: FastAPI, uvicorn).
+
+    paged-backend serve MODEL [vLLM's flags]
+    python -m paged_backend.entrypoints.openai.api_server --model MODEL [vLLM's flags]
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with
+server-sent events), ``GET /health``. Errors are OpenAI error bodies: 400 for invalid parameters (FastAPI's 422
+included) and prompts longer than ``max_model_len``, 401 for a wrong API key, 404 for an unknown model, 429 when
+``--max-waiting-requests`` are already waiting, 503 when the engine loop has died. A client that disconnects
+mid-stream aborts its request, which frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
+from paged_backend.entrypoints.openai.engine_loop import EngineDeadError, EngineLoop, QueueFullError
+from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from paged_backend.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come; closing this closes (and so aborts) them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServer:
+    """The handlers, around one ``EngineLoop``."""
+
+    def __init__(self, llm: Any, args: ServerArgs) -> None:
+        self.llm = llm
+        self.args = args
+        self.tokenizer = llm.get_tokenizer()
+        self.max_model_len = llm.llm_engine.max_model_len
+        self.loop = EngineLoop(llm.llm_engine, args.max_waiting_requests)
+        template = args.chat_template
+        if template is not None and os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        self.chat_template = template
+
+    # ------------------------------------------------------------------ checks
+    def check(self, request: Request, body: SamplingFields | None = None) -> None:
+        if self.args.api_key is not None:
+            if request.headers.get("authorization") != f"Bearer {self.args.api_key}":
+                raise APIError(401, "invalid API key", "authentication_error")
+        if body is not None and body.model != self.args.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist.", "not_found_error", "model")
+        if not self.loop.alive:
+            raise APIError(503, "the engine is not running", "service_unavailable")
+
+    async def stream_of(self, request_id: str, prompt: dict[str, Any], params: Any) -> AsyncIterator[RequestOutput]:
+        """Start the request now (so bad prompts fail before any response is sent) and return its outputs."""
+        stream = self.loop.generate(request_id, prompt, params).__aiter__()
+        try:
+            first = await stream.__anext__()
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request_error") from exc
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), "rate_limit_error") from exc
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "service_unavailable") from exc
+
+        async def chained() -> AsyncIterator[RequestOutput]:
+            try:
+                yield first
+                async for out in stream:
+                    yield out
+            finally:
+                await stream.aclose()
+
+        return chained()
+
+    async def start(self, prompts: list[dict[str, Any]], params: Any, prefix: str) -> list[AsyncIterator]:
+        streams: list[AsyncIterator] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.stream_of(f"{prefix}-{i}", prompt, params))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return streams
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, body: CompletionRequest) -> Any:
+        try:
+            params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request_error") from exc
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        streams = await self.start(body.prompts(), params, rid)
+        base = {"id": rid, "object": "text_completion", "created": created, "model": self.args.model_name}
+        if body.stream:
+            return StreamingResponse(self._stream_completions(body, streams, base), media_type="text/event-stream")
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            finals[i] = out
+        outputs = [finals[i] for i in range(len(streams))]
+        choices = []
+        for i, out in enumerate(outputs):
+            echo = (out.prompt or self._decode(out.prompt_token_ids)) if body.echo else ""
+            for c in out.outputs:
+                choices.append(
+                    {
+                        "index": i * body.n + c.index,
+                        "text": echo + c.text,
+                        "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+        return {**base, "choices": choices, "usage": usage(outputs)}
+
+    async def _stream_completions(
+        self, body: CompletionRequest, streams: list[AsyncIterator], base: dict[str, Any]
+    ) -> AsyncIterator[str]:
+        sent: dict[tuple[int, int], int] = {}
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            for c in out.outputs:
+                key = (i, c.index)
+                echo = ""
+                if body.echo and key not in sent:
+                    echo = out.prompt or self._decode(out.prompt_token_ids)
+                delta = echo + c.text[sent.get(key, 0) :]
+                sent[key] = len(c.text)
+                if delta or c.finish_reason:
+                    choice = {
+                        "index": i * body.n + c.index,
+                        "text": delta,
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    yield sse({**base, "choices": [choice]})
+            if out.finished:
+                finals[i] = out
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield sse({**base, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])})
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ chat
+    async def chat(self, body: ChatCompletionRequest) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, "chat needs a tokenizer", "invalid_request_error")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, chat_template=self.chat_template
+            )
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
+            raise APIError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.max_model_len - len(ids))
+        top = body.top_logprobs if body.logprobs else None
+        if body.logprobs and top is None:
+            top = 0
+        try:
+            params = body.model_copy(update={"max_tokens": max_tokens}).sampling_params(max_tokens, top)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request_error") from exc
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        streams = await self.start([{"prompt": text, "prompt_token_ids": ids}], params, rid)
+        base = {"id": rid, "created": created, "model": self.args.model_name}
+        if body.stream:
+            return StreamingResponse(self._stream_chat(body, streams[0], base), media_type="text/event-stream")
+        final = None
+        async for _, out in merge(streams):
+            final = out
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._chat_logprobs(c) if body.logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in final.outputs
+        ]
+        return {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
+
+    async def _stream_chat(
+        self, body: ChatCompletionRequest, stream: AsyncIterator, base: dict[str, Any]
+    ) -> AsyncIterator[str]:
+        base = {**base, "object": "chat.completion.chunk"}
+        for j in range(body.n):
+            delta = {"role": "assistant", "content": ""}
+            yield sse({**base, "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}]})
+        sent: dict[int, int] = {}
+        final = None
+        async for _, out in merge([stream]):
+            for c in out.outputs:
+                delta_text = c.text[sent.get(c.index, 0) :]
+                sent[c.index] = len(c.text)
+                if delta_text or c.finish_reason:
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": delta_text} if delta_text else {},
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    yield sse({**base, "choices": [choice]})
+            final = out
+        if body.stream_options is not None and body.stream_options.include_usage and final is not None:
+            yield sse({**base, "choices": [], "usage": usage([final])})
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ helpers
+    def _decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    def _completion_logprobs(self, c: CompletionOutput) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+        for token_id, entry in zip(c.token_ids, c.logprobs or []):
+            piece = entry[token_id].decoded_token if token_id in entry else self._decode([token_id])
+            tokens.append(piece or "")
+            token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
+            top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()})
+            offsets.append(offset)
+            offset += len(piece or "")
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_logprobs(self, c: CompletionOutput) -> dict[str, Any]:
+        content = []
+        for token_id, entry in zip(c.token_ids, c.logprobs or []):
+            chosen = entry.get(token_id)
+            piece = (chosen.decoded_token if chosen else None) or self._decode([token_id])
+            others = []
+            for t, lp in entry.items():
+                if t != token_id:
+                    text = lp.decoded_token or ""
+                    others.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode())})
+            content.append(
+                {
+                    "token": piece,
+                    "logprob": chosen.logprob if chosen else None,
+                    "bytes": list(piece.encode()),
+                    "top_logprobs": others,
+                }
+            )
+        return {"content": content}
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def build_app(llm: Any, args: ServerArgs) -> FastAPI:
+    server = OpenAIServer(llm, args)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.loop.shutdown()
+
+    app = FastAPI(title="paged-backend", description="OpenAI-compatible API over the paged engine", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_body(exc.status, exc.message, exc.type, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return error_body(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error", where)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_body(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = server.loop.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, 200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        server.check(request)
+        card = {
+            "id": args.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "paged-backend",
+            "max_model_len": server.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        server.check(request, body)
+        return await server.completions(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        server.check(request, body)
+        return await server.chat(body)
+
+    return app
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m paged_backend.entrypoints.openai.api_server") -> None:
+    import uvicorn
+
+    from paged_backend.entrypoints.llm import LLM
+
+    args, engine_kwargs = parse_args(argv, prog)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    llm = LLM(args.model, **engine_kwargs)
+    uvicorn.run(build_app(llm, args), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

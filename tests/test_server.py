@@ -1,0 +1,124 @@
+"""The OpenAI server with the official ``openai`` client: uvicorn on 127.0.0.1 in a thread, a tiny model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from paged_backend import LLM, SamplingParams  # noqa: E402
+from paged_backend.entrypoints.openai.api_server import build_app  # noqa: E402
+from paged_backend.entrypoints.openai.cli_args import ServerArgs  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+
+KEY = "secret"
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128)
+    app = build_app(llm, ServerArgs(model="tiny-path", served_model_name=NAME, api_key=KEY))
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    instance = uvicorn.Server(config)
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not instance.started and time.time() < deadline:
+        time.sleep(0.05)
+    port = instance.servers[0].sockets[0].getsockname()[1]
+    yield llm, f"http://127.0.0.1:{port}"
+    instance.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_completion_equals_the_engine_and_streams_the_same_text(server, client) -> None:
+    llm, _ = server
+    expected = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    result = client.completions.create(model=NAME, prompt="Hello world", max_tokens=12, temperature=0)
+    assert result.choices[0].text == expected.outputs[0].text
+    assert result.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
+    chunks = list(
+        client.completions.create(
+            model=NAME,
+            prompt="Hello world",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == result.choices[0].text
+    assert chunks[-1].usage.completion_tokens == result.usage.completion_tokens
+
+
+def test_several_prompts_n_and_echo(client) -> None:
+    result = client.completions.create(
+        model=NAME, prompt=["a b", "c d"], max_tokens=5, temperature=1.0, n=2, seed=3, echo=True
+    )
+    assert sorted(c.index for c in result.choices) == [0, 1, 2, 3]
+    assert all(c.text.startswith("a b") for c in result.choices[:2])
+    tokens = client.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=2)
+    logprobs = tokens.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4 and all(lp <= 0 for lp in logprobs.token_logprobs)
+
+
+def test_chat_and_streaming_chat(client) -> None:
+    messages = [{"role": "user", "content": "Hello there"}]
+    result = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    assert result.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True)
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == result.choices[0].message.content
+
+
+def test_error_bodies(server, client) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=-5)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=NAME, prompt=[5] * 200, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="unknown_field"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body={"unknown_field": 1})
+    wrong = openai.OpenAI(base_url=server[1] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    response = httpx.post(
+        server[1] + "/v1/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert response.status_code == 400 and "error" in response.json()
+    assert httpx.get(server[1] + "/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_disconnected_stream_frees_its_blocks(server, client) -> None:
+    llm, _ = server
+    stream = client.completions.create(
+        model=NAME, prompt="Hello", max_tokens=100, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    stream.close()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        stats = llm.stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            break
+        time.sleep(0.05)
+    stats = llm.stats()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
