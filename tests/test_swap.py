@@ -84,3 +84,70 @@ def test_preemption_mode_is_validated(tokenizer) -> None:
         LLM(tiny_model("llama"), tokenizer=tokenizer, preemption_mode="spill")
     with pytest.raises(ValueError, match="swap_space > 0"):
         LLM(tiny_model("llama"), tokenizer=tokenizer, preemption_mode="swap", swap_space=0)
+
+
+def test_preempted_copy_on_write_is_undone_before_swapping(tokenizer) -> None:
+    """A request's sample gets a copy-on-write block, then its sibling finds no block and the request is
+    preempted in the same step: the copy never happens, so the table must point at the shared source again
+    before the blocks go to swap space (else an unwritten block is swapped out and back)."""
+    model = tiny_model("llama")
+    first, second = [11 + 7 * i for i in range(18)], [401, 323, 440, 157, 218, 262, 429]
+    llm = LLM(
+        model,
+        tokenizer=tokenizer,
+        block_size=4,
+        num_kv_blocks=8,
+        max_model_len=32,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+        swap_space=0.001,
+        enable_prefix_caching=False,
+        num_scheduler_steps=1,
+    )
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=3))
+    engine.step()
+    engine.add_request("b", {"prompt_token_ids": second}, SamplingParams(temperature=0, max_tokens=4, n=3))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert llm.stats()["num_swapped_out"] > 0
+    assert list(done["a"].outputs[0].token_ids) == hf_greedy(model, first, 3)
+    assert [list(c.token_ids) for c in done["b"].outputs] == [hf_greedy(model, second, 4)] * 3
+    assert_idle(llm)
+
+
+def test_request_too_big_to_swap_back_recomputes(tokenizer) -> None:
+    """n=3 samples that together outgrow the whole cache: swapping the request out would leave nothing to run
+    and nothing that fits; it recomputes instead, its samples one by one, and finishes."""
+    model = tiny_model("llama")
+    prompt = [401, 323, 440, 157, 218, 262, 429]
+    llm = LLM(
+        model,
+        tokenizer=tokenizer,
+        block_size=4,
+        num_kv_blocks=6,
+        max_model_len=24,
+        preemption_mode="swap",
+        swap_space=0.001,
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(temperature=0, max_tokens=12, n=3)
+    (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert [list(c.token_ids) for c in out.outputs] == [hf_greedy(model, prompt, 12)] * 3
+    assert llm.stats()["num_preemptions"] > 0
+    assert_idle(llm)
+
+
+def test_forked_samples_respect_max_num_seqs(tokenizer) -> None:
+    """Two n=3 requests under max_num_seqs=4: the second waits, since the first's samples will fork in."""
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_num_seqs=4)
+    engine = llm.llm_engine
+    for i in range(2):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [5 + i, 6, 7, 8, 9]}, SamplingParams(n=3, max_tokens=6))
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    assert peak == 3
+    assert_idle(llm)

@@ -191,6 +191,17 @@ class BlockManager:
         self.block_tables[child_seq_id] = table
         self.block_hashes[child_seq_id] = list(self.block_hashes.get(parent_seq_id, []))
 
+    def undo_copies(self, seq_id: int, copies: list[tuple[int, int]]) -> None:
+        """Take back copy-on-write copies that will not be made (the sequence is preempted in the step that
+        planned them): its table points at the shared source again, and the unwritten copy is freed."""
+        table = self.block_tables.get(seq_id, [])
+        for src, dst in copies:
+            table[table.index(dst)] = src
+            self.blocks[src].ref_count += 1
+            self.blocks[dst].ref_count -= 1
+            if self.blocks[dst].ref_count == 0:
+                self.free_block_ids.append(dst)  # a fresh copy: never cached
+
     # ------------------------------------------------------------------ swap space
     def can_swap_out(self, seq_ids: list[int]) -> bool:
         distinct = {b for seq_id in seq_ids for b in self.block_tables.get(seq_id, [])}

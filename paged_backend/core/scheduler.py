@@ -109,7 +109,7 @@ class Scheduler:
                 victims = [v for v in self.running if v.request is newest]
                 for victim in victims:
                     budget += scheduled.pop(victim, 0)
-                    copies.pop(victim, None)
+                    self.block_manager.undo_copies(victim.seq_id, copies.pop(victim, []))
                 swap_out += self._preempt(victims)
                 preempted_now.update(victims)
 
@@ -118,10 +118,14 @@ class Scheduler:
             group = [s for s in self.swapped if s.request is self.swapped[0].request]
             ids = [s.seq_id for s in group]
             watermark = self.block_manager.watermark_blocks if self.running else 0
+            needed = self.block_manager.num_blocks_to_swap_in(ids)
+            if not self.running and needed > self.block_manager.num_free_blocks:
+                self._recompute(group)  # it cannot come back whole even alone: its samples re-prefill instead
+                continue
             if (
                 preempted_now.intersection(group)
                 or len(self.running) + len(group) > self.max_num_seqs
-                or self.block_manager.num_free_blocks - self.block_manager.num_blocks_to_swap_in(ids) < watermark
+                or self.block_manager.num_free_blocks - needed < watermark
             ):
                 break
             swap_in += self.block_manager.swap_in(ids)
@@ -143,12 +147,14 @@ class Scheduler:
         # Waiting sequences, FIFO, while the blocks of their whole prompt fit (plus a watermark when others
         # run); blocks of a cached prefix are reused and their tokens skipped; only the chunk that fits the
         # token budget is allocated now.
+        # Samples that will fork into the batch once their request's first sample has prefilled need room too.
+        to_fork = sum(len(s.request.unforked) for s in self.running if s.request.unforked)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq in preempted_now and self.running:
                 break  # let the running sequences free blocks before it tries again
-            if self.running and len(self.running) + 1 + len(seq.request.unforked) > self.max_num_seqs:
-                break  # its samples will fork into the batch: keep room for them
+            if self.running and len(self.running) + to_fork + 1 + len(seq.request.unforked) > self.max_num_seqs:
+                break
             cached = self.block_manager.find_cached_prefix(seq.token_ids, seq.lora_id)
             needed = self.block_manager.num_blocks_to_admit(len(seq.token_ids), cached)
             watermark = self.block_manager.watermark_blocks if self.running else 0
@@ -169,6 +175,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            to_fork += len(seq.request.unforked)
             scheduled[seq] = num_new
             budget -= num_new
 
@@ -184,18 +191,26 @@ class Scheduler:
             self.running.remove(seq)
         self.num_preemptions += len(victims)
         ids = [seq.seq_id for seq in victims]
-        if self.block_manager.num_cpu_blocks and self.block_manager.can_swap_out(ids):
+        # Swapping is for making room for others: a request that preempts itself alone would only come back to
+        # the same shortage, so it recomputes (its samples then re-prefill one by one).
+        if self.running and self.block_manager.num_cpu_blocks and self.block_manager.can_swap_out(ids):
             self.num_swapped_out += len(victims)
             for seq in victims:
                 seq.status = SequenceStatus.SWAPPED
                 self.swapped.append(seq)
             return self.block_manager.swap_out(ids)
-        for seq in reversed(victims):
+        self._recompute(victims)
+        return []
+
+    def _recompute(self, seqs: list[Sequence]) -> None:
+        """Drop the sequences' KV (device or swapped) and queue them, at the front, to prefill again."""
+        for seq in reversed(seqs):
+            if seq in self.swapped:
+                self.swapped.remove(seq)
             self.block_manager.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
-        return []
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """The batch ran: its tokens are now in the KV cache."""
