@@ -90,6 +90,29 @@ def test_stop_strings(tokenizer) -> None:
     assert torch.equal(engine_only(model, tokenizer, ids, **kwargs), expected)
 
 
+def test_default_length_is_twenty_new_tokens(tokenizer) -> None:
+    """With no length given HF generates 20 new tokens whatever the prompt's length (not 20 in all)."""
+    model = tiny_model("llama")
+    for prompt in (PROMPTS[1], list(range(30, 55))):
+        ids = torch.tensor([prompt])
+        expected = unpatched(model, ids, do_sample=False, eos_token_id=None)
+        assert expected.shape[1] == len(prompt) + 20
+        assert torch.equal(engine_only(model, tokenizer, ids, do_sample=False, eos_token_id=None), expected)
+
+
+def test_scores_of_a_padded_batch(tokenizer) -> None:
+    """HF's repetition penalty skips each row's left padding; the reported scores do the same."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS[:3])
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, repetition_penalty=1.5, eos_token_id=None)
+    kwargs.update(return_dict_in_generate=True, output_scores=True)
+    expected = unpatched(model, ids, **kwargs)
+    result = engine_only(model, tokenizer, ids, **kwargs)
+    assert torch.equal(result.sequences, expected.sequences)
+    for ours, theirs in zip(result.scores, expected.scores):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
 def test_sampling_shape_and_seeds(tokenizer) -> None:
     model = tiny_model("llama")
     ids, mask = left_padded(PROMPTS[:2])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import itertools
 import logging
 import threading
@@ -40,6 +41,8 @@ from paged_backend.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 FALLBACKS = ("warn", "error")
+_DEFAULT_MAX_LENGTH = 20  # GenerationConfig's historic default: HF reads it as 20 new tokens
+_REPETITION_ARGS = inspect.signature(RepetitionPenaltyLogitsProcessor.__init__).parameters
 _MARK = "__paged_backend_generate__"
 # GenerationConfig fields the engine honours, or that do not change the result.
 _HONOURED = {
@@ -152,6 +155,11 @@ class PagedGenerate:
         if reason is not None:
             return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
         hf_kwargs = {k: v for k, v in kwargs.items() if k not in _OBJECT_ARGUMENTS}
+        # As HF decides before merging: no max_length anywhere means "20 new tokens", not 20 in all.
+        configs = (generation_config, self.model.generation_config)
+        default_length = kwargs.get("max_length") is None and all(
+            c is None or c.max_length in (None, _DEFAULT_MAX_LENGTH) for c in configs
+        )
         config, model_kwargs = self.model._prepare_generation_config(copy.deepcopy(generation_config), **hf_kwargs)
         input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
         reason = unsupported(config, model_kwargs, input_ids)
@@ -169,7 +177,13 @@ class PagedGenerate:
         eos = [] if config.eos_token_id is None else list(torch.tensor(config.eos_token_id).view(-1).tolist())
         pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
         width = input_ids.shape[1]
-        max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - width
+        if config.max_new_tokens is not None:
+            max_new = config.max_new_tokens
+        elif default_length:
+            limit = getattr(self.model.config, "max_position_embeddings", None)
+            max_new = config.max_length if limit is None else min(config.max_length, limit - width)
+        else:
+            max_new = config.max_length - width
         if max_new < 1:  # HF's own generate says what is wrong with the lengths
             return self._fall_back("no tokens left to generate", inputs, generation_config, streamer, kwargs)
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
@@ -196,7 +210,8 @@ class PagedGenerate:
         logits = step_logits(completions, new, sequences.device)
         scores = None
         if config.output_scores:
-            processors = hf_processors(config, width)
+            padding = mask.ne(0).int().argmax(dim=1).repeat_interleave(config.num_return_sequences or 1)
+            processors = hf_processors(config, width, padding.to(sequences.device))
             scores = tuple(processors(sequences[:, : width + t], row.clone()) for t, row in enumerate(logits))
         return GenerateDecoderOnlyOutput(
             sequences=sequences, scores=scores, logits=logits if config.output_logits else None
@@ -219,21 +234,28 @@ class PagedGenerate:
                 raise
         streamed = 0
         results: dict[str, RequestOutput] = {}
-        while len(results) < len(rids):
+        try:
+            while len(results) < len(rids):
+                with self.lock:
+                    waiting = [rid for rid in rids if rid not in results]
+                    if not any(rid in self.latest and self.latest[rid].finished for rid in waiting):
+                        for out in engine.step():
+                            self.latest[out.request_id] = out
+                    for rid in waiting:
+                        if rid in self.latest and self.latest[rid].finished:
+                            results[rid] = self.latest.pop(rid)
+                    first = results.get(rids[0]) or self.latest.get(rids[0])
+                if streamer is not None and first is not None:
+                    tokens = first.outputs[0].token_ids
+                    for token in tokens[streamed:]:
+                        streamer.put(torch.tensor([token]))
+                    streamed = len(tokens)
+        except BaseException:  # an error or an interrupt: nobody else should keep running this call's requests
             with self.lock:
-                waiting = [rid for rid in rids if rid not in results]
-                if not any(rid in self.latest and self.latest[rid].finished for rid in waiting):
-                    for out in engine.step():
-                        self.latest[out.request_id] = out
-                for rid in waiting:
-                    if rid in self.latest and self.latest[rid].finished:
-                        results[rid] = self.latest.pop(rid)
-                first = results.get(rids[0]) or self.latest.get(rids[0])
-            if streamer is not None and first is not None:
-                tokens = first.outputs[0].token_ids
-                for token in tokens[streamed:]:
-                    streamer.put(torch.tensor([token]))
-                streamed = len(tokens)
+                engine.abort_request(rids)
+                for rid in rids:
+                    self.latest.pop(rid, None)
+            raise
         return [results[rid] for rid in rids]
 
     def _fall_back(
@@ -280,15 +302,18 @@ def step_logits(completions: list[Any], num_steps: int, device: torch.device) ->
     return tuple(steps)
 
 
-def hf_processors(config: GenerationConfig, width: int) -> LogitsProcessorList:
-    """HF's processors and warpers for the settings the engine honours, in HF's order, so ``scores`` are what HF
-    reports for the same logits."""
+def hf_processors(config: GenerationConfig, width: int, padding: torch.Tensor) -> LogitsProcessorList:
+    """HF's processors and warpers for the settings the engine honours, in HF's order and with HF's arguments
+    (left padding is not penalised; ``min_new_tokens`` overrides ``min_length``), so ``scores`` are what HF
+    reports for the same logits. ``padding``: each row's number of pad tokens."""
     eos = config.eos_token_id
     processors = LogitsProcessorList()
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
-    if eos is not None and config.min_length is not None and config.min_length > 0:
-        processors.append(MinLengthLogitsProcessor(config.min_length, eos))
+        extra = {"prompt_ignore_length": padding} if "prompt_ignore_length" in _REPETITION_ARGS else {}
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, **extra))
+    min_length = config.min_new_tokens + width if config.min_new_tokens is not None else config.min_length
+    if eos is not None and min_length is not None and min_length > 0:
+        processors.append(MinLengthLogitsProcessor(min_length, eos))
     if eos is not None and config.min_new_tokens is not None and config.min_new_tokens > 0:
         processors.append(MinNewTokensLengthLogitsProcessor(width, config.min_new_tokens, eos))
     if config.do_sample:
