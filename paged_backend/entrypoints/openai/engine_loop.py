@@ -52,7 +52,7 @@ class EngineLoop:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         queue: asyncio.Queue = asyncio.Queue()
         with self.lock:
-            waiting = self.engine.stats()["num_waiting"] if self.max_waiting_requests else 0
+            waiting = len(self.engine.scheduler.waiting)
             if self.max_waiting_requests and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests)")
             self.engine.add_request(request_id, prompt, params)  # validation errors propagate to the caller
