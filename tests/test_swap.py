@@ -12,18 +12,16 @@ from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tiny_model
 BS = 4
 
 
-def tight_llm(model, tokenizer, mode: str, caching: bool = False) -> LLM:
-    """16 blocks of 4 tokens and 8 tokens a step: the ragged batch below cannot all stay resident."""
+def tight_llm(model, tokenizer, mode: str, caching: bool = False, **overrides) -> LLM:
+    """16 blocks of 4 tokens and 8 tokens a step by default: the ragged batch below cannot all stay resident."""
+    args = dict(num_kv_blocks=16, max_num_batched_tokens=8, max_model_len=48, swap_space=0.01) | overrides
     return LLM(
         model,
         tokenizer=tokenizer,
         block_size=BS,
-        num_kv_blocks=16,
-        max_num_batched_tokens=8,
-        max_model_len=48,
         preemption_mode=mode,
-        swap_space=0.01,
         enable_prefix_caching=caching,
+        **args,
     )
 
 
@@ -92,16 +90,14 @@ def test_preempted_copy_on_write_is_undone_before_swapping(tokenizer) -> None:
     before the blocks go to swap space (else an unwritten block is swapped out and back)."""
     model = tiny_model("llama")
     first, second = [11 + 7 * i for i in range(18)], [401, 323, 440, 157, 218, 262, 429]
-    llm = LLM(
+    llm = tight_llm(
         model,
-        tokenizer=tokenizer,
-        block_size=4,
+        tokenizer,
+        "swap",
         num_kv_blocks=8,
         max_model_len=32,
         max_num_batched_tokens=64,
-        preemption_mode="swap",
         swap_space=0.001,
-        enable_prefix_caching=False,
         num_scheduler_steps=1,
     )
     engine = llm.llm_engine
@@ -122,15 +118,8 @@ def test_request_too_big_to_swap_back_recomputes(tokenizer) -> None:
     and nothing that fits; it recomputes instead, its samples one by one, and finishes."""
     model = tiny_model("llama")
     prompt = [401, 323, 440, 157, 218, 262, 429]
-    llm = LLM(
-        model,
-        tokenizer=tokenizer,
-        block_size=4,
-        num_kv_blocks=6,
-        max_model_len=24,
-        preemption_mode="swap",
-        swap_space=0.001,
-        enable_prefix_caching=False,
+    llm = tight_llm(
+        model, tokenizer, "swap", num_kv_blocks=6, max_model_len=24, max_num_batched_tokens=8192, swap_space=0.001
     )
     params = SamplingParams(temperature=0, max_tokens=12, n=3)
     (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
