@@ -122,3 +122,9 @@ def test_disconnected_stream_frees_its_blocks(server, client) -> None:
         time.sleep(0.05)
     stats = llm.stats()
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_kv_blocks"]
+    text = httpx.get(server[1] + "/metrics").text
+    assert f'paged_backend:num_requests_running{{model_name="{NAME}"}} 0.0' in text
+    assert f'paged_backend:kv_cache_usage_perc{{model_name="{NAME}"}} 0.0' in text
+    assert "paged_backend:time_to_first_token_seconds_count" in text
+    generated = [line for line in text.splitlines() if line.startswith("paged_backend:generation_tokens_total")]
+    assert generated and float(generated[0].split()[-1]) > 0

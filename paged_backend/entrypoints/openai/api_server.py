@@ -4,10 +4,10 @@
     python -m paged_backend.entrypoints.openai.api_server --model MODEL [vLLM's flags]
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with
-server-sent events), ``GET /health``. Errors are OpenAI error bodies: 400 for invalid parameters (FastAPI's 422
-included) and prompts longer than ``max_model_len``, 401 for a wrong API key, 404 for an unknown model, 429 when
-``--max-waiting-requests`` are already waiting, 503 when the engine loop has died. A client that disconnects
-mid-stream aborts its request, which frees its blocks at once.
+server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus). Errors are OpenAI error bodies: 400 for
+invalid parameters (FastAPI's 422 included) and prompts longer than ``max_model_len``, 401 for a wrong API key,
+404 for an unknown model, 429 when ``--max-waiting-requests`` are already waiting, 503 when the engine loop has
+died. A client that disconnects mid-stream aborts its request, which frees its blocks at once.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
 from paged_backend.entrypoints.openai.engine_loop import EngineDeadError, EngineLoop, QueueFullError
+from paged_backend.entrypoints.openai.metrics import ServerMetrics
 from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from paged_backend.outputs import CompletionOutput, RequestOutput
 
@@ -88,7 +90,8 @@ class OpenAIServer:
         self.args = args
         self.tokenizer = llm.get_tokenizer()
         self.max_model_len = llm.llm_engine.max_model_len
-        self.loop = EngineLoop(llm.llm_engine, args.max_waiting_requests)
+        self.metrics = ServerMetrics(args.model_name)
+        self.loop = EngineLoop(llm.llm_engine, args.max_waiting_requests, self.metrics.observe, self.metrics.forget)
         template = args.chat_template
         if template is not None and os.path.isfile(template):
             with open(template, encoding="utf-8") as f:
@@ -330,6 +333,10 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
     async def health() -> JSONResponse:
         ok = server.loop.alive
         return JSONResponse({"status": "ok" if ok else "engine stopped"}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(server.loop.stats()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from paged_backend.outputs import RequestOutput
@@ -29,8 +29,16 @@ class QueueFullError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, max_waiting_requests: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        max_waiting_requests: int | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        on_abort: Callable[[str], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.on_output = on_output  # sees every delivered output, on the loop thread (metrics)
+        self.on_abort = on_abort
         self.max_waiting_requests = max_waiting_requests
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -75,6 +83,8 @@ class EngineLoop:
         with self.lock:
             self.queues.pop(request_id, None)
             self.engine.abort_request(request_id)
+            if self.on_abort is not None:
+                self.on_abort(request_id)
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
@@ -95,6 +105,8 @@ class EngineLoop:
                         self.wake.clear()
                         continue
                     for out in outputs:
+                        if self.on_output is not None:
+                            self.on_output(out)
                         target = self.queues.get(out.request_id)
                         if target is not None:
                             loop, queue = target

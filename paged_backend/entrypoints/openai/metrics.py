@@ -1,0 +1,83 @@
+"""``GET /metrics`` in Prometheus' text format, from the engine's ``stats()`` and the outputs the loop delivers.
+
+Each server has its own registry (no process-global state), so several servers or tests can run in one process.
+Names follow vLLM's ``vllm:`` metrics with a ``paged_backend:`` prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from paged_backend.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, text: str) -> Gauge:
+            return Gauge(f"paged_backend:{name}", text, labels, registry=self.registry)
+
+        self.running = gauge("num_requests_running", "sequences in the running batch")
+        self.waiting = gauge("num_requests_waiting", "sequences waiting to be admitted")
+        self.swapped = gauge("num_requests_swapped", "sequences swapped out to CPU memory")
+        self.kv_usage = gauge("kv_cache_usage_perc", "share of KV blocks in use")
+        self.hit_rate = gauge("prefix_cache_hit_rate", "prompt tokens served from the prefix cache / prompt tokens")
+        self.prompt_tokens = Counter(
+            "paged_backend:prompt_tokens", "prompt tokens of finished requests", labels, registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "paged_backend:generation_tokens", "tokens generated", labels, registry=self.registry
+        )
+        self.ttft = Histogram(
+            "paged_backend:time_to_first_token_seconds",
+            "arrival to first token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "paged_backend:inter_token_latency_seconds",
+            "time between a request's successive tokens",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.labels = {"model_name": model_name}
+        self.progress: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, time of the last)
+
+    def observe(self, out: RequestOutput) -> None:
+        """One delivered output: count its new tokens and their timing (called by the engine loop)."""
+        now = time.monotonic()
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        seen, last = self.progress.get(out.request_id, (0, out.metrics.get("arrival_time", now)))
+        new = tokens - seen
+        if new > 0:
+            if seen == 0:
+                self.ttft.labels(**self.labels).observe(now - last)
+            else:
+                for _ in range(new):  # a multi-step round delivers several tokens at once
+                    self.itl.labels(**self.labels).observe((now - last) / new)
+            self.generation_tokens.labels(**self.labels).inc(new)
+        if out.finished:
+            self.progress.pop(out.request_id, None)
+            self.prompt_tokens.labels(**self.labels).inc(len(out.prompt_token_ids))
+        else:
+            self.progress[out.request_id] = (tokens, now if new > 0 else last)
+
+    def forget(self, request_id: str) -> None:
+        self.progress.pop(request_id, None)
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        self.running.labels(**self.labels).set(stats["num_running"])
+        self.waiting.labels(**self.labels).set(stats["num_waiting"])
+        self.swapped.labels(**self.labels).set(stats["num_swapped"])
+        self.kv_usage.labels(**self.labels).set(1 - stats["num_free_blocks"] / stats["num_kv_blocks"])
+        self.hit_rate.labels(**self.labels).set(stats["prefix_cache_hit_rate"])
+        return generate_latest(self.registry)
