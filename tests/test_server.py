@@ -128,3 +128,48 @@ def test_disconnected_stream_frees_its_blocks(server, client) -> None:
     assert "paged_backend:time_to_first_token_seconds_count" in text
     generated = [line for line in text.splitlines() if line.startswith("paged_backend:generation_tokens_total")]
     assert generated and float(generated[0].split()[-1]) > 0
+
+
+def test_concurrent_async_streams_and_disconnects(server) -> None:
+    """64 async streaming clients each get exactly their 8 tokens while 16 more leave after their first chunk;
+    afterwards nothing runs and every block is free."""
+    import asyncio
+
+    llm, base = server
+    extra = {"ignore_eos": True}
+
+    async def main() -> list[int | None]:
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        async def full(i: int) -> int:
+            stream = await client.completions.create(
+                model=NAME,
+                prompt=f"client {i}",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
+            chunks = [chunk async for chunk in stream]
+            return chunks[-1].usage.completion_tokens
+
+        async def leave(i: int) -> None:
+            stream = await client.completions.create(
+                model=NAME, prompt=f"leaver {i}", max_tokens=100, temperature=0, stream=True, extra_body=extra
+            )
+            async for _ in stream:
+                break
+            await stream.close()
+
+        results = await asyncio.gather(*[full(i) for i in range(64)], *[leave(i) for i in range(16)])
+        await client.close()
+        return results[:64]
+
+    assert asyncio.run(main()) == [8] * 64
+    deadline = time.time() + 15
+    while time.time() < deadline and llm.stats()["num_running"]:
+        time.sleep(0.05)
+    stats = llm.stats()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
