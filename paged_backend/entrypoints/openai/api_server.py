@@ -108,38 +108,23 @@ class OpenAIServer:
         if not self.loop.alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
 
-    async def stream_of(self, request_id: str, prompt: dict[str, Any], params: Any) -> AsyncIterator[RequestOutput]:
-        """Start the request now (so bad prompts fail before any response is sent) and return its outputs."""
-        stream = self.loop.generate(request_id, prompt, params).__aiter__()
-        try:
-            first = await stream.__anext__()
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_request_error") from exc
-        except QueueFullError as exc:
-            raise APIError(429, str(exc), "rate_limit_error") from exc
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), "service_unavailable") from exc
-
-        async def chained() -> AsyncIterator[RequestOutput]:
-            try:
-                yield first
-                async for out in stream:
-                    yield out
-            finally:
-                await stream.aclose()
-
-        return chained()
-
     async def start(self, prompts: list[dict[str, Any]], params: Any, prefix: str) -> list[AsyncIterator]:
-        streams: list[AsyncIterator] = []
+        """Queue every prompt now, so the engine batches them and a bad one fails (as a 400, 429 or 503) before
+        any response is sent; then return their output streams."""
+        added: list[tuple[str, Any]] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.stream_of(f"{prefix}-{i}", prompt, params))
-        except BaseException:
-            for stream in streams:
-                await stream.aclose()
-            raise
-        return streams
+                request_id = f"{prefix}-{i}"
+                added.append((request_id, self.loop.add(request_id, prompt, params)))
+        except (ValueError, QueueFullError, EngineDeadError) as exc:
+            for request_id, _ in added:
+                self.loop.abort(request_id)
+            if isinstance(exc, QueueFullError):
+                raise APIError(429, str(exc), "rate_limit_error") from exc
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, str(exc), "service_unavailable") from exc
+            raise APIError(400, str(exc), "invalid_request_error") from exc
+        return [self.loop.stream(request_id, queue) for request_id, queue in added]
 
     # ------------------------------------------------------------------ completions
     async def completions(self, body: CompletionRequest) -> Any:

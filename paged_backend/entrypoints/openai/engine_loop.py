@@ -1,7 +1,7 @@
 """One background thread steps the engine; asyncio handlers add requests and await their outputs.
 
 The engine is synchronous (``add_request`` / ``step`` / ``abort_request``). Every call to it happens under one
-lock, from the handlers (add, abort) or from the loop thread (step), and each step's outputs go to their
+lock, from the handlers (``add``, ``abort``) or from the loop thread (step), and each step's outputs go to their
 requests' asyncio queues on the server's event loop. If a step raises, the loop records the error, fails every
 waiting request and stops: ``/health`` then answers 503.
 """
@@ -52,10 +52,8 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.error is None and self.thread.is_alive()
 
-    async def generate(
-        self, request_id: str, prompt: dict[str, Any], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs as the engine produces them; leaving early aborts it."""
+    def add(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> asyncio.Queue:
+        """Queue a request now; raises the engine's ValueError for a bad one, QueueFullError, EngineDeadError."""
         if not self.alive:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         queue: asyncio.Queue = asyncio.Queue()
@@ -63,9 +61,13 @@ class EngineLoop:
             waiting = len(self.engine.scheduler.waiting)
             if self.max_waiting_requests and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests)")
-            self.engine.add_request(request_id, prompt, params)  # validation errors propagate to the caller
+            self.engine.add_request(request_id, prompt, params)
             self.queues[request_id] = (asyncio.get_running_loop(), queue)
         self.wake.set()
+        return queue
+
+    async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Yield an added request's cumulative outputs as the engine produces them; leaving early aborts it."""
         finished = False
         try:
             while not finished:
