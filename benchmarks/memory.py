@@ -20,7 +20,6 @@ samples  W1's first 64 prompts, 64 new tokens, temperature 1: n=4, best_of=8 (on
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import random
@@ -28,42 +27,39 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from benchmarks.throughput import HF_BATCH, build_model, w1_prompts
+from benchmarks.throughput import HF_BATCH, build_model, release_engine, timed, w1_prompts
 from paged_backend import LLM, SamplingParams
 from paged_backend.demo import build_tiny_model
 
 logger = logging.getLogger("benchmarks.memory")
 
 
-def release(llm: LLM) -> None:
-    """Give the engine's KV cache back before the next engine or HF needs the memory."""
-    del llm
-    torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+class Run(NamedTuple):
+    outputs: list[Any]
+    seconds: float
+    peak_used_blocks: int
+    peak_kv_waste: float  # only sampled when asked for: stats() walks every block table
 
 
-def drive(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str, on_step: Callable[[], None] | None = None
-) -> tuple[list[Any], float]:
-    """Submit every prompt at once and step to the end; ``on_step`` runs after each step."""
+def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str, sample_waste: bool = False) -> Run:
+    """Submit every prompt at once and step to the end, tracking the peak of blocks in use (and of KV waste)."""
     engine = llm.llm_engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
-    done = {}
+    done, peak_blocks, peak_waste = {}, 0, 0.0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step(finished_only=True):
             done[out.request_id] = out
-        if on_step is not None:
-            on_step()
+        peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
+        if sample_waste:
+            peak_waste = max(peak_waste, engine.stats()["kv_waste_fraction"])
     seconds = time.perf_counter() - start
-    return [done[f"{tag}-{i}"] for i in range(len(prompts))], seconds
+    return Run([done[f"{tag}-{i}"] for i in range(len(prompts))], seconds, peak_blocks, peak_waste)
 
 
 def output_tokens(outputs: list[Any]) -> int:
@@ -79,21 +75,22 @@ def prefix_workload(make_llm: Callable[..., LLM], model, vocab: int, sizes: dict
     for caching in (True, False):
         llm = make_llm(enable_prefix_caching=caching)
         drive(llm, [system + [1]], SamplingParams(temperature=0, max_tokens=1), "warm")  # the system prompt
-        outputs, seconds = drive(llm, prompts, params, "prefix")
-        ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outputs]
+        run = drive(llm, prompts, params, "prefix")
+        ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in run.outputs]
         name = "paged_caching_on" if caching else "paged_caching_off"
         result[name] = {
             "mean_ttft_ms": 1e3 * statistics.mean(ttft),
-            "output_tok_s": output_tokens(outputs) / seconds,
+            "output_tok_s": output_tokens(run.outputs) / run.seconds,
             "hit_rate": llm.stats()["prefix_cache_hit_rate"],
         }
         logger.info("prefix %s: %s", name, result[name])
-        release(llm)
+        del llm
+        release_engine(name)
     ids = torch.tensor(prompts, device=model.device)  # equal lengths: no padding needed
     with torch.no_grad():
         model.generate(ids[:2], max_new_tokens=2, do_sample=False)  # warm-up
-        first = timed(lambda: model.generate(ids, max_new_tokens=1, do_sample=False))
-        whole = timed(lambda: model.generate(ids, max_new_tokens=sizes["new"], min_new_tokens=sizes["new"]))
+        _, first = timed(lambda: model.generate(ids, max_new_tokens=1, do_sample=False))
+        _, whole = timed(lambda: model.generate(ids, max_new_tokens=sizes["new"], min_new_tokens=sizes["new"]))
     result["hf"] = {"mean_ttft_ms": 1e3 * first, "output_tok_s": 64 * sizes["new"] / whole}
     logger.info("prefix hf: %s", result["hf"])
     on, off = result["paged_caching_on"]["mean_ttft_ms"], result["paged_caching_off"]["mean_ttft_ms"]
@@ -110,16 +107,9 @@ def waste_workload(make_llm: Callable[..., LLM], vocab: int, sizes: dict[str, in
     prompts = w1_like(vocab, sizes["w1_prompts"], sizes)
     new = sizes["w1_new"]
     llm = make_llm()
-    engine = llm.llm_engine
-    peaks = {"kv_waste_fraction": 0.0, "used_blocks": 0}
-
-    def sample() -> None:
-        if engine.block_manager.num_used_blocks > peaks["used_blocks"]:
-            peaks["used_blocks"] = engine.block_manager.num_used_blocks
-        peaks["kv_waste_fraction"] = max(peaks["kv_waste_fraction"], llm.stats()["kv_waste_fraction"])
-
-    drive(llm, prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True), "w1", sample)
-    release(llm)
+    run = drive(llm, prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True), "w1", sample_waste=True)
+    del llm
+    release_engine("waste")
     lengths = [len(p) for p in prompts]
     padded = used = 0
     for i in range(0, len(lengths), HF_BATCH):
@@ -128,8 +118,8 @@ def waste_workload(make_llm: Callable[..., LLM], vocab: int, sizes: dict[str, in
         used += sum(n + new for n in batch)
     longest = max(lengths) + new
     result = {
-        "paged_peak_kv_waste_fraction": peaks["kv_waste_fraction"],
-        "paged_peak_used_blocks": peaks["used_blocks"],
+        "paged_peak_kv_waste_fraction": run.peak_kv_waste,
+        "paged_peak_used_blocks": run.peak_used_blocks,
         "hf_padded_batches_waste_fraction": 1 - used / padded,
         "static_reservation_waste_fraction": 1 - sum(n + new for n in lengths) / (len(lengths) * longest),
     }
@@ -149,32 +139,17 @@ def samples_workload(make_llm: Callable[..., LLM], vocab: int, sizes: dict[str, 
     }
     for name, (batch, params) in runs.items():
         llm = make_llm()
-        engine = llm.llm_engine
-        peak = [0]
-
-        def sample(engine=engine, peak=peak) -> None:
-            peak[0] = max(peak[0], engine.block_manager.num_used_blocks)
-
-        outputs, seconds = drive(llm, batch, params, name, sample)
+        run = drive(llm, batch, params, name)
         computed = llm.stats()["num_generated_tokens"]  # best_of computes 8 samples, returns 4
         result[name] = {
-            "returned_tok_s": output_tokens(outputs) / seconds,
-            "computed_tok_s": computed / seconds,
-            "peak_used_blocks": peak[0],
+            "returned_tok_s": output_tokens(run.outputs) / run.seconds,
+            "computed_tok_s": computed / run.seconds,
+            "peak_used_blocks": run.peak_used_blocks,
         }
         logger.info("samples %s: %s", name, result[name])
-        release(llm)
+        del llm
+        release_engine(name)
     return result
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -80,10 +80,14 @@ def one_prompt(vocab: int, length: int, seed: int) -> list[int]:
 
 
 def timed(fn) -> tuple[Any, float]:
-    torch.cuda.synchronize()
+    """(result, seconds), waiting for the GPU on both sides when there is one."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     result = fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     return result, time.perf_counter() - start
 
 
@@ -290,8 +294,9 @@ def release_engine(what: str) -> None:
     """Give an engine's KV cache back once its last reference is gone: HF's backends need the memory."""
     torch._dynamo.reset()  # drop compiled code and its guards, which may still refer to the engine's tensors
     gc.collect()
-    torch.cuda.empty_cache()
-    logger.info("%s released: %.1f GiB still allocated", what, torch.cuda.memory_allocated() / 2**30)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        logger.info("%s released: %.1f GiB still allocated", what, torch.cuda.memory_allocated() / 2**30)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -3,11 +3,14 @@ their translation into ``SamplingParams``."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged_backend.sampling_params import SamplingParams
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 class StreamOptions(BaseModel):
@@ -41,25 +44,12 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range (a 400)."""
-        return SamplingParams(
-            n=self.n,
-            best_of=self.best_of,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
-            min_tokens=self.min_tokens,
-            logprobs=logprobs,
-        )
+        """Every field named like a SamplingParams field carries over; raises ValueError naming the field when a
+        value is out of range (a 400)."""
+        shared = _SAMPLING_FIELDS.intersection(type(self).model_fields) - {"max_tokens", "logprobs"}
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        values = {name: getattr(self, name) for name in shared}
+        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
 
 
 class CompletionRequest(SamplingFields):
