@@ -52,6 +52,16 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
+async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream whose engine stops midway ends with an OpenAI error event: its status line has already gone."""
+    try:
+        async for event in events:
+            yield event
+    except EngineDeadError as exc:
+        yield sse({"error": {"message": str(exc), "type": "service_unavailable", "param": None, "code": 503}})
+        yield "data: [DONE]\n\n"
+
+
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as they come; closing this closes (and so aborts) them all."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -111,20 +121,16 @@ class OpenAIServer:
     async def start(self, prompts: list[dict[str, Any]], params: Any, prefix: str) -> list[AsyncIterator]:
         """Queue every prompt now, so the engine batches them and a bad one fails (as a 400, 429 or 503) before
         any response is sent; then return their output streams."""
-        added: list[tuple[str, Any]] = []
+        requests = [(f"{prefix}-{i}", prompt) for i, prompt in enumerate(prompts)]
         try:
-            for i, prompt in enumerate(prompts):
-                request_id = f"{prefix}-{i}"
-                added.append((request_id, self.loop.add(request_id, prompt, params)))
+            queues = await self.loop.add(requests, params)
         except (ValueError, QueueFullError, EngineDeadError) as exc:
-            for request_id, _ in added:
-                self.loop.abort(request_id)
             if isinstance(exc, QueueFullError):
                 raise APIError(429, str(exc), "rate_limit_error") from exc
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, str(exc), "service_unavailable") from exc
             raise APIError(400, str(exc), "invalid_request_error") from exc
-        return [self.loop.stream(request_id, queue) for request_id, queue in added]
+        return [self.loop.stream(request_id, queue) for (request_id, _), queue in zip(requests, queues)]
 
     # ------------------------------------------------------------------ completions
     async def completions(self, body: CompletionRequest) -> Any:
@@ -136,7 +142,9 @@ class OpenAIServer:
         streams = await self.start(body.prompts(), params, rid)
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.args.model_name}
         if body.stream:
-            return StreamingResponse(self._stream_completions(body, streams, base), media_type="text/event-stream")
+            return StreamingResponse(
+                guarded(self._stream_completions(body, streams, base)), media_type="text/event-stream"
+            )
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge(streams):
             finals[i] = out
@@ -206,7 +214,7 @@ class OpenAIServer:
         streams = await self.start([{"prompt": text, "prompt_token_ids": ids}], params, rid)
         base = {"id": rid, "created": created, "model": self.args.model_name}
         if body.stream:
-            return StreamingResponse(self._stream_chat(body, streams[0], base), media_type="text/event-stream")
+            return StreamingResponse(guarded(self._stream_chat(body, streams[0], base)), media_type="text/event-stream")
         final = None
         async for _, out in merge(streams):
             final = out
@@ -304,6 +312,10 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_body(exc.status, exc.message, exc.type, exc.param)
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_body(503, str(exc), "service_unavailable")
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -321,7 +333,7 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(server.metrics.render(server.loop.stats()), media_type=CONTENT_TYPE_LATEST)
+        return Response(server.metrics.render(await server.loop.stats()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

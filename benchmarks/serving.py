@@ -1,0 +1,321 @@
+"""Serving: W1's prompts through an OpenAI-compatible server with Poisson arrivals, at several request rates.
+
+Servers, each a subprocess loading the same saved checkpoint:
+  paged     ``python -m paged_backend.entrypoints.openai.api_server`` (this library)
+  hf_serve  ``transformers serve --continuous-batching`` (when the installed transformers has it)
+Checkpoint: DESIGN.md's benchmark model (Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no EOS), saved
+once with ``save_pretrained``, plus a word-level tokenizer whose token i is the word ``t{i}``: a prompt's text
+encodes to exactly W1's token ids in either server, and every generated token decodes to one word, so output
+tokens are counted as words. Its chat template passes the user message through unchanged.
+Requests: the first ``--num-prompts`` of W1's prompts (lengths uniform in [64, 1024], random.Random(0)), as
+streamed ``/v1/chat/completions`` with temperature 0 and ``max_tokens`` 256; arrival gaps are exponential with
+mean 1/rate (random.Random(1)); ``inf`` sends them all at once. Per rate: output tok/s (tokens streamed / from
+the first send to the last token), time to first token (first chunk with text) and inter-token latency p50/p99
+(a chunk of k tokens after a gap g counts as k gaps of g/k: multi-step decoding streams several tokens at once),
+and time per output token (per request: from its first to its last token, over its tokens after the first).
+
+  python benchmarks/serving.py --json benchmarks/results/h200_serving.json --plot docs/images/h200_serving.png
+  python benchmarks/serving.py --tiny --servers paged          # smoke run on CPU, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from benchmarks.throughput import build_model, w1_prompts
+
+logger = logging.getLogger("benchmarks.serving")
+
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+MAX_TOKENS = 256
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoint
+def word_tokenizer(vocab_size: int):
+    """Token i <-> the word ``t{i}``, split on whitespace: text and token ids map one to one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE)
+
+
+def save_checkpoint(directory: Path, tiny: bool) -> int:
+    """Save the benchmark model and its word tokenizer; returns the vocabulary size."""
+    if tiny:
+        from paged_backend.demo import build_tiny_model
+
+        model = build_tiny_model("llama", vocab_size=512)
+        model.config.eos_token_id = model.generation_config.eos_token_id = None
+    else:
+        model = build_model(None)
+    vocab = model.config.vocab_size
+    model.save_pretrained(directory)
+    word_tokenizer(vocab).save_pretrained(directory)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return vocab
+
+
+def prompt_text(ids: list[int]) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+# ---------------------------------------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(name: str, checkpoint: Path, port: int, tiny: bool) -> list[str]:
+    if name == "paged":
+        cmd = [sys.executable, "-m", "paged_backend.entrypoints.openai.api_server", "--model", str(checkpoint)]
+        cmd += ["--port", str(port), "--max-num-seqs", "256"]
+        return cmd + (["--device", "cpu", "--max-model-len", "512"] if tiny else [])
+    if name == "hf_serve":
+        exe = shutil.which("transformers")
+        if exe is None:
+            raise RuntimeError("the transformers CLI is not installed")
+        help_text = subprocess.run([exe, "serve", "--help"], capture_output=True, text=True).stdout
+        if "continuous-batching" not in help_text:
+            raise RuntimeError("this transformers has no `serve --continuous-batching`")
+        cmd = [exe, "serve", "--continuous-batching", "--host", "127.0.0.1", "--port", str(port)]
+        return cmd + (["--force-model", str(checkpoint)] if "--force-model" in help_text else [str(checkpoint)])
+    raise ValueError(f"servers must be paged or hf_serve, got {name!r}")
+
+
+def wait_ready(base: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before it was ready")
+        try:
+            if httpx.get(base + "/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not ready after {timeout:.0f} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+# ---------------------------------------------------------------------------------------------------- client
+@dataclass
+class Result:
+    sent: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival time, tokens in the chunk)
+    error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, text: str, delay: float) -> Result:
+    await asyncio.sleep(delay)
+    result = Result(sent=time.perf_counter())
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                content = (choices[0].get("delta") or {}).get("content")
+                if content and content.split():
+                    result.chunks.append((time.perf_counter(), len(content.split())))
+    except httpx.HTTPError as exc:
+        result.error = repr(exc)
+    return result
+
+
+async def run_rate(base: str, model: str, prompts: list[str], rate: float) -> list[Result]:
+    rng = random.Random(1)
+    delays, at = [], 0.0
+    for _ in prompts:
+        delays.append(at)
+        at += rng.expovariate(rate) if math.isfinite(rate) else 0.0
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        url = base + "/v1/chat/completions"
+        return list(await asyncio.gather(*(one_request(client, url, model, p, d) for p, d in zip(prompts, delays))))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def summarize(results: list[Result]) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None and r.chunks]
+    ttft = [r.chunks[0][0] - r.sent for r in ok]
+    itl: list[float] = []
+    tpot: list[float] = []
+    for r in ok:
+        for (before, _), (after, n) in zip(r.chunks, r.chunks[1:]):
+            itl += [(after - before) / n] * n
+        if r.tokens > 1:
+            tpot.append((r.chunks[-1][0] - r.chunks[0][0]) / (r.tokens - r.chunks[0][1] or 1))
+    span = max(r.chunks[-1][0] for r in ok) - min(r.sent for r in results) if ok else float("nan")
+    tokens = sum(r.tokens for r in ok)
+    errors = [r.error for r in results if r.error is not None]
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / span,
+        "ttft_ms_p50": 1e3 * percentile(ttft, 0.5),
+        "ttft_ms_p99": 1e3 * percentile(ttft, 0.99),
+        "ttft_ms_mean": 1e3 * statistics.mean(ttft) if ttft else float("nan"),
+        "itl_ms_p50": 1e3 * percentile(itl, 0.5),
+        "itl_ms_p99": 1e3 * percentile(itl, 0.99),
+        "tpot_ms_p50": 1e3 * percentile(tpot, 0.5),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- driver
+def bench_server(
+    name: str, checkpoint: Path, prompts: list[str], rates: list[float], tiny: bool, log_dir: Path
+) -> dict[str, Any]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(server_command(name, checkpoint, port, tiny), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        started = time.perf_counter()
+        wait_ready(base, process, timeout=900)
+        warm = asyncio.run(run_rate(base, str(checkpoint), prompts[:4], math.inf))  # loads lazily, compiles
+        if any(r.error for r in warm):
+            raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
+        out: dict[str, Any] = {"startup_s": time.perf_counter() - started, "rates": {}}
+        for rate in rates:
+            summary = summarize(asyncio.run(run_rate(base, str(checkpoint), prompts, rate)))
+            out["rates"][str(rate)] = summary
+            logger.info("%s rate %s: %s", name, rate, summary)
+        return out
+    except Exception as exc:  # report and go on to the next server
+        tail = log_path.read_text()[-3000:]
+        logger.error("%s failed: %s\n%s", name, exc, tail)
+        return {"error": str(exc), "log_tail": tail}
+    finally:
+        stop(process)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("output_tok_s", "output tok/s"), ("ttft_ms_p50", "TTFT p50 (ms)"), ("itl_ms_p99", "ITL p99 (ms)")]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.8))
+    for ax, (key, title) in zip(axes, metrics):
+        for name, server in results["servers"].items():
+            if "rates" not in server:
+                continue
+            labels = list(server["rates"])
+            ax.plot(labels, [server["rates"][r][key] for r in labels], marker="o", label=name)
+        ax.set_title(title)
+        ax.set_xlabel("request rate (req/s)")
+        if key != "output_tok_s":
+            ax.set_yscale("log")
+    axes[0].legend()
+    fig.suptitle(f"Serving W1 ({results['num_prompts']} prompts, 256 new tokens) - {results['machine']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--servers", default="paged,hf_serve", help="comma list of paged, hf_serve")
+    parser.add_argument("--rates", default="4,16,inf", help="comma list of request rates (req/s); inf: all at once")
+    parser.add_argument("--num-prompts", type=int, default=128, help="W1 prompts per rate (at most 256)")
+    parser.add_argument("--tiny", action="store_true", help="tiny random Llama, prompts cut to 64 tokens")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="where to save the checkpoint (default: tmp)")
+    parser.add_argument("--json", type=Path, default=None, help="write results here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a plot here")
+    args = parser.parse_args(argv)
+    if not 1 <= args.num_prompts <= 256:
+        raise SystemExit(f"--num-prompts must be in 1..256, got {args.num_prompts}")
+    rates = [float(r) for r in args.rates.split(",")]
+    servers = args.servers.split(",")
+    for name in servers:
+        if name not in ("paged", "hf_serve"):
+            raise SystemExit(f"--servers takes paged and hf_serve, got {name!r}")
+
+    work = Path(tempfile.mkdtemp(prefix="serving-"))
+    checkpoint = args.checkpoint or work / "model"
+    started = time.perf_counter()
+    vocab = save_checkpoint(checkpoint, args.tiny)
+    logger.info("checkpoint saved in %.1f s", time.perf_counter() - started)
+    prompts = [p[:64] if args.tiny else p for p in w1_prompts(vocab, 256)[: args.num_prompts]]
+    texts = [prompt_text(p) for p in prompts]
+
+    import transformers
+
+    results: dict[str, Any] = {
+        "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "command": "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "num_prompts": len(prompts),
+        "servers": {},
+    }
+    for name in servers:
+        results["servers"][name] = bench_server(name, checkpoint, texts, rates, args.tiny, work)
+    shutil.rmtree(work, ignore_errors=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot is not None:
+        plot(results, args.plot)
+    logger.info("%s", json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    main()
