@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -20,21 +23,32 @@ KEY = "secret"
 NAME = "tiny"
 
 
-@pytest.fixture(scope="module")
-def server(tokenizer):
-    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128)
-    app = build_app(llm, ServerArgs(model="tiny-path", served_model_name=NAME, api_key=KEY))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-    instance = uvicorn.Server(config)
+@contextlib.contextmanager
+def serving(llm: LLM, args: ServerArgs) -> Iterator[str]:
+    """uvicorn on a free port of 127.0.0.1, in a thread; yields the base URL."""
+    instance = uvicorn.Server(uvicorn.Config(build_app(llm, args), host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=instance.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not instance.started and time.time() < deadline:
         time.sleep(0.05)
     port = instance.servers[0].sockets[0].getsockname()[1]
-    yield llm, f"http://127.0.0.1:{port}"
-    instance.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        instance.should_exit = True
+        thread.join(timeout=10)
+
+
+def tiny_llm(tokenizer) -> LLM:
+    return LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    llm = tiny_llm(tokenizer)
+    with serving(llm, ServerArgs(model="tiny-path", served_model_name=NAME, api_key=KEY)) as base:
+        yield llm, base
 
 
 @pytest.fixture
@@ -173,3 +187,67 @@ def test_concurrent_async_streams_and_disconnects(server) -> None:
     stats = llm.stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+
+
+def gate_steps(llm: LLM, fail: bool = False) -> tuple[threading.Event, threading.Event]:
+    """Hold every engine step until ``release`` is set (then raise, when ``fail``); ``entered`` tells when the
+    first step has begun, i.e. when the request that triggered it is queued."""
+    engine, entered, release = llm.llm_engine, threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step(*args, **kwargs):
+        entered.set()
+        release.wait(timeout=30)
+        if fail:
+            raise RuntimeError("device lost")
+        return step(*args, **kwargs)
+
+    engine.step = held_step
+    return entered, release
+
+
+def test_full_waiting_queue_answers_429(tokenizer) -> None:
+    llm = tiny_llm(tokenizer)
+    entered, release = gate_steps(llm)
+    with serving(llm, ServerArgs(model="tiny", max_waiting_requests=1)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        first: list = []
+        worker = threading.Thread(
+            target=lambda: first.append(client.completions.create(model="tiny", prompt="a b", max_tokens=3))
+        )
+        worker.start()
+        assert entered.wait(timeout=30)  # the first request waits in the scheduler; its step is held
+        with pytest.raises(openai.RateLimitError, match="max_waiting_requests") as caught:
+            client.completions.create(model="tiny", prompt="c d", max_tokens=3)
+        assert caught.value.body["code"] == 429
+        release.set()
+        worker.join(timeout=30)
+        assert first and first[0].usage.completion_tokens == 3
+
+
+def test_dead_engine_answers_503(tokenizer) -> None:
+    llm = tiny_llm(tokenizer)
+    _, release = gate_steps(llm, fail=True)
+    release.set()
+    with serving(llm, ServerArgs(model="tiny")) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match="device lost") as caught:
+            client.completions.create(model="tiny", prompt="a b", max_tokens=3)  # the step fails under it
+        assert caught.value.status_code == 503
+        assert httpx.get(base + "/health").status_code == 503
+        with pytest.raises(openai.InternalServerError, match="not running"):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+
+
+def test_stream_whose_engine_dies_ends_with_an_error_event(tokenizer) -> None:
+    llm = tiny_llm(tokenizer)
+    _, release = gate_steps(llm, fail=True)
+    release.set()
+    with serving(llm, ServerArgs(model="tiny")) as base:
+        body = {"model": "tiny", "prompt": "a b", "max_tokens": 3, "stream": True}
+        response = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200  # sent before the engine failed
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "device lost" in error["message"]

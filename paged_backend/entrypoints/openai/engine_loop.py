@@ -45,6 +45,7 @@ class EngineLoop:
         self.on_output = on_output  # sees every delivered output, on the loop thread (metrics)
         self.on_abort = on_abort
         self.max_waiting_requests = max_waiting_requests
+        self.num_waiting = 0  # the scheduler's queue length after the last step or call, for a check without it
         self.calls: queue.SimpleQueue[Call] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
@@ -70,13 +71,12 @@ class EngineLoop:
     async def add(self, requests: list[tuple[str, dict[str, Any]]], params: SamplingParams) -> list[asyncio.Queue]:
         """Queue requests in one go, all or none: raises the engine's ValueError for a bad one, QueueFullError,
         EngineDeadError. A handler cancelled meanwhile (its client left) leaves nothing behind."""
+        self._check_room(self.num_waiting)  # answers at once, even while a long step runs
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
 
         def add_all(engine: Any) -> None:
-            waiting = len(engine.scheduler.waiting)
-            if self.max_waiting_requests and waiting >= self.max_waiting_requests:
-                raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests)")
+            self._check_room(len(engine.scheduler.waiting))
             try:
                 for (request_id, prompt), q in zip(requests, queues):
                     engine.add_request(request_id, prompt, params)
@@ -123,6 +123,10 @@ class EngineLoop:
         self.wake.set()
         self.thread.join(timeout=10)
 
+    def _check_room(self, waiting: int) -> None:
+        if self.max_waiting_requests and waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests)")
+
     # ------------------------------------------------------------------ loop thread
     def _abort_now(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
@@ -135,6 +139,7 @@ class EngineLoop:
             try:
                 fn, loop, future = self.calls.get_nowait()
             except queue.Empty:
+                self.num_waiting = len(self.engine.scheduler.waiting)
                 return
             try:
                 result, error = fn(self.engine), None

@@ -1,0 +1,148 @@
+"""The server's engine loop with a scripted engine: handlers never block the event loop on a step in progress,
+adds are all or none, a full queue and a dead engine raise their own errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from paged_backend.entrypoints.openai.engine_loop import EngineDeadError, EngineLoop, QueueFullError
+from paged_backend.outputs import CompletionOutput, RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=1)
+
+
+class ScriptedEngine:
+    """Each step finishes every request with one token; ``gate`` (when set up) holds a step until released."""
+
+    def __init__(self, fail_step: bool = False) -> None:
+        self.requests: dict[str, list[int]] = {}
+        self.scheduler = SimpleNamespace(waiting=[])
+        self.gate: threading.Event | None = None
+        self.in_step = threading.Event()
+        self.fail_step = fail_step
+        self.aborted: list[str] = []
+
+    def add_request(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
+        if not prompt["prompt_token_ids"]:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.requests[request_id] = prompt["prompt_token_ids"]
+
+    def abort_request(self, request_id: str) -> None:
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_running": len(self.requests)}
+
+    def step(self) -> list[RequestOutput]:
+        self.in_step.set()
+        if self.gate is not None:
+            self.gate.wait(timeout=30)
+        if self.fail_step:
+            raise RuntimeError("device lost")
+        outputs = [
+            RequestOutput(rid, None, ids, [CompletionOutput(0, "x", [7], 0.0, None, "length")], finished=True)
+            for rid, ids in self.requests.items()
+        ]
+        self.requests.clear()
+        return outputs
+
+
+async def collect(loop: EngineLoop, request_id: str, queue: asyncio.Queue) -> list[RequestOutput]:
+    return [out async for out in loop.stream(request_id, queue)]
+
+
+def test_event_loop_stays_responsive_while_a_step_runs() -> None:
+    engine = ScriptedEngine()
+    engine.gate = threading.Event()
+    loop = EngineLoop(engine)
+
+    async def main() -> None:
+        (first,) = await loop.add([("a", {"prompt_token_ids": [1, 2]})], PARAMS)
+        assert await asyncio.to_thread(engine.in_step.wait, 10)  # the step now holds the engine
+        release = threading.Timer(3.0, engine.gate.set)
+        release.start()
+        second = asyncio.create_task(loop.add([("b", {"prompt_token_ids": [3]})], PARAMS))
+        started = time.perf_counter()
+        await asyncio.sleep(0.05)
+        stats = asyncio.create_task(loop.stats())
+        await asyncio.sleep(0.05)
+        # The event loop ran both sleeps while the step held the engine; the add waits for the step to end.
+        assert time.perf_counter() - started < 1.5
+        assert not second.done() and not stats.done()
+        (queue_b,) = await second
+        assert [o.request_id for o in await collect(loop, "a", first)] == ["a"]
+        assert [o.outputs[0].token_ids for o in await collect(loop, "b", queue_b)] == [[7]]
+        assert (await stats)["num_running"] >= 0
+        release.cancel()
+
+    asyncio.run(main())
+    loop.shutdown()
+
+
+def test_add_is_all_or_none_and_a_full_queue_raises() -> None:
+    engine = ScriptedEngine()
+    loop = EngineLoop(engine, max_waiting_requests=2)
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            await loop.add([("ok", {"prompt_token_ids": [1]}), ("bad", {"prompt_token_ids": []})], PARAMS)
+        assert "ok" in engine.aborted and not engine.requests
+        engine.scheduler.waiting = ["w1", "w2"]
+        with pytest.raises(QueueFullError, match="max_waiting_requests"):
+            await loop.add([("late", {"prompt_token_ids": [1]})], PARAMS)
+        assert "late" not in engine.requests
+
+    asyncio.run(main())
+    loop.shutdown()
+
+
+def test_a_failing_step_fails_its_streams_and_every_later_call() -> None:
+    engine = ScriptedEngine(fail_step=True)
+    loop = EngineLoop(engine)
+
+    async def main() -> None:
+        (queue,) = await loop.add([("a", {"prompt_token_ids": [1]})], PARAMS)
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await collect(loop, "a", queue)
+        loop.thread.join(timeout=10)
+        assert not loop.alive
+        with pytest.raises(EngineDeadError):
+            await loop.add([("b", {"prompt_token_ids": [1]})], PARAMS)
+        assert (await loop.stats())["num_running"] == 1  # read directly once the thread is gone
+
+    asyncio.run(main())
+
+
+def test_abort_from_a_cancelled_add_leaves_nothing() -> None:
+    engine = ScriptedEngine()
+    engine.gate = threading.Event()
+    loop = EngineLoop(engine)
+
+    async def main() -> None:
+        await loop.add([("a", {"prompt_token_ids": [1]})], PARAMS)
+        assert await asyncio.to_thread(engine.in_step.wait, 10)
+        task = asyncio.create_task(loop.add([("b", {"prompt_token_ids": [1]})], PARAMS))
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client left while its add waited for the step
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        engine.gate.set()
+        for _ in range(200):
+            if "b" in engine.aborted and not engine.requests:
+                break
+            await asyncio.sleep(0.02)
+        assert "b" in engine.aborted and not engine.requests
+
+    asyncio.run(main())
+    loop.shutdown()
