@@ -251,3 +251,54 @@ def test_stream_whose_engine_dies_ends_with_an_error_event(tokenizer) -> None:
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert error["code"] == 503 and "device lost" in error["message"]
+
+
+def test_langchain_chat_openai_against_the_server(server, client) -> None:
+    """LangChain's ChatOpenAI, pointed at the server, gets the server's own greedy text, whole and streamed."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat = langchain_openai.ChatOpenAI(
+        base_url=server[1] + "/v1", api_key=KEY, model=NAME, temperature=0, max_tokens=10, max_retries=0
+    )
+    messages = [{"role": "user", "content": "Hello there"}]
+    expected = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    assert expected.choices[0].message.content  # something to compare
+    reply = chat.invoke([("user", "Hello there")])
+    assert reply.content == expected.choices[0].message.content
+    assert reply.usage_metadata["output_tokens"] == expected.usage.completion_tokens
+    assert "".join(chunk.content for chunk in chat.stream([("user", "Hello there")])) == reply.content
+
+
+def test_streamed_logprobs_equal_the_whole_response(client) -> None:
+    whole = client.completions.create(model=NAME, prompt="Hello world", max_tokens=9, temperature=0, logprobs=2)
+    chunks = client.completions.create(
+        model=NAME, prompt="Hello world", max_tokens=9, temperature=0, logprobs=2, stream=True
+    )
+    tokens, token_logprobs, top = [], [], []
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            token_logprobs += chunk.choices[0].logprobs.token_logprobs
+            top += chunk.choices[0].logprobs.top_logprobs
+    assert len(tokens) == 9
+    assert tokens == whole.choices[0].logprobs.tokens
+    # the second run's prompt comes from the prefix cache: equal up to float rounding
+    assert token_logprobs == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert [list(t) for t in top] == [list(t) for t in whole.choices[0].logprobs.top_logprobs]
+    for mine, theirs in zip(top, whole.choices[0].logprobs.top_logprobs):
+        assert mine == pytest.approx(theirs, abs=1e-4)
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    kwargs = dict(model=NAME, messages=messages, max_tokens=9, temperature=0, logprobs=True, top_logprobs=2)
+    whole_chat = client.chat.completions.create(**kwargs)
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert len(streamed) == whole_chat.usage.completion_tokens
+    expected = whole_chat.choices[0].logprobs.content
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, [t.token for t in e.top_logprobs]) for e in expected
+    ]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in expected], abs=1e-4)

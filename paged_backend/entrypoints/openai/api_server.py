@@ -166,7 +166,7 @@ class OpenAIServer:
     async def _stream_completions(
         self, body: CompletionRequest, streams: list[AsyncIterator], base: dict[str, Any]
     ) -> AsyncIterator[str]:
-        sent: dict[tuple[int, int], int] = {}
+        sent: dict[tuple[int, int], tuple[int, int]] = {}  # (request, sample) -> (characters, tokens) sent
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge(streams):
             for c in out.outputs:
@@ -174,13 +174,17 @@ class OpenAIServer:
                 echo = ""
                 if body.echo and key not in sent:
                     echo = out.prompt or self._decode(out.prompt_token_ids)
-                delta = echo + c.text[sent.get(key, 0) :]
-                sent[key] = len(c.text)
-                if delta or c.finish_reason:
+                chars, tokens = sent.get(key, (0, 0))
+                delta = echo + c.text[chars:]
+                sent[key] = (len(c.text), len(c.token_ids))
+                if delta or c.finish_reason or len(c.token_ids) > tokens:
+                    logprobs = None
+                    if body.logprobs is not None:
+                        logprobs = self._completion_logprobs(c, tokens, len(echo) + chars)
                     choice = {
                         "index": i * body.n + c.index,
                         "text": delta,
-                        "logprobs": None,
+                        "logprobs": logprobs,
                         "finish_reason": c.finish_reason,
                     }
                     yield sse({**base, "choices": [choice]})
@@ -236,17 +240,18 @@ class OpenAIServer:
         for j in range(body.n):
             delta = {"role": "assistant", "content": ""}
             yield sse({**base, "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}]})
-        sent: dict[int, int] = {}
+        sent: dict[int, tuple[int, int]] = {}  # sample -> (characters, tokens) sent
         final = None
         async for _, out in merge([stream]):
             for c in out.outputs:
-                delta_text = c.text[sent.get(c.index, 0) :]
-                sent[c.index] = len(c.text)
-                if delta_text or c.finish_reason:
+                chars, tokens = sent.get(c.index, (0, 0))
+                delta_text = c.text[chars:]
+                sent[c.index] = (len(c.text), len(c.token_ids))
+                if delta_text or c.finish_reason or len(c.token_ids) > tokens:
                     choice = {
                         "index": c.index,
                         "delta": {"content": delta_text} if delta_text else {},
-                        "logprobs": None,
+                        "logprobs": self._chat_logprobs(c, tokens) if body.logprobs else None,
                         "finish_reason": c.finish_reason,
                     }
                     yield sse({**base, "choices": [choice]})
@@ -259,9 +264,10 @@ class OpenAIServer:
     def _decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
-    def _completion_logprobs(self, c: CompletionOutput) -> dict[str, Any]:
-        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
-        for token_id, entry in zip(c.token_ids, c.logprobs or []):
+    def _completion_logprobs(self, c: CompletionOutput, start: int = 0, offset: int = 0) -> dict[str, Any]:
+        """OpenAI's logprobs of tokens ``start:`` (a stream's new ones); ``offset``: where their text begins."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
             piece = entry[token_id].decoded_token if token_id in entry else self._decode([token_id])
             tokens.append(piece or "")
             token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
@@ -270,9 +276,9 @@ class OpenAIServer:
             offset += len(piece or "")
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
-    def _chat_logprobs(self, c: CompletionOutput) -> dict[str, Any]:
+    def _chat_logprobs(self, c: CompletionOutput, start: int = 0) -> dict[str, Any]:
         content = []
-        for token_id, entry in zip(c.token_ids, c.logprobs or []):
+        for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
             chosen = entry.get(token_id)
             piece = (chosen.decoded_token if chosen else None) or self._decode([token_id])
             others = []
