@@ -108,6 +108,14 @@ def test_error_bodies(server, client) -> None:
         client.completions.create(model=NAME, prompt="x", max_tokens=-5)
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=NAME, prompt=[5] * 200, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match=r"requested 1000000003 tokens \(3 in the prompt"):
+        client.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=10**9)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="prompt must not be empty"):
+        client.completions.create(model=NAME, prompt=[], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body={"temperature": "hot"})
     with pytest.raises(openai.BadRequestError, match="unknown_field"):
         client.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body={"unknown_field": 1})
     wrong = openai.OpenAI(base_url=server[1] + "/v1", api_key="wrong", max_retries=0)

@@ -118,9 +118,27 @@ class OpenAIServer:
         if not self.loop.alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
 
-    async def start(self, prompts: list[dict[str, Any]], params: Any, prefix: str) -> list[AsyncIterator]:
+    async def start(
+        self, prompts: list[dict[str, Any]], params: Any, prefix: str, requested_max_tokens: int | None
+    ) -> list[AsyncIterator]:
         """Queue every prompt now, so the engine batches them and a bad one fails (as a 400, 429 or 503) before
-        any response is sent; then return their output streams."""
+        any response is sent; then return their output streams. As in vLLM, a prompt plus the ``max_tokens`` a
+        client asked for must fit in ``max_model_len`` (a default ``max_tokens`` just stops there)."""
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", "invalid_request_error", "prompt")
+        for prompt in prompts:
+            if "prompt_token_ids" not in prompt and self.tokenizer is not None:
+                prompt["prompt_token_ids"] = list(self.tokenizer(prompt["prompt"]).input_ids)  # as the engine would
+            length = len(prompt.get("prompt_token_ids", ()))
+            if requested_max_tokens is not None and length + requested_max_tokens > self.max_model_len:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens. "
+                    f"However, you requested {length + requested_max_tokens} tokens ({length} in the prompt, "
+                    f"{requested_max_tokens} in the completion). Please reduce the length of the prompt or completion.",
+                    "invalid_request_error",
+                    "max_tokens",
+                )
         requests = [(f"{prefix}-{i}", prompt) for i, prompt in enumerate(prompts)]
         try:
             queues = await self.loop.add(requests, params)
@@ -139,7 +157,7 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await self.start(body.prompts(), params, rid)
+        streams = await self.start(body.prompts(), params, rid, body.max_tokens)
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.args.model_name}
         if body.stream:
             return StreamingResponse(
@@ -215,7 +233,8 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await self.start([{"prompt": text, "prompt_token_ids": ids}], params, rid)
+        requested = body.max_completion_tokens or body.max_tokens
+        streams = await self.start([{"prompt": text, "prompt_token_ids": ids}], params, rid, requested)
         base = {"id": rid, "created": created, "model": self.args.model_name}
         if body.stream:
             return StreamingResponse(guarded(self._stream_chat(body, streams[0], base)), media_type="text/event-stream")
