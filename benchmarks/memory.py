@@ -13,7 +13,7 @@ samples  W1's first 64 prompts, 64 new tokens, temperature 1: n=4, best_of=8 (on
          against the same prompts as 512 independent requests: output tok/s (tokens returned) and the peak of
          KV blocks in use.
 
-  python benchmarks/memory.py --json benchmarks/results/h200_memory.json     # on a CUDA machine
+  python benchmarks/memory.py --json benchmarks/results/h200_memory.json --plot docs/images/h200_memory.png
   python benchmarks/memory.py --tiny                                          # smoke run on CPU, tiny model
 """
 
@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from benchmarks.throughput import HF_BATCH, build_model, release_engine, timed, w1_prompts
+from benchmarks.throughput import HF_BATCH, build_model, release_engine, timed, versions, w1_prompts
 from paged_backend import LLM, SamplingParams
 from paged_backend.demo import build_tiny_model
 
@@ -152,11 +152,53 @@ def samples_workload(make_llm: Callable[..., LLM], vocab: int, sizes: dict[str, 
     return result
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Three panels: prefix caching's TTFT, peak KV waste, and shared samples' peak KV blocks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 3.8))
+    panels = []
+    if "prefix" in results:
+        prefix = results["prefix"]
+        bars = {"paged, cache on": prefix["paged_caching_on"], "paged, cache off": prefix["paged_caching_off"]}
+        bars["hf generate"] = prefix["hf"]
+        panels.append(
+            ("64 requests, shared 2,000-token prefix:\nmean TTFT (ms)", {k: v["mean_ttft_ms"] for k, v in bars.items()})
+        )
+    if "waste" in results:
+        waste = results["waste"]
+        shares = {
+            "paged (peak)": waste["paged_peak_kv_waste_fraction"],
+            "hf padded batches": waste["hf_padded_batches_waste_fraction"],
+            "static reservation": waste["static_reservation_waste_fraction"],
+        }
+        panels.append(("W1: KV slots holding no token (%)", {k: 100 * v for k, v in shares.items()}))
+    if "samples" in results:
+        samples = results["samples"]
+        blocks = {"n=4, best_of=8": samples["n4_best_of8"], "512 independent": samples["independent_512"]}
+        panels.append(("64 prompts x 8 samples: peak KV blocks", {k: v["peak_used_blocks"] for k, v in blocks.items()}))
+    for ax, (title, values) in zip(axes, panels):
+        bars = ax.bar(list(values), list(values.values()), color=["tab:blue", "tab:orange", "tab:gray"][: len(values)])
+        ax.bar_label(bars, fmt="%.4g")
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+    for ax in axes[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(f"Memory features - {results['machine']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="prefix,waste,samples", help="comma list of prefix, waste, samples")
     parser.add_argument("--tiny", action="store_true", help="tiny random Llama on CPU, workloads scaled down")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a plot here")
     args = parser.parse_args(argv)
     workloads = set(args.workload.split(","))
     if args.tiny:
@@ -175,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     results: dict[str, Any] = {
         "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": versions(),
         "command": "python benchmarks/memory.py " + " ".join(argv if argv is not None else []),
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -187,6 +230,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot is not None:
+        plot(results, args.plot)
     logger.info("%s", json.dumps(results, indent=2))
     return results
 

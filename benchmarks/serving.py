@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.throughput import build_model, w1_prompts
+from benchmarks.throughput import build_model, versions, w1_prompts
 
 logger = logging.getLogger("benchmarks.serving")
 
@@ -294,11 +294,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prompts = [p[:64] if args.tiny else p for p in w1_prompts(vocab, 256)[: args.num_prompts]]
     texts = [prompt_text(p) for p in prompts]
 
-    import transformers
-
     results: dict[str, Any] = {
         "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": versions(),
         "command": "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "num_prompts": len(prompts),

@@ -290,6 +290,22 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def versions() -> dict[str, str]:
+    """What produced a figure: Python, torch, triton (where installed), transformers, this library."""
+    import transformers
+
+    import paged_backend
+
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        found["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return {**found, "transformers": transformers.__version__, "paged_backend": paged_backend.__version__}
+
+
 def release_engine(what: str) -> None:
     """Give an engine's KV cache back once its last reference is gone: HF's backends need the memory."""
     torch._dynamo.reset()  # drop compiled code and its guards, which may still refer to the engine's tensors
@@ -327,22 +343,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser.error(f"unknown workload or backend: {sorted(unknown)}")
 
-    import transformers
-    import triton
-
-    import paged_backend
-
     model = build_model(args.num_layers)
     vocab = model.config.vocab_size
     results: dict[str, Any] = {
         "machine": torch.cuda.get_device_name(),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "transformers": transformers.__version__,
-            "paged_backend": paged_backend.__version__,
-        },
+        "versions": versions(),
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d"),
     }
