@@ -20,9 +20,10 @@ from paged_backend.demo import TINY_CONFIGS, build_tiny_model, build_tiny_tokeni
 logger = logging.getLogger("gpu_check")
 
 
-def tiny_equality(tokenizer, compiled: set[str]) -> list[tuple[str, str, int, int]]:
+def tiny_equality(tokenizer, compiled: set[str]) -> list[tuple[str, str, int, int, int, int]]:
     """Eager for every architecture, then compiled + CUDA graphs for those in ``compiled``. The small cache and
-    token budget force chunked prefill and preemption."""
+    token budget force chunked prefill and preemption (by swapping, the default on a GPU with swap space).
+    Rows: (arch, mode, matches, prompts, preemptions, swap-outs)."""
     rows = []
     for arch, eager in [(a, True) for a in TINY_CONFIGS] + [(a, False) for a in TINY_CONFIGS if a in compiled]:
         model = build_tiny_model(arch, vocab_size=len(tokenizer)).cuda()
@@ -54,7 +55,8 @@ def tiny_equality(tokenizer, compiled: set[str]) -> list[tuple[str, str, int, in
             matches += out.outputs[0].token_ids == ref
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_kv_blocks"]
-        rows.append((arch, "eager" if eager else "compiled+graphs", matches, len(prompts)))
+        mode = "eager" if eager else "compiled+graphs"
+        rows.append((arch, mode, matches, len(prompts), stats["num_preemptions"], stats["num_swapped_out"]))
         del llm, model
         torch.cuda.empty_cache()
     return rows
@@ -68,8 +70,11 @@ def main() -> None:
     logger.info("torch %s, %s", torch.__version__, torch.cuda.get_device_name())
     tokenizer = build_tiny_tokenizer()
     failures = 0
-    for arch, mode, matches, total in tiny_equality(tokenizer, set(args.compiled.split(","))):
-        logger.info("greedy == HF generate on GPU: %-8s %-16s %d/%d prompts", arch, mode, matches, total)
+    for arch, mode, matches, total, preempted, swapped in tiny_equality(tokenizer, set(args.compiled.split(","))):
+        logger.info(
+            "greedy == HF generate on GPU: %-8s %-16s %d/%d prompts (%d preemptions, %d swapped out)",
+            *(arch, mode, matches, total, preempted, swapped),
+        )
         failures += matches != total
     raise SystemExit(1 if failures else 0)
 

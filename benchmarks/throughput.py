@@ -267,6 +267,9 @@ def profile_decode(llm: LLM, vocab: int, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- report
+COLORS = {"paged": "#2a7", "hf_patched": "#8c8"}  # this library's engine, directly and under HF's generate
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -282,7 +285,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     }
     for ax, (key, values) in zip(axes[0], panels):
         names = [n for n in values if values[n] is not None]
-        bars = ax.bar(names, [values[n] for n in names], color=["#2a7" if n == "paged" else "#888" for n in names])
+        bars = ax.bar(names, [values[n] for n in names], color=[COLORS.get(n, "#888") for n in names])
         ax.bar_label(bars, fmt="%.0f" if key != "ttft_1024_ms" else "%.1f")
         ax.set_title(titles[key], fontsize=10)
     fig.suptitle(f"{results['machine']}, Llama-3-8B shape, bf16", fontsize=10)
