@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,16 +108,17 @@ def server_command(name: str, checkpoint: Path, port: int, tiny: bool) -> list[s
 
 
 def wait_ready(base: str, process: subprocess.Popen, timeout: float) -> None:
+    """Until the server answers HTTP at all (transformers 5.17's ``/v1/models`` answers 500 offline); the warm-up
+    requests then check that it generates."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode} before it was ready")
         try:
-            if httpx.get(base + "/v1/models", timeout=5).status_code == 200:
-                return
+            httpx.get(base + "/health", timeout=5)
+            return
         except httpx.HTTPError:
-            pass
-        time.sleep(1)
+            time.sleep(1)
     raise RuntimeError(f"server not ready after {timeout:.0f} s")
 
 
@@ -216,8 +218,16 @@ def summarize(results: list[Result]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- driver
 def bench_server(
-    name: str, checkpoint: Path, prompts: list[str], rates: list[float], tiny: bool, log_dir: Path
-) -> dict[str, Any]:
+    name: str,
+    checkpoint: Path,
+    prompts: list[str],
+    rates: list[float],
+    tiny: bool,
+    log_dir: Path,
+    out: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
+    """Fills ``out`` (startup time, then one summary per rate, saved after each; or the error and log tail)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"{name}.log"
@@ -225,44 +235,46 @@ def bench_server(
         process = subprocess.Popen(server_command(name, checkpoint, port, tiny), stdout=log, stderr=subprocess.STDOUT)
     try:
         started = time.perf_counter()
-        wait_ready(base, process, timeout=900)
+        wait_ready(base, process, timeout=600)
         warm = asyncio.run(run_rate(base, str(checkpoint), prompts[:4], math.inf))  # loads lazily, compiles
         if any(r.error for r in warm):
             raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
-        out: dict[str, Any] = {"startup_s": time.perf_counter() - started, "rates": {}}
+        out.update(startup_s=time.perf_counter() - started, rates={})
         for rate in rates:
             summary = summarize(asyncio.run(run_rate(base, str(checkpoint), prompts, rate)))
             out["rates"][str(rate)] = summary
             logger.info("%s rate %s: %s", name, rate, summary)
-        return out
+            save()
     except Exception as exc:  # report and go on to the next server
         tail = log_path.read_text()[-3000:]
         logger.error("%s failed: %s\n%s", name, exc, tail)
-        return {"error": str(exc), "log_tail": tail}
+        out.update(error=str(exc), log_tail=tail)
     finally:
         stop(process)
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
+    """Grouped bars: for each request rate, one bar per server, for throughput, TTFT p50 and ITL p99."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    servers = {name: s["rates"] for name, s in results["servers"].items() if s.get("rates")}
+    rates = sorted({r for by_rate in servers.values() for r in by_rate}, key=float)
     metrics = [("output_tok_s", "output tok/s"), ("ttft_ms_p50", "TTFT p50 (ms)"), ("itl_ms_p99", "ITL p99 (ms)")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.8))
+    width = 0.8 / max(1, len(servers))
     for ax, (key, title) in zip(axes, metrics):
-        for name, server in results["servers"].items():
-            if "rates" not in server:
-                continue
-            labels = list(server["rates"])
-            ax.plot(labels, [server["rates"][r][key] for r in labels], marker="o", label=name)
-        ax.set_title(title)
-        ax.set_xlabel("request rate (req/s)")
-        if key != "output_tok_s":
-            ax.set_yscale("log")
-    axes[0].legend()
-    fig.suptitle(f"Serving W1 ({results['num_prompts']} prompts, 256 new tokens) - {results['machine']}")
+        for k, (name, by_rate) in enumerate(servers.items()):
+            xs = [i + k * width for i, r in enumerate(rates) if r in by_rate]
+            bars = ax.bar(xs, [by_rate[r][key] for r in rates if r in by_rate], width, label=name)
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks([i + width * (len(servers) - 1) / 2 for i in range(len(rates))], rates)
+        ax.set_xlabel("request rate (req/s; inf: all at once)")
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Serving W1's first {results['num_prompts']} prompts, 256 new tokens - {results['machine']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -302,12 +314,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "num_prompts": len(prompts),
         "servers": {},
     }
+
+    def save() -> None:  # after every rate, so a run cut short keeps what it measured
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+
     for name in servers:
-        results["servers"][name] = bench_server(name, checkpoint, texts, rates, args.tiny, work)
+        results["servers"][name] = {}
+        bench_server(name, checkpoint, texts, rates, args.tiny, work, results["servers"][name], save)
+        save()
     shutil.rmtree(work, ignore_errors=True)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
     if args.plot is not None:
         plot(results, args.plot)
     logger.info("%s", json.dumps(results, indent=2))

@@ -34,16 +34,34 @@ def test_every_engine_flag_is_an_engine_argument() -> None:
 def test_server_flags(monkeypatch) -> None:
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     server, engine = parse_args(
-        ["--model", "M", "--served-model-name", "tiny", "--lora-modules", "a=/x", "b=/y", "--host", "0.0.0.0"]
+        [
+            "--model",
+            "M",
+            "--served-model-name",
+            "tiny",
+            "--enable-lora",
+            "--lora-modules",
+            "a=/x",
+            "b=/y",
+            "--host",
+            "0.0.0.0",
+        ]
     )
     assert server.model_name == "tiny" and server.lora_modules == {"a": "/x", "b": "/y"}
-    assert server.api_key == "from-env" and server.host == "0.0.0.0" and engine == {}
+    assert server.api_key == "from-env" and server.host == "0.0.0.0" and engine == {"enable_lora": True}
     assert parse_args(["--model", "M", "--api-key", "k"])[0].api_key == "k"
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--lora-modules", "nopath"], ["--max-waiting-requests", "0"], ["--port", "x"], ["--worker-use-ray"], []],
+    [
+        ["--lora-modules", "nopath"],
+        ["--lora-modules", "a=/x"],
+        ["--max-waiting-requests", "0"],
+        ["--port", "x"],
+        ["--worker-use-ray"],
+        [],
+    ],
 )
 def test_bad_flags_exit_with_a_message(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -107,6 +107,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
     engine: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.tokenizer is not None:
         engine["tokenizer"] = args.tokenizer
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         parser.error(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     server = ServerArgs(
