@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from paged_backend.entrypoints.openai.engine_loop import EngineDeadError, EngineLoop, QueueFullError
+from paged_backend.engine.engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
@@ -28,6 +28,7 @@ class ScriptedEngine:
         self.in_step = threading.Event()
         self.fail_step = fail_step
         self.aborted: list[str] = []
+        self.steps = 0
 
     def add_request(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
         if not prompt["prompt_token_ids"]:
@@ -45,6 +46,7 @@ class ScriptedEngine:
         return {"num_running": len(self.requests)}
 
     def step(self) -> list[RequestOutput]:
+        self.steps += 1
         self.in_step.set()
         if self.gate is not None:
             self.gate.wait(timeout=30)
@@ -145,4 +147,45 @@ def test_abort_from_a_cancelled_add_leaves_nothing() -> None:
         assert "b" in engine.aborted and not engine.requests
 
     asyncio.run(main())
+    loop.shutdown()
+
+
+def test_threads_share_steps_and_a_closed_event_loop_does_not_stop_the_engine() -> None:
+    engine = ScriptedEngine()
+    engine.gate = threading.Event()
+    loop = EngineLoop(engine)
+    results: dict[str, list[int]] = {}
+
+    def worker(name: str) -> None:
+        (queue,) = loop.add_sync([(name, {"prompt_token_ids": [1]})], PARAMS)
+        results[name] = [o.outputs[0].token_ids[0] for o in loop.stream_sync(name, queue)]
+
+    first = threading.Thread(target=worker, args=("t0",))
+    first.start()
+    assert engine.in_step.wait(10)  # t0's step is held: the next three wait for it and then share one step
+    others = [threading.Thread(target=worker, args=(f"t{i}",)) for i in (1, 2, 3)]
+    for t in others:
+        t.start()
+    time.sleep(0.2)
+    engine.gate.set()
+    for t in [first, *others]:
+        t.join(timeout=10)
+    assert results == {f"t{i}": [7] for i in range(4)}
+    assert engine.steps == 2  # t0's, then one for t1..t3 together
+
+    async def leave_early() -> None:  # a caller whose event loop closes with its request still running
+        engine.gate.clear()
+        await loop.add([("orphan", {"prompt_token_ids": [1]})], PARAMS)
+
+    engine.in_step.clear()
+    asyncio.run(leave_early())
+    assert engine.in_step.wait(10)
+    engine.gate.set()
+    for _ in range(200):
+        if "orphan" in engine.aborted or not engine.requests:
+            break
+        time.sleep(0.02)
+    assert loop.alive  # delivering to the closed loop dropped that request, not the engine
+    (queue,) = loop.add_sync([("after", {"prompt_token_ids": [2]})], PARAMS)
+    assert [o.finished for o in loop.stream_sync("after", queue)] == [True]
     loop.shutdown()

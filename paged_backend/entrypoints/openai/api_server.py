@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from paged_backend.engine.engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
-from paged_backend.entrypoints.openai.engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from paged_backend.entrypoints.openai.metrics import ServerMetrics
 from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from paged_backend.outputs import CompletionOutput, RequestOutput

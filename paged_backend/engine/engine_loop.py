@@ -1,0 +1,253 @@
+"""One background thread owns the engine; asyncio handlers and plain threads hand it work and wait for results.
+
+The engine is synchronous (``add_request`` / ``step`` / ``abort_request``) and only the loop thread touches it:
+callers queue calls (``add``, ``abort``, ``stats``) that the thread runs between steps. Async callers await them
+as futures, so an event loop never blocks on a step in progress (a lock shared with the stepping thread would
+stall every stream for as long as the engine stays busy); threads wait on their own futures. Each step's outputs
+go to their requests' queues: an asyncio queue on the caller's event loop, or a thread-safe queue. Requests from
+every caller share each step (continuous batching across callers). If a step raises, the loop records the error,
+fails every waiting request and stops (the server's ``/health`` then answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from paged_backend.outputs import RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Settle = Callable[[Any, BaseException | None], None]  # called on the loop thread with (result, error)
+Sink = Callable[[Any], None]  # hands one output (or the loop's error) to a request's consumer
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an error; nothing more can run."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests wait than ``max_waiting_requests`` allows."""
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: Any,
+        max_waiting_requests: int | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+        on_abort: Callable[[str], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.on_output = on_output  # sees every delivered output, on the loop thread (metrics)
+        self.on_abort = on_abort
+        self.max_waiting_requests = max_waiting_requests
+        self.num_waiting = 0  # the scheduler's queue length after the last step or call, for a check without it
+        self.calls: queue.SimpleQueue[tuple[Callable[[Any], Any], Settle | None]] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.sinks: dict[str, Sink] = {}  # loop thread only
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="paged-backend-engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self.thread.is_alive()
+
+    # ------------------------------------------------------------------ calls
+    def _submit(self, fn: Callable[[Any], Any], settle: Settle | None) -> None:
+        if not self.alive:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        self.calls.put((fn, settle))
+        self.wake.set()
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(engine)`` on the loop thread between two steps; its result or exception comes back here."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._submit(fn, lambda result, error: _post(loop, _settle, future, result, error))
+        return await future
+
+    def call_sync(self, fn: Callable[[Any], Any]) -> Any:
+        """``call`` for a plain thread: blocks this thread (never the loop thread) until ``fn`` has run."""
+        if threading.current_thread() is self.thread:
+            return fn(self.engine)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(fn, lambda result, error: _settle(future, result, error))
+        return future.result()
+
+    # ------------------------------------------------------------------ requests
+    def _adder(self, requests: list[tuple[str, Any]], params: SamplingParams, sinks: list[Sink]) -> Callable:
+        def add_all(engine: Any) -> None:
+            self._check_room(len(engine.scheduler.waiting))
+            try:
+                for (request_id, prompt), sink in zip(requests, sinks):
+                    engine.add_request(request_id, prompt, params)
+                    self.sinks[request_id] = sink
+            except BaseException:
+                for request_id, _ in requests:
+                    self._abort_now(request_id)
+                raise
+
+        return add_all
+
+    async def add(self, requests: list[tuple[str, Any]], params: SamplingParams) -> list[asyncio.Queue]:
+        """Queue requests in one go, all or none: raises the engine's ValueError for a bad one, QueueFullError,
+        EngineDeadError. A caller cancelled meanwhile (its client left) leaves nothing behind."""
+        self._check_room(self.num_waiting)  # answers at once, even while a long step runs
+        loop = asyncio.get_running_loop()
+        queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
+        sinks = [lambda item, q=q: _post(loop, q.put_nowait, item) for q in queues]
+        try:
+            await self.call(self._adder(requests, params, sinks))
+        except asyncio.CancelledError:
+            for request_id, _ in requests:
+                self.abort(request_id)
+            raise
+        return queues
+
+    def add_sync(self, requests: list[tuple[str, Any]], params: SamplingParams) -> list[queue.SimpleQueue]:
+        """``add`` for a plain thread; the outputs arrive in thread-safe queues."""
+        self._check_room(self.num_waiting)
+        queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in requests]
+        self.call_sync(self._adder(requests, params, [q.put for q in queues]))
+        return queues
+
+    async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Yield an added request's cumulative outputs as the engine produces them; leaving early aborts it."""
+        finished = False
+        try:
+            while not finished:
+                item = _checked(await queue.get())
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def stream_sync(self, request_id: str, queue: queue.SimpleQueue) -> Iterator[RequestOutput]:
+        """``stream`` for a plain thread."""
+        finished = False
+        try:
+            while not finished:
+                item = _checked(queue.get())
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request and free its blocks before the next step (a client went away); returns at once."""
+        if self.alive:
+            self._submit(lambda _: self._abort_now(request_id), None)
+
+    async def stats(self) -> dict[str, Any]:
+        if not self.alive:  # the thread is gone: reading the engine directly is safe
+            return self.engine.stats()
+        return await self.call(lambda engine: engine.stats())
+
+    def shutdown(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(timeout=10)
+
+    def _check_room(self, waiting: int) -> None:
+        if self.max_waiting_requests and waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests)")
+
+    # ------------------------------------------------------------------ loop thread
+    def _abort_now(self, request_id: str) -> None:
+        self.sinks.pop(request_id, None)
+        self.engine.abort_request(request_id)  # an unknown or finished id is ignored
+        if self.on_abort is not None:
+            self.on_abort(request_id)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, settle = self.calls.get_nowait()
+            except queue.Empty:
+                self.num_waiting = len(self.engine.scheduler.waiting)
+                return
+            try:
+                result, error = fn(self.engine), None
+            except Exception as exc:  # noqa: BLE001 - goes back to the caller
+                result, error = None, exc
+            if settle is not None:
+                with contextlib.suppress(RuntimeError):  # the caller's event loop has closed
+                    settle(result, error)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if self.on_output is not None:
+                self.on_output(out)
+            sink = self.sinks.get(out.request_id)
+            if sink is None:
+                continue
+            try:
+                sink(out)
+            except RuntimeError:  # its caller's event loop has closed: nobody will read this request
+                self._abort_now(out.request_id)
+                continue
+            if out.finished:
+                del self.sinks[out.request_id]
+
+    def _run(self) -> None:
+        while not self.stopped:
+            self.wake.wait()
+            self.wake.clear()  # before running the calls: one queued after this sets it again
+            try:
+                self._run_calls()
+                while self.engine.has_unfinished_requests() and not self.stopped:
+                    self._deliver(self.engine.step())
+                    self._run_calls()
+            except BaseException as exc:  # noqa: BLE001 - reported to every waiting request and /health
+                logger.exception("engine step failed; the engine loop stops")
+                self.error = exc
+                for sink in self.sinks.values():
+                    with contextlib.suppress(RuntimeError):  # a closed event loop has no reader left
+                        sink(exc)
+                self.sinks.clear()
+                self._fail_calls(exc)
+                return
+        self._fail_calls(EngineDeadError("the engine loop was shut down"))
+
+    def _fail_calls(self, exc: BaseException) -> None:
+        """Calls queued after the last run get the loop's error instead of waiting forever."""
+        while True:
+            try:
+                _, settle = self.calls.get_nowait()
+            except queue.Empty:
+                return
+            if settle is not None:
+                with contextlib.suppress(RuntimeError):
+                    settle(None, EngineDeadError(f"the engine stopped: {exc!r}"))
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` on ``loop``; raises RuntimeError once that loop has closed."""
+    loop.call_soon_threadsafe(fn, *args)
+
+
+def _checked(item: Any) -> RequestOutput:
+    if isinstance(item, BaseException):
+        raise EngineDeadError(f"the engine stopped: {item!r}") from item
+    return item
+
+
+def _settle(future: asyncio.Future | concurrent.futures.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
