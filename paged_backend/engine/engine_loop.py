@@ -17,6 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -85,12 +86,16 @@ class EngineLoop:
         return future.result()
 
     # ------------------------------------------------------------------ requests
-    def _adder(self, requests: list[tuple[str, Any]], params: SamplingParams, sinks: list[Sink]) -> Callable:
+    def _adder(
+        self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams], sinks: list[Sink]
+    ) -> Callable:
+        per_request = params if isinstance(params, list) else [params] * len(requests)
+
         def add_all(engine: Any) -> None:
             self._check_room(len(engine.scheduler.waiting))
             try:
-                for (request_id, prompt), sink in zip(requests, sinks):
-                    engine.add_request(request_id, prompt, params)
+                for (request_id, prompt), p, sink in zip(requests, per_request, sinks):
+                    engine.add_request(request_id, prompt, p)
                     self.sinks[request_id] = sink
             except BaseException:
                 for request_id, _ in requests:
@@ -99,7 +104,9 @@ class EngineLoop:
 
         return add_all
 
-    async def add(self, requests: list[tuple[str, Any]], params: SamplingParams) -> list[asyncio.Queue]:
+    async def add(
+        self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams]
+    ) -> list[asyncio.Queue]:
         """Queue requests in one go, all or none: raises the engine's ValueError for a bad one, QueueFullError,
         EngineDeadError. A caller cancelled meanwhile (its client left) leaves nothing behind."""
         self._check_room(self.num_waiting)  # answers at once, even while a long step runs
@@ -114,7 +121,9 @@ class EngineLoop:
             raise
         return queues
 
-    def add_sync(self, requests: list[tuple[str, Any]], params: SamplingParams) -> list[queue.SimpleQueue]:
+    def add_sync(
+        self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams]
+    ) -> list[queue.SimpleQueue]:
         """``add`` for a plain thread; the outputs arrive in thread-safe queues."""
         self._check_room(self.num_waiting)
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in requests]
@@ -133,12 +142,19 @@ class EngineLoop:
             if not finished:
                 self.abort(request_id)
 
-    def stream_sync(self, request_id: str, queue: queue.SimpleQueue) -> Iterator[RequestOutput]:
-        """``stream`` for a plain thread."""
+    def stream_sync(
+        self, request_id: str, outputs: queue.SimpleQueue, deadline: float | None = None
+    ) -> Iterator[RequestOutput]:
+        """``stream`` for a plain thread; past ``deadline`` (a ``time.monotonic()`` value) it aborts the request
+        and raises TimeoutError."""
         finished = False
         try:
             while not finished:
-                item = _checked(queue.get())
+                try:
+                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    item = _checked(outputs.get(timeout=timeout))
+                except queue.Empty:
+                    raise TimeoutError(f"request {request_id} ran past its deadline") from None
                 finished = item.finished
                 yield item
         finally:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,6 +14,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from paged_backend.config import EngineConfig
+from paged_backend.engine.engine_loop import EngineLoop
 from paged_backend.engine.llm_engine import LLMEngine, PromptType
 from paged_backend.lora.request import LORA_NOT_AVAILABLE
 from paged_backend.outputs import RequestOutput
@@ -39,6 +42,21 @@ class LLM:
         config = EngineConfig.from_kwargs(name, tokenizer=tokenizer_name, **kwargs)
         self.llm_engine = LLMEngine(config, model, tokenizer)
         self._request_counter = itertools.count()
+        self._engine_loop: EngineLoop | None = None
+        self._loop_lock = threading.Lock()
+
+    @property
+    def engine_loop(self) -> EngineLoop:
+        """The background thread that steps this engine for async and multi-threaded callers (the LangChain and
+        LlamaIndex adapters share one ``LLM`` through it), started on first use. From then on ``generate`` goes
+        through it as well, so that exactly one thread ever steps the engine."""
+        with self._loop_lock:
+            if self._engine_loop is None:
+                self._engine_loop = EngineLoop(self.llm_engine)
+            return self._engine_loop
+
+    def next_request_id(self, prefix: str = "") -> str:
+        return f"{prefix}{next(self._request_counter)}"
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -100,6 +118,8 @@ class LLM:
         return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        if self._engine_loop is not None:
+            return self._run_on_loop(prompts, params, use_tqdm)
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -129,6 +149,24 @@ class LLM:
                 engine.abort_request([i for i in ids if i not in finished])
                 raise
         return [finished[i] for i in ids]
+
+    def _run_on_loop(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        loop = self.engine_loop
+        requests = [(self.next_request_id(), prompt) for prompt in prompts]
+        queues = loop.add_sync(requests, params)
+        finished: list[RequestOutput] = []
+        with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            try:
+                for (request_id, _), queue in zip(requests, queues):
+                    finished.append(deque(loop.stream_sync(request_id, queue), maxlen=1)[0])  # the final output
+                    bar.update(1)
+            except BaseException:
+                for request_id, _ in requests[len(finished) :]:
+                    loop.abort(request_id)
+                raise
+        return finished
 
 
 PagedGenerationBackend = LLM

@@ -1,0 +1,411 @@
+"""LangChain models over the paged engine: ``ChatPagedBackend`` (a chat model) and ``PagedBackendLLM`` (a text
+completion model). Install with the ``[langchain]`` extra.
+
+What they fix relative to LangChain's ``VLLM`` class: ``stop`` from the constructor and from the call are both
+honoured; all ``n`` generations come back; tokens stream (sync and async); async calls await the engine instead
+of blocking the event loop; the inputs of a ``batch`` reach the engine together and share its steps.
+
+Both are built from ``backend=`` (an existing ``LLM``, which many adapters may share) or ``model=`` (a path or
+hub id; the engine is created on first use, never in ``__init__``, with ``engine_kwargs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, BaseLLM, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import (
+    ChatGeneration,
+    ChatGenerationChunk,
+    ChatResult,
+    Generation,
+    GenerationChunk,
+    LLMResult,
+)
+from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables.config import get_config_list
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from paged_backend.outputs import CompletionOutput, RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
+_SAMPLING += ("repetition_penalty", "seed", "max_tokens", "n")
+
+
+class PagedBackendFields(BaseModel):
+    """Fields and engine access shared by both LangChain classes."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, arbitrary_types_allowed=True)
+
+    backend: Any = Field(default=None, exclude=True)
+    """An ``LLM`` to run on (shared with other adapters); or leave it None and give ``model``."""
+    model_name: str | None = Field(default=None, alias="model")
+    """Path or hub id of the model, loaded on first use (ignored for loading when ``backend`` is given)."""
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """vLLM engine arguments for the lazily built ``LLM`` (``block_size``, ``max_model_len``, ...)."""
+    temperature: float | None = None
+    max_tokens: int | None = 512
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    """Stop strings, always applied; a call's own ``stop`` adds to them."""
+    timeout: float | None = None
+    """Seconds a call may take; a call still running then is aborted with a TimeoutError."""
+    streaming: bool = False
+    """Make ``invoke`` stream through the callbacks (LangChain's convention)."""
+
+    _llm: Any = PrivateAttr(default=None)
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    @model_validator(mode="after")
+    def _needs_a_model(self) -> PagedBackendFields:
+        if self.backend is None and not self.model_name:
+            raise ValueError("give backend=<an LLM> or model=<a path or hub id>")
+        return self
+
+    @property
+    def llm(self) -> Any:
+        """The ``LLM``: ``backend``, or the one built from ``model`` on first use."""
+        if self.backend is not None:
+            return self.backend
+        with self._lock:
+            if self._llm is None:
+                from paged_backend.entrypoints.llm import LLM
+
+                self._llm = LLM(self.model_name, **self.engine_kwargs)
+            return self._llm
+
+    @property
+    def served_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        return str(getattr(self.backend.llm_engine.config.model_config, "model", "paged-backend"))
+
+    def sampling_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
+        """The instance's sampling fields, overridden by a call's keyword arguments; stop strings from both."""
+        unknown = sorted(set(kwargs) - set(_SAMPLING) - {"model"})
+        if unknown:
+            raise TypeError(f"unknown keyword arguments {unknown}; sampling arguments are {list(_SAMPLING)}")
+        if kwargs.get("model", self.served_name) != self.served_name:
+            raise ValueError(f"this model serves {self.served_name!r}; model={kwargs['model']!r} cannot be switched to")
+        values = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING}
+        stops = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
+        return SamplingParams(**{k: v for k, v in values.items() if v is not None}, stop=stops or None)
+
+    # ------------------------------------------------------------------ running requests
+    def deadline(self) -> float | None:
+        return None if self.timeout is None else time.monotonic() + self.timeout
+
+    def run_sync(self, prompts: list[Any], params: SamplingParams) -> list[RequestOutput]:
+        """Every prompt in one engine call; the final output of each."""
+        loop = self.llm.engine_loop
+        requests = [(self.llm.next_request_id("lc-"), p) for p in prompts]
+        queues = loop.add_sync(requests, params)
+        deadline, finals = self.deadline(), []
+        try:
+            for request_id, queue in zip((r for r, _ in requests), queues):
+                finals.append(deque(loop.stream_sync(request_id, queue, deadline), maxlen=1)[0])
+        except BaseException:
+            for request_id, _ in requests[len(finals) :]:
+                loop.abort(request_id)
+            raise
+        return finals
+
+    async def run_async(self, prompts: list[Any], params: SamplingParams) -> list[RequestOutput]:
+        loop = self.llm.engine_loop
+        requests = [(self.llm.next_request_id("lc-"), p) for p in prompts]
+        queues = await loop.add(requests, params)
+        finals: list[RequestOutput] = []
+        try:
+            for request_id, queue in zip((r for r, _ in requests), queues):
+                async for out in loop.stream(request_id, queue):
+                    final = out
+                finals.append(final)
+        except BaseException:  # cancelled (a timeout) or failed: the rest are dropped too
+            for request_id, _ in requests[len(finals) :]:
+                loop.abort(request_id)
+            raise
+        return finals
+
+    def stream_sync(self, prompt: Any, params: SamplingParams) -> Iterator[tuple[str, RequestOutput]]:
+        """(new text, cumulative output) for one request with n == 1."""
+        _single(params)
+        loop = self.llm.engine_loop
+        request_id = self.llm.next_request_id("lc-")
+        (queue,) = loop.add_sync([(request_id, prompt)], params)
+        sent = 0
+        for out in loop.stream_sync(request_id, queue, self.deadline()):
+            text = out.outputs[0].text
+            yield text[sent:], out
+            sent = len(text)
+
+    async def stream_async(self, prompt: Any, params: SamplingParams) -> AsyncIterator[tuple[str, RequestOutput]]:
+        _single(params)
+        loop = self.llm.engine_loop
+        request_id = self.llm.next_request_id("lc-")
+        (queue,) = await loop.add([(request_id, prompt)], params)
+        sent = 0
+        async for out in loop.stream(request_id, queue):
+            text = out.outputs[0].text
+            yield text[sent:], out
+            sent = len(text)
+
+    def ls_params(self, model_type: str, stop: list[str] | None, kwargs: dict[str, Any]) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="paged_backend",
+            ls_model_name=kwargs.get("model", self.served_name),
+            ls_model_type=model_type,
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stops := [*(self.stop or []), *(stop or [])]:
+            params["ls_stop"] = stops
+        return params
+
+
+def _single(params: SamplingParams) -> None:
+    if params.n != 1 or (params.best_of or 1) != 1:
+        raise ValueError(f"streaming returns one generation: n and best_of must be 1, got n={params.n}")
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _info(c: CompletionOutput) -> dict[str, Any]:
+    return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+def _batch_together(inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None) -> list:
+    """LangChain runs a batch on a thread pool sized by the CPU count; as many threads as inputs let all of them
+    reach the engine at once (each call only waits on its request)."""
+    configs = get_config_list(config, len(inputs))
+    if all(c.get("max_concurrency") is None for c in configs):
+        configs = [{**c, "max_concurrency": max(1, len(inputs))} for c in configs]
+    return configs
+
+
+class ChatPagedBackend(PagedBackendFields, BaseChatModel):
+    """A LangChain chat model on the paged engine: messages go through the tokenizer's chat template."""
+
+    model_config = PagedBackendFields.model_config  # LangChain's own config would let unknown fields through
+
+    @property
+    def _llm_type(self) -> str:
+        return "paged-backend-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.served_name, **{k: getattr(self, k) for k in _SAMPLING}, "stop": self.stop}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return self.ls_params("chat", stop, kwargs)
+
+    def _prompt(self, messages: list[BaseMessage]) -> dict[str, Any]:
+        tokenizer = self.llm.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template: pass tokenizer=... to the LLM")
+        conversation = []
+        for m in messages:
+            role = m.role if m.type == "chat" else _ROLES.get(m.type)
+            if role is None:
+                raise ValueError(f"message type {m.type!r} is not supported; use {sorted(_ROLES)} or ChatMessage")
+            conversation.append({"role": role, "content": _text(m.content)})
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+    def _result(self, out: RequestOutput) -> ChatResult:
+        usage = _usage(out)
+        generations = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            metadata = {"model_name": self.served_name, **_info(c)}
+            message = AIMessage(content=c.text, usage_metadata=usage, response_metadata=metadata)
+            generations.append(ChatGeneration(message=message, generation_info=_info(c)))
+        return ChatResult(generations=generations, llm_output={"token_usage": usage, "model_name": self.served_name})
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        params = self.sampling_params(stop, kwargs)
+        (out,) = self.run_sync([self._prompt(messages)], params)
+        return self._result(out)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        params = self.sampling_params(stop, kwargs)
+        (out,) = await asyncio.wait_for(self.run_async([self._prompt(messages)], params), self.timeout)
+        return self._result(out)
+
+    def _chunk(self, delta: str, out: RequestOutput) -> ChatGenerationChunk:
+        c = out.outputs[0]
+        if not out.finished:
+            return ChatGenerationChunk(message=AIMessageChunk(content=delta))
+        message = AIMessageChunk(
+            content=delta,
+            usage_metadata=_usage(out),
+            response_metadata={"model_name": self.served_name, **_info(c)},
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=message, generation_info=_info(c))
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        params = self.sampling_params(stop, kwargs)
+        for delta, out in self.stream_sync(self._prompt(messages), params):
+            if delta or out.finished:
+                chunk = self._chunk(delta, out)
+                if run_manager is not None and delta:
+                    run_manager.on_llm_new_token(delta, chunk=chunk)
+                yield chunk
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        params = self.sampling_params(stop, kwargs)
+        async for delta, out in self.stream_async(self._prompt(messages), params):
+            if delta or out.finished:
+                chunk = self._chunk(delta, out)
+                if run_manager is not None and delta:
+                    await run_manager.on_llm_new_token(delta, chunk=chunk)
+                yield chunk
+
+    def batch(
+        self,
+        inputs: list[Any],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[Any]:
+        configs = _batch_together(inputs, config)
+        return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
+
+
+class PagedBackendLLM(PagedBackendFields, BaseLLM):
+    """A LangChain text-completion model on the paged engine: a batch's prompts go to the engine in one call."""
+
+    model_config = PagedBackendFields.model_config
+
+    @property
+    def _llm_type(self) -> str:
+        return "paged-backend"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.served_name, **{k: getattr(self, k) for k in _SAMPLING}, "stop": self.stop}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return self.ls_params("llm", stop, kwargs)
+
+    def _llm_result(self, outs: list[RequestOutput]) -> LLMResult:
+        generations = [
+            [Generation(text=c.text, generation_info=_info(c)) for c in sorted(o.outputs, key=lambda c: c.index)]
+            for o in outs
+        ]
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        for o in outs:
+            u = _usage(o)
+            usage["prompt_tokens"] += u["input_tokens"]
+            usage["completion_tokens"] += u["output_tokens"]
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return LLMResult(generations=generations, llm_output={"token_usage": usage, "model_name": self.served_name})
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        params = self.sampling_params(stop, kwargs)
+        return self._llm_result(self.run_sync(list(prompts), params))
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        params = self.sampling_params(stop, kwargs)
+        return self._llm_result(await asyncio.wait_for(self.run_async(list(prompts), params), self.timeout))
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        for delta, out in self.stream_sync(prompt, self.sampling_params(stop, kwargs)):
+            if delta or out.finished:
+                chunk = GenerationChunk(text=delta, generation_info=_info(out.outputs[0]) if out.finished else None)
+                if run_manager is not None and delta:
+                    run_manager.on_llm_new_token(delta, chunk=chunk)
+                yield chunk
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        async for delta, out in self.stream_async(prompt, self.sampling_params(stop, kwargs)):
+            if delta or out.finished:
+                chunk = GenerationChunk(text=delta, generation_info=_info(out.outputs[0]) if out.finished else None)
+                if run_manager is not None and delta:
+                    await run_manager.on_llm_new_token(delta, chunk=chunk)
+                yield chunk
+
+
+def _text(content: str | list[Any]) -> str:
+    """A message's text: a string, or the text blocks of a content list (other blocks are refused)."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block["text"])
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"only text content is supported, got a {kind!r} block")
+    return "".join(parts)

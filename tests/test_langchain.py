@@ -1,0 +1,175 @@
+"""LangChain adapters on a tiny model: LangChain's own standard test suites, LCEL chains, streaming, callbacks,
+stop strings from the constructor and the call, n generations, and batches that share engine steps."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+import pytest
+
+pytest.importorskip("langchain_core")
+langchain_tests = pytest.importorskip("langchain_tests")
+
+from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
+from langchain_core.messages import HumanMessage  # noqa: E402
+from langchain_core.output_parsers import StrOutputParser  # noqa: E402
+from langchain_core.prompts import ChatPromptTemplate, PromptTemplate  # noqa: E402
+from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
+from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
+
+from paged_backend import LLM, SamplingParams  # noqa: E402
+from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from paged_backend.integrations.langchain import ChatPagedBackend, PagedBackendLLM  # noqa: E402
+
+
+@functools.cache
+def shared_llm() -> LLM:
+    """One engine for every adapter in this module (adapters share a backend)."""
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model("llama", vocab_size=len(tokenizer))
+    return LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=1024, max_model_len=512)
+
+
+class TestChatPagedBackendUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self) -> type[ChatPagedBackend]:
+        return ChatPagedBackend
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"model": "never-loaded"}  # the engine is built on first use, and unit tests never call it
+
+    @property
+    def standard_chat_model_params(self) -> dict[str, Any]:
+        # a local engine has no API key and nothing to retry: those two standard parameters do not exist here
+        return {k: v for k, v in super().standard_chat_model_params.items() if k not in ("api_key", "max_retries")}
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False
+
+
+class TestChatPagedBackendIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatPagedBackend]:
+        return ChatPagedBackend
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"backend": shared_llm(), "temperature": 0}
+
+    @property
+    def standard_chat_model_params(self) -> dict[str, Any]:
+        params = {k: v for k, v in super().standard_chat_model_params.items() if k not in ("api_key", "max_retries")}
+        return {**params, "max_tokens": 16}  # a tiny random model on a CPU: keep each call short
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False
+
+
+def greedy(prompt: Any, max_tokens: int = 12, **kwargs: Any) -> str:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
+    return shared_llm().generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_lcel_chain_invoke_batch_stream_astream_and_callbacks() -> None:
+    chat = ChatPagedBackend(backend=shared_llm(), temperature=0, max_tokens=12)
+    chain = ChatPromptTemplate.from_messages([("system", "Be brief."), ("user", "{question}")]) | chat
+    chain |= StrOutputParser()
+    messages = ChatPromptTemplate.from_messages([("system", "Be brief."), ("user", "hello")]).format_messages()
+    expected = greedy(chat._prompt(messages))  # the engine's own output for the templated conversation
+    assert expected
+    assert chain.invoke({"question": "hello"}) == expected
+    assert "".join(chain.stream({"question": "hello"})) == expected
+
+    async def astream() -> str:
+        return "".join([piece async for piece in chain.astream({"question": "hello"})])
+
+    assert asyncio.run(astream()) == expected
+    assert chain.batch([{"question": "hello"}] * 3) == [expected] * 3
+
+    class Tokens(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.tokens: list[str] = []
+
+        def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+            self.tokens.append(token)
+
+    handler = Tokens()
+    streamed = ChatPagedBackend(backend=shared_llm(), temperature=0, max_tokens=12, streaming=True)
+    reply = streamed.invoke([("system", "Be brief."), ("user", "hello")], config={"callbacks": [handler]})
+    assert reply.content == expected and "".join(handler.tokens) == expected and len(handler.tokens) >= 1
+
+
+def test_stop_from_the_constructor_and_the_call_both_apply() -> None:
+    full = greedy("Hello", max_tokens=30)
+    stops = [c for c in dict.fromkeys(full) if c.strip()][:2]  # two characters that do occur in the output
+    first, second = (full.index(s) for s in stops)
+    model = PagedBackendLLM(backend=shared_llm(), temperature=0, max_tokens=30, stop=[stops[0]])
+    assert model.invoke("Hello") == full[:first]
+    assert model.invoke("Hello", stop=[stops[1]]) == full[: min(first, second)]
+    chain = PromptTemplate.from_template("{word}") | model
+    assert chain.invoke({"word": "Hello"}) == full[:first]  # the instance's stop survives a chain
+
+
+def test_n_generations_and_one_engine_call_per_batch() -> None:
+    model = PagedBackendLLM(backend=shared_llm(), temperature=1.0, max_tokens=6, n=3, seed=5)
+    result = model.generate(["one", "two"])
+    assert [len(g) for g in result.generations] == [3, 3]
+    assert 6 <= result.llm_output["token_usage"]["completion_tokens"] <= 2 * 3 * 6
+    chat = ChatPagedBackend(backend=shared_llm(), temperature=1.0, max_tokens=6, n=2, seed=5)
+    assert len(chat.generate([[HumanMessage("hi")]]).generations[0]) == 2
+
+
+def test_batch_inputs_are_in_flight_together() -> None:
+    llm = shared_llm()
+    engine = llm.llm_engine
+    peak = {"running": 0}
+    step = engine.step
+
+    def counting_step(*args: Any, **kwargs: Any):
+        peak["running"] = max(peak["running"], len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        return step(*args, **kwargs)
+
+    engine.step = counting_step
+    try:
+        chat = ChatPagedBackend(backend=llm, temperature=0, max_tokens=20)
+        replies = chat.batch([f"question {i}" for i in range(10)])
+        assert len(replies) == 10
+        assert peak["running"] == 10  # every input reached the engine before the first of them finished
+
+        peak["running"] = 0
+
+        async def many() -> list:
+            return await chat.abatch([f"question {i}" for i in range(10)])
+
+        assert [r.content for r in asyncio.run(many())] == [r.content for r in replies]
+        assert peak["running"] == 10
+    finally:
+        engine.step = step
+
+
+def test_built_lazily_from_a_model_path(tmp_path) -> None:
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    chat = ChatPagedBackend(
+        model=str(tmp_path), engine_kwargs={"block_size": 4, "num_kv_blocks": 64, "max_model_len": 128}, max_tokens=4
+    )
+    assert chat._llm is None  # nothing loaded in __init__
+    assert isinstance(chat.invoke("hi").content, str) and chat._llm is not None
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="backend=<an LLM> or model="):
+        ChatPagedBackend()
+    with pytest.raises(ValueError, match="extra"):
+        ChatPagedBackend(model="m", max_new_token=3)
+    chat = ChatPagedBackend(backend=shared_llm())
+    with pytest.raises(TypeError, match="unknown keyword arguments \\['beams'\\]"):
+        chat.invoke("hi", beams=2)
+    with pytest.raises(ValueError, match="n and best_of must be 1"):
+        list(ChatPagedBackend(backend=shared_llm(), n=2).stream("hi"))
