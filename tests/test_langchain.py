@@ -159,8 +159,8 @@ def test_built_lazily_from_a_model_path(tmp_path) -> None:
     chat = ChatPagedBackend(
         model=str(tmp_path), engine_kwargs={"block_size": 4, "num_kv_blocks": 64, "max_model_len": 128}, max_tokens=4
     )
-    assert chat._llm is None  # nothing loaded in __init__
-    assert isinstance(chat.invoke("hi").content, str) and chat._llm is not None
+    assert chat._client.built is None  # nothing loaded in __init__
+    assert isinstance(chat.invoke("hi").content, str) and chat._client.built is not None
 
 
 def test_bad_arguments_are_named() -> None:

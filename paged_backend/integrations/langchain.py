@@ -12,9 +12,6 @@ hub id; the engine is created on first use, never in ``__init__``, with ``engine
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -33,6 +30,7 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import get_config_list
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from paged_backend.integrations.engine_client import EngineClient, usage
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
@@ -69,32 +67,21 @@ class PagedBackendFields(BaseModel):
     streaming: bool = False
     """Make ``invoke`` stream through the callbacks (LangChain's convention)."""
 
-    _llm: Any = PrivateAttr(default=None)
-    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _client: EngineClient = PrivateAttr()
 
     @model_validator(mode="after")
     def _needs_a_model(self) -> PagedBackendFields:
-        if self.backend is None and not self.model_name:
-            raise ValueError("give backend=<an LLM> or model=<a path or hub id>")
+        self._client = EngineClient(self.backend, self.model_name, self.engine_kwargs, prefix="lc-")
         return self
 
     @property
     def llm(self) -> Any:
         """The ``LLM``: ``backend``, or the one built from ``model`` on first use."""
-        if self.backend is not None:
-            return self.backend
-        with self._lock:
-            if self._llm is None:
-                from paged_backend.entrypoints.llm import LLM
-
-                self._llm = LLM(self.model_name, **self.engine_kwargs)
-            return self._llm
+        return self._client.llm
 
     @property
     def served_name(self) -> str:
-        if self.model_name:
-            return self.model_name
-        return str(getattr(self.backend.llm_engine.config.model_config, "model", "paged-backend"))
+        return self._client.name
 
     def sampling_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
         """The instance's sampling fields, overridden by a call's keyword arguments; stop strings from both."""
@@ -106,64 +93,6 @@ class PagedBackendFields(BaseModel):
         values = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING}
         stops = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
         return SamplingParams(**{k: v for k, v in values.items() if v is not None}, stop=stops or None)
-
-    # ------------------------------------------------------------------ running requests
-    def deadline(self) -> float | None:
-        return None if self.timeout is None else time.monotonic() + self.timeout
-
-    def run_sync(self, prompts: list[Any], params: SamplingParams) -> list[RequestOutput]:
-        """Every prompt in one engine call; the final output of each."""
-        loop = self.llm.engine_loop
-        requests = [(self.llm.next_request_id("lc-"), p) for p in prompts]
-        queues = loop.add_sync(requests, params)
-        deadline, finals = self.deadline(), []
-        try:
-            for request_id, queue in zip((r for r, _ in requests), queues):
-                finals.append(deque(loop.stream_sync(request_id, queue, deadline), maxlen=1)[0])
-        except BaseException:
-            for request_id, _ in requests[len(finals) :]:
-                loop.abort(request_id)
-            raise
-        return finals
-
-    async def run_async(self, prompts: list[Any], params: SamplingParams) -> list[RequestOutput]:
-        loop = self.llm.engine_loop
-        requests = [(self.llm.next_request_id("lc-"), p) for p in prompts]
-        queues = await loop.add(requests, params)
-        finals: list[RequestOutput] = []
-        try:
-            for request_id, queue in zip((r for r, _ in requests), queues):
-                async for out in loop.stream(request_id, queue):
-                    final = out
-                finals.append(final)
-        except BaseException:  # cancelled (a timeout) or failed: the rest are dropped too
-            for request_id, _ in requests[len(finals) :]:
-                loop.abort(request_id)
-            raise
-        return finals
-
-    def stream_sync(self, prompt: Any, params: SamplingParams) -> Iterator[tuple[str, RequestOutput]]:
-        """(new text, cumulative output) for one request with n == 1."""
-        _single(params)
-        loop = self.llm.engine_loop
-        request_id = self.llm.next_request_id("lc-")
-        (queue,) = loop.add_sync([(request_id, prompt)], params)
-        sent = 0
-        for out in loop.stream_sync(request_id, queue, self.deadline()):
-            text = out.outputs[0].text
-            yield text[sent:], out
-            sent = len(text)
-
-    async def stream_async(self, prompt: Any, params: SamplingParams) -> AsyncIterator[tuple[str, RequestOutput]]:
-        _single(params)
-        loop = self.llm.engine_loop
-        request_id = self.llm.next_request_id("lc-")
-        (queue,) = await loop.add([(request_id, prompt)], params)
-        sent = 0
-        async for out in loop.stream(request_id, queue):
-            text = out.outputs[0].text
-            yield text[sent:], out
-            sent = len(text)
 
     def ls_params(self, model_type: str, stop: list[str] | None, kwargs: dict[str, Any]) -> LangSmithParams:
         params = LangSmithParams(
@@ -179,14 +108,8 @@ class PagedBackendFields(BaseModel):
         return params
 
 
-def _single(params: SamplingParams) -> None:
-    if params.n != 1 or (params.best_of or 1) != 1:
-        raise ValueError(f"streaming returns one generation: n and best_of must be 1, got n={params.n}")
-
-
 def _usage(out: RequestOutput) -> dict[str, int]:
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in out.outputs)
+    prompt, completion = usage(out)
     return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -220,17 +143,13 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         return self.ls_params("chat", stop, kwargs)
 
     def _prompt(self, messages: list[BaseMessage]) -> dict[str, Any]:
-        tokenizer = self.llm.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer with a chat template: pass tokenizer=... to the LLM")
         conversation = []
         for m in messages:
             role = m.role if m.type == "chat" else _ROLES.get(m.type)
             if role is None:
                 raise ValueError(f"message type {m.type!r} is not supported; use {sorted(_ROLES)} or ChatMessage")
             conversation.append({"role": role, "content": _text(m.content)})
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+        return self._client.chat_prompt(conversation)
 
     def _result(self, out: RequestOutput) -> ChatResult:
         usage = _usage(out)
@@ -249,7 +168,7 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         params = self.sampling_params(stop, kwargs)
-        (out,) = self.run_sync([self._prompt(messages)], params)
+        (out,) = self._client.run_sync([self._prompt(messages)], params, self.timeout)
         return self._result(out)
 
     async def _agenerate(
@@ -260,7 +179,7 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         params = self.sampling_params(stop, kwargs)
-        (out,) = await asyncio.wait_for(self.run_async([self._prompt(messages)], params), self.timeout)
+        (out,) = await asyncio.wait_for(self._client.run_async([self._prompt(messages)], params), self.timeout)
         return self._result(out)
 
     def _chunk(self, delta: str, out: RequestOutput) -> ChatGenerationChunk:
@@ -283,7 +202,7 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         params = self.sampling_params(stop, kwargs)
-        for delta, out in self.stream_sync(self._prompt(messages), params):
+        for delta, out in self._client.stream_sync(self._prompt(messages), params, self.timeout):
             if delta or out.finished:
                 chunk = self._chunk(delta, out)
                 if run_manager is not None and delta:
@@ -298,7 +217,7 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         params = self.sampling_params(stop, kwargs)
-        async for delta, out in self.stream_async(self._prompt(messages), params):
+        async for delta, out in self._client.stream_async(self._prompt(messages), params):
             if delta or out.finished:
                 chunk = self._chunk(delta, out)
                 if run_manager is not None and delta:
@@ -354,7 +273,7 @@ class PagedBackendLLM(PagedBackendFields, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         params = self.sampling_params(stop, kwargs)
-        return self._llm_result(self.run_sync(list(prompts), params))
+        return self._llm_result(self._client.run_sync(list(prompts), params, self.timeout))
 
     async def _agenerate(
         self,
@@ -364,7 +283,7 @@ class PagedBackendLLM(PagedBackendFields, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         params = self.sampling_params(stop, kwargs)
-        return self._llm_result(await asyncio.wait_for(self.run_async(list(prompts), params), self.timeout))
+        return self._llm_result(await asyncio.wait_for(self._client.run_async(list(prompts), params), self.timeout))
 
     def _stream(
         self,
@@ -373,7 +292,7 @@ class PagedBackendLLM(PagedBackendFields, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for delta, out in self.stream_sync(prompt, self.sampling_params(stop, kwargs)):
+        for delta, out in self._client.stream_sync(prompt, self.sampling_params(stop, kwargs), self.timeout):
             if delta or out.finished:
                 chunk = GenerationChunk(text=delta, generation_info=_info(out.outputs[0]) if out.finished else None)
                 if run_manager is not None and delta:
@@ -387,7 +306,7 @@ class PagedBackendLLM(PagedBackendFields, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        async for delta, out in self.stream_async(prompt, self.sampling_params(stop, kwargs)):
+        async for delta, out in self._client.stream_async(prompt, self.sampling_params(stop, kwargs)):
             if delta or out.finished:
                 chunk = GenerationChunk(text=delta, generation_info=_info(out.outputs[0]) if out.finished else None)
                 if run_manager is not None and delta:
