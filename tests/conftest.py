@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -60,3 +62,28 @@ def assert_idle(llm) -> None:
     assert stats["num_free_blocks"] == stats["num_kv_blocks"], stats
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_swapped"] == 0, stats
     assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"], stats
+
+
+def save_tiny_checkpoint(path) -> None:
+    """A tiny Llama and the tiny tokenizer saved as a model folder (for adapters that load from a path)."""
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@contextlib.contextmanager
+def peak_in_flight(engine) -> Iterator[dict[str, int]]:
+    """Track the most requests queued or running at the start of any step (``["peak"]``): a batch whose inputs
+    all reached the engine before the first finished peaks at its size."""
+    peak = {"peak": 0}
+    step = engine.step
+
+    def counting_step(*args, **kwargs):
+        peak["peak"] = max(peak["peak"], len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        return step(*args, **kwargs)
+
+    engine.step = counting_step
+    try:
+        yield peak
+    finally:
+        engine.step = step

@@ -22,6 +22,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from paged_backend.integrations.langchain import ChatPagedBackend, PagedBackendLLM  # noqa: E402
+from tests.conftest import peak_in_flight, save_tiny_checkpoint  # noqa: E402
 
 
 @functools.cache
@@ -117,7 +118,15 @@ def test_stop_from_the_constructor_and_the_call_both_apply() -> None:
 
 def test_n_generations_and_one_engine_call_per_batch() -> None:
     model = PagedBackendLLM(backend=shared_llm(), temperature=1.0, max_tokens=6, n=3, seed=5)
-    result = model.generate(["one", "two"])
+    loop = shared_llm().engine_loop
+    calls: list[int] = []
+    add_sync = loop.add_sync
+    loop.add_sync = lambda requests, params: calls.append(len(requests)) or add_sync(requests, params)
+    try:
+        result = model.generate(["one", "two"])
+    finally:
+        loop.add_sync = add_sync
+    assert calls == [2]  # both prompts in one engine call
     assert [len(g) for g in result.generations] == [3, 3]
     assert 6 <= result.llm_output["token_usage"]["completion_tokens"] <= 2 * 3 * 6
     chat = ChatPagedBackend(backend=shared_llm(), temperature=1.0, max_tokens=6, n=2, seed=5)
@@ -125,37 +134,21 @@ def test_n_generations_and_one_engine_call_per_batch() -> None:
 
 
 def test_batch_inputs_are_in_flight_together() -> None:
-    llm = shared_llm()
-    engine = llm.llm_engine
-    peak = {"running": 0}
-    step = engine.step
-
-    def counting_step(*args: Any, **kwargs: Any):
-        peak["running"] = max(peak["running"], len(engine.scheduler.running) + len(engine.scheduler.waiting))
-        return step(*args, **kwargs)
-
-    engine.step = counting_step
-    try:
-        chat = ChatPagedBackend(backend=llm, temperature=0, max_tokens=20)
+    chat = ChatPagedBackend(backend=shared_llm(), temperature=0, max_tokens=20)
+    with peak_in_flight(shared_llm().llm_engine) as seen:
         replies = chat.batch([f"question {i}" for i in range(10)])
-        assert len(replies) == 10
-        assert peak["running"] == 10  # every input reached the engine before the first of them finished
+    assert len(replies) == 10 and seen["peak"] == 10  # every input reached the engine before the first finished
 
-        peak["running"] = 0
+    async def many() -> list:
+        return await chat.abatch([f"question {i}" for i in range(10)])
 
-        async def many() -> list:
-            return await chat.abatch([f"question {i}" for i in range(10)])
-
+    with peak_in_flight(shared_llm().llm_engine) as seen:
         assert [r.content for r in asyncio.run(many())] == [r.content for r in replies]
-        assert peak["running"] == 10
-    finally:
-        engine.step = step
+    assert seen["peak"] == 10
 
 
 def test_built_lazily_from_a_model_path(tmp_path) -> None:
-    tokenizer = build_tiny_tokenizer()
-    build_tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    save_tiny_checkpoint(tmp_path)
     chat = ChatPagedBackend(
         model=str(tmp_path), engine_kwargs={"block_size": 4, "num_kv_blocks": 64, "max_model_len": 128}, max_tokens=4
     )

@@ -18,6 +18,7 @@ from llama_index.core.llms import ChatMessage  # noqa: E402
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from paged_backend.integrations.llama_index import PagedBackendLLM  # noqa: E402
+from tests.conftest import peak_in_flight, save_tiny_checkpoint  # noqa: E402
 
 
 @functools.cache
@@ -115,31 +116,18 @@ def test_query_engine_sends_the_retrieved_context_to_the_engine() -> None:
 
 def test_concurrent_async_calls_share_steps() -> None:
     llm = adapter(max_new_tokens=20)
-    engine = shared_llm().llm_engine
-    peak = {"n": 0}
-    step = engine.step
 
-    def counting_step(*args: Any, **kwargs: Any) -> Any:
-        peak["n"] = max(peak["n"], len(engine.scheduler.running) + len(engine.scheduler.waiting))
-        return step(*args, **kwargs)
+    async def many() -> list[str]:
+        return [r.text for r in await asyncio.gather(*(llm.acomplete(f"question {i}") for i in range(6)))]
 
-    engine.step = counting_step
-    try:
-
-        async def many() -> list[str]:
-            return [r.text for r in await asyncio.gather(*(llm.acomplete(f"question {i}") for i in range(6)))]
-
+    with peak_in_flight(shared_llm().llm_engine) as seen:
         texts = asyncio.run(many())
-        assert texts == [greedy(f"question {i}", 20) for i in range(6)]
-        assert peak["n"] == 6
-    finally:
-        engine.step = step
+    assert texts == [greedy(f"question {i}", 20) for i in range(6)]
+    assert seen["peak"] == 6  # the six awaited calls ran together
 
 
 def test_built_lazily_from_a_model_path(tmp_path) -> None:
-    tokenizer = build_tiny_tokenizer()
-    build_tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    save_tiny_checkpoint(tmp_path)
     llm = PagedBackendLLM(
         model=str(tmp_path),
         engine_kwargs={"block_size": 4, "num_kv_blocks": 64, "max_model_len": 128},
