@@ -29,6 +29,7 @@ class ScriptedEngine:
         self.fail_step = fail_step
         self.aborted: list[str] = []
         self.steps = 0
+        self.finish = True
 
     def add_request(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
         if not prompt["prompt_token_ids"]:
@@ -45,7 +46,7 @@ class ScriptedEngine:
     def stats(self) -> dict[str, Any]:
         return {"num_running": len(self.requests)}
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         self.steps += 1
         self.in_step.set()
         if self.gate is not None:
@@ -53,10 +54,13 @@ class ScriptedEngine:
         if self.fail_step:
             raise RuntimeError("device lost")
         outputs = [
-            RequestOutput(rid, None, ids, [CompletionOutput(0, "x", [7], 0.0, None, "length")], finished=True)
+            RequestOutput(rid, None, ids, [CompletionOutput(0, "x", [7], 0.0, None, "length")], self.finish)
             for rid, ids in self.requests.items()
         ]
-        self.requests.clear()
+        if self.finish:
+            self.requests.clear()
+        else:
+            time.sleep(0.01)  # a step takes a while
         return outputs
 
 
@@ -121,7 +125,7 @@ def test_a_failing_step_fails_its_streams_and_every_later_call() -> None:
         assert not loop.alive
         with pytest.raises(EngineDeadError):
             await loop.add([("b", {"prompt_token_ids": [1]})], PARAMS)
-        assert (await loop.stats())["num_running"] == 1  # read directly once the thread is gone
+        assert (await loop.stats())["num_running"] == 0  # aborted when the loop stopped; read directly now
 
     asyncio.run(main())
 
@@ -188,4 +192,44 @@ def test_threads_share_steps_and_a_closed_event_loop_does_not_stop_the_engine() 
     assert loop.alive  # delivering to the closed loop dropped that request, not the engine
     (queue,) = loop.add_sync([("after", {"prompt_token_ids": [2]})], PARAMS)
     assert [o.finished for o in loop.stream_sync("after", queue)] == [True]
+    loop.shutdown()
+
+
+def test_shutdown_fails_waiting_streams_and_aborts_their_requests() -> None:
+    engine = ScriptedEngine()
+    engine.gate = threading.Event()
+    loop = EngineLoop(engine)
+    (queue,) = loop.add_sync([("a", {"prompt_token_ids": [1]})], PARAMS)
+    assert engine.in_step.wait(10)
+    stopper = threading.Thread(target=loop.shutdown)
+    stopper.start()
+    time.sleep(0.05)
+    engine.gate.set()  # the step in progress ends; the loop stops after it
+    stopper.join(timeout=10)
+    # the step finished "a" before the loop stopped, so it got its output; a request added now is refused
+    assert [o.finished for o in loop.stream_sync("a", queue)] == [True]
+    with pytest.raises(EngineDeadError):
+        loop.add_sync([("b", {"prompt_token_ids": [1]})], PARAMS)
+
+    engine = ScriptedEngine()
+    engine.finish = False  # its requests never finish: one is still running when the loop stops
+    loop = EngineLoop(engine)
+    (queue,) = loop.add_sync([("running", {"prompt_token_ids": [1]})], PARAMS)
+    outputs = loop.stream_sync("running", queue)
+    assert next(outputs).finished is False
+    loop.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        for _ in outputs:  # the outputs of the steps before the shutdown, then the error
+            pass
+    assert "running" in engine.aborted and not engine.requests
+
+
+def test_the_queue_limit_counts_every_prompt_of_a_request() -> None:
+    loop = EngineLoop(ScriptedEngine(), max_waiting_requests=3)
+
+    async def main() -> None:
+        with pytest.raises(QueueFullError, match="0 requests are waiting and 4 more"):
+            await loop.add([(f"r{i}", {"prompt_token_ids": [1]}) for i in range(4)], PARAMS)
+
+    asyncio.run(main())
     loop.shutdown()

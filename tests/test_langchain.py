@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from typing import Any
 
 import pytest
@@ -121,7 +122,7 @@ def test_n_generations_and_one_engine_call_per_batch() -> None:
     loop = shared_llm().engine_loop
     calls: list[int] = []
     add_sync = loop.add_sync
-    loop.add_sync = lambda requests, params: calls.append(len(requests)) or add_sync(requests, params)
+    loop.add_sync = lambda requests, params, **kw: calls.append(len(requests)) or add_sync(requests, params, **kw)
     try:
         result = model.generate(["one", "two"])
     finally:
@@ -166,3 +167,63 @@ def test_bad_arguments_are_named() -> None:
         chat.invoke("hi", beams=2)
     with pytest.raises(ValueError, match="n and best_of must be 1"):
         list(ChatPagedBackend(backend=shared_llm(), n=2).stream("hi"))
+
+
+def test_streamed_reply_goes_back_into_the_history_and_streaming_text_model_calls_back() -> None:
+    chat = ChatPagedBackend(backend=shared_llm(), temperature=0, max_tokens=8)
+    reply = None
+    for chunk in chat.stream("hello"):
+        reply = chunk if reply is None else reply + chunk  # an AIMessageChunk, as chat UIs keep it
+    follow_up = chat.invoke([HumanMessage("hello"), reply, HumanMessage("and?")])
+    expected = shared_llm().chat(
+        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": reply.content}]
+        + [{"role": "user", "content": "and?"}],
+        SamplingParams(temperature=0, max_tokens=8),
+        use_tqdm=False,
+    )
+    assert follow_up.content == expected[0].outputs[0].text
+
+    class Tokens(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.tokens: list[str] = []
+
+        def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+            self.tokens.append(token)
+
+    handler = Tokens()
+    text = PagedBackendLLM(backend=shared_llm(), temperature=0, max_tokens=8, streaming=True)
+    result = text.invoke("Hello", config={"callbacks": [handler]})
+    assert result == greedy("Hello", max_tokens=8) and "".join(handler.tokens) == result
+
+
+def test_timeouts_abort_sync_and_async_calls_and_streams() -> None:
+    llm = shared_llm()
+    slow = ChatPagedBackend(backend=llm, temperature=0, max_tokens=400, timeout=0.05)
+    step = llm.llm_engine.step
+
+    def slow_step(*args: Any, **kwargs: Any):
+        time.sleep(0.02)
+        return step(*args, **kwargs)
+
+    llm.llm_engine.step = slow_step
+    try:
+        with pytest.raises(TimeoutError):
+            slow.invoke("hello")
+        with pytest.raises(TimeoutError):
+            list(slow.stream("hello"))
+
+        async def streamed() -> None:
+            async for _ in slow.astream("hello"):
+                pass
+
+        with pytest.raises(TimeoutError):
+            asyncio.run(streamed())
+        with pytest.raises(TimeoutError):
+            asyncio.run(slow.ainvoke("hello"))
+    finally:
+        llm.llm_engine.step = step
+    for _ in range(200):  # every timed-out request was aborted: nothing left running
+        if not llm.llm_engine.has_unfinished_requests():
+            break
+        time.sleep(0.02)
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -13,7 +13,7 @@ pytest.importorskip("llama_index.core")
 
 from llama_index.core import Document, VectorStoreIndex  # noqa: E402
 from llama_index.core.embeddings import MockEmbedding  # noqa: E402
-from llama_index.core.llms import ChatMessage  # noqa: E402
+from llama_index.core.llms import ChatMessage, ImageBlock, TextBlock  # noqa: E402
 
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
@@ -83,6 +83,9 @@ def test_metadata_and_bad_arguments() -> None:
         PagedBackendLLM()
     with pytest.raises(TypeError, match="unknown keyword arguments"):
         adapter().complete("x", beams=2)
+    image = ChatMessage(role="user", blocks=[TextBlock(text="what is in"), ImageBlock(url="http://example.com/a.png")])
+    with pytest.raises(ValueError, match="only text content is supported, got a ImageBlock"):
+        adapter(is_chat_model=True).chat([image])
 
 
 def test_query_engine_sends_the_retrieved_context_to_the_engine() -> None:

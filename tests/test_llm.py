@@ -239,3 +239,39 @@ def test_users_model_keeps_its_attention(llm) -> None:
     model = tiny_model("llama")
     _greedy(llm, max_tokens=2)
     assert model.config._attn_implementation != "paged_backend"
+
+
+def test_the_engine_loop_waits_for_a_direct_generate_and_then_runs_generate(tokenizer) -> None:
+    """One thread steps the engine at a time: starting the loop waits for a generate that steps it directly,
+    and later generate calls go through the loop with the same results."""
+    import threading
+
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(["a b", "c d"], params, use_tqdm=False)]
+    engine, started, inside, most = llm.llm_engine, threading.Event(), [0], [0]
+    step = engine.step
+
+    def watched_step(*args, **kwargs):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        started.set()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    engine.step = watched_step
+    direct: list = []
+    worker = threading.Thread(target=lambda: direct.extend(llm.generate(["a b", "c d"], params, use_tqdm=False)))
+    worker.start()
+    assert started.wait(30)
+    loop = llm.engine_loop  # waits for the direct run to end
+    worker.join(timeout=30)
+    assert [o.outputs[0].token_ids for o in direct] == expected
+    through_loop = llm.generate(["a b", "c d"], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in through_loop] == expected and most[0] == 1
+    assert llm.engine_loop is loop
+    with pytest.raises(RuntimeError, match="already running"):
+        llm.start_engine_loop(max_waiting_requests=4)
+    loop.shutdown()

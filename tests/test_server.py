@@ -281,14 +281,16 @@ def test_streamed_logprobs_equal_the_whole_response(client) -> None:
     chunks = client.completions.create(
         model=NAME, prompt="Hello world", max_tokens=9, temperature=0, logprobs=2, stream=True
     )
-    tokens, token_logprobs, top = [], [], []
+    tokens, token_logprobs, top, offsets = [], [], [], []
     for chunk in chunks:
         if chunk.choices and chunk.choices[0].logprobs is not None:
+            offsets += chunk.choices[0].logprobs.text_offset
             tokens += chunk.choices[0].logprobs.tokens
             token_logprobs += chunk.choices[0].logprobs.token_logprobs
             top += chunk.choices[0].logprobs.top_logprobs
     assert len(tokens) == 9
     assert tokens == whole.choices[0].logprobs.tokens
+    assert offsets == whole.choices[0].logprobs.text_offset
     # the second run's prompt comes from the prefix cache: equal up to float rounding
     assert token_logprobs == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-4)
     assert [list(t) for t in top] == [list(t) for t in whole.choices[0].logprobs.top_logprobs]

@@ -5,8 +5,10 @@ callers queue calls (``add``, ``abort``, ``stats``) that the thread runs between
 as futures, so an event loop never blocks on a step in progress (a lock shared with the stepping thread would
 stall every stream for as long as the engine stays busy); threads wait on their own futures. Each step's outputs
 go to their requests' queues: an asyncio queue on the caller's event loop, or a thread-safe queue. Requests from
-every caller share each step (continuous batching across callers). If a step raises, the loop records the error,
-fails every waiting request and stops (the server's ``/health`` then answers 503).
+every caller share each step (continuous batching across callers). A request added with ``stream=False`` only
+receives its final output, and when no request streams the engine skips building per-step outputs. If a step
+raises, or the loop is shut down, every waiting request and call gets an ``EngineDeadError`` and the loop stops
+(the server's ``/health`` then answers 503).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from paged_backend.outputs import RequestOutput
@@ -27,11 +30,18 @@ from paged_backend.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Settle = Callable[[Any, BaseException | None], None]  # called on the loop thread with (result, error)
-Sink = Callable[[Any], None]  # hands one output (or the loop's error) to a request's consumer
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where a request's outputs go: ``put`` hands one over (raises RuntimeError once an event loop closed)."""
+
+    put: Callable[[Any], None]
+    every_step: bool  # False: the final output only
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped after an error; nothing more can run."""
+    """The engine loop stopped after an error or a shutdown; nothing more can run."""
 
 
 class QueueFullError(RuntimeError):
@@ -52,6 +62,8 @@ class EngineLoop:
         self.max_waiting_requests = max_waiting_requests
         self.num_waiting = 0  # the scheduler's queue length after the last step or call, for a check without it
         self.calls: queue.SimpleQueue[tuple[Callable[[Any], Any], Settle | None]] = queue.SimpleQueue()
+        self.submit_lock = threading.Lock()  # a call is queued before the loop closes, or refused
+        self.closed = False
         self.wake = threading.Event()
         self.sinks: dict[str, Sink] = {}  # loop thread only
         self.error: BaseException | None = None
@@ -61,13 +73,14 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self.thread.is_alive()
+        return self.error is None and not self.closed and self.thread.is_alive()
 
     # ------------------------------------------------------------------ calls
     def _submit(self, fn: Callable[[Any], Any], settle: Settle | None) -> None:
-        if not self.alive:
-            raise EngineDeadError(f"the engine stopped: {self.error!r}")
-        self.calls.put((fn, settle))
+        with self.submit_lock:
+            if self.closed or self.error is not None:
+                raise EngineDeadError(f"the engine stopped: {self.error!r}")
+            self.calls.put((fn, settle))
         self.wake.set()
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
@@ -88,31 +101,33 @@ class EngineLoop:
     # ------------------------------------------------------------------ requests
     def _adder(
         self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams], sinks: list[Sink]
-    ) -> Callable:
+    ) -> Callable[[Any], None]:
         per_request = params if isinstance(params, list) else [params] * len(requests)
 
         def add_all(engine: Any) -> None:
-            self._check_room(len(engine.scheduler.waiting))
+            self._check_room(len(engine.scheduler.waiting), len(requests))
+            added: list[str] = []
             try:
                 for (request_id, prompt), p, sink in zip(requests, per_request, sinks):
                     engine.add_request(request_id, prompt, p)
+                    added.append(request_id)
                     self.sinks[request_id] = sink
             except BaseException:
-                for request_id, _ in requests:
+                for request_id in added:  # only these: an id that failed may be another caller's
                     self._abort_now(request_id)
                 raise
 
         return add_all
 
     async def add(
-        self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams]
+        self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams], stream: bool = True
     ) -> list[asyncio.Queue]:
         """Queue requests in one go, all or none: raises the engine's ValueError for a bad one, QueueFullError,
         EngineDeadError. A caller cancelled meanwhile (its client left) leaves nothing behind."""
-        self._check_room(self.num_waiting)  # answers at once, even while a long step runs
+        self._check_room(self.num_waiting, len(requests))  # answers at once, even while a long step runs
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
-        sinks = [lambda item, q=q: _post(loop, q.put_nowait, item) for q in queues]
+        sinks = [Sink(lambda item, q=q: _post(loop, q.put_nowait, item), stream) for q in queues]
         try:
             await self.call(self._adder(requests, params, sinks))
         except asyncio.CancelledError:
@@ -122,20 +137,38 @@ class EngineLoop:
         return queues
 
     def add_sync(
-        self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams]
+        self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams], stream: bool = True
     ) -> list[queue.SimpleQueue]:
-        """``add`` for a plain thread; the outputs arrive in thread-safe queues."""
-        self._check_room(self.num_waiting)
+        """``add`` for a plain thread; the outputs arrive in thread-safe queues. Interrupted while it waits (a
+        Ctrl-C), it leaves nothing behind."""
+        self._check_room(self.num_waiting, len(requests))
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in requests]
-        self.call_sync(self._adder(requests, params, [q.put for q in queues]))
+        try:
+            self.call_sync(self._adder(requests, params, [Sink(q.put, stream) for q in queues]))
+        except Exception:
+            raise  # the add itself failed and took its requests back
+        except BaseException:
+            for request_id, _ in requests:
+                self.abort(request_id)
+            raise
         return queues
 
-    async def stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Yield an added request's cumulative outputs as the engine produces them; leaving early aborts it."""
+    async def stream(
+        self, request_id: str, outputs: asyncio.Queue, deadline: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield an added request's cumulative outputs as the engine produces them; leaving early aborts it.
+        Past ``deadline`` (a ``time.monotonic()`` value) it aborts the request and raises TimeoutError."""
         finished = False
         try:
             while not finished:
-                item = _checked(await queue.get())
+                if deadline is None:
+                    item = await outputs.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(outputs.get(), max(0.0, deadline - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        raise TimeoutError(f"request {request_id} ran past its deadline") from None
+                item = _checked(item)
                 finished = item.finished
                 yield item
         finally:
@@ -145,8 +178,7 @@ class EngineLoop:
     def stream_sync(
         self, request_id: str, outputs: queue.SimpleQueue, deadline: float | None = None
     ) -> Iterator[RequestOutput]:
-        """``stream`` for a plain thread; past ``deadline`` (a ``time.monotonic()`` value) it aborts the request
-        and raises TimeoutError."""
+        """``stream`` for a plain thread."""
         finished = False
         try:
             while not finished:
@@ -163,7 +195,7 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         """Drop the request and free its blocks before the next step (a client went away); returns at once."""
-        if self.alive:
+        with contextlib.suppress(EngineDeadError):  # a stopped loop has aborted everything already
             self._submit(lambda _: self._abort_now(request_id), None)
 
     async def stats(self) -> dict[str, Any]:
@@ -172,13 +204,17 @@ class EngineLoop:
         return await self.call(lambda engine: engine.stats())
 
     def shutdown(self) -> None:
+        """Stop after the current step: waiting requests and calls get EngineDeadError, requests are aborted."""
         self.stopped = True
         self.wake.set()
         self.thread.join(timeout=10)
 
-    def _check_room(self, waiting: int) -> None:
-        if self.max_waiting_requests and waiting >= self.max_waiting_requests:
-            raise QueueFullError(f"{waiting} requests are waiting (max_waiting_requests)")
+    def _check_room(self, waiting: int, adding: int) -> None:
+        if self.max_waiting_requests and waiting + adding > self.max_waiting_requests:
+            raise QueueFullError(
+                f"{waiting} requests are waiting and {adding} more would exceed max_waiting_requests="
+                f"{self.max_waiting_requests}"
+            )
 
     # ------------------------------------------------------------------ loop thread
     def _abort_now(self, request_id: str) -> None:
@@ -207,38 +243,48 @@ class EngineLoop:
             if self.on_output is not None:
                 self.on_output(out)
             sink = self.sinks.get(out.request_id)
-            if sink is None:
+            if sink is None or not (out.finished or sink.every_step):
                 continue
             try:
-                sink(out)
+                sink.put(out)
             except RuntimeError:  # its caller's event loop has closed: nobody will read this request
                 self._abort_now(out.request_id)
                 continue
             if out.finished:
                 del self.sinks[out.request_id]
 
+    def _step(self) -> list[RequestOutput]:
+        """Per-step outputs only when someone streams or watches them (building them costs host time)."""
+        every_step = self.on_output is not None or any(s.every_step for s in self.sinks.values())
+        return self.engine.step(finished_only=not every_step)
+
     def _run(self) -> None:
+        error: BaseException | None = None
         while not self.stopped:
             self.wake.wait()
             self.wake.clear()  # before running the calls: one queued after this sets it again
             try:
                 self._run_calls()
                 while self.engine.has_unfinished_requests() and not self.stopped:
-                    self._deliver(self.engine.step())
+                    self._deliver(self._step())
                     self._run_calls()
             except BaseException as exc:  # noqa: BLE001 - reported to every waiting request and /health
                 logger.exception("engine step failed; the engine loop stops")
-                self.error = exc
-                for sink in self.sinks.values():
-                    with contextlib.suppress(RuntimeError):  # a closed event loop has no reader left
-                        sink(exc)
-                self.sinks.clear()
-                self._fail_calls(exc)
-                return
-        self._fail_calls(EngineDeadError("the engine loop was shut down"))
+                self.error = error = exc
+                break
+        with self.submit_lock:  # from here on nothing can be queued
+            self.closed = True
+        reason = error or EngineDeadError("the engine loop was shut down")
+        for request_id, sink in list(self.sinks.items()):
+            with contextlib.suppress(RuntimeError):  # a closed event loop has no reader left
+                sink.put(reason)
+            with contextlib.suppress(Exception):
+                self._abort_now(request_id)
+        self.sinks.clear()
+        self._fail_calls(reason)
 
     def _fail_calls(self, exc: BaseException) -> None:
-        """Calls queued after the last run get the loop's error instead of waiting forever."""
+        """Calls queued before the loop closed get its error instead of waiting forever."""
         while True:
             try:
                 _, settle = self.calls.get_nowait()

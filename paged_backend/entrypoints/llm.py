@@ -43,16 +43,25 @@ class LLM:
         self.llm_engine = LLMEngine(config, model, tokenizer)
         self._request_counter = itertools.count()
         self._engine_loop: EngineLoop | None = None
-        self._loop_lock = threading.Lock()
+        self._stepping = threading.Lock()  # held by a direct run (generate before any loop exists)
 
     @property
     def engine_loop(self) -> EngineLoop:
         """The background thread that steps this engine for async and multi-threaded callers (the LangChain and
         LlamaIndex adapters share one ``LLM`` through it), started on first use. From then on ``generate`` goes
         through it as well, so that exactly one thread ever steps the engine."""
-        with self._loop_lock:
-            if self._engine_loop is None:
-                self._engine_loop = EngineLoop(self.llm_engine)
+        return self._engine_loop or self.start_engine_loop()
+
+    def start_engine_loop(self, **loop_kwargs: Any) -> EngineLoop:
+        """Start the engine loop with ``EngineLoop``'s options (the server sets a queue limit and metrics
+        callbacks). It waits for a ``generate`` that is stepping the engine directly; a second start is an
+        error, as is a start after the loop has stopped."""
+        with self._stepping:
+            if self._engine_loop is not None:
+                if not loop_kwargs:
+                    return self._engine_loop
+                raise RuntimeError("this LLM's engine loop is already running: start it once, before other users")
+            self._engine_loop = EngineLoop(self.llm_engine, **loop_kwargs)
             return self._engine_loop
 
     def next_request_id(self, prefix: str = "") -> str:
@@ -118,8 +127,14 @@ class LLM:
         return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        if self._engine_loop is not None:
-            return self._run_on_loop(prompts, params, use_tqdm)
+        with self._stepping:
+            if self._engine_loop is None:
+                return self._run_direct(prompts, params, use_tqdm)
+        return self._run_on_loop(prompts, params, use_tqdm)
+
+    def _run_direct(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -155,7 +170,7 @@ class LLM:
     ) -> list[RequestOutput]:
         loop = self.engine_loop
         requests = [(self.next_request_id(), prompt) for prompt in prompts]
-        queues = loop.add_sync(requests, params)
+        queues = loop.add_sync(requests, params, stream=False)
         finished: list[RequestOutput] = []
         with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             try:

@@ -4,6 +4,7 @@ and requests run to completion or streamed, from a thread or from a coroutine, t
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
@@ -43,13 +44,19 @@ class EngineClient:
             return self.model
         return str(self.backend.llm_engine.config.model_config.model)
 
+    async def llm_async(self) -> Any:
+        """``llm`` from a coroutine: a model still to be loaded loads on a worker thread, not the event loop."""
+        if self.backend is not None or self.built is not None:
+            return self.llm
+        return await asyncio.to_thread(lambda: self.llm)
+
     def run_sync(self, prompts: list[Any], params: SamplingParams, timeout: float | None = None) -> list[RequestOutput]:
         """Every prompt in one engine call; the final output of each. Past ``timeout`` seconds they are aborted
         and TimeoutError is raised."""
         loop = self.llm.engine_loop
         requests = [(self.llm.next_request_id(self.prefix), p) for p in prompts]
-        queues = loop.add_sync(requests, params)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        queues = loop.add_sync(requests, params, stream=False)
+        deadline = _deadline(timeout)
         finals: list[RequestOutput] = []
         try:
             for (request_id, _), queue in zip(requests, queues):
@@ -60,16 +67,20 @@ class EngineClient:
             raise
         return finals
 
-    async def run_async(self, prompts: list[Any], params: SamplingParams) -> list[RequestOutput]:
-        """``run_sync`` for a coroutine: awaits the engine, never blocks the event loop. Cancelling it (e.g. by
-        ``asyncio.wait_for``) aborts the requests."""
-        loop = self.llm.engine_loop
-        requests = [(self.llm.next_request_id(self.prefix), p) for p in prompts]
-        queues = await loop.add(requests, params)
+    async def run_async(
+        self, prompts: list[Any], params: SamplingParams, timeout: float | None = None
+    ) -> list[RequestOutput]:
+        """``run_sync`` for a coroutine: awaits the engine, never blocks the event loop. Cancelled, or past its
+        timeout, it aborts the requests."""
+        llm = await self.llm_async()
+        loop = llm.engine_loop
+        requests = [(llm.next_request_id(self.prefix), p) for p in prompts]
+        queues = await loop.add(requests, params, stream=False)
+        deadline = _deadline(timeout)
         finals: list[RequestOutput] = []
         try:
             for (request_id, _), queue in zip(requests, queues):
-                async for out in loop.stream(request_id, queue):
+                async for out in loop.stream(request_id, queue, deadline):
                     final = out
                 finals.append(final)
         except BaseException:
@@ -86,20 +97,22 @@ class EngineClient:
         loop = self.llm.engine_loop
         request_id = self.llm.next_request_id(self.prefix)
         (queue,) = loop.add_sync([(request_id, prompt)], params)
-        deadline = None if timeout is None else time.monotonic() + timeout
         sent = 0
-        for out in loop.stream_sync(request_id, queue, deadline):
+        for out in loop.stream_sync(request_id, queue, _deadline(timeout)):
             text = out.outputs[0].text
             yield text[sent:], out
             sent = len(text)
 
-    async def stream_async(self, prompt: Any, params: SamplingParams) -> AsyncIterator[tuple[str, RequestOutput]]:
+    async def stream_async(
+        self, prompt: Any, params: SamplingParams, timeout: float | None = None
+    ) -> AsyncIterator[tuple[str, RequestOutput]]:
         _single(params)
-        loop = self.llm.engine_loop
-        request_id = self.llm.next_request_id(self.prefix)
+        llm = await self.llm_async()
+        loop = llm.engine_loop
+        request_id = llm.next_request_id(self.prefix)
         (queue,) = await loop.add([(request_id, prompt)], params)
         sent = 0
-        async for out in loop.stream(request_id, queue):
+        async for out in loop.stream(request_id, queue, _deadline(timeout)):
             text = out.outputs[0].text
             yield text[sent:], out
             sent = len(text)
@@ -111,6 +124,10 @@ class EngineClient:
             raise ValueError("chat needs a tokenizer with a chat template: pass tokenizer=... to the LLM")
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
 
 
 def _single(params: SamplingParams) -> None:

@@ -17,7 +17,15 @@ from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, BaseLLM, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.outputs import (
     ChatGeneration,
     ChatGenerationChunk,
@@ -34,7 +42,7 @@ from paged_backend.integrations.engine_client import EngineClient, usage
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
-_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
+_ROLES = ((HumanMessage, "user"), (AIMessage, "assistant"), (SystemMessage, "system"), (ToolMessage, "tool"))
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 _SAMPLING += ("repetition_penalty", "seed", "max_tokens", "n")
 
@@ -117,12 +125,15 @@ def _info(c: CompletionOutput) -> dict[str, Any]:
     return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
-def _batch_together(inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None) -> list:
-    """LangChain runs a batch on a thread pool sized by the CPU count; as many threads as inputs let all of them
-    reach the engine at once (each call only waits on its request)."""
+def _batch_together(
+    inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None, limit: int
+) -> list:
+    """LangChain runs a batch on a thread pool sized by the CPU count; as many threads as inputs (up to the
+    engine's ``max_num_seqs``, what one step can hold) let them reach the engine together (each call only waits
+    on its request)."""
     configs = get_config_list(config, len(inputs))
     if all(c.get("max_concurrency") is None for c in configs):
-        configs = [{**c, "max_concurrency": max(1, len(inputs))} for c in configs]
+        configs = [{**c, "max_concurrency": max(1, min(len(inputs), limit))} for c in configs]
     return configs
 
 
@@ -143,12 +154,7 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         return self.ls_params("chat", stop, kwargs)
 
     def _prompt(self, messages: list[BaseMessage]) -> dict[str, Any]:
-        conversation = []
-        for m in messages:
-            role = m.role if m.type == "chat" else _ROLES.get(m.type)
-            if role is None:
-                raise ValueError(f"message type {m.type!r} is not supported; use {sorted(_ROLES)} or ChatMessage")
-            conversation.append({"role": role, "content": _text(m.content)})
+        conversation = [{"role": _role(m), "content": _text(m.content)} for m in messages]
         return self._client.chat_prompt(conversation)
 
     def _result(self, out: RequestOutput) -> ChatResult:
@@ -179,7 +185,8 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         params = self.sampling_params(stop, kwargs)
-        (out,) = await asyncio.wait_for(self._client.run_async([self._prompt(messages)], params), self.timeout)
+        prompt = await asyncio.to_thread(self._prompt, messages)  # may load the model; renders the template
+        (out,) = await self._client.run_async([prompt], params, self.timeout)
         return self._result(out)
 
     def _chunk(self, delta: str, out: RequestOutput) -> ChatGenerationChunk:
@@ -217,7 +224,8 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         params = self.sampling_params(stop, kwargs)
-        async for delta, out in self._client.stream_async(self._prompt(messages), params):
+        prompt = await asyncio.to_thread(self._prompt, messages)
+        async for delta, out in self._client.stream_async(prompt, params, self.timeout):
             if delta or out.finished:
                 chunk = self._chunk(delta, out)
                 if run_manager is not None and delta:
@@ -232,7 +240,7 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> list[Any]:
-        configs = _batch_together(inputs, config)
+        configs = _batch_together(inputs, config, self.llm.llm_engine.config.scheduler_config.max_num_seqs)
         return super().batch(inputs, configs, return_exceptions=return_exceptions, **kwargs)
 
 
@@ -272,6 +280,13 @@ class PagedBackendLLM(PagedBackendFields, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
+        if self.streaming:  # LangChain's convention: stream each prompt through the callbacks
+            generations = []
+            for prompt in prompts:
+                chunks = list(self._stream(prompt, stop, run_manager, **kwargs))
+                text = "".join(c.text for c in chunks)
+                generations.append([Generation(text=text, generation_info=chunks[-1].generation_info)])
+            return LLMResult(generations=generations, llm_output={"model_name": self.served_name})
         params = self.sampling_params(stop, kwargs)
         return self._llm_result(self._client.run_sync(list(prompts), params, self.timeout))
 
@@ -283,7 +298,7 @@ class PagedBackendLLM(PagedBackendFields, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         params = self.sampling_params(stop, kwargs)
-        return self._llm_result(await asyncio.wait_for(self._client.run_async(list(prompts), params), self.timeout))
+        return self._llm_result(await self._client.run_async(list(prompts), params, self.timeout))
 
     def _stream(
         self,
@@ -306,12 +321,22 @@ class PagedBackendLLM(PagedBackendFields, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        async for delta, out in self._client.stream_async(prompt, self.sampling_params(stop, kwargs)):
+        async for delta, out in self._client.stream_async(prompt, self.sampling_params(stop, kwargs), self.timeout):
             if delta or out.finished:
                 chunk = GenerationChunk(text=delta, generation_info=_info(out.outputs[0]) if out.finished else None)
                 if run_manager is not None and delta:
                     await run_manager.on_llm_new_token(delta, chunk=chunk)
                 yield chunk
+
+
+def _role(message: BaseMessage) -> str:
+    """The chat-template role of a message, chunks included (an aggregated stream is an ``AIMessageChunk``)."""
+    if isinstance(message, ChatMessage):
+        return message.role
+    for cls, role in _ROLES:
+        if isinstance(message, cls):
+            return role
+    raise ValueError(f"message type {message.type!r} is not supported: use Human, AI, System, Tool or ChatMessage")
 
 
 def _text(content: str | list[Any]) -> str:

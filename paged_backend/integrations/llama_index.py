@@ -10,6 +10,7 @@ Built from ``backend=`` (an existing ``LLM``, shareable with other adapters) or 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    TextBlock,
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
@@ -106,7 +108,12 @@ class PagedBackendLLM(CustomLLM):
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> Any:
         if self.messages_to_prompt not in (None, generic_messages_to_prompt):  # else the model's own template
             return self.messages_to_prompt(messages)
-        conversation = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+        conversation = []
+        for m in messages:
+            other = next((type(b).__name__ for b in m.blocks if not isinstance(b, TextBlock)), None)
+            if other is not None:
+                raise ValueError(f"only text content is supported, got a {other} in a {m.role.value} message")
+            conversation.append({"role": m.role.value, "content": m.content or ""})
         if self.system_prompt and not any(m["role"] == "system" for m in conversation):
             conversation.insert(0, {"role": "system", "content": self.system_prompt})
         return self._client.chat_prompt(conversation)
@@ -163,12 +170,14 @@ class PagedBackendLLM(CustomLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        (out,) = await self._client.run_async([self._chat_prompt(messages)], self._params(kwargs))
+        prompt = await asyncio.to_thread(self._chat_prompt, messages)  # may load the model; renders the template
+        (out,) = await self._client.run_async([prompt], self._params(kwargs))
         return self._chat(self._response(out))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        stream = self._client.stream_async(self._chat_prompt(messages), self._params(kwargs))
+        prompt = await asyncio.to_thread(self._chat_prompt, messages)
+        stream = self._client.stream_async(prompt, self._params(kwargs))
 
         async def gen() -> ChatResponseAsyncGen:
             async for delta, out in stream:

@@ -26,9 +26,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from paged_backend.engine.engine_loop import EngineDeadError, EngineLoop, QueueFullError
+from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
 from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
 from paged_backend.entrypoints.openai.metrics import ServerMetrics
 from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -101,7 +102,9 @@ class OpenAIServer:
         self.tokenizer = llm.get_tokenizer()
         self.max_model_len = llm.llm_engine.max_model_len
         self.metrics = ServerMetrics(args.model_name)
-        self.loop = EngineLoop(llm.llm_engine, args.max_waiting_requests, self.metrics.observe, self.metrics.forget)
+        self.loop = llm.start_engine_loop(
+            max_waiting_requests=args.max_waiting_requests, on_output=self.metrics.observe, on_abort=self.metrics.forget
+        )
         template = args.chat_template
         if template is not None and os.path.isfile(template):
             with open(template, encoding="utf-8") as f:
@@ -160,9 +163,7 @@ class OpenAIServer:
         streams = await self.start(body.prompts(), params, rid, body.max_tokens)
         base = {"id": rid, "object": "text_completion", "created": created, "model": self.args.model_name}
         if body.stream:
-            return StreamingResponse(
-                guarded(self._stream_completions(body, streams, base)), media_type="text/event-stream"
-            )
+            return self._streaming(self._stream_completions(body, streams, base), rid, len(streams))
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge(streams):
             finals[i] = out
@@ -185,6 +186,7 @@ class OpenAIServer:
         self, body: CompletionRequest, streams: list[AsyncIterator], base: dict[str, Any]
     ) -> AsyncIterator[str]:
         sent: dict[tuple[int, int], tuple[int, int]] = {}  # (request, sample) -> (characters, tokens) sent
+        offsets: dict[tuple[int, int], int] = {}  # where the next token's text starts (as in the whole response)
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge(streams):
             for c in out.outputs:
@@ -198,7 +200,8 @@ class OpenAIServer:
                 if delta or c.finish_reason or len(c.token_ids) > tokens:
                     logprobs = None
                     if body.logprobs is not None:
-                        logprobs = self._completion_logprobs(c, tokens, len(echo) + chars)
+                        logprobs = self._completion_logprobs(c, tokens, offsets.get(key, 0))
+                        offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs["tokens"])
                     choice = {
                         "index": i * body.n + c.index,
                         "text": delta,
@@ -237,7 +240,7 @@ class OpenAIServer:
         streams = await self.start([{"prompt": text, "prompt_token_ids": ids}], params, rid, requested)
         base = {"id": rid, "created": created, "model": self.args.model_name}
         if body.stream:
-            return StreamingResponse(guarded(self._stream_chat(body, streams[0], base)), media_type="text/event-stream")
+            return self._streaming(self._stream_chat(body, streams[0], base), rid, 1)
         final = None
         async for _, out in merge(streams):
             final = out
@@ -280,6 +283,17 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ helpers
+    def _streaming(self, events: AsyncIterator[str], prefix: str, count: int) -> StreamingResponse:
+        """An SSE response whose requests are aborted once it ends, however it ends: Starlette may drop a body it
+        never started iterating (the client left first), and then the streams' own cleanup never runs."""
+        request_ids = [f"{prefix}-{i}" for i in range(count)]
+
+        def abort_all() -> None:
+            for request_id in request_ids:
+                self.loop.abort(request_id)  # finished ones are ignored
+
+        return StreamingResponse(guarded(events), media_type="text/event-stream", background=BackgroundTask(abort_all))
+
     def _decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
