@@ -1,0 +1,1 @@
+"""Tensor parallelism: which weights each rank holds (``tp_plan``)."""

@@ -1,0 +1,141 @@
+"""Which slice of each weight a tensor-parallel rank holds, and cutting a model down to it.
+
+The plan is the model's own ``base_model_tp_plan`` (transformers ships one for Llama, Mistral, Qwen2/3 and
+more): ``colwise`` layers (q/k/v, gate/up) keep a contiguous block of output rows, so each rank computes whole
+heads and a slice of the MLP's hidden units; ``rowwise`` layers (o, down) keep the matching block of input
+columns, and their partial outputs are summed across ranks (an all-reduce). Everything else (embeddings, norms,
+the LM head) is replicated. K/V heads fewer than the ranks are replicated: each rank keeps the one KV head its
+query heads read, the documented fallback of vLLM.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+STYLES = ("colwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """How attention heads split over ``world_size`` ranks."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    world_size: int
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.world_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.world_size)
+
+    def kv_heads_of(self, rank: int) -> range:
+        """The KV heads rank ``rank`` keeps: its own block, or (fewer KV heads than ranks) the one its query heads
+        are grouped with."""
+        if self.num_kv_heads >= self.world_size:
+            return range(rank * self.local_kv_heads, (rank + 1) * self.local_kv_heads)
+        first_query_head = rank * self.local_heads
+        kv = first_query_head // (self.num_heads // self.num_kv_heads)
+        return range(kv, kv + 1)
+
+
+def head_layout(config, world_size: int) -> HeadLayout:
+    """Validate that the model splits over ``world_size`` ranks, naming what does not divide."""
+    if world_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    if num_heads % world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide the model's {num_heads} attention heads")
+    if num_kv_heads >= world_size and num_kv_heads % world_size:
+        raise ValueError(
+            f"tensor_parallel_size={world_size} must divide the model's {num_kv_heads} KV heads "
+            f"(or exceed them, which replicates KV heads)"
+        )
+    if num_kv_heads < world_size and world_size % num_kv_heads:
+        raise ValueError(
+            f"with fewer KV heads ({num_kv_heads}) than ranks, tensor_parallel_size={world_size} must be a "
+            "multiple of them"
+        )
+    intermediate = getattr(config, "intermediate_size", None)
+    if intermediate is not None and intermediate % world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} must divide intermediate_size={intermediate}")
+    return HeadLayout(num_heads, num_kv_heads, head_dim, world_size)
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """Module name -> ``colwise`` / ``rowwise`` for every ``nn.Linear`` the model's ``base_model_tp_plan``
+    covers. A model without a plan is refused, naming its architecture."""
+    config = model.config
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        raise NotImplementedError(
+            f"{type(model).__name__} has no base_model_tp_plan in its config: tensor parallelism is not "
+            "available for this architecture"
+        )
+    prefix = getattr(model, "base_model_prefix", "")
+    resolved: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        local = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
+        for pattern, style in plan.items():
+            if fnmatch.fnmatchcase(local, pattern) and style in STYLES:
+                resolved[name] = style
+    return resolved
+
+
+def _rows(name: str, weight: torch.Tensor, layout: HeadLayout, rank: int) -> torch.Tensor:
+    """The output rows a colwise layer keeps: whole heads for q/k/v, a contiguous block otherwise."""
+    d = layout.head_dim
+    if name.endswith(("k_proj", "v_proj")):
+        heads = layout.kv_heads_of(rank)
+        return weight[heads.start * d : heads.stop * d]
+    if name.endswith("q_proj"):
+        return weight[rank * layout.local_heads * d : (rank + 1) * layout.local_heads * d]
+    size = weight.shape[0] // layout.world_size
+    return weight[rank * size : (rank + 1) * size]
+
+
+@torch.no_grad()
+def shard_model(
+    model: nn.Module, rank: int, world_size: int, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
+) -> None:
+    """Cut ``model`` in place down to rank ``rank``'s slices. ``all_reduce`` (sum over ranks, in place or
+    returned) is applied to every rowwise layer's output; None leaves the partial sums to the caller (a
+    single-process check). A rowwise bias is added once, on rank 0."""
+    layout = head_layout(model.config, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    modules = dict(model.named_modules())
+    for name, style in tp_plan(model).items():
+        linear: nn.Linear = modules[name]
+        if style == "colwise":
+            linear.weight = nn.Parameter(_rows(name, linear.weight, layout, rank).clone(), requires_grad=False)
+            if linear.bias is not None:
+                bias = _rows(name, linear.bias[:, None], layout, rank)[:, 0]
+                linear.bias = nn.Parameter(bias.clone(), requires_grad=False)
+            linear.out_features = linear.weight.shape[0]
+        else:
+            size = linear.in_features // world_size
+            linear.weight = nn.Parameter(linear.weight[:, rank * size : (rank + 1) * size].clone(), requires_grad=False)
+            linear.in_features = size
+            if linear.bias is not None and rank != 0:
+                linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
+            if all_reduce is not None:
+                linear.register_forward_hook(lambda _m, _i, out: all_reduce(out))
+    for module in modules.values():  # attention modules that keep head counts read the local ones
+        if hasattr(module, "num_key_value_groups"):
+            module.num_key_value_groups = layout.local_heads // layout.local_kv_heads
+        for attr, value in (("num_heads", layout.local_heads), ("num_key_value_heads", layout.local_kv_heads)):
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, value)

@@ -1,0 +1,81 @@
+"""Tensor-parallel sharding checked in one process: N sharded copies of a tiny model run in N threads whose
+rowwise layers sum their partial outputs through a barrier, and every rank's logits equal the full model's."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from paged_backend.demo import build_tiny_model
+from paged_backend.distributed.tp_plan import head_layout, shard_model, tp_plan
+
+
+class ThreadAllReduce:
+    """Sum over ``world`` threads, in place: what NCCL or gloo do across processes."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world, timeout=30)
+        self.parts: list[torch.Tensor | None] = [None] * world
+
+    def for_rank(self, rank: int):
+        def all_reduce(out: torch.Tensor) -> None:
+            self.parts[rank] = out
+            self.barrier.wait()
+            total = torch.stack(self.parts).sum(0)  # every rank reads the others' partial sums before any write
+            self.barrier.wait()
+            out.copy_(total)
+
+        return all_reduce
+
+
+def tp_logits(model, world: int, ids: torch.Tensor) -> list[torch.Tensor]:
+    reducer = ThreadAllReduce(world)
+    ranks = []
+    for rank in range(world):
+        shard = copy.deepcopy(model)
+        shard_model(shard, rank, world, reducer.for_rank(rank))
+        ranks.append(shard)
+    results: list[torch.Tensor | None] = [None] * world
+
+    def run(rank: int) -> None:
+        with torch.no_grad():
+            results[rank] = ranks[rank](ids).logits
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+@pytest.mark.parametrize(
+    ("arch", "world"),
+    [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen3", 2), ("mistral", 2)],  # llama/4, qwen3/2: KV replicated
+)
+def test_sharded_ranks_reproduce_the_full_model(arch: str, world: int) -> None:
+    model = build_tiny_model(arch, vocab_size=512)
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(3, 512, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits
+    for rank, logits in enumerate(tp_logits(model, world, ids)):
+        assert logits is not None, f"rank {rank} did not finish"
+        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+
+
+def test_plan_covers_the_projections_and_bad_sizes_are_named() -> None:
+    model = build_tiny_model("llama", vocab_size=512)
+    plan = tp_plan(model)
+    assert plan["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.1.mlp.down_proj"] == "rowwise"
+    assert "lm_head" not in plan and len(plan) == 2 * 7
+    with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
+        head_layout(model.config, 3)
+    with pytest.raises(NotImplementedError, match="GPT2LMHeadModel has no base_model_tp_plan"):
+        tp_plan(build_tiny_model("gpt2", vocab_size=512))
+    layout = head_layout(build_tiny_model("qwen3", vocab_size=512).config, 2)
+    assert [list(layout.kv_heads_of(r)) for r in range(2)] == [[0], [0]]  # one KV head, replicated
