@@ -22,6 +22,8 @@ from paged_backend.attention import check_model_supported
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import Scheduler, SchedulerOutput
+from paged_backend.distributed.tp_plan import head_layout, tp_plan
+from paged_backend.distributed.tp_runner import TPGroup, TPModelRunner, local_kv_spec
 from paged_backend.engine.detokenizer import (
     detokenize_incrementally,
     find_stop_string,
@@ -45,8 +47,11 @@ PromptType = str | Mapping[str, Any]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: str | PreTrainedModel, tokenizer: Any = None) -> None:
-        if config.parallel_config.tensor_parallel_size > 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not supported by this version yet")
+        world_size = config.parallel_config.tensor_parallel_size
+        if world_size > 1 and not isinstance(model, str):
+            raise ValueError(
+                "tensor_parallel_size > 1 loads the model in every worker process: pass model as a path or hub id"
+            )
         if config.model_config.quantization is not None:
             raise NotImplementedError(f"quantization={config.model_config.quantization!r} is not supported yet")
         if config.lora_config.enable_lora:
@@ -57,9 +62,23 @@ class LLMEngine:
         self.config = config.resolve(model_max_length(self.model))
         self.max_model_len = self.config.max_model_len
         self._log_inactive_options()
+        self.tp_group: TPGroup | None = None
+        if world_size > 1:
+            if self.device.type != "cpu":
+                raise NotImplementedError(
+                    "tensor parallelism runs on CPU (gloo) in this version; on CUDA it is not available yet"
+                )
+            tp_plan(self.model)  # refuses an architecture without a plan, before any process starts
+            head_layout(self.model.config.get_text_config(), world_size)  # and sizes that do not divide
+            self.tp_group = TPGroup.start(self.config, model)
+            self.tp_group.shard(self.model)
 
         block_size = self.config.block_size
-        spec = KVCacheSpec.from_config(self.model.config, self.model.dtype)
+        spec = (
+            local_kv_spec(self.model, world_size)
+            if world_size > 1
+            else KVCacheSpec.from_config(self.model.config, self.model.dtype)
+        )
         num_blocks = self._num_kv_blocks(spec)
         per_seq = math.ceil(self.config.max_model_len / block_size)
         if num_blocks < per_seq:
@@ -69,6 +88,8 @@ class LLMEngine:
                 "cache more memory (num_kv_blocks, kv_cache_memory_gib or gpu_memory_utilization)"
             )
         num_cpu_blocks = self._num_swap_blocks(spec)
+        if self.tp_group is not None:
+            self.tp_group.send("sizes", num_blocks, num_cpu_blocks)
         self.cache_engine = CacheEngine(spec, num_blocks, block_size, self.device, num_cpu_blocks)
         self.block_manager = BlockManager(
             num_blocks,
@@ -86,6 +107,8 @@ class LLMEngine:
             max_model_len=self.config.max_model_len,
             num_scheduler_steps=self.config.scheduler_config.num_scheduler_steps,
         )
+        if self.tp_group is not None:
+            self.runner = TPModelRunner(self.runner, self.tp_group)
         self.sampler = Sampler(self.device, self.config.model_config.seed)
         self.eos_token_ids = self._eos_token_ids()
         self.vocab_size = self.model.config.get_text_config().vocab_size
@@ -100,6 +123,11 @@ class LLMEngine:
             num_blocks * spec.bytes_per_block(block_size) / 2**30,
             self.device,
         )
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers now (they also stop when the engine is garbage-collected or at exit)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     # ------------------------------------------------------------------ set-up
     def _log_inactive_options(self) -> None:
@@ -368,7 +396,7 @@ class LLMEngine:
                     capacity = len(self.block_manager.get_block_table(seq.seq_id)) * self.config.block_size
                     steps[i] = max(1, min(n, capacity - seq.num_computed_tokens))
                 else:
-                    self.cache_engine.copy_blocks(copies)  # copy-on-write of shared blocks, before any write
+                    self.runner.copy_blocks(copies)  # copy-on-write of shared blocks, before any write
         # A round runs steps.max() forwards for the whole batch: not worth it when most rows would idle.
         return steps if steps.max() > 1 and 2 * steps.sum() >= steps.max() * len(steps) else None
 

@@ -128,11 +128,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step; returns logits ``[N, V]`` for the ``N`` sequences that sample."""
-        self.cache_engine.swap_out(sched.blocks_to_swap_out)  # before the freed blocks are written again
-        self.cache_engine.swap_in(sched.blocks_to_swap_in)
-        self.cache_engine.copy_blocks(sched.block_copies)
         inputs = self.prepare_inputs(sched, block_manager)
-        return self.run(inputs), inputs.sample_seqs
+        moves = (sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.block_copies)
+        return self.execute_inputs(moves, inputs), inputs.sample_seqs
+
+    @torch.inference_mode()
+    def execute_inputs(self, moves: tuple[Any, Any, Any], inputs: StepInputs) -> torch.Tensor:
+        """A step from plain data (what a tensor-parallel worker receives): the scheduler's block moves (swap
+        out, swap in, copies), then the forward."""
+        swap_out, swap_in, copies = moves
+        self.cache_engine.swap_out(swap_out)  # before the freed blocks are written again
+        self.cache_engine.swap_in(swap_in)
+        self.cache_engine.copy_blocks(copies)
+        return self.run(inputs)
+
+    def copy_blocks(self, copies: Any) -> None:
+        """Copy-on-write of shared blocks outside a step (multi-step decoding's extra slots)."""
+        self.cache_engine.copy_blocks(copies)
 
     def run(self, inputs: StepInputs, input_ids: torch.Tensor | None = None, step_index: int = 0) -> torch.Tensor:
         """One step; returns ``[N, V]``. ``input_ids`` [T] on the device replaces ``inputs.input_ids``

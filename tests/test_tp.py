@@ -1,0 +1,92 @@
+"""Tensor parallelism on CPU: two processes over gloo give HF ``generate``'s greedy output and TP=1's seeded
+samples, under chunked prefill and preemption; workers stop with the engine; a dead worker is reported."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+
+import pytest
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.demo import build_tiny_model
+from tests.conftest import assert_idle, hf_greedy, ragged_prompts
+
+ENGINE = dict(block_size=4, max_model_len=128)
+
+
+def tp_workers() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("paged-backend-tp-")]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tokenizer):
+    """Tiny Llama (KV heads split), Qwen2 (q/k/v biases, a sliding window) and Qwen3 (one KV head: replicated),
+    saved where worker processes can load them."""
+    paths = {}
+    for arch in ("llama", "qwen2", "qwen3"):
+        path = tmp_path_factory.mktemp(arch)
+        model = build_tiny_model(arch, vocab_size=len(tokenizer))
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths[arch] = (str(path), model)
+    return paths
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tp2_greedy_equals_hf_generate(checkpoints, arch: str) -> None:
+    path, model = checkpoints[arch]
+    prompts = ragged_prompts(4)
+    # 14 blocks of 4 tokens and a 24-token budget: chunked prefill and preemption happen, on every rank alike
+    llm = LLM(path, tensor_parallel_size=2, block_size=4, max_model_len=48, num_kv_blocks=14, max_num_batched_tokens=24)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16))
+        for prompt, out in zip(prompts, outs):
+            assert list(out.outputs[0].token_ids) == hf_greedy(model, prompt, 16)
+        assert llm.stats()["num_preemptions"] > 0 and llm.stats()["num_chunked_prefill_steps"] > 0
+        assert_idle(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert not tp_workers()
+
+
+def test_seeded_samples_match_tp1_and_workers_stop_with_the_engine(checkpoints) -> None:
+    path, _ = checkpoints["llama"]
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=7, n=2)
+    prompts = ["Hello world", "The paged cache"]
+    single = LLM(path, num_kv_blocks=128, **ENGINE).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
+    assert len(tp_workers()) == 1
+    double = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in double] == [[c.token_ids for c in o.outputs] for o in single]
+    del llm, double
+    gc.collect()  # the engine's finalizer stops its workers
+    for process in tp_workers():
+        process.join(timeout=15)
+    assert not tp_workers()
+
+
+def test_a_dead_worker_is_reported(checkpoints) -> None:
+    path, _ = checkpoints["llama"]
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
+    try:
+        (worker,) = tp_workers()
+        worker.kill()
+        worker.join(timeout=10)
+        with pytest.raises(RuntimeError, match="tensor-parallel worker paged-backend-tp-1 died"):
+            llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_unsupported_layouts_are_refused_before_any_worker_starts(checkpoints, tokenizer, tmp_path) -> None:
+    path, _ = checkpoints["llama"]
+    with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):
+        LLM(path, tensor_parallel_size=3, num_kv_blocks=128, **ENGINE)
+    build_tiny_model("gpt2", vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match="no base_model_tp_plan"):
+        LLM(str(tmp_path), tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
+    with pytest.raises(ValueError, match="pass model as a path"):
+        LLM(checkpoints["llama"][1], tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
+    assert not tp_workers()
