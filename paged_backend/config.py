@@ -123,9 +123,11 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # "mp": local worker processes; "ray": actors on a Ray cluster
 
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_choice("distributed_executor_backend", self.distributed_executor_backend, ("mp", "ray"))
 
 
 @dataclass(frozen=True)

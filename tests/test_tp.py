@@ -87,6 +87,8 @@ def test_unsupported_layouts_are_refused_before_any_worker_starts(checkpoints, t
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(NotImplementedError, match="no base_model_tp_plan"):
         LLM(str(tmp_path), tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
+    with pytest.raises(NotImplementedError, match="distributed_executor_backend='ray' is not available"):
+        LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=128, **ENGINE)
     with pytest.raises(ValueError, match="pass model as a path"):
         LLM(checkpoints["llama"][1], tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
     assert not tp_workers()
