@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import time
 
 import pytest
 
@@ -66,17 +67,33 @@ def test_seeded_samples_match_tp1_and_workers_stop_with_the_engine(checkpoints) 
     assert not tp_workers()
 
 
-def test_a_dead_worker_is_reported(checkpoints) -> None:
+def test_a_dead_worker_is_reported_mid_step_and_between_steps(checkpoints) -> None:
     path, _ = checkpoints["llama"]
     llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
     try:
         (worker,) = tp_workers()
-        worker.kill()
-        worker.join(timeout=10)
+        runner = llm.llm_engine.runner.runner  # rank 0's own ModelRunner, behind the broadcasting one
+        forward = runner.execute_inputs
+        steps = [0]
+
+        def dying_forward(*args, **kwargs):
+            steps[0] += 1
+            if steps[0] == 3:  # the worker dies while rank 0 is inside a step: its next all-reduce fails
+                worker.kill()
+                worker.join(timeout=10)
+            return forward(*args, **kwargs)
+
+        runner.execute_inputs = dying_forward
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate(["Hello"] * 4, params, use_tqdm=False)
+        assert time.monotonic() - started < 60  # an error, not a hang until the group's timeout
         with pytest.raises(RuntimeError, match="tensor-parallel worker paged-backend-tp-1 died"):
             llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
+    assert not tp_workers()
 
 
 def test_unsupported_layouts_are_refused_before_any_worker_starts(checkpoints, tokenizer, tmp_path) -> None:
