@@ -72,6 +72,16 @@ class TestChatPagedBackendIntegration(ChatModelIntegrationTests):
         return False
 
 
+class Tokens(BaseCallbackHandler):
+    """Collects the tokens a model streams to its callbacks."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+        self.tokens.append(token)
+
+
 def greedy(prompt: Any, max_tokens: int = 12, **kwargs: Any) -> str:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
     return shared_llm().generate(prompt, params, use_tqdm=False)[0].outputs[0].text
@@ -92,13 +102,6 @@ def test_lcel_chain_invoke_batch_stream_astream_and_callbacks() -> None:
 
     assert asyncio.run(astream()) == expected
     assert chain.batch([{"question": "hello"}] * 3) == [expected] * 3
-
-    class Tokens(BaseCallbackHandler):
-        def __init__(self) -> None:
-            self.tokens: list[str] = []
-
-        def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
-            self.tokens.append(token)
 
     handler = Tokens()
     streamed = ChatPagedBackend(backend=shared_llm(), temperature=0, max_tokens=12, streaming=True)
@@ -182,13 +185,6 @@ def test_streamed_reply_goes_back_into_the_history_and_streaming_text_model_call
         use_tqdm=False,
     )
     assert follow_up.content == expected[0].outputs[0].text
-
-    class Tokens(BaseCallbackHandler):
-        def __init__(self) -> None:
-            self.tokens: list[str] = []
-
-        def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
-            self.tokens.append(token)
 
     handler = Tokens()
     text = PagedBackendLLM(backend=shared_llm(), temperature=0, max_tokens=8, streaming=True)
