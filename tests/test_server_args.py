@@ -50,6 +50,8 @@ def test_server_flags(monkeypatch) -> None:
     assert server.model_name == "tiny" and server.lora_modules == {"a": "/x", "b": "/y"}
     assert server.api_key == "from-env" and server.host == "0.0.0.0" and engine == {"enable_lora": True}
     assert parse_args(["--model", "M", "--api-key", "k"])[0].api_key == "k"
+    engine = parse_args(["--model", "M", "--tensor-parallel-size", "2", "--worker-use-ray"])[1]
+    assert engine == {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}
 
 
 @pytest.mark.parametrize(
@@ -59,7 +61,6 @@ def test_server_flags(monkeypatch) -> None:
         ["--lora-modules", "a=/x"],
         ["--max-waiting-requests", "0"],
         ["--port", "x"],
-        ["--worker-use-ray"],
         [],
     ],
 )

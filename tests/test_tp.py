@@ -104,8 +104,25 @@ def test_unsupported_layouts_are_refused_before_any_worker_starts(checkpoints, t
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(NotImplementedError, match="no base_model_tp_plan"):
         LLM(str(tmp_path), tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
-    with pytest.raises(NotImplementedError, match="distributed_executor_backend='ray' is not available"):
-        LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=128, **ENGINE)
     with pytest.raises(ValueError, match="pass model as a path"):
         LLM(checkpoints["llama"][1], tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
     assert not tp_workers()
+
+
+def test_ray_executor_on_a_local_ray_instance(checkpoints) -> None:
+    ray = pytest.importorskip("ray")
+    path, model = checkpoints["llama"]
+    prompts = ragged_prompts(4)[:4]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=128, **ENGINE)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8))
+            assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
+            (worker,) = llm.llm_engine.tp_group.processes
+            assert worker.is_alive()
+        finally:
+            llm.llm_engine.shutdown()
+        assert not worker.is_alive()  # the Ray task ended with the engine
+    finally:
+        ray.shutdown()

@@ -102,26 +102,37 @@ class TPGroup:
 
     @classmethod
     def start(cls, config: Any, model_path: str) -> TPGroup:
-        """Spawn the workers and join the group (gloo on CPU; CUDA tensor parallelism is not available yet)."""
+        """Start the workers (local processes, or Ray tasks for ``distributed_executor_backend="ray"``) and join
+        the group (gloo on CPU; CUDA tensor parallelism is not available yet)."""
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group is already initialized in this process")
         world_size = config.parallel_config.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        context = mp.get_context("spawn")
-        processes = [
-            context.Process(
-                target=_worker_main,
-                args=(rank, world_size, init_method, config, model_path),
-                name=f"paged-backend-tp-{rank}",
-                daemon=True,
-            )
-            for rank in range(1, world_size)
-        ]
-        for process in processes:
-            process.start()
+        if config.parallel_config.distributed_executor_backend == "ray":
+            host, workers = _start_ray_workers(config, model_path, world_size)
+        else:
+            host = "127.0.0.1"
+            workers = []
+        init_method = f"tcp://{host}:{_free_port()}"
+        if not workers:
+            context = mp.get_context("spawn")
+            workers = [
+                context.Process(
+                    target=_worker_main,
+                    args=(rank, world_size, init_method, config, model_path),
+                    name=f"paged-backend-tp-{rank}",
+                    daemon=True,
+                )
+                for rank in range(1, world_size)
+            ]
+            for process in workers:
+                process.start()
+        else:
+            for worker in workers:
+                worker.start(init_method)
         dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=world_size, timeout=_TIMEOUT)
-        logger.info("tensor parallelism: %d ranks (gloo), workers %s", world_size, [p.pid for p in processes])
-        return cls(world_size, processes)
+        backend = config.parallel_config.distributed_executor_backend
+        logger.info("tensor parallelism: %d ranks (gloo), workers started by %s", world_size, backend)
+        return cls(world_size, workers)
 
     def shard(self, model: Any) -> None:
         shard_model(model, 0, self.world_size, _all_reduce)
@@ -154,6 +165,53 @@ def _shutdown(processes: list[multiprocessing.process.BaseProcess]) -> None:
             process.join(timeout=5)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class RayWorker:
+    """One rank as a Ray task on the cluster, with the process-like handle the group uses (is_alive, join, kill)."""
+
+    def __init__(self, rank: int, world_size: int, config: Any, model_path: str) -> None:
+        self.rank, self.world_size, self.config, self.model_path = rank, world_size, config, model_path
+        self.name = f"paged-backend-tp-{rank}"
+        self.ref: Any = None
+
+    def start(self, init_method: str) -> None:
+        import ray
+
+        task = ray.remote(num_cpus=0)(_worker_main).options(name=self.name)
+        self.ref = task.remote(self.rank, self.world_size, init_method, self.config, self.model_path)
+
+    @property
+    def exitcode(self) -> str:
+        return "ended" if not self.is_alive() else "running"
+
+    def is_alive(self) -> bool:
+        import ray
+
+        return not ray.wait([self.ref], timeout=0)[0]
+
+    def join(self, timeout: float | None = None) -> None:
+        import ray
+
+        ray.wait([self.ref], timeout=timeout)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.cancel(self.ref, force=True)
+
+
+def _start_ray_workers(config: Any, model_path: str, world_size: int) -> tuple[str, list[RayWorker]]:
+    """Ray tasks for ranks 1..N-1 on the running cluster (``ray start --head`` on one node, ``ray start --address``
+    on the others; or a local instance started here); rank 0's address is this node's IP."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("distributed_executor_backend='ray' needs Ray: pip install ray") from exc
+    if not ray.is_initialized():
+        ray.init(ignore_reinit_error=True, include_dashboard=False)
+    host = ray.util.get_node_ip_address()
+    return host, [RayWorker(rank, world_size, config, model_path) for rank in range(1, world_size)]
 
 
 class TPModelRunner:

@@ -64,8 +64,6 @@ class LLMEngine:
         self._log_inactive_options()
         self.tp_group: TPGroup | None = None
         if world_size > 1:
-            if config.parallel_config.distributed_executor_backend == "ray":
-                raise NotImplementedError("distributed_executor_backend='ray' is not available yet: use 'mp'")
             if self.device.type != "cpu":
                 raise NotImplementedError(
                     "tensor parallelism runs on CPU (gloo) in this version; on CUDA it is not available yet"

@@ -91,7 +91,9 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
         "--max-waiting-requests", type=int, default=None, help="queue length beyond which requests get 429"
     )
     parser.add_argument(
-        "--worker-use-ray", action="store_true", help="run tensor-parallel workers with Ray (not available yet)"
+        "--worker-use-ray",
+        action="store_true",
+        help="run tensor-parallel workers as Ray tasks on the running Ray cluster",
     )
     return parser
 
@@ -100,13 +102,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
     """(server arguments, ``LLM`` keyword arguments) from a command line; exits with a message on bad flags."""
     parser = make_parser(prog)
     args = parser.parse_args(argv)
-    if args.worker_use_ray:
-        parser.exit(2, "--worker-use-ray: the Ray executor is not available in this version\n")
     names = [flag[2:].replace("-", "_") for flag, *_ in _ENGINE_FLAGS]
     names += ["enable_prefix_caching", "enforce_eager", "enable_lora"]
     engine: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.tokenizer is not None:
         engine["tokenizer"] = args.tokenizer
+    if args.worker_use_ray:
+        engine["distributed_executor_backend"] = "ray"
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
