@@ -130,7 +130,7 @@ class LLM:
         with self._stepping:
             if self._engine_loop is None:
                 return self._run_direct(prompts, params, use_tqdm)
-        return self._run_on_loop(prompts, params, use_tqdm)
+        return self.run_on_loop(prompts, params, use_tqdm=use_tqdm)
 
     def _run_direct(
         self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
@@ -165,17 +165,26 @@ class LLM:
                 raise
         return [finished[i] for i in ids]
 
-    def _run_on_loop(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+    def run_on_loop(
+        self,
+        prompts: list[Any],
+        params: SamplingParams | list[SamplingParams],
+        use_tqdm: bool = False,
+        timeout: float | None = None,
+        prefix: str = "",
     ) -> list[RequestOutput]:
+        """Every prompt through the engine loop in one call (sharing steps with other callers); the final output
+        of each. Past ``timeout`` seconds the unfinished ones are aborted and TimeoutError is raised."""
         loop = self.engine_loop
-        requests = [(self.next_request_id(), prompt) for prompt in prompts]
+        requests = [(self.next_request_id(prefix), prompt) for prompt in prompts]
         queues = loop.add_sync(requests, params, stream=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
         finished: list[RequestOutput] = []
         with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             try:
                 for (request_id, _), queue in zip(requests, queues):
-                    finished.append(deque(loop.stream_sync(request_id, queue), maxlen=1)[0])  # the final output
+                    final = deque(loop.stream_sync(request_id, queue, deadline), maxlen=1)[0]
+                    finished.append(final)
                     bar.update(1)
             except BaseException:
                 for request_id, _ in requests[len(finished) :]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -53,19 +52,7 @@ class EngineClient:
     def run_sync(self, prompts: list[Any], params: SamplingParams, timeout: float | None = None) -> list[RequestOutput]:
         """Every prompt in one engine call; the final output of each. Past ``timeout`` seconds they are aborted
         and TimeoutError is raised."""
-        loop = self.llm.engine_loop
-        requests = [(self.llm.next_request_id(self.prefix), p) for p in prompts]
-        queues = loop.add_sync(requests, params, stream=False)
-        deadline = _deadline(timeout)
-        finals: list[RequestOutput] = []
-        try:
-            for (request_id, _), queue in zip(requests, queues):
-                finals.append(deque(loop.stream_sync(request_id, queue, deadline), maxlen=1)[0])
-        except BaseException:
-            for request_id, _ in requests[len(finals) :]:
-                loop.abort(request_id)
-            raise
-        return finals
+        return self.llm.run_on_loop(prompts, params, timeout=timeout, prefix=self.prefix)
 
     async def run_async(
         self, prompts: list[Any], params: SamplingParams, timeout: float | None = None

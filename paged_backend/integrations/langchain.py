@@ -102,6 +102,10 @@ class PagedBackendFields(BaseModel):
         stops = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
         return SamplingParams(**{k: v for k, v in values.items() if v is not None}, stop=stops or None)
 
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.served_name, **{k: getattr(self, k) for k in _SAMPLING}, "stop": self.stop}
+
     def ls_params(self, model_type: str, stop: list[str] | None, kwargs: dict[str, Any]) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider="paged_backend",
@@ -145,10 +149,6 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "paged-backend-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.served_name, **{k: getattr(self, k) for k in _SAMPLING}, "stop": self.stop}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self.ls_params("chat", stop, kwargs)
@@ -252,10 +252,6 @@ class PagedBackendLLM(PagedBackendFields, BaseLLM):
     @property
     def _llm_type(self) -> str:
         return "paged-backend"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.served_name, **{k: getattr(self, k) for k in _SAMPLING}, "stop": self.stop}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self.ls_params("llm", stop, kwargs)
