@@ -100,7 +100,11 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ requests
     def _adder(
-        self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams], sinks: list[Sink]
+        self,
+        requests: list[tuple[str, Any]],
+        params: SamplingParams | list[SamplingParams],
+        sinks: list[Sink],
+        add_kwargs: dict[str, Any],
     ) -> Callable[[Any], None]:
         per_request = params if isinstance(params, list) else [params] * len(requests)
 
@@ -109,7 +113,7 @@ class EngineLoop:
             added: list[str] = []
             try:
                 for (request_id, prompt), p, sink in zip(requests, per_request, sinks):
-                    engine.add_request(request_id, prompt, p)
+                    engine.add_request(request_id, prompt, p, **add_kwargs)
                     added.append(request_id)
                     self.sinks[request_id] = sink
             except BaseException:
@@ -120,7 +124,11 @@ class EngineLoop:
         return add_all
 
     async def add(
-        self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams], stream: bool = True
+        self,
+        requests: list[tuple[str, Any]],
+        params: SamplingParams | list[SamplingParams],
+        stream: bool = True,
+        **add_kwargs: Any,
     ) -> list[asyncio.Queue]:
         """Queue requests in one go, all or none: raises the engine's ValueError for a bad one, QueueFullError,
         EngineDeadError. A caller cancelled meanwhile (its client left) leaves nothing behind."""
@@ -129,7 +137,7 @@ class EngineLoop:
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
         sinks = [Sink(lambda item, q=q: _post(loop, q.put_nowait, item), stream) for q in queues]
         try:
-            await self.call(self._adder(requests, params, sinks))
+            await self.call(self._adder(requests, params, sinks, add_kwargs))
         except asyncio.CancelledError:
             for request_id, _ in requests:
                 self.abort(request_id)
@@ -137,14 +145,18 @@ class EngineLoop:
         return queues
 
     def add_sync(
-        self, requests: list[tuple[str, Any]], params: SamplingParams | list[SamplingParams], stream: bool = True
+        self,
+        requests: list[tuple[str, Any]],
+        params: SamplingParams | list[SamplingParams],
+        stream: bool = True,
+        **add_kwargs: Any,
     ) -> list[queue.SimpleQueue]:
         """``add`` for a plain thread; the outputs arrive in thread-safe queues. Interrupted while it waits (a
-        Ctrl-C), it leaves nothing behind."""
+        Ctrl-C), it leaves nothing behind. ``add_kwargs`` go to the engine's ``add_request`` (``keep_logits``)."""
         self._check_room(self.num_waiting, len(requests))
         queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in requests]
         try:
-            self.call_sync(self._adder(requests, params, [Sink(q.put, stream) for q in queues]))
+            self.call_sync(self._adder(requests, params, [Sink(q.put, stream) for q in queues], add_kwargs))
         except Exception:
             raise  # the add itself failed and took its requests back
         except BaseException:

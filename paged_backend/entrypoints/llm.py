@@ -6,8 +6,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -172,18 +171,24 @@ class LLM:
         use_tqdm: bool = False,
         timeout: float | None = None,
         prefix: str = "",
+        on_output: Callable[[int, RequestOutput], None] | None = None,
+        **add_kwargs: Any,
     ) -> list[RequestOutput]:
         """Every prompt through the engine loop in one call (sharing steps with other callers); the final output
-        of each. Past ``timeout`` seconds the unfinished ones are aborted and TimeoutError is raised."""
+        of each. Past ``timeout`` seconds the unfinished ones are aborted and TimeoutError is raised.
+        ``on_output(i, output)`` sees each step's output of prompt ``i`` as it comes (a streamer); ``add_kwargs``
+        go to the engine's ``add_request``."""
         loop = self.engine_loop
         requests = [(self.next_request_id(prefix), prompt) for prompt in prompts]
-        queues = loop.add_sync(requests, params, stream=False)
+        queues = loop.add_sync(requests, params, stream=on_output is not None, **add_kwargs)
         deadline = None if timeout is None else time.monotonic() + timeout
         finished: list[RequestOutput] = []
         with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             try:
-                for (request_id, _), queue in zip(requests, queues):
-                    final = deque(loop.stream_sync(request_id, queue, deadline), maxlen=1)[0]
+                for i, ((request_id, _), queue) in enumerate(zip(requests, queues)):
+                    for final in loop.stream_sync(request_id, queue, deadline):
+                        if on_output is not None:
+                            on_output(i, final)
                     finished.append(final)
                     bar.update(1)
             except BaseException:

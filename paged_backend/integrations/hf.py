@@ -14,7 +14,6 @@ import contextlib
 import copy
 import functools
 import inspect
-import itertools
 import logging
 import threading
 import warnings
@@ -128,18 +127,22 @@ class PagedGenerate:
         self.previous = model.__dict__.get("generate")  # an instance attribute to restore, if there was one
         self.original = self.previous or type(model).generate.__get__(model)
         self.llm: Any = None
-        self.lock = threading.RLock()  # held while stepping the engine or running HF's generate
-        self.latest: dict[str, RequestOutput] = {}
-        self.ids = itertools.count()
+        self.lock = threading.Lock()  # guards building the engine
 
-    @property
-    def engine(self) -> Any:
+    def built_llm(self) -> Any:
+        """The engine's ``LLM``, built on first use over the model's own weights. Every call steps it through its
+        engine loop, so calls from several threads share steps."""
         with self.lock:
             if self.llm is None:
                 from paged_backend.entrypoints.llm import LLM
 
                 self.llm = LLM(self.model, tokenizer=self.tokenizer, **self.engine_kwargs)
-            return self.llm.llm_engine
+            return self.llm
+
+    @property
+    def engine(self) -> Any:
+        """The ``LLMEngine`` behind the patched ``generate`` (built on first use)."""
+        return self.built_llm().llm_engine
 
     # ------------------------------------------------------------------ the call
     def __call__(
@@ -220,43 +223,23 @@ class PagedGenerate:
     def _run(
         self, prompts: list[list[int]], params: list[SamplingParams], streamer: Any, keep_logits: bool = False
     ) -> list[RequestOutput]:
-        """Add the requests, then step the engine (whichever caller holds the lock steps for everyone) until
-        all of them finished; stream the new tokens of a lone request."""
-        engine = self.engine
-        rids: list[str] = []
-        with self.lock:
-            try:
-                for prompt, p in zip(prompts, params):
-                    rids.append(f"hf-{next(self.ids)}")
-                    engine.add_request(rids[-1], {"prompt_token_ids": prompt}, p, keep_logits=keep_logits)
-            except Exception:
-                engine.abort_request(rids)
-                raise
-        streamed = 0
-        results: dict[str, RequestOutput] = {}
-        try:
-            while len(results) < len(rids):
-                with self.lock:
-                    waiting = [rid for rid in rids if rid not in results]
-                    if not any(rid in self.latest and self.latest[rid].finished for rid in waiting):
-                        for out in engine.step():
-                            self.latest[out.request_id] = out
-                    for rid in waiting:
-                        if rid in self.latest and self.latest[rid].finished:
-                            results[rid] = self.latest.pop(rid)
-                    first = results.get(rids[0]) or self.latest.get(rids[0])
-                if streamer is not None and first is not None:
-                    tokens = first.outputs[0].token_ids
-                    for token in tokens[streamed:]:
-                        streamer.put(torch.tensor([token]))
-                    streamed = len(tokens)
-        except BaseException:  # an error or an interrupt: nobody else should keep running this call's requests
-            with self.lock:
-                engine.abort_request(rids)
-                for rid in rids:
-                    self.latest.pop(rid, None)
-            raise
-        return [results[rid] for rid in rids]
+        """All requests in one engine call; the first one's new tokens go to the streamer as they come."""
+        streamed = [0]
+
+        def stream_first(i: int, out: RequestOutput) -> None:
+            tokens = out.outputs[0].token_ids
+            if i == 0:
+                for token in tokens[streamed[0] :]:
+                    streamer.put(torch.tensor([token]))
+                streamed[0] = len(tokens)
+
+        return self.built_llm().run_on_loop(
+            [{"prompt_token_ids": p} for p in prompts],
+            params,
+            prefix="hf-",
+            on_output=stream_first if streamer is not None else None,
+            keep_logits=keep_logits,
+        )
 
     def _fall_back(
         self, reason: str, inputs: Any, generation_config: Any, streamer: Any, kwargs: dict[str, Any]
@@ -264,8 +247,16 @@ class PagedGenerate:
         if self.fallback == "error":
             raise NotImplementedError(f"the paged engine cannot run this generate call: {reason}")
         warnings.warn(f"paged_backend: {reason}; running the original generate", stacklevel=3)
-        with self.lock:  # the engine's steps switch the model's attention: never at the same time
+
+        def original(_: Any = None) -> Any:
             return self.original(inputs, generation_config=generation_config, streamer=streamer, **kwargs)
+
+        with self.lock:
+            llm = self.llm
+            if llm is None:  # no engine yet: nothing else can be using the model
+                return original()
+        # The engine's steps switch the model's attention: HF's generate runs on the loop thread, between steps.
+        return llm.engine_loop.call_sync(original)
 
 
 def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any], input_ids: Any) -> str | None:
