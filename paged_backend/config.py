@@ -13,6 +13,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float", "half")
 QUANTIZATIONS = (None, "awq")
+LOAD_FORMATS = ("auto", "dummy")
 PREEMPTION_MODES = (None, "recompute", "swap")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -69,11 +70,15 @@ class ModelConfig:
     quantization: str | None = None
     max_model_len: int | None = None
     seed: int = 0
+    load_format: str = "auto"  # "dummy": the config's architecture with random weights (benchmarks), as in vLLM
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only, outputs without text
 
     def __post_init__(self) -> None:
         check_bool("trust_remote_code", self.trust_remote_code)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("load_format", self.load_format, LOAD_FORMATS)
+        check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
         check_int("max_model_len", self.max_model_len, 1, allow_none=True)
         check_int("seed", self.seed, 0, 2**63 - 1)
 

@@ -55,11 +55,31 @@ def _from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
         return loader.from_pretrained(name, **kwargs)
 
 
-def load_model(config: EngineConfig, model: str | PreTrainedModel) -> tuple[PreTrainedModel, torch.device]:
-    """Return the model in eval mode on its device. A model object is adopted as is (no second copy); only an
-    explicit ``dtype`` different from its own converts it in place."""
+def load_hf_config(config: EngineConfig, name: str) -> Any:
+    return _from_pretrained(AutoConfig, name, trust_remote_code=config.model_config.trust_remote_code)
+
+
+def checkpoint_dtype(config: EngineConfig, hf_config: Any, device: torch.device) -> torch.dtype:
+    """The dtype to run in: the configured one, else the checkpoint's (see ``resolve_dtype``)."""
+    stored = getattr(hf_config, "dtype", None)
+    if isinstance(stored, str):
+        stored = _DTYPES.get(stored)
+    return resolve_dtype(config, stored, device)
+
+
+def load_model(
+    config: EngineConfig, model: str | PreTrainedModel, device: torch.device | None = None, keep_on_cpu: bool = False
+) -> tuple[PreTrainedModel, torch.device]:
+    """Return the model in eval mode on its device (``device``, else resolved from the config). A model object is
+    adopted as is (no second copy); only an explicit ``dtype`` different from its own converts it in place. A path
+    or hub id loads its checkpoint, or with ``load_format="dummy"`` only its config, with random weights.
+    ``keep_on_cpu`` leaves a loaded checkpoint on the CPU, in the dtype it will run in on ``device``."""
     if isinstance(model, PreTrainedModel):
-        device = resolve_device(config, model)
+        if config.model_config.load_format != "auto":
+            raise ValueError(
+                f"load_format={config.model_config.load_format!r} needs model as a path or hub id, not a loaded model"
+            )
+        device = device or resolve_device(config, model)
         if config.model_config.dtype != "auto" and model.dtype != _DTYPES[config.model_config.dtype]:
             logger.info("converting the model from %s to %s in place", model.dtype, config.model_config.dtype)
             model.to(_DTYPES[config.model_config.dtype])
@@ -70,20 +90,25 @@ def load_model(config: EngineConfig, model: str | PreTrainedModel) -> tuple[PreT
         raise ValueError(
             f"model must be a path, a hub id or a transformers PreTrainedModel, got {type(model).__name__}"
         )
-    device = resolve_device(config, None)
-    hf_config = _from_pretrained(AutoConfig, model, trust_remote_code=config.model_config.trust_remote_code)
-    checkpoint_dtype = getattr(hf_config, "dtype", None)
-    if isinstance(checkpoint_dtype, str):
-        checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
-    dtype = resolve_dtype(config, checkpoint_dtype, device)
+    device = device or resolve_device(config, None)
+    hf_config = load_hf_config(config, model)
+    dtype = checkpoint_dtype(config, hf_config, device)
+    if config.model_config.load_format == "dummy":
+        from paged_backend.dummy_loader import dummy_model
+
+        seed = config.model_config.seed
+        return dummy_model(hf_config, dtype, device, seed, config.model_config.trust_remote_code), device
     loaded = _from_pretrained(
         AutoModelForCausalLM, model, dtype=dtype, trust_remote_code=config.model_config.trust_remote_code
     )
-    return loaded.to(device).eval(), device
+    return (loaded if keep_on_cpu else loaded.to(device)).eval(), device
 
 
 def load_tokenizer(config: EngineConfig, model: str | PreTrainedModel, tokenizer: Any) -> Any:
-    """A tokenizer object is used as is; a name loads; with neither, try the model's own folder."""
+    """A tokenizer object is used as is; a name loads; with neither, try the model's own folder. With
+    ``skip_tokenizer_init`` there is none."""
+    if config.model_config.skip_tokenizer_init:
+        return None
     if tokenizer is not None and not isinstance(tokenizer, str):
         return tokenizer
     name = tokenizer if isinstance(tokenizer, str) else model if isinstance(model, str) else None

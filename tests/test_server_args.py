@@ -24,9 +24,10 @@ def test_every_engine_flag_is_an_engine_argument() -> None:
     argv = ["--model", "M", "--max-num-batched-tokens", "512", "--max-model-len", "256", "--dtype", "float32"]
     argv += ["--gpu-memory-utilization", "0.5", "--seed", "3", "--num-scheduler-steps", "4", "--device", "cpu"]
     argv += ["--preemption-mode", "recompute", "--no-enable-prefix-caching", "--enforce-eager", "--max-loras", "2"]
-    argv += ["--max-lora-rank", "8", "--tensor-parallel-size", "1"]
+    argv += ["--max-lora-rank", "8", "--tensor-parallel-size", "1", "--load-format", "dummy"]
     _, engine = parse_args(argv)
     assert engine["enable_prefix_caching"] is False and engine["enforce_eager"] is True
+    assert engine["load_format"] == "dummy"
     config = EngineConfig.from_kwargs("M", **engine)  # no TypeError: every key is an engine argument
     assert config.scheduler_config.max_num_seqs == 256 and config.cache_config.enable_prefix_caching is False
 

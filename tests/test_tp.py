@@ -8,6 +8,7 @@ import multiprocessing
 import time
 
 import pytest
+import torch
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.demo import build_tiny_model
@@ -65,6 +66,34 @@ def test_seeded_samples_match_tp1_and_workers_stop_with_the_engine(checkpoints) 
     for process in tp_workers():
         process.join(timeout=15)
     assert not tp_workers()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_dummy_weights_are_the_slices_of_the_model_one_device_holds(checkpoints, arch: str) -> None:
+    """load_format='dummy' builds from config.json alone, each module from a generator seeded by its name: TP=2's
+    slices are cut from the same full model that TP=1 builds, so both give HF generate's output on that model."""
+    path, saved = checkpoints[arch]
+    prompts = ragged_prompts(4)[:4]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    single = LLM(path, load_format="dummy", seed=3, num_kv_blocks=128, **ENGINE)
+    model = single.llm_engine.model
+    layer = model.model.layers[0]
+    std = model.config.initializer_range
+    assert abs(layer.mlp.down_proj.weight.std().item() - std) < 0.1 * std  # the architecture's own init
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    assert not torch.equal(layer.mlp.down_proj.weight, saved.model.layers[0].mlp.down_proj.weight)  # not loaded
+    expected = [hf_greedy(model, p, 8) for p in prompts]
+    outs = single.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    again = LLM(path, load_format="dummy", seed=3, num_kv_blocks=128, **ENGINE).llm_engine.model
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    del single, again
+    llm = LLM(path, load_format="dummy", seed=3, tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_a_dead_worker_is_reported_mid_step_and_between_steps(checkpoints) -> None:

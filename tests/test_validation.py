@@ -78,6 +78,8 @@ def test_sampling_params_accepts_vllm_forms() -> None:
         ({"max_loras": 0}, "max_loras"),
         ({"seed": -5}, "seed"),
         ({"enforce_eager": 1}, "enforce_eager"),
+        ({"load_format": "pt"}, "load_format"),
+        ({"skip_tokenizer_init": 1}, "skip_tokenizer_init"),
     ],
 )
 def test_engine_config_errors_name_the_field(kwargs, field) -> None:
@@ -121,6 +123,11 @@ def test_stop_strings_need_a_tokenizer() -> None:
     (out,) = llm.generate({"prompt_token_ids": list(range(3, 19))}, SamplingParams(max_tokens=5), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
     assert_idle(llm)
+
+
+def test_dummy_weights_need_a_path() -> None:
+    with pytest.raises(ValueError, match="load_format='dummy' needs model as a path"):
+        LLM(tiny_model("llama"), load_format="dummy")
 
 
 def test_cache_too_small_for_max_model_len_fails_with_numbers() -> None:

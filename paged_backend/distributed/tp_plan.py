@@ -107,35 +107,52 @@ def _rows(name: str, weight: torch.Tensor, layout: HeadLayout, rank: int) -> tor
 
 
 @torch.no_grad()
-def shard_model(
-    model: nn.Module, rank: int, world_size: int, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
+def shard_linear(
+    name: str,
+    linear: nn.Linear,
+    style: str,
+    layout: HeadLayout,
+    rank: int,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> None:
-    """Cut ``model`` in place down to rank ``rank``'s slices. ``all_reduce`` (sum over ranks, in place or
-    returned) is applied to every rowwise layer's output; None leaves the partial sums to the caller (a
-    single-process check). A rowwise bias is added once, on rank 0."""
-    layout = head_layout(model.config, world_size)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    modules = dict(model.named_modules())
-    for name, style in tp_plan(model).items():
-        linear: nn.Linear = modules[name]
-        if style == "colwise":
-            linear.weight = nn.Parameter(_rows(name, linear.weight, layout, rank).clone(), requires_grad=False)
-            if linear.bias is not None:
-                bias = _rows(name, linear.bias[:, None], layout, rank)[:, 0]
-                linear.bias = nn.Parameter(bias.clone(), requires_grad=False)
-            linear.out_features = linear.weight.shape[0]
-        else:
-            size = linear.in_features // world_size
-            linear.weight = nn.Parameter(linear.weight[:, rank * size : (rank + 1) * size].clone(), requires_grad=False)
-            linear.in_features = size
-            if linear.bias is not None and rank != 0:
-                linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
-            if all_reduce is not None:
-                linear.register_forward_hook(lambda _m, _i, out: all_reduce(out))
-    for module in modules.values():  # attention modules that keep head counts read the local ones
+    """Cut one planned linear (``colwise`` or ``rowwise``) in place down to rank ``rank``'s slice. A rowwise
+    bias is added once, on rank 0; ``all_reduce`` (sum over ranks, in place or returned) is hooked on a rowwise
+    layer's output, None leaves the partial sums to the caller (a single-process check)."""
+    world_size = layout.world_size
+    if style == "colwise":
+        linear.weight = nn.Parameter(_rows(name, linear.weight, layout, rank).clone(), requires_grad=False)
+        if linear.bias is not None:
+            bias = _rows(name, linear.bias[:, None], layout, rank)[:, 0]
+            linear.bias = nn.Parameter(bias.clone(), requires_grad=False)
+        linear.out_features = linear.weight.shape[0]
+        return
+    size = linear.in_features // world_size
+    linear.weight = nn.Parameter(linear.weight[:, rank * size : (rank + 1) * size].clone(), requires_grad=False)
+    linear.in_features = size
+    if linear.bias is not None and rank != 0:
+        linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
+    if all_reduce is not None:
+        linear.register_forward_hook(lambda _m, _i, out: all_reduce(out))
+
+
+def set_local_heads(model: nn.Module, layout: HeadLayout) -> None:
+    """Attention modules that keep head counts read the local ones."""
+    for module in model.modules():
         if hasattr(module, "num_key_value_groups"):
             module.num_key_value_groups = layout.local_heads // layout.local_kv_heads
         for attr, value in (("num_heads", layout.local_heads), ("num_key_value_heads", layout.local_kv_heads)):
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, value)
+
+
+def shard_model(
+    model: nn.Module, rank: int, world_size: int, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
+) -> None:
+    """Cut a whole loaded ``model`` in place down to rank ``rank``'s slices (see ``shard_linear``)."""
+    layout = head_layout(model.config, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    modules = dict(model.named_modules())
+    for name, style in tp_plan(model).items():
+        shard_linear(name, modules[name], style, layout, rank, all_reduce)
+    set_local_heads(model, layout)

@@ -1,12 +1,15 @@
 """Tensor parallelism over ``torch.distributed``: rank 0 (the engine's process) schedules, every rank runs its
 shard of the model.
 
-``TPGroup.start`` spawns ``tensor_parallel_size - 1`` worker processes on free local ports and joins them in one
-process group (gloo on CPU). Each rank loads the model from its path and cuts it down with ``shard_model``, whose
-rowwise layers all-reduce their outputs, so every rank ends a forward with the full logits. ``TPModelRunner``
-stands in for rank 0's ``ModelRunner``: each cache move and forward is broadcast to the workers (plain tensors
-and lists, no sequences) before it runs here, and the collectives inside the forward keep the ranks in step.
-Rank 0 alone samples: every rank holds the same logits, so multi-step decoding's on-device argmax agrees.
+``TPGroup.start`` spawns ``tensor_parallel_size - 1`` worker processes on free local ports (or Ray tasks) and
+joins them in one process group: NCCL on GPUs (rank r on ``cuda:r``), gloo on CPUs, for the forward's
+all-reduces, and beside it a gloo group for control messages. Each rank loads only its slices
+(``shard_loader.py``); rowwise layers all-reduce their outputs, so every rank ends a forward with the full logits.
+``TPModelRunner`` stands in for rank 0's ``ModelRunner``: each cache move and forward is broadcast to the workers
+(plain tensors and lists, no sequences) before it runs here, and the collectives inside the forward keep the ranks
+in step. The workers also profile memory, compile and capture CUDA graphs in step with rank 0, since each of those
+runs forwards. Rank 0 alone samples: every rank holds the same logits, so multi-step decoding's on-device argmax
+agrees.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import logging
 import multiprocessing.process
 import socket
+import threading
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -23,7 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from paged_backend.distributed.tp_plan import head_layout, shard_model
+from paged_backend.config import EngineConfig
+from paged_backend.distributed.shard_loader import load_shard
+from paged_backend.distributed.tp_plan import head_layout
 from paged_backend.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -41,10 +47,51 @@ def _all_reduce(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor)
 
 
-def _receive() -> tuple[str, tuple[Any, ...]]:
+def _receive(control: Any) -> tuple[str, tuple[Any, ...]]:
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control)
     return box[0]
+
+
+def min_over_ranks(value: int, control: Any) -> int:
+    tensor = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=control)
+    return int(tensor.item())
+
+
+def tp_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:rank`` (``cuda:0`` in a Ray task, which sees its own GPU only) or the CPU."""
+    name = config.device_config.device
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if name not in ("auto", "cuda"):
+        raise ValueError(
+            f"device must be 'auto', 'cuda' or 'cpu' with tensor_parallel_size > 1 (rank r runs on cuda:r), "
+            f"got {name!r}"
+        )
+    if config.parallel_config.distributed_executor_backend == "ray" and rank > 0:
+        return torch.device("cuda", 0)
+    world_size = config.parallel_config.tensor_parallel_size
+    if rank == 0 and config.parallel_config.distributed_executor_backend == "mp":
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(
+                f"tensor_parallel_size={world_size} needs {world_size} GPUs, this machine has "
+                f"{torch.cuda.device_count()}"
+            )
+    return torch.device("cuda", rank)
+
+
+def _init_groups(init_method: str, rank: int, world_size: int, device: torch.device) -> Any:
+    """Join the default group (NCCL on a GPU, gloo on the CPU) and return the gloo group for control messages
+    (None: the default group, already gloo)."""
+    if device.type != "cuda":
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=_TIMEOUT)
+        return None
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl", init_method=init_method, rank=rank, world_size=world_size, timeout=_TIMEOUT, device_id=device
+    )
+    return dist.new_group(backend="gloo", timeout=_TIMEOUT)
 
 
 def local_kv_spec(model: Any, world_size: int) -> Any:
@@ -57,58 +104,93 @@ def local_kv_spec(model: Any, world_size: int) -> Any:
     )
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, config: Any, model_path: str) -> None:
-    """A worker process: join the group, load and shard the model, build its cache and runner from rank 0's
-    sizes, then run what rank 0 broadcasts until told to stop."""
-    from paged_backend.model_loader import load_model
-    from paged_backend.worker.cache_engine import CacheEngine
-    from paged_backend.worker.model_runner import ModelRunner
+class TPWorker:
+    """A worker rank: its shard and, once rank 0 has sized the cache, its cache and runner. Each method is a
+    message rank 0 broadcasts."""
 
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=_TIMEOUT)
-    try:
-        model, device = load_model(config, model_path)
-        shard_model(model, rank, world_size, _all_reduce)
-        method, (num_blocks, num_cpu_blocks) = _receive()
-        assert method == "sizes", method
-        spec = local_kv_spec(model, world_size)
-        cache_engine = CacheEngine(spec, num_blocks, config.block_size, device, num_cpu_blocks)
-        runner = ModelRunner(
-            model,
+    def __init__(self, model: Any, device: torch.device, world_size: int, control: Any) -> None:
+        self.model, self.device, self.world_size, self.control = model, device, world_size, control
+        self.runner: Any = None
+
+    def profile_num_blocks(self, config: EngineConfig, block_bytes: int) -> None:
+        from paged_backend.worker.profiler import gpu_blocks_that_fit
+
+        min_over_ranks(gpu_blocks_that_fit(self.model, config, self.device, block_bytes), self.control)
+
+    def init_cache(self, config: EngineConfig, num_blocks: int, num_cpu_blocks: int) -> None:
+        from paged_backend.worker.cache_engine import CacheEngine
+        from paged_backend.worker.model_runner import ModelRunner
+
+        spec = local_kv_spec(self.model, self.world_size)
+        cache_engine = CacheEngine(spec, num_blocks, config.block_size, self.device, num_cpu_blocks)
+        self.runner = ModelRunner(
+            self.model,
             cache_engine,
-            device,
+            self.device,
             enforce_eager=config.device_config.enforce_eager,
             max_num_seqs=config.scheduler_config.max_num_seqs,
             max_model_len=config.max_model_len,
             num_scheduler_steps=config.scheduler_config.num_scheduler_steps,
         )
+
+    def execute_inputs(self, moves: Any, inputs: StepInputs) -> None:
+        self.runner.execute_inputs(moves, inputs)
+
+    def run_decode_steps(self, steps: list[StepInputs]) -> None:
+        self.runner.run_decode_steps(steps)
+
+    def copy_blocks(self, copies: Any) -> None:
+        self.runner.copy_blocks(copies)
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, model_path: str) -> None:
+    """A worker process: join the groups, load its shard, then run what rank 0 broadcasts until told to stop."""
+    device = tp_device(config, rank)
+    control = _init_groups(init_method, rank, world_size, device)
+    try:
+        worker = TPWorker(load_shard(config, model_path, rank, device, _all_reduce), device, world_size, control)
         while True:
-            method, args = _receive()
+            method, args = _receive(control)
             if method == "shutdown":
                 break
             with torch.inference_mode():
-                getattr(runner, method)(*args)
+                getattr(worker, method)(*args)
     finally:
         dist.destroy_process_group()
 
 
 class TPGroup:
-    """Rank 0's side of the group: the worker processes and the broadcast of each call to them."""
+    """Rank 0's side of the group: the worker processes, its own device and the broadcast of each call to them."""
 
-    def __init__(self, world_size: int, processes: list[multiprocessing.process.BaseProcess]) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        processes: list[multiprocessing.process.BaseProcess],
+        device: torch.device,
+        control: Any,
+    ) -> None:
         self.world_size = world_size
         self.processes = processes
+        self.device = device
+        self.control = control
+        stop = threading.Event()
+        if device.type == "cuda":
+            # NCCL does not notice a dead peer: its collectives would wait out the timeout. A watcher aborts the
+            # group as soon as a worker has died, so that rank 0's pending step fails within a second or two.
+            threading.Thread(target=_watch, args=(processes, stop), name="paged-backend-tp-watch", daemon=True).start()
         # Workers never outlive the engine or the interpreter: stopped on close, collection or exit.
-        self._finalizer = weakref.finalize(self, _shutdown, processes)
+        self._finalizer = weakref.finalize(self, _shutdown, processes, control, stop)
 
     @classmethod
-    def start(cls, config: Any, model_path: str) -> TPGroup:
+    def start(cls, config: EngineConfig, model_path: str) -> TPGroup:
         """Start the workers (local processes, or Ray tasks for ``distributed_executor_backend="ray"``) and join
-        the group (gloo on CPU; CUDA tensor parallelism is not available yet)."""
+        the groups; each worker then loads its shard while rank 0 loads its own (``load``)."""
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group is already initialized in this process")
         world_size = config.parallel_config.tensor_parallel_size
+        device = tp_device(config, 0)
         if config.parallel_config.distributed_executor_backend == "ray":
-            host, workers = _start_ray_workers(config, model_path, world_size)
+            host, workers = _start_ray_workers(config, model_path, world_size, device)
         else:
             host = "127.0.0.1"
             workers = []
@@ -129,33 +211,55 @@ class TPGroup:
         else:
             for worker in workers:
                 worker.start(init_method)
-        dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=world_size, timeout=_TIMEOUT)
+        control = _init_groups(init_method, 0, world_size, device)
         backend = config.parallel_config.distributed_executor_backend
-        logger.info("tensor parallelism: %d ranks (gloo), workers started by %s", world_size, backend)
-        return cls(world_size, workers)
+        logger.info(
+            "tensor parallelism: %d ranks (%s), workers started by %s",
+            world_size,
+            "nccl" if device.type == "cuda" else "gloo",
+            backend,
+        )
+        return cls(world_size, workers, device, control)
 
-    def shard(self, model: Any) -> None:
-        shard_model(model, 0, self.world_size, _all_reduce)
+    def load(self, config: EngineConfig, model_path: str) -> Any:
+        """Rank 0's shard of the model, on rank 0's device."""
+        return load_shard(config, model_path, 0, self.device, _all_reduce)
 
     def send(self, method: str, *args: Any) -> None:
         _check_alive(self.processes)
-        dist.broadcast_object_list([(method, args)], src=0)
+        dist.broadcast_object_list([(method, args)], src=0, group=self.control)
+
+    def min_over_ranks(self, value: int) -> int:
+        return min_over_ranks(value, self.control)
 
     def close(self) -> None:
         self._finalizer()
 
 
-def _check_alive(processes: list[multiprocessing.process.BaseProcess]) -> None:
+def _check_alive(processes: list[Any]) -> None:
     for process in processes:
         if not process.is_alive():
             raise RuntimeError(f"tensor-parallel worker {process.name} died (exit code {process.exitcode})")
 
 
-def _shutdown(processes: list[multiprocessing.process.BaseProcess]) -> None:
+def _watch(processes: list[Any], stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        try:
+            _check_alive(processes)
+        except RuntimeError as exc:
+            if stop.is_set():
+                return
+            logger.error("%s: aborting the process group", exc)
+            dist.distributed_c10d._abort_process_group()
+            return
+
+
+def _shutdown(processes: list[Any], control: Any, stop: threading.Event) -> None:
     """Tell the workers to stop, wait for them (killing any that hang or are half dead), leave the group."""
+    stop.set()
     try:
         _check_alive(processes)
-        dist.broadcast_object_list([("shutdown", ())], src=0)
+        dist.broadcast_object_list([("shutdown", ())], src=0, group=control)
     except Exception:  # noqa: BLE001 - a dead worker: the rest are killed below
         logger.debug("could not tell the workers to stop", exc_info=True)
     for process in processes:
@@ -170,15 +274,17 @@ def _shutdown(processes: list[multiprocessing.process.BaseProcess]) -> None:
 class RayWorker:
     """One rank as a Ray task on the cluster, with the process-like handle the group uses (is_alive, join, kill)."""
 
-    def __init__(self, rank: int, world_size: int, config: Any, model_path: str) -> None:
+    def __init__(self, rank: int, world_size: int, config: EngineConfig, model_path: str, device: torch.device) -> None:
         self.rank, self.world_size, self.config, self.model_path = rank, world_size, config, model_path
+        self.device = device
         self.name = f"paged-backend-tp-{rank}"
         self.ref: Any = None
 
     def start(self, init_method: str) -> None:
         import ray
 
-        task = ray.remote(num_cpus=0)(_worker_main).options(name=self.name)
+        num_gpus = 1 if self.device.type == "cuda" else 0
+        task = ray.remote(num_cpus=0, num_gpus=num_gpus)(_worker_main).options(name=self.name)
         self.ref = task.remote(self.rank, self.world_size, init_method, self.config, self.model_path)
 
     @property
@@ -201,7 +307,9 @@ class RayWorker:
         ray.cancel(self.ref, force=True)
 
 
-def _start_ray_workers(config: Any, model_path: str, world_size: int) -> tuple[str, list[RayWorker]]:
+def _start_ray_workers(
+    config: EngineConfig, model_path: str, world_size: int, device: torch.device
+) -> tuple[str, list[RayWorker]]:
     """Ray tasks for ranks 1..N-1 on the running cluster (``ray start --head`` on one node, ``ray start --address``
     on the others; or a local instance started here); rank 0's address is this node's IP."""
     try:
@@ -211,7 +319,7 @@ def _start_ray_workers(config: Any, model_path: str, world_size: int) -> tuple[s
     if not ray.is_initialized():
         ray.init(ignore_reinit_error=True, include_dashboard=False)
     host = ray.util.get_node_ip_address()
-    return host, [RayWorker(rank, world_size, config, model_path) for rank in range(1, world_size)]
+    return host, [RayWorker(rank, world_size, config, model_path, device) for rank in range(1, world_size)]
 
 
 class TPModelRunner:

@@ -22,7 +22,7 @@ from paged_backend.attention import check_model_supported
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import Scheduler, SchedulerOutput
-from paged_backend.distributed.tp_plan import head_layout, tp_plan
+from paged_backend.distributed.shard_loader import check_tp_support
 from paged_backend.distributed.tp_runner import TPGroup, TPModelRunner, local_kv_spec
 from paged_backend.engine.detokenizer import (
     detokenize_incrementally,
@@ -56,22 +56,18 @@ class LLMEngine:
             raise NotImplementedError(f"quantization={config.model_config.quantization!r} is not supported yet")
         if config.lora_config.enable_lora:
             raise NotImplementedError(LORA_NOT_AVAILABLE)
-        self.model, self.device = load_model(config, model)
+        self.tp_group: TPGroup | None = None
+        if world_size > 1:
+            check_tp_support(config, model)  # before any process starts
+            self.tp_group = TPGroup.start(config, model)
+            self.model, self.device = self.tp_group.load(config, model), self.tp_group.device
+        else:
+            self.model, self.device = load_model(config, model)
         check_model_supported(self.model)
         self.tokenizer = load_tokenizer(config, model, tokenizer)
         self.config = config.resolve(model_max_length(self.model))
         self.max_model_len = self.config.max_model_len
         self._log_inactive_options()
-        self.tp_group: TPGroup | None = None
-        if world_size > 1:
-            if self.device.type != "cpu":
-                raise NotImplementedError(
-                    "tensor parallelism runs on CPU (gloo) in this version; on CUDA it is not available yet"
-                )
-            tp_plan(self.model)  # refuses an architecture without a plan, before any process starts
-            head_layout(self.model.config.get_text_config(), world_size)  # and sizes that do not divide
-            self.tp_group = TPGroup.start(self.config, model)
-            self.tp_group.shard(self.model)
 
         block_size = self.config.block_size
         spec = (
@@ -89,7 +85,7 @@ class LLMEngine:
             )
         num_cpu_blocks = self._num_swap_blocks(spec)
         if self.tp_group is not None:
-            self.tp_group.send("sizes", num_blocks, num_cpu_blocks)
+            self.tp_group.send("init_cache", self.config, num_blocks, num_cpu_blocks)
         self.cache_engine = CacheEngine(spec, num_blocks, block_size, self.device, num_cpu_blocks)
         self.block_manager = BlockManager(
             num_blocks,
@@ -165,25 +161,20 @@ class LLMEngine:
         return max(1, min(by_memory, cap))
 
     def _profile_gpu_blocks(self, block_bytes: int) -> int:
-        """Blocks that fit in ``gpu_memory_utilization`` of the GPU once weights and the activation peak of a
-        ``max_num_batched_tokens`` forward are accounted for."""
-        from paged_backend.worker.profiler import profile_peak_memory
+        """Blocks that fit in ``gpu_memory_utilization`` of the GPU (of every rank's GPU under tensor parallelism:
+        the workers profile in step with rank 0, their forwards' all-reduces need it)."""
+        from paged_backend.worker.profiler import gpu_blocks_that_fit
 
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        peak = profile_peak_memory(self.model, self.config, self.device)
-        budget = total * self.config.cache_config.gpu_memory_utilization - peak
-        num_blocks = int(budget // block_bytes)
-        logger.info(
-            "GPU memory: total %.1f GiB, weights + activation peak %.1f GiB, KV budget %.1f GiB",
-            total / 2**30,
-            peak / 2**30,
-            budget / 2**30,
-        )
+        if self.tp_group is not None:
+            self.tp_group.send("profile_num_blocks", self.config, block_bytes)
+        num_blocks = gpu_blocks_that_fit(self.model, self.config, self.device, block_bytes)
+        if self.tp_group is not None:
+            num_blocks = self.tp_group.min_over_ranks(num_blocks)
         if num_blocks < 1:
             utilization = self.config.cache_config.gpu_memory_utilization
             raise ValueError(
-                f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} "
-                f"of {total / 2**30:.1f} GiB is below the {peak / 2**30:.1f} GiB that weights and activations take"
+                f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} is below what weights "
+                "and the activation peak take (see the log for the figures)"
             )
         return num_blocks
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 
 import torch
@@ -12,6 +13,8 @@ from paged_backend.config import EngineConfig
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
 
 # Dummy sequences are at most this long: enough to exercise the attention path without a quadratic blow-up.
 PROFILE_SEQ_LEN = 1024
@@ -54,3 +57,19 @@ def profile_peak_memory(model: PreTrainedModel, config: EngineConfig, device: to
     del runner, cache
     torch.cuda.empty_cache()
     return peak - cache_bytes
+
+
+def gpu_blocks_that_fit(model: PreTrainedModel, config: EngineConfig, device: torch.device, block_bytes: int) -> int:
+    """KV blocks that fit in ``gpu_memory_utilization`` of the GPU once weights and the activation peak of a
+    ``max_num_batched_tokens`` forward are accounted for (zero or less when nothing fits)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    peak = profile_peak_memory(model, config, device)
+    budget = total * config.cache_config.gpu_memory_utilization - peak
+    logger.info(
+        "GPU memory on %s: total %.1f GiB, weights + activation peak %.1f GiB, KV budget %.1f GiB",
+        device,
+        total / 2**30,
+        peak / 2**30,
+        budget / 2**30,
+    )
+    return int(budget // block_bytes)

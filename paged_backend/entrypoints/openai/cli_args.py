@@ -31,6 +31,7 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--num-scheduler-steps", int, "greedy decode steps per scheduling round (default 8)"),
     ("--preemption-mode", str, "swap or recompute (default: swap on a GPU with swap space)"),
     ("--device", str, "auto, cpu, cuda or cuda:N (default auto)"),
+    ("--load-format", str, "auto (the checkpoint) or dummy (random weights from config.json, for benchmarks)"),
 ]
 
 

@@ -1,0 +1,333 @@
+"""Tensor parallelism on two GPUs: greedy equality first, then speed beside Hugging Face.
+
+Parts (``--parts``, all by default):
+  check    tiny fp32 Llama and Qwen2 (Qwen3: one KV head, replicated) at TP=2 with chunked prefill and
+           preemption, eager and compiled + CUDA graphs: greedy output == HF ``generate`` on one GPU
+  w1       DESIGN.md's W1 on the Llama-3-8B shape: paged TP=1 and TP=2, beside HF ``generate`` (batches of 64,
+           one GPU) on the first 64 prompts
+  kill     a worker killed inside a step (tiny Llama, TP=2): seconds until rank 0 raises
+  w2_70b   W2 (one 128-token prompt, 256 new tokens) on a Llama-3-70B shape (80 layers, hidden 8192, 64 heads,
+           8 KV heads, FFN 28672, vocab 128256): paged TP=2 beside HF ``generate`` with the layers split over the
+           two GPUs (accelerate's ``dispatch_model``, what ``device_map="auto"`` does)
+Weights: ``load_format="dummy"``, the architecture's own random init (normal(0, 0.02), norms 1) in bf16, made on
+the GPUs from config.json alone (a 70B checkpoint would not fit this machine's disk). No EOS: fixed lengths.
+
+    python benchmarks/tp.py --json benchmarks/results/h200x2_tp.json --plot docs/images/h200x2_tp.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.throughput import (  # noqa: E402
+    MODEL_CONFIG,
+    release_engine,
+    run_hf,
+    run_paged,
+    tokens_per_second,
+    versions,
+    w1_prompts,
+)
+from paged_backend import LLM, SamplingParams  # noqa: E402
+from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from paged_backend.dummy_loader import materialize, meta_model  # noqa: E402
+
+logger = logging.getLogger("benchmarks.tp")
+
+MODEL_70B = dict(MODEL_CONFIG, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, intermediate_size=28672)
+# Weights one GPU reads per decode step at TP=2: every layer's half plus the replicated embedding row and LM head.
+H200_COPY_TBPS = 4.27
+
+
+def save_config(path: Path, shape: dict[str, Any], num_layers: int | None) -> LlamaConfig:
+    config = LlamaConfig(**{**shape, "num_hidden_layers": num_layers or shape["num_hidden_layers"]}, dtype="bfloat16")
+    config.eos_token_id = config.bos_token_id = config.pad_token_id = None
+    config.save_pretrained(path)
+    return config
+
+
+def paged_llm(path: Path, tp: int, **kwargs: Any) -> LLM:
+    return LLM(
+        str(path),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        tensor_parallel_size=tp,
+        **kwargs,
+    )
+
+
+def close(llm: LLM, what: str) -> None:
+    llm.llm_engine.shutdown()
+    del llm
+    release_engine(what)
+
+
+# ---------------------------------------------------------------------------------------------------- check
+@torch.no_grad()
+def check(tmp: Path) -> list[dict[str, Any]]:
+    tokenizer = build_tiny_tokenizer()
+    rows = []
+    for arch in ("llama", "qwen2", "qwen3"):
+        model = build_tiny_model(arch, vocab_size=len(tokenizer))
+        path = tmp / arch
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        model = model.cuda()
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 3, 4, 5, 14, 2, 19, 40)]
+        refs = []
+        for prompt in prompts:
+            ref = model.generate(
+                torch.tensor([prompt], device="cuda"),
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+            refs.append(ref[: ref.index(2) + 1] if 2 in ref else ref)
+        for eager in (True, False):
+            llm = LLM(
+                str(path),
+                tensor_parallel_size=2,
+                dtype="float32",
+                block_size=4,
+                num_kv_blocks=40,
+                max_num_batched_tokens=24,
+                max_model_len=80,
+                max_num_seqs=16,
+                enforce_eager=eager,
+            )
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
+            )
+            stats = llm.stats()
+            rows.append(
+                {
+                    "arch": arch,
+                    "mode": "eager" if eager else "compiled+graphs",
+                    "matches": sum(list(o.outputs[0].token_ids) == r for o, r in zip(outs, refs)),
+                    "prompts": len(prompts),
+                    "preemptions": stats["num_preemptions"],
+                    "swap_outs": stats["num_swapped_out"],
+                }
+            )
+            logger.info("check %s", rows[-1])
+            close(llm, f"{arch} TP=2")
+        del model
+    return rows
+
+
+def kill_worker_mid_step(tmp: Path) -> dict[str, Any]:
+    """NCCL does not notice a dead peer; the group's watcher must abort it so that rank 0 raises within seconds."""
+    import time
+
+    llm = LLM(str(tmp / "llama"), tensor_parallel_size=2, dtype="float32", block_size=4, max_model_len=80)
+    (worker,) = llm.llm_engine.tp_group.processes
+    runner = llm.llm_engine.runner.runner
+    forward, steps = runner.execute_inputs, [0]
+
+    def dying_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        steps[0] += 1
+        if steps[0] == 3:
+            worker.kill()
+            worker.join(timeout=10)
+        return forward(*args, **kwargs)
+
+    runner.execute_inputs = dying_forward
+    started = time.monotonic()
+    try:
+        llm.generate(["Hello"] * 4, SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+        error = "none"
+    except Exception as exc:  # noqa: BLE001 - recorded, whatever it is
+        error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    result = {"seconds_to_error": time.monotonic() - started, "error": error}
+    logger.info("dead worker: %s", result)
+    llm.llm_engine.shutdown()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- w1
+def w1(tmp: Path, num_layers: int | None, num_prompts: int, max_tokens: int) -> dict[str, Any]:
+    path = tmp / "llama-3-8b-shape"
+    config = save_config(path, MODEL_CONFIG, num_layers)
+    prompts = w1_prompts(config.vocab_size, num_prompts)
+    results: dict[str, Any] = {}
+
+    model = materialize(meta_model(config, torch.bfloat16), torch.device("cuda", 0), seed=0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    run_hf(model, prompts[:4], 4)  # warm-up
+    outs, seconds = run_hf(model, prompts[:64], max_tokens)
+    results["hf_generate_64_prompts"] = tokens_per_second(outs, seconds)
+    logger.info("W1 hf generate (64 prompts): %.1f tok/s", results["hf_generate_64_prompts"])
+    del model
+    release_engine("HF")
+
+    for tp in (1, 2):
+        llm = paged_llm(path, tp)
+        run_paged(llm, prompts[:64], 8)  # warm-up
+        outs, seconds = run_paged(llm, prompts, max_tokens)
+        results[f"paged_tp{tp}"] = tokens_per_second(outs, seconds)
+        results[f"paged_tp{tp}_preemptions"] = llm.stats()["num_preemptions"]
+        logger.info("W1 paged TP=%d: %.1f tok/s", tp, results[f"paged_tp{tp}"])
+        close(llm, f"TP={tp}")
+    results["speedup_tp2_over_tp1"] = results["paged_tp2"] / results["paged_tp1"]
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------- w2 70b
+def split_over_gpus(config: LlamaConfig) -> Any:
+    """HF's model with its layers split in two halves over cuda:0 and cuda:1, made module by module."""
+    from accelerate import dispatch_model
+
+    model = meta_model(config, torch.bfloat16)
+    half = config.num_hidden_layers // 2
+
+    def gpu_of(name: str) -> int:
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) >= half
+        return 1 if name in ("model.norm", "lm_head") else 0
+
+    materialize(model, torch.device("cuda", 0), seed=0, shard=lambda name, module: module.to(f"cuda:{gpu_of(name)}"))
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1}
+    device_map.update({f"model.layers.{i}": int(i >= half) for i in range(config.num_hidden_layers)})
+    model = dispatch_model(model, device_map)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def w2_70b(tmp: Path, num_layers: int | None, max_tokens: int) -> dict[str, Any]:
+    path = tmp / "llama-3-70b-shape"
+    config = save_config(path, MODEL_70B, num_layers)
+    prompt = [random.Random(1).randrange(config.vocab_size) for _ in range(128)]
+    results: dict[str, Any] = {}
+
+    model = split_over_gpus(config)
+    run_hf(model, [prompt], 4)  # warm-up
+    outs, seconds = run_hf(model, [prompt], max_tokens)
+    results["hf_generate_split"] = tokens_per_second(outs, seconds)
+    logger.info("W2 70B hf generate, layers split over 2 GPUs: %.2f tok/s", results["hf_generate_split"])
+    del model
+    release_engine("HF")
+
+    llm = paged_llm(path, 2, max_num_seqs=8)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.llm_engine.model.parameters())
+    run_paged(llm, [prompt], max_tokens)  # warm-up
+    outs, seconds = run_paged(llm, [prompt], max_tokens)
+    results["paged_tp2"] = tokens_per_second(outs, seconds)
+    # The floor: rank 0's weights read once per token at the copy bandwidth (the embedding reads one row only).
+    embed = config.vocab_size * config.hidden_size * 2
+    results["weights_per_gpu_gb"] = weight_bytes / 1e9
+    results["bandwidth_floor_tok_s"] = H200_COPY_TBPS * 1e12 / (weight_bytes - embed)
+    logger.info("W2 70B paged TP=2: %.2f tok/s (floor %.1f)", results["paged_tp2"], results["bandwidth_floor_tok_s"])
+    close(llm, "70B TP=2")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    if "w1" in results:
+        r = results["w1"]
+        panels.append(
+            (
+                "W1, Llama-3-8B shape: output tok/s",
+                {
+                    "hf generate\n(1 GPU)": r["hf_generate_64_prompts"],
+                    "paged TP=1": r["paged_tp1"],
+                    "paged TP=2": r["paged_tp2"],
+                },
+                None,
+            )
+        )
+    if "w2_70b" in results:
+        r = results["w2_70b"]
+        panels.append(
+            (
+                "W2, Llama-3-70B shape: tok/s",
+                {"hf generate\n(layers split)": r["hf_generate_split"], "paged TP=2": r["paged_tp2"]},
+                r["bandwidth_floor_tok_s"],
+            )
+        )
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.8), squeeze=False)
+    for ax, (title, values, floor) in zip(axes[0], panels):
+        bars = ax.bar(list(values), list(values.values()), color=["#888", "#4c72b0", "#dd8452"][: len(values)])
+        ax.bar_label(bars, fmt="%.0f" if max(values.values()) > 100 else "%.1f")
+        if floor:
+            ax.axhline(floor, color="k", linestyle="--", linewidth=1)
+            ax.text(0, floor, f" bandwidth floor {floor:.0f}", va="bottom", fontsize=8)
+        ax.set_title(title, fontsize=10)
+    fig.suptitle(f"{results['machine']}, bf16, random weights", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="check,w1,w2_70b,kill", help="comma list of check, w1, w2_70b, kill")
+    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
+    parser.add_argument("--json", type=Path, default=None, help="write results here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if torch.cuda.device_count() < 2:
+        parser.error(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    parts = args.parts.split(",")
+    unknown = set(parts) - {"check", "w1", "w2_70b", "kill"}
+    if unknown:
+        parser.error(f"--parts takes check, w1, w2_70b, kill; got {sorted(unknown)}")
+    results: dict[str, Any] = {
+        "machine": f"2x {torch.cuda.get_device_name(0)}",
+        "versions": versions(),
+        "command": "python benchmarks/tp.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if "check" in parts:
+            results["check"] = check(Path(tmp))
+            save()
+        if "w1" in parts:
+            results["w1"] = w1(Path(tmp), args.num_layers, args.num_prompts, args.max_tokens)
+            save()
+        if "w2_70b" in parts:
+            results["w2_70b"] = w2_70b(Path(tmp), args.num_layers, args.max_tokens)
+            save()
+        if "kill" in parts:
+            if "check" not in parts:
+                check(Path(tmp))  # saves the tiny checkpoint it needs
+            results["kill"] = kill_worker_mid_step(Path(tmp))
+            save()
+    if args.plot and ("w1" in results or "w2_70b" in results):
+        plot(results, args.plot)
+    logger.info("%s", json.dumps({k: v for k, v in results.items() if k != "versions"}, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
