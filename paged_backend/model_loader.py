@@ -59,6 +59,23 @@ def load_hf_config(config: EngineConfig, name: str) -> Any:
     return _from_pretrained(AutoConfig, name, trust_remote_code=config.model_config.trust_remote_code)
 
 
+def quantization(config: EngineConfig, hf_config: Any, name: str) -> str | None:
+    """``awq`` when asked for or when the checkpoint's ``quantization_config`` says so; None otherwise."""
+    qc = getattr(hf_config, "quantization_config", None)
+    method = None
+    if qc is not None:
+        method = str((qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method", "")).lower() or None
+    asked = config.model_config.quantization
+    if asked == "awq" and method != "awq":
+        raise ValueError(
+            f"quantization='awq' needs an AWQ checkpoint, but {name}'s config.json has "
+            f"{'no quantization_config' if method is None else f'quant_method={method!r}'}"
+        )
+    if method == "awq" and asked is None:
+        logger.info("%s is an AWQ checkpoint (quantization_config): loading it as quantization='awq'", name)
+    return "awq" if method == "awq" else None
+
+
 def checkpoint_dtype(config: EngineConfig, hf_config: Any, device: torch.device) -> torch.dtype:
     """The dtype to run in: the configured one, else the checkpoint's (see ``resolve_dtype``)."""
     stored = getattr(hf_config, "dtype", None)
@@ -75,6 +92,11 @@ def load_model(
     or hub id loads its checkpoint, or with ``load_format="dummy"`` only its config, with random weights.
     ``keep_on_cpu`` leaves a loaded checkpoint on the CPU, in the dtype it will run in on ``device``."""
     if isinstance(model, PreTrainedModel):
+        if config.model_config.quantization is not None:
+            raise ValueError(
+                f"quantization={config.model_config.quantization!r} loads a quantized checkpoint: pass model as a "
+                "path or hub id, not a loaded model"
+            )
         if config.model_config.load_format != "auto":
             raise ValueError(
                 f"load_format={config.model_config.load_format!r} needs model as a path or hub id, not a loaded model"
@@ -93,6 +115,14 @@ def load_model(
     device = device or resolve_device(config, None)
     hf_config = load_hf_config(config, model)
     dtype = checkpoint_dtype(config, hf_config, device)
+    if quantization(config, hf_config, model) == "awq":
+        from paged_backend.quantization.awq import load_awq_model
+
+        if config.model_config.load_format == "dummy":
+            raise ValueError("load_format='dummy' does not make AWQ weights: quantize a model with awq.quantize")
+        awq_device = torch.device("cpu") if keep_on_cpu else device
+        trust = config.model_config.trust_remote_code
+        return load_awq_model(hf_config, model, dtype, awq_device, trust), device
     if config.model_config.load_format == "dummy":
         from paged_backend.dummy_loader import dummy_model
 

@@ -52,8 +52,6 @@ class LLMEngine:
             raise ValueError(
                 "tensor_parallel_size > 1 loads the model in every worker process: pass model as a path or hub id"
             )
-        if config.model_config.quantization is not None:
-            raise NotImplementedError(f"quantization={config.model_config.quantization!r} is not supported yet")
         if config.lora_config.enable_lora:
             raise NotImplementedError(LORA_NOT_AVAILABLE)
         self.tp_group: TPGroup | None = None

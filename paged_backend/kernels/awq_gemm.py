@@ -1,0 +1,148 @@
+"""y = x @ dequantize(qweight, qzeros, scales): the AWQ int4 GEMM. The torch twin dequantizes whole and multiplies
+(the reference, and the CPU path); the Triton kernel dequantizes each weight tile in registers right before its
+``tl.dot``, so a decode step reads 4-bit weights from memory instead of 16-bit ones. Small batches split K over
+several programs to fill the GPU (their fp32 partial sums are added afterwards); large ones (prefill) dequantize
+once and use cuBLAS, where the GEMM's compute outweighs the extra pass over the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_backend.kernels import num_sms, tl, triton
+from paged_backend.quantization.awq_format import dequantize
+
+# Rows up to which the fused kernel runs; above, dequantize + cuBLAS.
+FUSED_MAX_M = 256
+
+
+def awq_gemm_torch(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [K, N / 8] int32
+    qzeros: torch.Tensor,  # [K / G, N / 8] int32
+    scales: torch.Tensor,  # [K / G, N]
+) -> torch.Tensor:  # [M, N]
+    return x @ dequantize(qweight, qzeros, scales, x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _awq_gemm_kernel(
+        x_ptr,  # [M, K]
+        qweight_ptr,  # [K, N / 8] int32
+        qzeros_ptr,  # [K / G, N / 8] int32
+        scales_ptr,  # [K / G, N]
+        out_ptr,  # [SPLIT_K, M, N] fp32
+        M,
+        N,
+        K,
+        group_size,
+        k_per_split,  # a multiple of BLOCK_K
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,  # divides group_size: one scale row per tile
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Column j of a pack sits at bit 4 * position-of-j in AWQ's order [0, 2, 4, 6, 1, 3, 5, 7].
+        j = offs_n % 8
+        shifts = (j // 2) * 4 + (j % 2) * 16  # == AWQ_SHIFTS[j]
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_end
+            x = tl.load(
+                x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
+            )  # [BM, BK]
+            packed = tl.load(
+                qweight_ptr + offs_k[:, None] * (N // 8) + (offs_n // 8)[None, :],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0,
+            )  # [BK, BN]: each int32 read for its eight columns
+            group = k0 // group_size
+            zeros = tl.load(qzeros_ptr + group * (N // 8) + offs_n // 8, mask=mask_n, other=0)  # [BN]
+            scales = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+            q = (packed >> shifts[None, :]) & 0xF
+            z = (zeros >> shifts) & 0xF
+            w = ((q - z[None, :]).to(tl.float32) * scales[None, :]).to(x.dtype)  # [BK, BN]
+            acc += tl.dot(x, w)
+        tl.store(
+            out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :],
+            acc,
+            mask=mask_m[:, None] & mask_n[None, :],
+        )
+
+
+def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K): about two programs per SM when M is small."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 32 else 128
+    block_k = min(group_size, 64 if m <= 32 else 32)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split_k = 1
+    while tiles * split_k < 2 * sms and k // (split_k * 2) >= 4 * block_k:
+        split_k *= 2
+    return block_m, block_n, block_k, split_k
+
+
+def awq_gemm_triton(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [K, N / 8] int32
+    qzeros: torch.Tensor,  # [K / G, N / 8] int32
+    scales: torch.Tensor,  # [K / G, N]
+    launch: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:  # [M, N]
+    m, k = x.shape
+    n = scales.shape[1]
+    group_size = k // scales.shape[0]
+    sms = num_sms(x.device) if x.is_cuda else 132
+    block_m, block_n, block_k, split_k = launch or _launch_shape(m, n, k, group_size, sms)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    _awq_gemm_kernel[grid](
+        x.contiguous(),
+        qweight,
+        qzeros,
+        scales,
+        partial,
+        m,
+        n,
+        k,
+        group_size,
+        k_per_split,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return (partial[0] if split_k == 1 else partial.sum(0)).to(x.dtype)
+
+
+def awq_gemm(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+) -> torch.Tensor:  # [M, N]
+    if x.is_cuda and triton is not None and x.shape[0] <= FUSED_MAX_M:
+        return awq_gemm_triton(x, qweight, qzeros, scales)
+    return awq_gemm_torch(x, qweight, qzeros, scales)
+
+
+@torch.library.custom_op("paged_backend::awq_gemm", mutates_args=())
+def awq_gemm_op(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return awq_gemm(x, qweight, qzeros, scales)
+
+
+@awq_gemm_op.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales.shape[1])

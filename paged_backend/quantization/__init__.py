@@ -1,0 +1,1 @@
+"""Weight quantization: AWQ int4 checkpoints (AutoAWQ's GEMM layout), loaded and made without autoawq."""

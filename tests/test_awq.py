@@ -1,0 +1,225 @@
+"""AWQ int4: the packed format against a reference written from its description, the linear against its
+dequantized twin, the Triton kernel against the torch twin (interpreter on CPU), the quantizer against
+round-to-nearest, and the engine on AWQ checkpoints against HF ``generate`` on the dequantized fp32 model."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.demo import CORPUS, build_tiny_model
+from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton
+from paged_backend.quantization.awq import AWQLinear, convertible_linears
+from paged_backend.quantization.awq_format import AWQ_ORDER, dequantize, pack, pack_linear, unpack
+from paged_backend.quantization.awq_quantize import apply_awq, calibration_batches, quantize, write_checkpoint
+from tests.conftest import hf_greedy, ragged_prompts
+
+GROUP = 32
+
+
+def reference_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Straight from the format: nibble i (bits 4i..4i+3) of int32 column c is output column 8c + AWQ_ORDER[i]."""
+    rows, cols = packed.shape
+    out = torch.zeros(rows, cols * 8, dtype=torch.int32)
+    for r in range(rows):
+        for c in range(cols):
+            word = int(packed[r, c]) & 0xFFFFFFFF
+            for i in range(8):
+                out[r, 8 * c + AWQ_ORDER[i]] = (word >> (4 * i)) & 0xF
+    return out
+
+
+def test_pack_unpack_round_trip_against_the_format() -> None:
+    torch.manual_seed(0)
+    values = torch.randint(0, 16, (6, 32), dtype=torch.int32)
+    packed = pack(values)
+    assert packed.dtype == torch.int32 and packed.shape == (6, 4)
+    assert torch.equal(reference_unpack(packed), values)
+    assert torch.equal(unpack(packed), values)
+    row = torch.arange(8, dtype=torch.int32)[None]  # column j holds value j
+    word = sum(AWQ_ORDER[i] << (4 * i) for i in range(8))
+    assert int(pack(row)[0, 0]) & 0xFFFFFFFF == word
+
+
+def test_awq_linear_equals_the_dequantized_linear() -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 128), torch.randn(48)
+    qweight, qzeros, scales = pack_linear(weight, GROUP)
+    dense = dequantize(qweight, qzeros, scales, torch.float32).t()  # [N, K]
+    assert (dense - weight).abs().max() <= scales.float().max() / 2 + 1e-3  # rounding error at most half a step
+    layer = AWQLinear(128, 48, GROUP, bias=True)
+    layer.qweight.copy_(qweight)
+    layer.qzeros.copy_(qzeros)
+    layer.scales.copy_(scales)
+    layer.bias.data.copy_(bias)
+    x = torch.randn(3, 5, 128)
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 7, 40])
+def test_triton_kernel_equals_its_twin(dtype: torch.dtype, m: int) -> None:
+    torch.manual_seed(m)
+    k, n = 256, 80
+    qweight, qzeros, scales = pack_linear(torch.randn(n, k) * 0.1, GROUP)
+    x = torch.randn(m, k, dtype=dtype)
+    expected = awq_gemm_torch(x.float(), qweight, qzeros, scales)
+    for launch in (None, (16, 32, 32, 4)):  # the heuristic's shape, and split-K over 4 programs
+        got = awq_gemm_triton(x, qweight, qzeros, scales, launch)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def dequantized_copy(model: nn.Module, folder) -> nn.Module:
+    """The fp32 model an AWQ checkpoint stands for: each quantized linear's weight replaced by its dequantization."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{folder}/model.safetensors")
+    reference = copy.deepcopy(model)
+    for name, linear in convertible_linears(reference, _awq_config(folder)).items():
+        w = dequantize(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"], tensors[f"{name}.scales"], torch.float32)
+        linear.weight.data.copy_(w.t())
+        if linear.bias is not None:
+            linear.bias.data.copy_(tensors[f"{name}.bias"].float())
+    for name, param in reference.named_parameters():
+        if name in tensors:  # the rest is stored in fp16
+            param.data.copy_(tensors[name].float())
+    return reference
+
+
+def _awq_config(folder):
+    from paged_backend.quantization.awq import AWQConfig
+
+    with open(f"{folder}/config.json") as f:
+        return AWQConfig.from_hf(json.load(f)["quantization_config"])
+
+
+@pytest.fixture(scope="module")
+def awq_checkpoints(tmp_path_factory, tokenizer):
+    """Tiny Llama and Qwen2 (biases) written as round-to-nearest AWQ checkpoints."""
+    out = {}
+    for arch in ("llama", "qwen2"):
+        model = build_tiny_model(arch, vocab_size=len(tokenizer))
+        folder = tmp_path_factory.mktemp(f"awq-{arch}")
+        write_checkpoint(model, str(folder), GROUP, tokenizer)
+        out[arch] = (str(folder), dequantized_copy(model, folder))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_on_an_awq_checkpoint_equals_hf_on_the_dequantized_model(awq_checkpoints, arch: str) -> None:
+    folder, reference = awq_checkpoints[arch]
+    prompts = ragged_prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=14, max_num_batched_tokens=24, max_model_len=48)
+    linears = [m for m in llm.llm_engine.model.modules() if isinstance(m, AWQLinear)]
+    assert len(linears) == 14  # 2 layers x (q, k, v, o, gate, up, down); the LM head stays dense
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(reference, p, 16) for p in prompts]
+    assert llm.stats()["num_preemptions"] > 0  # the small cache preempted, the outputs still agree
+    explicit = LLM(folder, quantization="awq", dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=64)
+    again = explicit.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert list(again[0].outputs[0].token_ids) == list(outs[0].outputs[0].token_ids)
+
+
+def _edit_checkpoint(folder, tmp_path, edit_tensors=None, edit_config=None):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "edited"
+    shutil.copytree(folder, target)
+    if edit_tensors:
+        tensors = load_file(target / "model.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    if edit_config:
+        config = json.loads((target / "config.json").read_text())
+        edit_config(config["quantization_config"])
+        (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "config", "match"),
+    [
+        (lambda t: t.pop("model.layers.0.mlp.up_proj.qzeros"), None, r"missing tensor.*up_proj\.qzeros"),
+        (
+            lambda t: t.update({"model.layers.1.self_attn.o_proj.qweight": torch.zeros(64, 4, dtype=torch.int32)}),
+            None,
+            r"o_proj\.qweight has shape \(64, 4\), expected \(64, 8\)",
+        ),
+        (None, lambda qc: qc.update(bits=8), r"quantization_config\.bits must be 4"),
+        (None, lambda qc: qc.update(group_size=48), r"quantization_config\.group_size must be one of"),
+        (None, lambda qc: qc.update(version="gemv"), r"quantization_config\.version must be 'gemm'"),
+    ],
+)
+def test_bad_checkpoints_fail_at_load_naming_the_tensor(awq_checkpoints, tmp_path, tensors, config, match) -> None:
+    folder = _edit_checkpoint(awq_checkpoints["llama"][0], tmp_path, tensors, config)
+    with pytest.raises(ValueError, match=match):
+        LLM(folder, dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=64)
+
+
+def test_group_size_must_divide_in_features(awq_checkpoints, tmp_path) -> None:
+    folder = _edit_checkpoint(awq_checkpoints["llama"][0], tmp_path, None, lambda qc: qc.update(group_size=128))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj: group_size=128 must divide"):
+        LLM(folder, dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=64)
+
+
+def test_awq_needs_an_awq_checkpoint(tmp_path, tokenizer) -> None:
+    build_tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="quantization='awq' needs an AWQ checkpoint.*no quantization_config"):
+        LLM(str(tmp_path), quantization="awq", num_kv_blocks=64, block_size=4, max_model_len=64)
+
+
+# ---------------------------------------------------------------------------------------------------- quantizer
+def outlier_model(tokenizer) -> nn.Module:
+    """A tiny Llama whose norms boost a few hidden channels, as trained LLMs' activations do: the salient
+    channels AWQ is built to protect."""
+    model = build_tiny_model("llama", vocab_size=len(tokenizer), seed=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[[3, 17, 40, 58]] = 12.0
+    return model
+
+
+@torch.no_grad()
+def logits_error(model: nn.Module, candidate: nn.Module, batches: list[torch.Tensor]) -> float:
+    return sum((candidate(ids).logits - model(ids).logits).pow(2).mean().item() for ids in batches) / len(batches)
+
+
+def test_awq_beats_round_to_nearest_on_held_out_text(tokenizer, tmp_path) -> None:
+    model = outlier_model(tokenizer)
+    calib, held_out = CORPUS[: len(CORPUS) // 2], CORPUS[len(CORPUS) // 2 :]
+    quantize(model, tokenizer, str(tmp_path / "awq"), calib_texts=calib, group_size=GROUP, seq_len=64)
+    write_checkpoint(model, str(tmp_path / "rtn"), GROUP, tokenizer)  # plain round to nearest
+    batches = calibration_batches(tokenizer, held_out, 64, torch.device("cpu"))
+    awq_error = logits_error(model, dequantized_copy(model, tmp_path / "awq"), batches)
+    rtn_error = logits_error(model, dequantized_copy(model, tmp_path / "rtn"), batches)
+    assert awq_error < 0.8 * rtn_error, (awq_error, rtn_error)
+    # Scaling alone keeps the float model's function: the inverse scales fold into the norms and linears.
+    scaled = copy.deepcopy(model)
+    apply_awq(scaled, calibration_batches(tokenizer, calib, 64, torch.device("cpu")), GROUP, clip=False)
+    assert logits_error(model, scaled, batches) < 1e-8
+    config = json.loads((tmp_path / "awq" / "config.json").read_text())["quantization_config"]
+    assert config == {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": GROUP,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
+    llm = LLM(str(tmp_path / "awq"), dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=64)
+    reference = dequantized_copy(model, tmp_path / "awq")
+    prompt = ragged_prompts(4)[1]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == hf_greedy(reference, prompt, 8)
