@@ -20,6 +20,7 @@ from paged_backend.quantization.awq_quantize import apply_awq, calibration_batch
 from tests.conftest import hf_greedy, ragged_prompts
 
 GROUP = 32
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel: on the GPU, else interpreted
 
 
 def reference_unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -66,8 +67,8 @@ def test_awq_linear_equals_the_dequantized_linear() -> None:
 def test_triton_kernel_equals_its_twin(dtype: torch.dtype, m: int) -> None:
     torch.manual_seed(m)
     k, n = 256, 80
-    qweight, qzeros, scales = pack_linear(torch.randn(n, k) * 0.1, GROUP)
-    x = torch.randn(m, k, dtype=dtype)
+    qweight, qzeros, scales = pack_linear(torch.randn(n, k, device=DEVICE) * 0.1, GROUP)
+    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
     expected = awq_gemm_torch(x.float(), qweight, qzeros, scales)
     for launch in (None, (16, 32, 32, 4)):  # the heuristic's shape, and split-K over 4 programs
         got = awq_gemm_triton(x, qweight, qzeros, scales, launch)
