@@ -42,6 +42,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,  # divides group_size: one scale row per tile
+        IEEE: tl.constexpr,  # fp32 inputs: full-precision dots, not TF32
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -73,7 +74,10 @@ if triton is not None:
             q = (packed >> shifts[None, :]) & 0xF
             z = (zeros >> shifts) & 0xF
             w = ((q - z[None, :]).to(tl.float32) * scales[None, :]).to(x.dtype)  # [BK, BN]
-            acc += tl.dot(x, w)
+            if IEEE:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
         tl.store(
             out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :],
             acc,
@@ -123,6 +127,7 @@ def awq_gemm_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32,
     )
     return (partial[0] if split_k == 1 else partial.sum(0)).to(x.dtype)
 
