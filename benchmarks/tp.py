@@ -69,12 +69,6 @@ def paged_llm(path: Path, tp: int, **kwargs: Any) -> LLM:
     )
 
 
-def close(llm: LLM, what: str) -> None:
-    llm.llm_engine.shutdown()
-    del llm
-    release_engine(what)
-
-
 # ---------------------------------------------------------------------------------------------------- check
 @torch.no_grad()
 def check(tmp: Path) -> list[dict[str, Any]]:
@@ -125,7 +119,9 @@ def check(tmp: Path) -> list[dict[str, Any]]:
                 }
             )
             logger.info("check %s", rows[-1])
-            close(llm, f"{arch} TP=2")
+            llm.llm_engine.shutdown()
+            del llm, outs
+            release_engine(f"{arch} TP=2")
         del model
     return rows
 
@@ -156,35 +152,43 @@ def kill_worker_mid_step(tmp: Path) -> dict[str, Any]:
     result = {"seconds_to_error": time.monotonic() - started, "error": error}
     logger.info("dead worker: %s", result)
     llm.llm_engine.shutdown()
+    del llm, runner
+    release_engine("dead-worker check")
     return result
 
 
 # ---------------------------------------------------------------------------------------------------- w1
-def w1(tmp: Path, num_layers: int | None, num_prompts: int, max_tokens: int) -> dict[str, Any]:
+def w1(tmp: Path, num_layers: int | None, num_prompts: int, max_tokens: int, backends: list[str]) -> dict[str, Any]:
     path = tmp / "llama-3-8b-shape"
     config = save_config(path, MODEL_CONFIG, num_layers)
     prompts = w1_prompts(config.vocab_size, num_prompts)
     results: dict[str, Any] = {}
 
-    model = materialize(meta_model(config, torch.bfloat16), torch.device("cuda", 0), seed=0)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    run_hf(model, prompts[:4], 4)  # warm-up
-    outs, seconds = run_hf(model, prompts[:64], max_tokens)
-    results["hf_generate_64_prompts"] = tokens_per_second(outs, seconds)
-    logger.info("W1 hf generate (64 prompts): %.1f tok/s", results["hf_generate_64_prompts"])
-    del model
-    release_engine("HF")
+    if "hf" in backends:
+        model = materialize(meta_model(config, torch.bfloat16), torch.device("cuda", 0), seed=0)
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        run_hf(model, prompts[:4], 4)  # warm-up
+        outs, seconds = run_hf(model, prompts[:64], max_tokens)
+        results["hf_generate_64_prompts"] = tokens_per_second(outs, seconds)
+        logger.info("W1 hf generate (64 prompts): %.1f tok/s", results["hf_generate_64_prompts"])
+        del model
+        release_engine("HF")
 
     for tp in (1, 2):
+        if f"tp{tp}" not in backends:
+            continue
         llm = paged_llm(path, tp)
         run_paged(llm, prompts[:64], 8)  # warm-up
         outs, seconds = run_paged(llm, prompts, max_tokens)
         results[f"paged_tp{tp}"] = tokens_per_second(outs, seconds)
         results[f"paged_tp{tp}_preemptions"] = llm.stats()["num_preemptions"]
         logger.info("W1 paged TP=%d: %.1f tok/s", tp, results[f"paged_tp{tp}"])
-        close(llm, f"TP={tp}")
-    results["speedup_tp2_over_tp1"] = results["paged_tp2"] / results["paged_tp1"]
+        llm.llm_engine.shutdown()
+        del llm
+        release_engine(f"TP={tp}")
+    if "paged_tp1" in results and "paged_tp2" in results:
+        results["speedup_tp2_over_tp1"] = results["paged_tp2"] / results["paged_tp1"]
     return results
 
 
@@ -234,7 +238,9 @@ def w2_70b(tmp: Path, num_layers: int | None, max_tokens: int) -> dict[str, Any]
     results["weights_per_gpu_gb"] = weight_bytes / 1e9
     results["bandwidth_floor_tok_s"] = H200_COPY_TBPS * 1e12 / (weight_bytes - embed)
     logger.info("W2 70B paged TP=2: %.2f tok/s (floor %.1f)", results["paged_tp2"], results["bandwidth_floor_tok_s"])
-    close(llm, "70B TP=2")
+    llm.llm_engine.shutdown()
+    del llm
+    release_engine("70B TP=2")
     return results
 
 
@@ -284,6 +290,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="check,w1,w2_70b,kill", help="comma list of check, w1, w2_70b, kill")
+    parser.add_argument("--w1-backends", default="hf,tp1,tp2", help="comma list of hf, tp1, tp2")
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
@@ -313,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["check"] = check(Path(tmp))
             save()
         if "w1" in parts:
-            results["w1"] = w1(Path(tmp), args.num_layers, args.num_prompts, args.max_tokens)
+            backends = args.w1_backends.split(",")
+            results["w1"] = w1(Path(tmp), args.num_layers, args.num_prompts, args.max_tokens, backends)
             save()
         if "w2_70b" in parts:
             results["w2_70b"] = w2_70b(Path(tmp), args.num_layers, args.max_tokens)

@@ -125,6 +125,29 @@ def test_a_dead_worker_is_reported_mid_step_and_between_steps(checkpoints) -> No
     assert not tp_workers()
 
 
+def test_workers_choose_cuda_graphs_like_rank_0() -> None:
+    """Workers get each step without its sequences; the graph-or-not choice must not depend on them (a worker
+    running eagerly beside a rank 0 replaying a padded graph would all-reduce tensors of other sizes)."""
+    import dataclasses
+
+    from paged_backend.worker.cuda_graphs import fits_decode_graph
+    from paged_backend.worker.step_inputs import StepInputs
+
+    for sampling in (3, 2):  # all three decode, or one is a prefill chunk that does not sample yet
+        inputs = StepInputs(
+            input_ids=torch.tensor([5, 6, 7]),
+            positions=torch.tensor([4, 9, 2]),
+            slot_mapping=torch.tensor([4, 9, 2]),
+            block_tables=torch.zeros(3, 4, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+            context_lens=torch.tensor([5, 10, 3]),
+            logits_indices=torch.arange(sampling),
+            sample_seqs=[object()] * sampling,
+        )
+        stripped = dataclasses.replace(inputs, sample_seqs=[])
+        assert fits_decode_graph(stripped, 8) == fits_decode_graph(inputs, 8) == (sampling == 3)
+
+
 def test_unsupported_layouts_are_refused_before_any_worker_starts(checkpoints, tokenizer, tmp_path) -> None:
     path, _ = checkpoints["llama"]
     with pytest.raises(ValueError, match="must divide the model's 4 attention heads"):

@@ -31,8 +31,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 def fits_decode_graph(inputs: StepInputs, max_size: int) -> bool:
     """One token per sequence and every sequence samples (a one-token prefill chunk that is not its prompt's
-    end has the first property, not the second), in a batch no larger than the largest bucket."""
-    return inputs.decode_only and len(inputs.sample_seqs) == inputs.num_seqs and inputs.num_seqs <= max_size
+    end has the first property, not the second), in a batch no larger than the largest bucket. Read from the
+    tensors alone: tensor-parallel workers get the inputs without their sequences and must decide alike."""
+    num_seqs = inputs.num_seqs
+    return inputs.decode_only and inputs.logits_indices.shape[0] == num_seqs and num_seqs <= max_size
 
 
 class CUDAGraphRunner:
