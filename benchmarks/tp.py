@@ -202,7 +202,7 @@ def split_over_gpus(config: LlamaConfig) -> Any:
 
     def gpu_of(name: str) -> int:
         if name.startswith("model.layers."):
-            return int(name.split(".")[2]) >= half
+            return int(int(name.split(".")[2]) >= half)
         return 1 if name in ("model.norm", "lm_head") else 0
 
     materialize(model, torch.device("cuda", 0), seed=0, shard=lambda name, module: module.to(f"cuda:{gpu_of(name)}"))

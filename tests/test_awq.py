@@ -224,3 +224,35 @@ def test_awq_beats_round_to_nearest_on_held_out_text(tokenizer, tmp_path) -> Non
     prompt = ragged_prompts(4)[1]
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == hf_greedy(reference, prompt, 8)
+
+
+def test_tp2_on_an_awq_checkpoint_equals_hf_on_the_dequantized_model(awq_checkpoints) -> None:
+    """Under tensor parallelism the packed tensors are cut like the layer: outputs in whole packs of eight, inputs
+    in whole groups."""
+    folder, reference = awq_checkpoints["llama"]
+    prompts = ragged_prompts(4)[:4]
+    llm = LLM(folder, tensor_parallel_size=2, dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=64)
+    try:
+        (down,) = [m for n, m in llm.llm_engine.model.named_modules() if n == "model.layers.0.mlp.down_proj"]
+        assert isinstance(down, AWQLinear) and down.qweight.shape == (64, 8) and down.scales.shape == (2, 64)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+        )
+        assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(reference, p, 8) for p in prompts]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tp_refuses_awq_groups_split_across_ranks(awq_checkpoints) -> None:
+    from paged_backend.distributed.tp_plan import head_layout, shard_linear
+
+    layer = AWQLinear(64, 16, GROUP, bias=False)
+    with pytest.raises(ValueError, match=r"o_proj: each rank's 16 inputs must be whole AWQ groups of 32"):
+        shard_linear("model.layers.0.self_attn.o_proj", layer, "rowwise", head_layout(_TinyConfig(), 4), 0, None)
+
+
+class _TinyConfig:
+    num_attention_heads = 4
+    num_key_value_heads = 4
+    hidden_size = 64
+    intermediate_size = 128

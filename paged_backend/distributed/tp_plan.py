@@ -73,7 +73,7 @@ def head_layout(config, world_size: int) -> HeadLayout:
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:
-    """Module name -> ``colwise`` / ``rowwise`` for every ``nn.Linear`` the model's ``base_model_tp_plan``
+    """Module name -> ``colwise`` / ``rowwise`` for every linear (or AWQ linear) the model's ``base_model_tp_plan``
     covers. A model without a plan is refused, naming its architecture."""
     config = model.config
     plan = getattr(config, "base_model_tp_plan", None)
@@ -83,9 +83,11 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
             "available for this architecture"
         )
     prefix = getattr(model, "base_model_prefix", "")
+    from paged_backend.quantization.awq import AWQLinear
+
     resolved: dict[str, str] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, (nn.Linear, AWQLinear)):
             continue
         local = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
         for pattern, style in plan.items():
@@ -94,40 +96,68 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     return resolved
 
 
-def _rows(name: str, weight: torch.Tensor, layout: HeadLayout, rank: int) -> torch.Tensor:
+def _output_range(name: str, out_features: int, layout: HeadLayout, rank: int) -> tuple[int, int]:
     """The output rows a colwise layer keeps: whole heads for q/k/v, a contiguous block otherwise."""
     d = layout.head_dim
     if name.endswith(("k_proj", "v_proj")):
         heads = layout.kv_heads_of(rank)
-        return weight[heads.start * d : heads.stop * d]
+        return heads.start * d, heads.stop * d
     if name.endswith("q_proj"):
-        return weight[rank * layout.local_heads * d : (rank + 1) * layout.local_heads * d]
-    size = weight.shape[0] // layout.world_size
-    return weight[rank * size : (rank + 1) * size]
+        return rank * layout.local_heads * d, (rank + 1) * layout.local_heads * d
+    size = out_features // layout.world_size
+    return rank * size, (rank + 1) * size
+
+
+def _keep(tensor: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    return tensor.narrow(dim, start, stop - start).clone()
 
 
 @torch.no_grad()
 def shard_linear(
     name: str,
-    linear: nn.Linear,
+    linear: nn.Module,
     style: str,
     layout: HeadLayout,
     rank: int,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> None:
-    """Cut one planned linear (``colwise`` or ``rowwise``) in place down to rank ``rank``'s slice. A rowwise
-    bias is added once, on rank 0; ``all_reduce`` (sum over ranks, in place or returned) is hooked on a rowwise
-    layer's output, None leaves the partial sums to the caller (a single-process check)."""
-    world_size = layout.world_size
+    """Cut one planned linear (``colwise`` or ``rowwise``; an ``nn.Linear`` or an ``AWQLinear``) in place down to
+    rank ``rank``'s slice. AWQ's packed tensors are cut on whole packs of eight outputs and whole groups of inputs.
+    A rowwise bias is added once, on rank 0; ``all_reduce`` (sum over ranks, in place or returned) is hooked on a
+    rowwise layer's output, None leaves the partial sums to the caller (a single-process check)."""
+    from paged_backend.quantization.awq import AWQLinear
+
+    awq = isinstance(linear, AWQLinear)
     if style == "colwise":
-        linear.weight = nn.Parameter(_rows(name, linear.weight, layout, rank).clone(), requires_grad=False)
+        start, stop = _output_range(name, linear.out_features, layout, rank)
+        if awq:
+            if start % 8 or stop % 8:
+                raise ValueError(
+                    f"{name}: AWQ packs 8 outputs per int32; rank {rank}'s outputs {start}:{stop} split one"
+                )
+            linear.qweight = _keep(linear.qweight, 1, start // 8, stop // 8)
+            linear.qzeros = _keep(linear.qzeros, 1, start // 8, stop // 8)
+            linear.scales = _keep(linear.scales, 1, start, stop)
+        else:
+            linear.weight = nn.Parameter(_keep(linear.weight, 0, start, stop), requires_grad=False)
         if linear.bias is not None:
-            bias = _rows(name, linear.bias[:, None], layout, rank)[:, 0]
-            linear.bias = nn.Parameter(bias.clone(), requires_grad=False)
-        linear.out_features = linear.weight.shape[0]
+            linear.bias = nn.Parameter(_keep(linear.bias, 0, start, stop), requires_grad=False)
+        linear.out_features = stop - start
         return
-    size = linear.in_features // world_size
-    linear.weight = nn.Parameter(linear.weight[:, rank * size : (rank + 1) * size].clone(), requires_grad=False)
+    size = linear.in_features // layout.world_size
+    start, stop = rank * size, (rank + 1) * size
+    if awq:
+        group = linear.group_size
+        if size % group:
+            raise ValueError(
+                f"{name}: each rank's {size} inputs must be whole AWQ groups of {group} "
+                f"(tensor_parallel_size={layout.world_size})"
+            )
+        linear.qweight = _keep(linear.qweight, 0, start, stop)
+        linear.qzeros = _keep(linear.qzeros, 0, start // group, stop // group)
+        linear.scales = _keep(linear.scales, 0, start // group, stop // group)
+    else:
+        linear.weight = nn.Parameter(_keep(linear.weight, 1, start, stop), requires_grad=False)
     linear.in_features = size
     if linear.bias is not None and rank != 0:
         linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)

@@ -118,6 +118,10 @@ def pack(params: list[nn.Parameter]) -> None:
         for p in params:
             p.data = buffer[start : start + p.numel()].view(p.shape)
             start += p.numel()
+    if buffer.is_cuda:
+        # The old storages are free now, but each is smaller than the next layer's packed buffer: give them back
+        # to the driver, or a large model fragments its way out of memory (70B with the KV cache allocated).
+        torch.cuda.empty_cache()
 
 
 def packing_backend(layers: list[nn.Module]) -> Callable[[fx.GraphModule, list[Any]], Callable]:
