@@ -274,13 +274,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
         panels.append(
             (
                 "W2, Llama-3-70B shape: tok/s",
-                {"hf generate\n(layers split)": r.get("hf_generate_split", 0.0), "paged TP=2": r["paged_tp2"]},
+                {
+                    name: r[key]
+                    for key, name in (("hf_generate_split", "hf generate\n(layers split)"), ("paged_tp2", "paged TP=2"))
+                    if r.get(key) is not None
+                },
                 r["bandwidth_floor_tok_s"],
             )
         )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.8), squeeze=False)
     for ax, (title, values, floor) in zip(axes[0], panels):
-        bars = ax.bar(list(values), list(values.values()), color=["#888", "#4c72b0", "#dd8452"][: len(values)])
+        colors = ["#888" if name.startswith("hf") else "#4c72b0" if "TP=1" in name else "#dd8452" for name in values]
+        bars = ax.bar(list(values), list(values.values()), color=colors)
         ax.bar_label(bars, fmt="%.0f" if max(values.values()) > 100 else "%.1f")
         if floor:
             ax.axhline(floor, color="k", linestyle="--", linewidth=1)

@@ -14,9 +14,10 @@ from torch import nn
 from paged_backend import LLM, SamplingParams
 from paged_backend.demo import CORPUS, build_tiny_model
 from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton
+from paged_backend.quantization import awq
 from paged_backend.quantization.awq import AWQLinear, convertible_linears
 from paged_backend.quantization.awq_format import AWQ_ORDER, dequantize, pack, pack_linear, unpack
-from paged_backend.quantization.awq_quantize import apply_awq, calibration_batches, quantize, write_checkpoint
+from paged_backend.quantization.awq_quantize import apply_awq, calibration_batches, write_checkpoint
 from tests.conftest import hf_greedy, ragged_prompts
 
 GROUP = 32
@@ -200,7 +201,7 @@ def logits_error(model: nn.Module, candidate: nn.Module, batches: list[torch.Ten
 def test_awq_beats_round_to_nearest_on_held_out_text(tokenizer, tmp_path) -> None:
     model = outlier_model(tokenizer)
     calib, held_out = CORPUS[: len(CORPUS) // 2], CORPUS[len(CORPUS) // 2 :]
-    quantize(model, tokenizer, str(tmp_path / "awq"), calib_texts=calib, group_size=GROUP, seq_len=64)
+    awq.quantize(model, tokenizer, str(tmp_path / "awq"), calib_texts=calib, group_size=GROUP, seq_len=64)
     write_checkpoint(model, str(tmp_path / "rtn"), GROUP, tokenizer)  # plain round to nearest
     batches = calibration_batches(tokenizer, held_out, 64, torch.device("cpu"))
     awq_error = logits_error(model, dequantized_copy(model, tmp_path / "awq"), batches)

@@ -248,3 +248,11 @@ def load_awq_model(
     model.awq_config = awq
     logger.info("AWQ int4: %d linears, group size %d", len(names), awq.group_size)
     return model.eval()
+
+
+def quantize(model: Any, tokenizer: Any, output_dir: str, calib_texts: Any, **kwargs: Any) -> None:
+    """``awq.quantize(model, tokenizer, output_dir, calib_texts=[...], w_bit=4, group_size=128, zero_point=True)``:
+    AWQ-quantize ``model`` and write the checkpoint (the algorithm lives in ``awq_quantize.py``)."""
+    from paged_backend.quantization.awq_quantize import quantize as run
+
+    run(model, tokenizer, output_dir, calib_texts, **kwargs)

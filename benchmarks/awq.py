@@ -1,0 +1,190 @@
+"""AWQ int4 on one GPU: the fused kernel against its twin and its achieved bandwidth, then W1 and W2 on the
+Llama-3-8B shape quantized in the AWQ layout (group 128, round to nearest: quality is irrelevant to speed),
+beside the same engine in bf16 and HF ``generate`` in bf16.
+
+Weights: the architecture's own random init (normal(0, 0.02)) in bf16, made on the GPU; the AWQ checkpoint is
+written from them (``write_checkpoint``) and loaded back through the engine's AWQ loader.
+
+    python benchmarks/awq.py --json benchmarks/results/h200_awq.json --plot docs/images/h200_awq.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.throughput import (  # noqa: E402
+    MODEL_CONFIG,
+    one_prompt,
+    release_engine,
+    run_hf,
+    run_paged,
+    tokens_per_second,
+    versions,
+    w1_prompts,
+)
+from paged_backend import LLM  # noqa: E402
+from paged_backend.dummy_loader import dummy_model  # noqa: E402
+from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton  # noqa: E402
+from paged_backend.quantization.awq_format import pack_linear  # noqa: E402
+from paged_backend.quantization.awq_quantize import write_checkpoint  # noqa: E402
+
+logger = logging.getLogger("benchmarks.awq")
+
+H200_COPY_TBPS = 4.27
+GROUP = 128
+# The 8B shape's decode GEMMs: (in, out) of the fused q/k/v, o, gate/up and down projections.
+GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@torch.no_grad()
+def kernel(rows: tuple[int, ...] = (1, 16, 64, 256)) -> list[dict[str, Any]]:
+    """Error against the twin and time per call; bandwidth counts the packed weights, zeros and scales read."""
+    import triton.testing
+
+    results = []
+    for name, (k, n) in GEMMS.items():
+        qweight, qzeros, scales = pack_linear(torch.randn(n, k, device="cuda") * 0.02, GROUP)
+        dense = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        read = qweight.numel() * 4 + qzeros.numel() * 4 + scales.numel() * 2
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = awq_gemm_torch(x.float(), qweight, qzeros, scales)
+            err = (awq_gemm_triton(x, qweight, qzeros, scales).float() - ref).abs().max().item()
+            args = (x, qweight, qzeros, scales)
+            fused_ms = triton.testing.do_bench(lambda args=args: awq_gemm_triton(*args))
+            bf16_ms = triton.testing.do_bench(lambda x=x, dense=dense: x @ dense)
+            row = {
+                "gemm": name,
+                "m": m,
+                "max_abs_err_vs_twin": err,
+                "awq_us": fused_ms * 1e3,
+                "bf16_us": bf16_ms * 1e3,
+                "awq_weight_tb_s": read / (fused_ms * 1e-3) / 1e12,
+                "share_of_copy_bandwidth": read / (fused_ms * 1e-3) / 1e12 / H200_COPY_TBPS,
+            }
+            results.append(row)
+            logger.info("kernel %s", row)
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
+    parser.add_argument("--skip-kernel", action="store_true", help="skip the kernel table")
+    parser.add_argument("--json", type=Path, default=None, help="write results here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    results: dict[str, Any] = {
+        "machine": torch.cuda.get_device_name(0),
+        "versions": versions(),
+        "command": "python benchmarks/awq.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+    if not args.skip_kernel:
+        results["kernel"] = kernel()
+        save()
+    config = LlamaConfig(**{**MODEL_CONFIG, "num_hidden_layers": args.num_layers or MODEL_CONFIG["num_hidden_layers"]})
+    config.eos_token_id = config.bos_token_id = config.pad_token_id = None
+    w1 = w1_prompts(config.vocab_size, args.num_prompts)
+    w2 = [one_prompt(config.vocab_size, 128, seed=1)]
+    with tempfile.TemporaryDirectory() as tmp:
+        dense_dir, awq_dir = Path(tmp) / "bf16", Path(tmp) / "awq"
+        config.save_pretrained(dense_dir)
+        model = dummy_model(config, torch.bfloat16, torch.device("cuda"), seed=0)
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        run_hf(model, w2, 4)
+        outs, seconds = run_hf(model, w2, args.max_tokens)
+        results["hf_generate_bf16_w2"] = tokens_per_second(outs, seconds)
+        write_checkpoint(model, str(awq_dir), GROUP)
+        del model
+        release_engine("HF")
+        for name, path, kwargs in (
+            ("paged_bf16", dense_dir, {"load_format": "dummy"}),
+            ("paged_awq", awq_dir, {"quantization": "awq", "dtype": "bfloat16"}),
+        ):
+            llm = LLM(str(path), skip_tokenizer_init=True, **kwargs)
+            entry: dict[str, Any] = {"weight_gb": weight_bytes(llm.llm_engine.model) / 1e9}
+            run_paged(llm, w2, args.max_tokens)  # warm-up
+            outs, seconds = run_paged(llm, w2, args.max_tokens)
+            entry["w2"] = tokens_per_second(outs, seconds)
+            run_paged(llm, w1[:64], 8)  # warm-up
+            outs, seconds = run_paged(llm, w1, args.max_tokens)
+            entry["w1"] = tokens_per_second(outs, seconds)
+            results[name] = entry
+            logger.info("%s: %s", name, entry)
+            llm.llm_engine.shutdown()
+            del llm
+            release_engine(name)
+            save()
+    dense, quantized = results["paged_bf16"], results["paged_awq"]
+    results["ratios"] = {
+        "w2_awq_over_bf16": quantized["w2"] / dense["w2"],
+        "w1_awq_over_bf16": quantized["w1"] / dense["w1"],
+        "weight_memory_awq_over_bf16": quantized["weight_gb"] / dense["weight_gb"],
+    }
+    save()
+    if args.plot:
+        plot(results, args.plot)
+    logger.info("%s", json.dumps({k: v for k, v in results.items() if k not in ("versions", "kernel")}, indent=2))
+    return results
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [
+        ("W1, output tok/s", {"paged bf16": results["paged_bf16"]["w1"], "paged AWQ": results["paged_awq"]["w1"]}),
+        (
+            "W2, tok/s",
+            {
+                "hf generate\nbf16": results["hf_generate_bf16_w2"],
+                "paged bf16": results["paged_bf16"]["w2"],
+                "paged AWQ": results["paged_awq"]["w2"],
+            },
+        ),
+        (
+            "weights, GB",
+            {"paged bf16": results["paged_bf16"]["weight_gb"], "paged AWQ": results["paged_awq"]["weight_gb"]},
+        ),
+    ]
+    for ax, (title, values) in zip(axes, panels):
+        colors = ["#888" if n.startswith("hf") else "#4c72b0" if "bf16" in n else "#dd8452" for n in values]
+        bars = ax.bar(list(values), list(values.values()), color=colors)
+        ax.bar_label(bars, fmt="%.1f")
+        ax.set_title(title, fontsize=10)
+    fig.suptitle(f"{results['machine']}, Llama-3-8B shape, AWQ int4 (group {GROUP}) vs bf16", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
