@@ -6,8 +6,8 @@ joins them in one process group: NCCL on GPUs (rank r on ``cuda:r``), gloo on CP
 all-reduces, and beside it a gloo group for control messages. Each rank loads only its slices
 (``shard_loader.py``); rowwise layers all-reduce their outputs, so every rank ends a forward with the full logits.
 ``TPModelRunner`` stands in for rank 0's ``ModelRunner``: each cache move and forward is broadcast to the workers
-(plain tensors and lists, no sequences) before it runs here, and the collectives inside the forward keep the ranks
-in step. The workers also profile memory, compile and capture CUDA graphs in step with rank 0, since each of those
+(numpy arrays and lists, no sequences: they pickle fast) before it runs here, and the collectives inside the
+forward keep the ranks in step. The workers also profile memory, compile and capture CUDA graphs in step with rank 0, since each of those
 runs forwards. Rank 0 alone samples: every rank holds the same logits, so multi-step decoding's on-device argmax
 agrees.
 """
@@ -133,11 +133,11 @@ class TPWorker:
             num_scheduler_steps=config.scheduler_config.num_scheduler_steps,
         )
 
-    def execute_inputs(self, moves: Any, inputs: StepInputs) -> None:
-        self.runner.execute_inputs(moves, inputs)
+    def execute_inputs(self, moves: Any, wire: tuple[Any, ...]) -> None:
+        self.runner.execute_inputs(moves, StepInputs.from_wire(wire))
 
-    def run_decode_steps(self, steps: list[StepInputs]) -> None:
-        self.runner.run_decode_steps(steps)
+    def run_decode_steps(self, steps: list[tuple[Any, ...]]) -> None:
+        self.runner.run_decode_steps([StepInputs.from_wire(wire) for wire in steps])
 
     def copy_blocks(self, copies: Any) -> None:
         self.runner.copy_blocks(copies)
@@ -337,11 +337,11 @@ class TPModelRunner:
     def execute(self, sched: Any, block_manager: Any) -> tuple[torch.Tensor, list[Any]]:
         inputs = self.runner.prepare_inputs(sched, block_manager)
         moves = (sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.block_copies)
-        self.group.send("execute_inputs", moves, dataclasses.replace(inputs, sample_seqs=[]))
+        self.group.send("execute_inputs", moves, inputs.to_wire())
         return self.runner.execute_inputs(moves, inputs), inputs.sample_seqs
 
     def run_decode_steps(self, steps: list[StepInputs]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.group.send("run_decode_steps", [dataclasses.replace(s, sample_seqs=[]) for s in steps])
+        self.group.send("run_decode_steps", [s.to_wire() for s in steps])
         return self.runner.run_decode_steps(steps)
 
     def copy_blocks(self, copies: Any) -> None:

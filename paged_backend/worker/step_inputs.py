@@ -42,6 +42,15 @@ class StepInputs:
     def decode_only(self) -> bool:
         return self.num_tokens == self.num_seqs
 
+    def to_wire(self) -> tuple[np.ndarray, ...]:
+        """The tensors as numpy arrays, without the sequences: what a tensor-parallel worker needs, in a form that
+        pickles about 8x faster than torch tensors (the broadcast happens every step)."""
+        return tuple(getattr(self, name).numpy() for name in _WIRE_FIELDS)
+
+    @classmethod
+    def from_wire(cls, wire: tuple[np.ndarray, ...]) -> StepInputs:
+        return cls(**{name: torch.from_numpy(array) for name, array in zip(_WIRE_FIELDS, wire)}, sample_seqs=[])
+
     def to(self, device: torch.device) -> DeviceInputs:
         to = dict(device=device, non_blocking=True)
         metadata = AttentionMetadata(
@@ -51,6 +60,17 @@ class StepInputs:
             context_lens=self.context_lens.to(**to),
         )
         return DeviceInputs(self.input_ids.to(**to), self.positions.to(**to), metadata, self.logits_indices.to(**to))
+
+
+_WIRE_FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "block_tables",
+    "cu_seqlens_q",
+    "context_lens",
+    "logits_indices",
+)
 
 
 @dataclass
