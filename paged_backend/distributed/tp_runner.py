@@ -7,9 +7,9 @@ all-reduces, and beside it a gloo group for control messages. Each rank loads on
 (``shard_loader.py``); rowwise layers all-reduce their outputs, so every rank ends a forward with the full logits.
 ``TPModelRunner`` stands in for rank 0's ``ModelRunner``: each cache move and forward is broadcast to the workers
 (numpy arrays and lists, no sequences: they pickle fast) before it runs here, and the collectives inside the
-forward keep the ranks in step. The workers also profile memory, compile and capture CUDA graphs in step with rank 0, since each of those
-runs forwards. Rank 0 alone samples: every rank holds the same logits, so multi-step decoding's on-device argmax
-agrees.
+forward keep the ranks in step. The workers also profile memory, compile and capture CUDA graphs in step with
+rank 0, since each of those runs forwards. Rank 0 alone samples: every rank holds the same logits, so multi-step
+decoding's on-device argmax agrees.
 """
 
 from __future__ import annotations
