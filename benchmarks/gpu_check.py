@@ -20,6 +20,25 @@ from paged_backend.demo import TINY_CONFIGS, build_tiny_model, build_tiny_tokeni
 logger = logging.getLogger("gpu_check")
 
 
+def tiny_prompts() -> list[list[int]]:
+    """Eight prompts of 1 to 40 tokens (ids 3..511, past the tiny tokenizer's specials)."""
+    rng = random.Random(0)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 3, 4, 5, 14, 2, 19, 40)]
+
+
+@torch.no_grad()
+def hf_greedy_on_gpu(model, prompt: list[int], max_new_tokens: int = 16) -> list[int]:
+    """HF ``generate``'s greedy continuation, cut after the first EOS (id 2)."""
+    ref = model.generate(
+        torch.tensor([prompt], device="cuda"),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=2,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    return ref[: ref.index(2) + 1] if 2 in ref else ref
+
+
 def tiny_equality(tokenizer, compiled: set[str]) -> list[tuple[str, str, int, int, int, int]]:
     """Eager for every architecture, then compiled + CUDA graphs for those in ``compiled``. The small cache and
     token budget force chunked prefill and preemption (by swapping, the default on a GPU with swap space).
@@ -36,23 +55,11 @@ def tiny_equality(tokenizer, compiled: set[str]) -> list[tuple[str, str, int, in
             max_model_len=80,
             enforce_eager=eager,
         )
-        rng = random.Random(0)
-        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 3, 4, 5, 14, 2, 19, 40)]
+        prompts = tiny_prompts()
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
         )
-        matches = 0
-        for prompt, out in zip(prompts, outs):
-            with torch.no_grad():
-                ref = model.generate(
-                    torch.tensor([prompt], device="cuda"),
-                    max_new_tokens=16,
-                    do_sample=False,
-                    eos_token_id=2,
-                    pad_token_id=0,
-                )[0, len(prompt) :].tolist()
-            ref = ref[: ref.index(2) + 1] if 2 in ref else ref
-            matches += out.outputs[0].token_ids == ref
+        matches = sum(out.outputs[0].token_ids == hf_greedy_on_gpu(model, p) for p, out in zip(prompts, outs))
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_kv_blocks"]
         mode = "eager" if eager else "compiled+graphs"

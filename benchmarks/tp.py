@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import sys
 import tempfile
 from pathlib import Path
@@ -31,8 +30,10 @@ from transformers import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.gpu_check import hf_greedy_on_gpu, tiny_prompts  # noqa: E402
 from benchmarks.throughput import (  # noqa: E402
     MODEL_CONFIG,
+    one_prompt,
     release_engine,
     run_hf,
     run_paged,
@@ -80,18 +81,8 @@ def check(tmp: Path) -> list[dict[str, Any]]:
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         model = model.cuda()
-        rng = random.Random(0)
-        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 3, 4, 5, 14, 2, 19, 40)]
-        refs = []
-        for prompt in prompts:
-            ref = model.generate(
-                torch.tensor([prompt], device="cuda"),
-                max_new_tokens=16,
-                do_sample=False,
-                eos_token_id=2,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-            refs.append(ref[: ref.index(2) + 1] if 2 in ref else ref)
+        prompts = tiny_prompts()
+        refs = [hf_greedy_on_gpu(model, prompt) for prompt in prompts]
         for eager in (True, False):
             llm = LLM(
                 str(path),
@@ -217,7 +208,7 @@ def split_over_gpus(config: LlamaConfig) -> Any:
 def w2_70b(tmp: Path, num_layers: int | None, max_tokens: int) -> dict[str, Any]:
     path = tmp / "llama-3-70b-shape"
     config = save_config(path, MODEL_70B, num_layers)
-    prompt = [random.Random(1).randrange(config.vocab_size) for _ in range(128)]
+    prompt = one_prompt(config.vocab_size, 128, seed=1)
     results: dict[str, Any] = {}
 
     try:
