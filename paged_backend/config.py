@@ -138,13 +138,15 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class LoRAConfig:
     enable_lora: bool = False
-    max_loras: int = 4
+    max_loras: int = 4  # distinct adapters in one step (device slots)
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in CPU memory (LRU); None: all that were used
 
     def __post_init__(self) -> None:
         check_bool("enable_lora", self.enable_lora)
         check_int("max_loras", self.max_loras, 1)
         check_int("max_lora_rank", self.max_lora_rank, 1)
+        check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras, allow_none=True)
 
 
 @dataclass(frozen=True)

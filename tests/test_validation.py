@@ -76,6 +76,7 @@ def test_sampling_params_accepts_vllm_forms() -> None:
         ({"kv_cache_memory_gib": 0}, "kv_cache_memory_gib"),
         ({"enable_prefix_caching": "on"}, "enable_prefix_caching"),
         ({"max_loras": 0}, "max_loras"),
+        ({"max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras"),
         ({"seed": -5}, "seed"),
         ({"enforce_eager": 1}, "enforce_eager"),
         ({"load_format": "pt"}, "load_format"),
@@ -107,7 +108,7 @@ def test_request_errors_leave_the_engine_clean(tokenizer) -> None:
         llm.generate([good, 12], use_tqdm=False)
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(good, SamplingParams(stop_token_ids=[10**9]), use_tqdm=False)
-    with pytest.raises(NotImplementedError, match="LoRA"):
+    with pytest.raises(ValueError, match="lora_request needs LLM\\(..., enable_lora=True\\)"):
         llm.generate(good, lora_request=LoRARequest("a", 1, "/tmp/a"), use_tqdm=False)
     assert_idle(llm)
     assert llm.llm_engine.requests == {}

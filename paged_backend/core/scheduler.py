@@ -42,6 +42,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_num_seqs = config.scheduler_config.max_num_seqs
+        # At most this many distinct adapters among running sequences, so any step's fit the device slots.
+        self.max_loras = config.lora_config.max_loras if config.lora_config.enable_lora else None
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -124,6 +126,7 @@ class Scheduler:
                 continue
             if (
                 preempted_now.intersection(group)
+                or not self._lora_fits(group[0])
                 or len(self.running) + len(group) > self.max_num_seqs
                 or self.block_manager.num_free_blocks - needed < watermark
             ):
@@ -150,7 +153,12 @@ class Scheduler:
         # Samples that will fork into the batch once their request's first sample has prefilled need room too.
         to_fork = sum(len(s.request.unforked) for s in self.running if s.request.unforked)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            # FIFO, except that a request whose adapter has no slot left waits for one while later requests
+            # (base model, or adapters already running) go ahead.
+            index = next((i for i, s in enumerate(self.waiting) if self._lora_fits(s)), None)
+            if index is None:
+                break
+            seq = self.waiting[index]
             if seq in preempted_now and self.running:
                 break  # let the running sequences free blocks before it tries again
             if self.running and len(self.running) + to_fork + 1 + len(seq.request.unforked) > self.max_num_seqs:
@@ -172,7 +180,7 @@ class Scheduler:
             )
             assert result is not None
             copies[seq] = result
-            self.waiting.popleft()
+            del self.waiting[index]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             to_fork += len(seq.request.unforked)
@@ -182,6 +190,13 @@ class Scheduler:
         self.num_chunked_prefill_steps += sum(1 for seq, n in scheduled.items() if n < seq.num_uncomputed_tokens)
         block_copies = [pair for seq in scheduled for pair in copies.get(seq, ())]
         return SchedulerOutput(list(scheduled), list(scheduled.values()), block_copies, swap_out, swap_in)
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can run beside the running sequences without exceeding ``max_loras`` adapters."""
+        if self.max_loras is None or seq.lora_id == 0:
+            return True
+        active = {s.lora_id for s in self.running if s.lora_id}
+        return seq.lora_id in active or len(active) < self.max_loras
 
     def _preempt(self, victims: list[Sequence]) -> list[tuple[int, int]]:
         """Preempt a request's running samples. With swap space that holds their blocks, swap them out (returns

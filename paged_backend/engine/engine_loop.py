@@ -107,13 +107,18 @@ class EngineLoop:
         add_kwargs: dict[str, Any],
     ) -> Callable[[Any], None]:
         per_request = params if isinstance(params, list) else [params] * len(requests)
+        # A keyword whose value is a list gives one value per request (``lora_request``); others apply to all.
+        kwargs = [
+            {key: value[i] if isinstance(value, list) else value for key, value in add_kwargs.items()}
+            for i in range(len(requests))
+        ]
 
         def add_all(engine: Any) -> None:
             self._check_room(len(engine.scheduler.waiting), len(requests))
             added: list[str] = []
             try:
-                for (request_id, prompt), p, sink in zip(requests, per_request, sinks):
-                    engine.add_request(request_id, prompt, p, **add_kwargs)
+                for (request_id, prompt), p, sink, extra in zip(requests, per_request, sinks, kwargs):
+                    engine.add_request(request_id, prompt, p, **extra)
                     added.append(request_id)
                     self.sinks[request_id] = sink
             except BaseException:

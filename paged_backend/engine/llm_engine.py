@@ -31,7 +31,8 @@ from paged_backend.engine.detokenizer import (
     visible_text,
 )
 from paged_backend.engine.sequence import Request, Sequence, SequenceStatus
-from paged_backend.lora.request import LORA_NOT_AVAILABLE
+from paged_backend.lora.manager import LoRAManager
+from paged_backend.lora.request import LoRARequest
 from paged_backend.model_loader import load_model, load_tokenizer, model_max_length
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_backend.sampler import Sampler, SampleResult, to_host
@@ -52,8 +53,8 @@ class LLMEngine:
             raise ValueError(
                 "tensor_parallel_size > 1 loads the model in every worker process: pass model as a path or hub id"
             )
-        if config.lora_config.enable_lora:
-            raise NotImplementedError(LORA_NOT_AVAILABLE)
+        if config.lora_config.enable_lora and world_size > 1:
+            raise NotImplementedError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         self.tp_group: TPGroup | None = None
         if world_size > 1:
             check_tp_support(config, model)  # before any process starts
@@ -92,11 +93,15 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
+        self.lora_manager: LoRAManager | None = None
+        if self.config.lora_config.enable_lora:
+            # LoRA's per-token deltas run eagerly for now: no torch.compile, no CUDA graphs.
+            self.lora_manager = LoRAManager(self.model, self.config.lora_config, self.device, self.model.dtype)
         self.runner = ModelRunner(
             self.model,
             self.cache_engine,
             self.device,
-            enforce_eager=self.config.device_config.enforce_eager,
+            enforce_eager=self.config.device_config.enforce_eager or self.lora_manager is not None,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
             max_model_len=self.config.max_model_len,
             num_scheduler_steps=self.config.scheduler_config.num_scheduler_steps,
@@ -224,7 +229,11 @@ class LLMEngine:
         generated token's raw logits row in the outputs (for HF's ``output_logits``; it disables multi-step
         decoding for the request's batches)."""
         if lora_request is not None:
-            raise NotImplementedError(LORA_NOT_AVAILABLE)
+            if self.lora_manager is None:
+                raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+            self.lora_manager.get(lora_request)  # read and checked now: a bad adapter fails this request only
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params if params is not None else SamplingParams()
@@ -306,8 +315,13 @@ class LLMEngine:
                 outputs.append(self._make_output(request))
         return outputs
 
+    def _set_lora_step(self, sched: SchedulerOutput, tokens_per_seq: Any) -> None:
+        if self.lora_manager is not None:
+            self.lora_manager.set_step([seq.request.lora_request for seq in sched.seqs], tokens_per_seq)
+
     def _run_step(self, sched: SchedulerOutput) -> dict[str, Request]:
         """One forward, then the sampler; returns the requests that got a token."""
+        self._set_lora_step(sched, sched.num_new_tokens)
         logits, sample_seqs = self.runner.execute(sched, self.block_manager)
         self.scheduler.on_step_done(sched)
         if not sample_seqs:
@@ -392,6 +406,7 @@ class LLMEngine:
     def _run_decode_steps(self, sched: SchedulerOutput, num_steps: np.ndarray) -> dict[str, Request]:
         """``num_steps.max()`` greedy decode steps back to back on the device, one host read at the end; then
         each sequence's tokens are appended in order until it finishes (the rest were computed for nothing)."""
+        self._set_lora_step(sched, [1] * len(sched.seqs))
         with torch.inference_mode():  # inputs are inference tensors, as in every other step
             inputs = self.runner.prepare_inputs(sched, self.block_manager)
             block_size = self.config.block_size

@@ -15,7 +15,6 @@ from transformers import PreTrainedModel
 from paged_backend.config import EngineConfig
 from paged_backend.engine.engine_loop import EngineLoop
 from paged_backend.engine.llm_engine import LLMEngine, PromptType
-from paged_backend.lora.request import LORA_NOT_AVAILABLE
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
@@ -93,9 +92,16 @@ class LLM:
                 )
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        if lora_request is not None:
-            raise NotImplementedError(LORA_NOT_AVAILABLE)
-        return self._run(prompts, params, use_tqdm)
+        if isinstance(lora_request, Sequence):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(
+                    f"lora_request must be one LoRARequest or a list of {len(prompts)} (one per prompt, None for the "
+                    f"base model), got a list of {len(loras)}"
+                )
+        else:
+            loras = [lora_request] * len(prompts)
+        return self._run(prompts, params, use_tqdm, loras)
 
     def chat(
         self,
@@ -125,21 +131,23 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
         return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool, loras: list[Any]
+    ) -> list[RequestOutput]:
         with self._stepping:
             if self._engine_loop is None:
-                return self._run_direct(prompts, params, use_tqdm)
-        return self.run_on_loop(prompts, params, use_tqdm=use_tqdm)
+                return self._run_direct(prompts, params, use_tqdm, loras)
+        return self.run_on_loop(prompts, params, use_tqdm=use_tqdm, lora_request=loras)
 
     def _run_direct(
-        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool
+        self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool, loras: list[Any]
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 request_id = str(next(self._request_counter))
-                engine.add_request(request_id, prompt, p)
+                engine.add_request(request_id, prompt, p, lora_request=lora)
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)  # a bad prompt queues nothing

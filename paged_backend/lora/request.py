@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 from paged_backend.config import check_int
 
-LORA_NOT_AVAILABLE = "LoRA adapters are not supported by this version of paged_backend yet"
-
 
 @dataclass(frozen=True)
 class LoRARequest:

@@ -33,6 +33,7 @@ from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
 from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
 from paged_backend.entrypoints.openai.metrics import ServerMetrics
 from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from paged_backend.lora.request import LoRARequest
 from paged_backend.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -110,19 +111,28 @@ class OpenAIServer:
             with open(template, encoding="utf-8") as f:
                 template = f.read()
         self.chat_template = template
+        # Each --lora-modules adapter is a model of its own name; requests for it run with that adapter.
+        self.loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(args.lora_modules.items())}
+        for lora in self.loras.values():  # a bad adapter stops the server at startup, not at its first request
+            llm.llm_engine.lora_manager.get(lora)
 
     # ------------------------------------------------------------------ checks
     def check(self, request: Request, body: SamplingFields | None = None) -> None:
         if self.args.api_key is not None:
             if request.headers.get("authorization") != f"Bearer {self.args.api_key}":
                 raise APIError(401, "invalid API key", "authentication_error")
-        if body is not None and body.model != self.args.model_name:
+        if body is not None and body.model != self.args.model_name and body.model not in self.loras:
             raise APIError(404, f"The model `{body.model}` does not exist.", "not_found_error", "model")
         if not self.loop.alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
 
     async def start(
-        self, prompts: list[dict[str, Any]], params: Any, prefix: str, requested_max_tokens: int | None
+        self,
+        prompts: list[dict[str, Any]],
+        params: Any,
+        prefix: str,
+        requested_max_tokens: int | None,
+        model: str,
     ) -> list[AsyncIterator]:
         """Queue every prompt now, so the engine batches them and a bad one fails (as a 400, 429 or 503) before
         any response is sent; then return their output streams. As in vLLM, a prompt plus the ``max_tokens`` a
@@ -144,7 +154,7 @@ class OpenAIServer:
                 )
         requests = [(f"{prefix}-{i}", prompt) for i, prompt in enumerate(prompts)]
         try:
-            queues = await self.loop.add(requests, params)
+            queues = await self.loop.add(requests, params, lora_request=self.loras.get(model))
         except (ValueError, QueueFullError, EngineDeadError) as exc:
             if isinstance(exc, QueueFullError):
                 raise APIError(429, str(exc), "rate_limit_error") from exc
@@ -160,8 +170,8 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await self.start(body.prompts(), params, rid, body.max_tokens)
-        base = {"id": rid, "object": "text_completion", "created": created, "model": self.args.model_name}
+        streams = await self.start(body.prompts(), params, rid, body.max_tokens, body.model)
+        base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
         if body.stream:
             return self._streaming(self._stream_completions(body, streams, base), rid, len(streams))
         finals: dict[int, RequestOutput] = {}
@@ -237,8 +247,8 @@ class OpenAIServer:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         requested = body.max_completion_tokens or body.max_tokens
-        streams = await self.start([{"prompt": text, "prompt_token_ids": ids}], params, rid, requested)
-        base = {"id": rid, "created": created, "model": self.args.model_name}
+        streams = await self.start([{"prompt": text, "prompt_token_ids": ids}], params, rid, requested, body.model)
+        base = {"id": rid, "created": created, "model": body.model}
         if body.stream:
             return self._streaming(self._stream_chat(body, streams[0], base), rid, 1)
         final = None
@@ -384,7 +394,8 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
             "owned_by": "paged-backend",
             "max_model_len": server.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        adapters = [{**card, "id": name, "parent": args.model_name} for name in server.loras]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:

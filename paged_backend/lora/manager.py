@@ -1,0 +1,131 @@
+"""Multi-LoRA: adapters loaded on first use into a CPU cache, and the ones a step needs placed in ``max_loras``
+device slots that every LoRA-able layer reads.
+
+Each LoRA-able base layer (``TARGET_MODULES``) keeps its own weights and gets a forward hook that adds, per token,
+the delta of that token's slot (``kernels/lora.py``); slot tensors are zero-padded to ``max_lora_rank``. The
+scheduler never runs more distinct adapters in one step than there are slots, so placing a step's adapters only
+ever evicts slots it does not use (least recently used first).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from paged_backend.config import LoRAConfig
+from paged_backend.kernels.lora import lora_delta_torch
+from paged_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
+from paged_backend.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+def _in_out(module: nn.Module) -> tuple[int, int] | None:
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D":  # GPT-2: weight [in, out]
+        return tuple(module.weight.shape)  # type: ignore[return-value]
+    return None
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = device
+        self.shapes: dict[str, tuple[int, int]] = {}
+        self.lora_a: dict[str, torch.Tensor] = {}  # [S, R, in]
+        self.lora_b: dict[str, torch.Tensor] = {}  # [S, out, R]
+        slots, rank = config.max_loras, config.max_lora_rank
+        for name, module in model.named_modules():
+            shape = _in_out(module) if name.rpartition(".")[2] in TARGET_MODULES else None
+            if shape is None:
+                continue
+            self.shapes[name] = shape
+            self.lora_a[name] = torch.zeros(slots, rank, shape[0], dtype=dtype, device=device)
+            self.lora_b[name] = torch.zeros(slots, shape[1], rank, dtype=dtype, device=device)
+            module.register_forward_hook(self._hook(name))
+        if not self.shapes:
+            raise ValueError(f"enable_lora: {type(model).__name__} has no layer named one of {list(TARGET_MODULES)}")
+        self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, LRU order
+        self.slot_ids: list[int | None] = [None] * slots  # lora_int_id in each slot
+        self.slot_used: list[int] = [0] * slots  # last step that used each slot
+        self.token_slots: torch.Tensor | None = None  # [T] this step's slot per token, -1 = base model
+        self.num_loads = 0  # adapters read from disk
+        self.num_slot_loads = 0  # adapters copied into a device slot
+        self._steps = 0
+
+    def _hook(self, name: str) -> Any:
+        def add_delta(_module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+            slots = self.token_slots
+            if slots is None:
+                return None
+            x = args[0].reshape(-1, args[0].shape[-1])  # [T, in]
+            delta = lora_delta_torch(x, self.lora_a[name], self.lora_b[name], slots)  # [T, out]
+            return out + delta.view(out.shape)
+
+        return add_delta
+
+    # ------------------------------------------------------------------ adapters
+    def get(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter, from the CPU cache or read (and checked) from its folder; a bad adapter raises for this
+        request only."""
+        adapter = self.cpu_cache.get(request.lora_int_id)
+        if adapter is not None:
+            if adapter.name != request.lora_name:
+                raise ValueError(
+                    f"lora_int_id {request.lora_int_id} is already adapter {adapter.name!r}, not {request.lora_name!r}"
+                )
+            self.cpu_cache.move_to_end(request.lora_int_id)
+            return adapter
+        adapter = load_adapter(request, self.shapes, self.config.max_lora_rank)
+        self.num_loads += 1
+        self.cpu_cache[request.lora_int_id] = adapter
+        limit = self.config.max_cpu_loras
+        while limit is not None and len(self.cpu_cache) > limit:
+            evicted, _ = self.cpu_cache.popitem(last=False)
+            logger.debug("LoRA %d evicted from the CPU cache", evicted)
+        return adapter
+
+    def set_step(self, requests: list[LoRARequest | None], num_tokens: list[int] | np.ndarray) -> None:
+        """Place this step's adapters in slots and set each token's slot (sequence i has ``num_tokens[i]``)."""
+        self._steps += 1
+        seq_slots = [-1 if r is None else self._slot_for(r) for r in requests]
+        if all(s < 0 for s in seq_slots):
+            self.token_slots = None  # a base-model step: no delta at all
+            return
+        per_token = np.repeat(np.asarray(seq_slots, dtype=np.int64), np.asarray(num_tokens, dtype=np.int64))
+        self.token_slots = torch.from_numpy(per_token).to(self.device)
+
+    def clear_step(self) -> None:
+        self.token_slots = None
+
+    def _slot_for(self, request: LoRARequest) -> int:
+        lora_id = request.lora_int_id
+        if lora_id in self.slot_ids:
+            slot = self.slot_ids.index(lora_id)
+        else:
+            free = [i for i, used in enumerate(self.slot_used) if used < self._steps]  # not used by this step
+            if not free:
+                raise RuntimeError(f"more than max_loras={self.config.max_loras} adapters in one step")
+            slot = min(free, key=lambda i: (self.slot_ids[i] is not None, self.slot_used[i]))
+            self._load_slot(slot, self.get(request))
+        self.slot_used[slot] = self._steps
+        return slot
+
+    @torch.no_grad()
+    def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        for name in self.shapes:
+            a, b = self.lora_a[name][slot], self.lora_b[name][slot]
+            a.zero_()
+            b.zero_()
+            if name in adapter.weights:
+                wa, wb = adapter.weights[name]
+                a[: adapter.rank].copy_(wa)
+                b[:, : adapter.rank].copy_(wb)
+        self.slot_ids[slot] = adapter.int_id
+        self.num_slot_loads += 1

@@ -1,0 +1,171 @@
+"""Multi-LoRA: a batch mixing the base model and three PEFT adapters with two device slots gives, request by
+request, HF ``generate`` on that adapter's PEFT-merged model; adapters rotate through the slots, leave and come
+back to the CPU cache; bad adapters fail their own request only."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from paged_backend import LLM, LoRARequest, SamplingParams
+from paged_backend.demo import build_tiny_model
+from tests.conftest import assert_idle, hf_greedy, ragged_prompts
+
+peft = pytest.importorskip("peft")
+
+ENGINE = dict(enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4, max_model_len=64)
+ADAPTERS = {  # name: (rank, alpha, rsLoRA, target modules)
+    "attn": (4, 8, False, ["q_proj", "v_proj"]),
+    "mlp": (8, 16, False, ["gate_proj", "up_proj", "down_proj"]),
+    "all": (2, 4, True, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+
+
+def make_adapter(base, folder, rank: int, alpha: int, rslora: bool, targets: list[str], seed: int):
+    """Save a PEFT adapter with random (non-zero) A and B; return the PEFT-merged model it stands for."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, init_lora_weights=False, lora_dropout=0.0
+    )
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():  # larger than PEFT's own random init, so each adapter changes greedy outputs
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    return model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory, tokenizer):
+    base = build_tiny_model("llama", vocab_size=len(tokenizer))
+    base_dir = tmp_path_factory.mktemp("base")
+    base.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    adapters = {}
+    for i, (name, spec) in enumerate(ADAPTERS.items()):
+        folder = tmp_path_factory.mktemp(f"lora-{name}")
+        merged = make_adapter(base, folder, *spec, seed=i)
+        adapters[name] = (LoRARequest(name, i + 1, str(folder)), merged)
+    return str(base_dir), base, adapters
+
+
+def test_mixed_batch_with_rotating_slots_equals_each_merged_model(lora_setup) -> None:
+    path, base, adapters = lora_setup
+    prompts = ragged_prompts(4)[:3]
+    names = [None, "attn", "mlp", "all"]
+    batch = [(p, n) for n in names for p in prompts]  # the same prompts under every adapter: no cache sharing
+    llm = LLM(path, num_kv_blocks=64, **ENGINE)
+    manager = llm.llm_engine.lora_manager
+    distinct_per_step: list[int] = []
+    set_step = manager.set_step
+
+    def recording(requests, num_tokens):
+        distinct_per_step.append(len({r.lora_int_id for r in requests if r is not None}))
+        set_step(requests, num_tokens)
+
+    manager.set_step = recording
+    params = SamplingParams(temperature=0, max_tokens=12)
+    loras = [None if n is None else adapters[n][0] for _, n in batch]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, lora_request=loras, use_tqdm=False)
+    for (prompt, name), out in zip(batch, outs):
+        reference = base if name is None else adapters[name][1]
+        assert list(out.outputs[0].token_ids) == hf_greedy(reference, prompt, 12), name
+    assert max(distinct_per_step) == 2  # two slots, used together, never more
+    assert manager.num_slot_loads >= 3  # the third adapter waited for a slot
+    outputs_by_adapter = {n: [list(o.outputs[0].token_ids) for (_, m), o in zip(batch, outs) if m == n] for n in names}
+    assert len({tuple(map(tuple, v)) for v in outputs_by_adapter.values()}) == 4  # each adapter changes the output
+    assert_idle(llm)
+
+
+def test_adapters_leave_the_cpu_cache_and_come_back(lora_setup) -> None:
+    path, _, adapters = lora_setup
+    llm = LLM(path, num_kv_blocks=64, max_cpu_loras=2, **ENGINE)
+    prompt = {"prompt_token_ids": ragged_prompts(4)[0]}
+    params = SamplingParams(temperature=0, max_tokens=6)
+    first = {n: llm.generate(prompt, params, lora_request=adapters[n][0], use_tqdm=False) for n in adapters}
+    assert llm.llm_engine.lora_manager.num_loads == 3 and len(llm.llm_engine.lora_manager.cpu_cache) == 2
+    again = llm.generate(prompt, params, lora_request=adapters["attn"][0], use_tqdm=False)  # evicted: read again
+    assert llm.llm_engine.lora_manager.num_loads == 4
+    assert again[0].outputs[0].token_ids == first["attn"][0].outputs[0].token_ids
+
+
+def _write_adapter(folder, config: dict, tensors: dict) -> str:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return str(folder)
+
+
+def test_bad_adapters_fail_their_request_only(lora_setup, tmp_path) -> None:
+    path, _, adapters = lora_setup
+    llm = LLM(path, num_kv_blocks=64, **ENGINE)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    good_a, good_b = torch.randn(4, 64), torch.randn(64, 4)
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    cases = {
+        "missing": (str(tmp_path / "nowhere"), "missing adapter_config.json"),
+        "rank": (
+            _write_adapter(
+                tmp_path / "rank",
+                {**config, "r": 16},
+                {key.format("A"): torch.randn(16, 64), key.format("B"): torch.randn(64, 16)},
+            ),
+            "rank 16 is above max_lora_rank=8",
+        ),
+        "target": (
+            _write_adapter(
+                tmp_path / "target",
+                config,
+                {
+                    key.format("A").replace("q_proj", "x_proj"): good_a,
+                    key.format("B").replace("q_proj", "x_proj"): good_b,
+                },
+            ),
+            r"targets model\.layers\.0\.self_attn\.x_proj, which the model has no LoRA-able layer",
+        ),
+        "shape": (
+            _write_adapter(
+                tmp_path / "shape", config, {key.format("A"): torch.randn(4, 32), key.format("B"): torch.randn(32, 4)}
+            ),
+            r"lora_A \(4, 32\) and lora_B \(32, 4\) do not fit .* trained for another base model",
+        ),
+    }
+    prompt = {"prompt_token_ids": ragged_prompts(4)[0]}
+    for i, (name, (folder, reason)) in enumerate(cases.items()):
+        with pytest.raises(ValueError, match=f"LoRA adapter '{name}' .*{reason}"):
+            llm.generate([prompt, prompt], lora_request=[None, LoRARequest(name, 10 + i, folder)], use_tqdm=False)
+    assert_idle(llm)
+    (out,) = llm.generate(prompt, SamplingParams(max_tokens=3), lora_request=adapters["mlp"][0], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_lora_request_lists_must_align(lora_setup) -> None:
+    path, _, adapters = lora_setup
+    llm = LLM(path, num_kv_blocks=64, **ENGINE)
+    with pytest.raises(ValueError, match="lora_request must be one LoRARequest or a list of 2"):
+        llm.generate(["a", "b"], lora_request=[adapters["attn"][0]], use_tqdm=False)
+
+
+def test_server_serves_each_adapter_as_a_model(lora_setup) -> None:
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from paged_backend.entrypoints.openai.cli_args import ServerArgs
+    from tests.test_server import serving
+
+    path, _, adapters = lora_setup
+    folder = adapters["mlp"][0].lora_path
+    llm = LLM(path, num_kv_blocks=64, **ENGINE)
+    with serving(llm, ServerArgs(model=path, served_model_name="base", lora_modules={"mlp": folder})) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["base", "mlp"]
+        params = SamplingParams(temperature=0, max_tokens=8)
+        for model, lora in (("base", None), ("mlp", LoRARequest("mlp", 1, folder))):
+            got = client.completions.create(model=model, prompt="The paged cache", max_tokens=8, temperature=0)
+            (expected,) = llm.generate("The paged cache", params, lora_request=lora, use_tqdm=False)
+            assert got.model == model and got.choices[0].text == expected.outputs[0].text
