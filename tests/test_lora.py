@@ -169,3 +169,21 @@ def test_server_serves_each_adapter_as_a_model(lora_setup) -> None:
             got = client.completions.create(model=model, prompt="The paged cache", max_tokens=8, temperature=0)
             (expected,) = llm.generate("The paged cache", params, lora_request=lora, use_tqdm=False)
             assert got.model == model and got.choices[0].text == expected.outputs[0].text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kernels_equal_their_twin(dtype: torch.dtype) -> None:
+    """Shrink + expand per token (BGMV) against the grouped torch twin: tokens of three slots and of none."""
+    from paged_backend.kernels.lora import lora_delta_torch, lora_delta_triton
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else Triton's interpreter
+    torch.manual_seed(0)
+    x = torch.randn(7, 72, dtype=dtype, device=device)
+    a = torch.randn(3, 8, 72, dtype=dtype, device=device) * 0.1  # rank 8, zero-padded slots are fine too
+    b = torch.randn(3, 80, 8, dtype=dtype, device=device) * 0.1
+    slots = torch.tensor([-1, 0, 1, 0, 2, -1, 1], device=device)
+    expected = lora_delta_torch(x.float(), a.float(), b.float(), slots)
+    got = lora_delta_triton(x, a, b, slots)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))  # no adapter: no delta

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from paged_backend.config import LoRAConfig
-from paged_backend.kernels.lora import lora_delta_torch
+from paged_backend.kernels.lora import lora_delta
 from paged_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from paged_backend.lora.request import LoRARequest
 
@@ -65,7 +65,7 @@ class LoRAManager:
             if slots is None:
                 return None
             x = args[0].reshape(-1, args[0].shape[-1])  # [T, in]
-            delta = lora_delta_torch(x, self.lora_a[name], self.lora_b[name], slots)  # [T, out]
+            delta = lora_delta(x, self.lora_a[name], self.lora_b[name], slots)  # [T, out]
             return out + delta.view(out.shape)
 
         return add_delta
