@@ -77,5 +77,7 @@ def test_plan_covers_the_projections_and_bad_sizes_are_named() -> None:
         head_layout(model.config, 3)
     with pytest.raises(NotImplementedError, match="GPT2LMHeadModel has no base_model_tp_plan"):
         tp_plan(build_tiny_model("gpt2", vocab_size=512))
+    with pytest.raises(NotImplementedError, match=r"Phi3ForCausalLM's base_model_tp_plan shards .* as 'rowwise_split"):
+        tp_plan(build_tiny_model("phi3", vocab_size=512))  # fused qkv / gate_up with gathered outputs
     layout = head_layout(build_tiny_model("qwen3", vocab_size=512).config, 2)
     assert [list(layout.kv_heads_of(r)) for r in range(2)] == [[0], [0]]  # one KV head, replicated

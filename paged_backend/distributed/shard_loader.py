@@ -1,6 +1,7 @@
 """One tensor-parallel rank's model: its slices only, on its own device.
 
-A checkpoint loads on the CPU, is cut down there and then moved, so a device never holds more than its share. With
+A checkpoint loads on the CPU, is cut down there and then moved, so a device never holds more than its share
+(every rank reads the whole checkpoint into CPU memory meanwhile: per-slice reads are left to do). With
 ``load_format="dummy"`` each module is made on the device and cut as soon as it exists (``dummy_loader.py``), so
 a model larger than one device (a 70B shape over two GPUs) never exists whole anywhere.
 """

@@ -91,8 +91,14 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
             continue
         local = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
         for pattern, style in plan.items():
-            if fnmatch.fnmatchcase(local, pattern) and style in STYLES:
-                resolved[name] = style
+            if not fnmatch.fnmatchcase(local, pattern):
+                continue
+            if style not in STYLES:  # e.g. Phi3's colwise_gather_output: skipping it would split heads wrongly
+                raise NotImplementedError(
+                    f"{type(model).__name__}'s base_model_tp_plan shards {name} as {style!r}; tensor parallelism "
+                    f"supports {list(STYLES)}"
+                )
+            resolved[name] = style
     return resolved
 
 

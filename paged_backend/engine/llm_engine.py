@@ -7,11 +7,13 @@ stream the text.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -68,6 +70,15 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len
         self._log_inactive_options()
 
+        self.lora_manager: LoRAManager | None = None
+        if self.config.lora_config.enable_lora:
+            if getattr(self.model, "awq_config", None) is not None:
+                raise NotImplementedError("enable_lora on an AWQ-quantized model is not supported yet")
+            # Before the KV cache is sized, so its slots count. LoRA's per-token deltas run eagerly for now: no
+            # torch.compile, no CUDA graphs.
+            self.lora_manager = LoRAManager(self.model, self.config.lora_config, self.device, self.model.dtype)
+            weakref.finalize(self, self.lora_manager.close)
+
         block_size = self.config.block_size
         spec = (
             local_kv_spec(self.model, world_size)
@@ -93,10 +104,6 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.lora_manager: LoRAManager | None = None
-        if self.config.lora_config.enable_lora:
-            # LoRA's per-token deltas run eagerly for now: no torch.compile, no CUDA graphs.
-            self.lora_manager = LoRAManager(self.model, self.config.lora_config, self.device, self.model.dtype)
         self.runner = ModelRunner(
             self.model,
             self.cache_engine,
@@ -124,9 +131,12 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers now (they also stop when the engine is garbage-collected or at exit)."""
+        """Stop tensor-parallel workers now (they also stop when the engine is garbage-collected or at exit) and
+        take LoRA's hooks off the model (also done when the engine is collected)."""
         if self.tp_group is not None:
             self.tp_group.close()
+        if self.lora_manager is not None:
+            self.lora_manager.close()
 
     # ------------------------------------------------------------------ set-up
     def _log_inactive_options(self) -> None:
@@ -170,7 +180,14 @@ class LLMEngine:
 
         if self.tp_group is not None:
             self.tp_group.send("profile_num_blocks", self.config, block_bytes)
-        num_blocks = gpu_blocks_that_fit(self.model, self.config, self.device, block_bytes)
+        if self.lora_manager is not None:  # the activation peak with every token's LoRA delta computed
+            tokens = self.config.max_num_batched_tokens
+            self.lora_manager.token_slots = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        try:
+            num_blocks = gpu_blocks_that_fit(self.model, self.config, self.device, block_bytes)
+        finally:
+            if self.lora_manager is not None:
+                self.lora_manager.clear_step()
         if self.tp_group is not None:
             num_blocks = self.tp_group.min_over_ranks(num_blocks)
         if num_blocks < 1:
@@ -233,7 +250,7 @@ class LLMEngine:
                 raise ValueError("lora_request needs LLM(..., enable_lora=True)")
             if not isinstance(lora_request, LoRARequest):
                 raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
-            self.lora_manager.get(lora_request)  # read and checked now: a bad adapter fails this request only
+            lora_adapter = self.lora_manager.get(lora_request)  # read and checked now: fails this request only
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params if params is not None else SamplingParams()
@@ -258,6 +275,8 @@ class LLMEngine:
                 f"best_of must be <= max_num_seqs={max_num_seqs} (its samples run together), got {params.best_of}"
             )
         request = Request(request_id, text, ids, params, lora_request, arrival_time=time.monotonic())
+        if lora_request is not None:
+            request.lora_adapter = lora_adapter
         for index in range(params.best_of):
             generator = None
             if params.seed is not None:
@@ -315,14 +334,22 @@ class LLMEngine:
                 outputs.append(self._make_output(request))
         return outputs
 
-    def _set_lora_step(self, sched: SchedulerOutput, tokens_per_seq: Any) -> None:
-        if self.lora_manager is not None:
-            self.lora_manager.set_step([seq.request.lora_request for seq in sched.seqs], tokens_per_seq)
+    @contextlib.contextmanager
+    def _lora_step(self, sched: SchedulerOutput, tokens_per_seq: Any) -> Iterator[None]:
+        """This step's adapters in their slots and each token's slot set, for the forward(s) inside only."""
+        if self.lora_manager is None:
+            yield
+            return
+        self.lora_manager.set_step([seq.request.lora_adapter for seq in sched.seqs], tokens_per_seq)
+        try:
+            yield
+        finally:
+            self.lora_manager.clear_step()
 
     def _run_step(self, sched: SchedulerOutput) -> dict[str, Request]:
         """One forward, then the sampler; returns the requests that got a token."""
-        self._set_lora_step(sched, sched.num_new_tokens)
-        logits, sample_seqs = self.runner.execute(sched, self.block_manager)
+        with self._lora_step(sched, sched.num_new_tokens):
+            logits, sample_seqs = self.runner.execute(sched, self.block_manager)
         self.scheduler.on_step_done(sched)
         if not sample_seqs:
             return {}
@@ -406,9 +433,8 @@ class LLMEngine:
     def _run_decode_steps(self, sched: SchedulerOutput, num_steps: np.ndarray) -> dict[str, Request]:
         """``num_steps.max()`` greedy decode steps back to back on the device, one host read at the end; then
         each sequence's tokens are appended in order until it finishes (the rest were computed for nothing)."""
-        self._set_lora_step(sched, [1] * len(sched.seqs))
-        with torch.inference_mode():  # inputs are inference tensors, as in every other step
-            inputs = self.runner.prepare_inputs(sched, self.block_manager)
+        with torch.inference_mode(), self._lora_step(sched, [1] * len(sched.seqs)):
+            inputs = self.runner.prepare_inputs(sched, self.block_manager)  # inference tensors, as in every step
             block_size = self.config.block_size
             steps = [inputs] + [
                 advance_decode_inputs(inputs, k, num_steps, block_size) for k in range(1, int(num_steps.max()))

@@ -93,6 +93,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora_request: Any = None
+    lora_adapter: Any = None  # its LoRAAdapter, read at admission: a step never re-reads an adapter from disk
     seqs: list[Sequence] = field(default_factory=list)
     unforked: list[Sequence] = field(default_factory=list)  # samples waiting for the first one's prefill
     arrival_time: float = 0.0

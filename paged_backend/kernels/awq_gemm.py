@@ -109,6 +109,8 @@ def awq_gemm_triton(
     group_size = k // scales.shape[0]
     sms = num_sms(x.device) if x.is_cuda else 132
     block_m, block_n, block_k, split_k = launch or _launch_shape(m, n, k, group_size, sms)
+    if group_size % block_k:
+        raise ValueError(f"BLOCK_K={block_k} must divide group_size={group_size}: a tile reads one scale row")
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)

@@ -38,6 +38,7 @@ class LoRAManager:
         self.config = config
         self.device = device
         self.shapes: dict[str, tuple[int, int]] = {}
+        self.hooks: list[Any] = []  # removed by close(): the model may be the user's and outlive the engine
         self.lora_a: dict[str, torch.Tensor] = {}  # [S, R, in]
         self.lora_b: dict[str, torch.Tensor] = {}  # [S, out, R]
         slots, rank = config.max_loras, config.max_lora_rank
@@ -48,10 +49,11 @@ class LoRAManager:
             self.shapes[name] = shape
             self.lora_a[name] = torch.zeros(slots, rank, shape[0], dtype=dtype, device=device)
             self.lora_b[name] = torch.zeros(slots, shape[1], rank, dtype=dtype, device=device)
-            module.register_forward_hook(self._hook(name))
+            self.hooks.append(module.register_forward_hook(self._hook(name)))
         if not self.shapes:
             raise ValueError(f"enable_lora: {type(model).__name__} has no layer named one of {list(TARGET_MODULES)}")
         self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, LRU order
+        self.known: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path), for the engine's lifetime
         self.slot_ids: list[int | None] = [None] * slots  # lora_int_id in each slot
         self.slot_used: list[int] = [0] * slots  # last step that used each slot
         self.token_slots: torch.Tensor | None = None  # [T] this step's slot per token, -1 = base model
@@ -73,28 +75,40 @@ class LoRAManager:
     # ------------------------------------------------------------------ adapters
     def get(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter, from the CPU cache or read (and checked) from its folder; a bad adapter raises for this
-        request only."""
+        request only. An id names one adapter (name and path) for the engine's lifetime: the slots and the prefix
+        cache know adapters by id."""
+        identity = (request.lora_name, request.lora_path)
+        known = self.known.get(request.lora_int_id)
+        if known is not None and known != identity:
+            raise ValueError(
+                f"lora_int_id {request.lora_int_id} is adapter {known[0]!r} ({known[1]}), not {identity[0]!r} "
+                f"({identity[1]}): each adapter needs its own id"
+            )
         adapter = self.cpu_cache.get(request.lora_int_id)
         if adapter is not None:
-            if adapter.name != request.lora_name:
-                raise ValueError(
-                    f"lora_int_id {request.lora_int_id} is already adapter {adapter.name!r}, not {request.lora_name!r}"
-                )
             self.cpu_cache.move_to_end(request.lora_int_id)
             return adapter
         adapter = load_adapter(request, self.shapes, self.config.max_lora_rank)
+        self.known[request.lora_int_id] = identity
         self.num_loads += 1
         self.cpu_cache[request.lora_int_id] = adapter
         limit = self.config.max_cpu_loras
         while limit is not None and len(self.cpu_cache) > limit:
-            evicted, _ = self.cpu_cache.popitem(last=False)
+            evicted, _ = self.cpu_cache.popitem(last=False)  # unfinished requests keep their own reference
             logger.debug("LoRA %d evicted from the CPU cache", evicted)
         return adapter
 
-    def set_step(self, requests: list[LoRARequest | None], num_tokens: list[int] | np.ndarray) -> None:
+    def close(self) -> None:
+        """Take the hooks off the model."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+        self.token_slots = None
+
+    def set_step(self, adapters: list[LoRAAdapter | None], num_tokens: list[int] | np.ndarray) -> None:
         """Place this step's adapters in slots and set each token's slot (sequence i has ``num_tokens[i]``)."""
         self._steps += 1
-        seq_slots = [-1 if r is None else self._slot_for(r) for r in requests]
+        seq_slots = [-1 if a is None else self._slot_for(a) for a in adapters]
         if all(s < 0 for s in seq_slots):
             self.token_slots = None  # a base-model step: no delta at all
             return
@@ -104,16 +118,15 @@ class LoRAManager:
     def clear_step(self) -> None:
         self.token_slots = None
 
-    def _slot_for(self, request: LoRARequest) -> int:
-        lora_id = request.lora_int_id
-        if lora_id in self.slot_ids:
-            slot = self.slot_ids.index(lora_id)
+    def _slot_for(self, adapter: LoRAAdapter) -> int:
+        if adapter.int_id in self.slot_ids:
+            slot = self.slot_ids.index(adapter.int_id)
         else:
             free = [i for i, used in enumerate(self.slot_used) if used < self._steps]  # not used by this step
             if not free:
                 raise RuntimeError(f"more than max_loras={self.config.max_loras} adapters in one step")
             slot = min(free, key=lambda i: (self.slot_ids[i] is not None, self.slot_used[i]))
-            self._load_slot(slot, self.get(request))
+            self._load_slot(slot, adapter)
         self.slot_used[slot] = self._steps
         return slot
 
