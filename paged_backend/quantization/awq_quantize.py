@@ -2,10 +2,11 @@
 
 For each decoder layer (inputs recorded from the model as scaled and clipped so far, still in float), each group
 of linears that share an input gets per-input-channel scales ``s = mean|x| ** a``, with ``a`` chosen on a grid to
-minimise the group's output error once its weights are quantized: salient channels (large activations) are scaled up before
-rounding, and the inverse scale is folded into what produces the input (the norm, or the previous linear), so the
-model's function is unchanged before quantization. Then each linear's per-group weight range is shrunk where that
-lowers its output error (skipped for q/k, whose errors the softmax amplifies), and the weights are rounded.
+minimise the group's output error once its weights are quantized: salient channels (large activations) are scaled
+up before rounding, and the inverse scale is folded into what produces the input (the norm, or the previous
+linear), so the model's function is unchanged before quantization. Then each linear's per-group weight range is
+shrunk where that lowers its output error (skipped for q/k, whose errors the softmax amplifies), and the weights
+are rounded.
 
 Supported: decoder layers in the Llama layout (Llama, Mistral, Qwen2/3): ``input_layernorm``,
 ``self_attn.{q,k,v,o}_proj``, ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``, with norms that multiply
