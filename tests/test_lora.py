@@ -150,7 +150,9 @@ def test_bad_adapters_fail_their_request_only(lora_setup, tmp_path) -> None:
 def test_lora_request_lists_must_align(lora_setup) -> None:
     path, _, adapters = lora_setup
     llm = LLM(path, num_kv_blocks=64, **ENGINE)
-    with pytest.raises(ValueError, match="lora_request must be one LoRARequest or a list of 2"):
+    with pytest.raises(
+        ValueError, match=r"lora_request must be one LoRARequest \(None: the base model\) or a list of 2"
+    ):
         llm.generate(["a", "b"], lora_request=[adapters["attn"][0]], use_tqdm=False)
 
 

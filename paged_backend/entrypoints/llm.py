@@ -83,24 +83,11 @@ class LLM:
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
-        if isinstance(sampling_params, Sequence):
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params must be one SamplingParams or a list of {len(prompts)} (one per prompt), "
-                    f"got a list of {len(params)}"
-                )
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        if isinstance(lora_request, Sequence):
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(
-                    f"lora_request must be one LoRARequest or a list of {len(prompts)} (one per prompt, None for the "
-                    f"base model), got a list of {len(loras)}"
-                )
-        else:
-            loras = [lora_request] * len(prompts)
+        params = [
+            SamplingParams() if p is None else p
+            for p in per_prompt("sampling_params", sampling_params, len(prompts), "one SamplingParams")
+        ]
+        loras = per_prompt("lora_request", lora_request, len(prompts), "one LoRARequest (None: the base model)")
         return self._run(prompts, params, use_tqdm, loras)
 
     def chat(
@@ -207,3 +194,15 @@ class LLM:
 
 
 PagedGenerationBackend = LLM
+
+
+def per_prompt(name: str, value: Any, num_prompts: int, one: str) -> list[Any]:
+    """``value`` for every prompt, or a list holding exactly one per prompt."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        values = list(value)
+        if len(values) != num_prompts:
+            raise ValueError(
+                f"{name} must be {one} or a list of {num_prompts} (one per prompt), got a list of {len(values)}"
+            )
+        return values
+    return [value] * num_prompts
