@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import (  # noqa: E402
-    MODEL_CONFIG,
+    benchmark_config,
     one_prompt,
     release_engine,
     run_hf,
@@ -32,6 +31,7 @@ from benchmarks.throughput import (  # noqa: E402
     tokens_per_second,
     versions,
     w1_prompts,
+    write_json,
 )
 from paged_backend import LLM  # noqa: E402
 from paged_backend.dummy_loader import dummy_model  # noqa: E402
@@ -100,15 +100,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
 
     def save() -> None:
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results)
 
     if not args.skip_kernel:
         results["kernel"] = kernel()
         save()
-    config = LlamaConfig(**{**MODEL_CONFIG, "num_hidden_layers": args.num_layers or MODEL_CONFIG["num_hidden_layers"]})
-    config.eos_token_id = config.bos_token_id = config.pad_token_id = None
+    config = benchmark_config(num_layers=args.num_layers)
     w1 = w1_prompts(config.vocab_size, args.num_prompts)
     w2 = [one_prompt(config.vocab_size, 128, seed=1)]
     with tempfile.TemporaryDirectory() as tmp:

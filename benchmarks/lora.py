@@ -25,12 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import (  # noqa: E402
     MODEL_CONFIG,
+    benchmark_config,
     release_engine,
     run_hf,
     timed,
     tokens_per_second,
     versions,
     w1_prompts,
+    write_json,
 )
 from paged_backend import LLM, LoRARequest, SamplingParams  # noqa: E402
 from paged_backend.demo import TINY_CONFIGS  # noqa: E402
@@ -86,10 +88,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": "python benchmarks/lora.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     shape = {k: v for k, v in TINY_CONFIGS["llama"].items() if k != "model_type"} if args.tiny else MODEL_CONFIG
-    config = LlamaConfig(**{**shape, "num_hidden_layers": args.num_layers or shape["num_hidden_layers"]})
+    config = benchmark_config(shape, args.num_layers)
     if args.tiny:
         config.vocab_size, config.max_position_embeddings = 512, 2048
-    config.eos_token_id = config.bos_token_id = config.pad_token_id = None
     prompts = w1_prompts(config.vocab_size, args.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,9 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             del llm, run, done
             release_engine(name)
     results["lora_over_base"] = results["w1_paged_lora"] / results["w1_paged"]
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.json, results)
     logger.info("%s", json.dumps({k: v for k, v in results.items() if k != "versions"}, indent=2))
     return results
 

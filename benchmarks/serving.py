@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.throughput import build_model, versions, w1_prompts
+from benchmarks.throughput import build_model, versions, w1_prompts, write_json
 
 logger = logging.getLogger("benchmarks.serving")
 
@@ -315,10 +315,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "servers": {},
     }
 
-    def save() -> None:  # after every rate, so a run cut short keeps what it measured
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+    def save() -> None:  # after every rate
+        write_json(args.json, results)
 
     for name in servers:
         results["servers"][name] = {}

@@ -52,10 +52,23 @@ MODEL_CONFIG = dict(
 HF_BATCH = 64
 
 
+def benchmark_config(shape: dict[str, Any] = MODEL_CONFIG, num_layers: int | None = None) -> LlamaConfig:
+    """A Llama config of ``shape`` (optionally fewer layers) with no EOS token: every request runs full length."""
+    config = LlamaConfig(**{**shape, "num_hidden_layers": num_layers or shape["num_hidden_layers"]})
+    config.eos_token_id = config.bos_token_id = config.pad_token_id = None
+    return config
+
+
+def write_json(path: Path | None, results: dict[str, Any]) -> None:
+    """Save results (benchmarks call this after every measurement, so a run cut short keeps what it measured)."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def build_model(num_layers: int | None) -> LlamaForCausalLM:
     """Random normal(0, 0.02) weights on the GPU (norm weights stay 1), no EOS token."""
-    config = LlamaConfig(**{**MODEL_CONFIG, "num_hidden_layers": num_layers or MODEL_CONFIG["num_hidden_layers"]})
-    config.eos_token_id = config.bos_token_id = config.pad_token_id = None
+    config = benchmark_config(num_layers=num_layers)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -355,10 +368,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"),
     }
 
-    def save() -> None:  # after every measurement, so a run cut short keeps what it measured
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+    def save() -> None:
+        write_json(args.json, results)
 
     prompts_for = {"w1": w1_prompts(vocab, args.num_prompts), "w2": [one_prompt(vocab, 128, seed=1)]}
 

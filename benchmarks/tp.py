@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.gpu_check import hf_greedy_on_gpu, tiny_prompts  # noqa: E402
 from benchmarks.throughput import (  # noqa: E402
     MODEL_CONFIG,
+    benchmark_config,
     one_prompt,
     release_engine,
     run_hf,
@@ -40,6 +41,7 @@ from benchmarks.throughput import (  # noqa: E402
     tokens_per_second,
     versions,
     w1_prompts,
+    write_json,
 )
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
@@ -53,8 +55,8 @@ H200_COPY_TBPS = 4.27
 
 
 def save_config(path: Path, shape: dict[str, Any], num_layers: int | None) -> LlamaConfig:
-    config = LlamaConfig(**{**shape, "num_hidden_layers": num_layers or shape["num_hidden_layers"]}, dtype="bfloat16")
-    config.eos_token_id = config.bos_token_id = config.pad_token_id = None
+    config = benchmark_config(shape, num_layers)
+    config.dtype = "bfloat16"
     config.save_pretrained(path)
     return config
 
@@ -311,9 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
 
     def save() -> None:
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results)
 
     with tempfile.TemporaryDirectory() as tmp:
         if "check" in parts:
