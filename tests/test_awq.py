@@ -244,7 +244,7 @@ def test_tp2_on_an_awq_checkpoint_equals_hf_on_the_dequantized_model(awq_checkpo
         llm.llm_engine.shutdown()
 
 
-def test_tp_refuses_awq_groups_split_across_ranks(awq_checkpoints) -> None:
+def test_tp_refuses_awq_groups_split_across_ranks() -> None:
     from paged_backend.distributed.tp_plan import head_layout, shard_linear
 
     layer = AWQLinear(64, 16, GROUP, bias=False)
