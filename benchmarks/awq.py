@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ):
             llm = LLM(str(path), skip_tokenizer_init=True, **kwargs)
             entry: dict[str, Any] = {"weight_gb": weight_bytes(llm.llm_engine.model) / 1e9}
-            run_paged(llm, w2, args.max_tokens)  # warm-up
+            run_paged(llm, [one_prompt(config.vocab_size, 128, seed=2)], args.max_tokens)  # warm-up, another prompt
             outs, seconds = run_paged(llm, w2, args.max_tokens)
             entry["w2"] = tokens_per_second(outs, seconds)
-            run_paged(llm, w1[:64], 8)  # warm-up
+            run_paged(llm, w1_prompts(config.vocab_size, 64, seed=1), 8)  # warm-up sharing no prefix with W1
             outs, seconds = run_paged(llm, w1, args.max_tokens)
             entry["w1"] = tokens_per_second(outs, seconds)
             results[name] = entry

@@ -7,12 +7,14 @@ Checkpoint: DESIGN.md's benchmark model (Llama-3-8B shape, random normal(0, 0.02
 once with ``save_pretrained``, plus a word-level tokenizer whose token i is the word ``t{i}``: a prompt's text
 encodes to exactly W1's token ids in either server, and every generated token decodes to one word, so output
 tokens are counted as words. Its chat template passes the user message through unchanged.
-Requests: the first ``--num-prompts`` of W1's prompts (lengths uniform in [64, 1024], random.Random(0)), as
-streamed ``/v1/chat/completions`` with temperature 0 and ``max_tokens`` 256; arrival gaps are exponential with
-mean 1/rate (random.Random(1)); ``inf`` sends them all at once. Per rate: output tok/s (tokens streamed / from
-the first send to the last token), time to first token (first chunk with text) and inter-token latency p50/p99
-(a chunk of k tokens after a gap g counts as k gaps of g/k: multi-step decoding streams several tokens at once),
-and time per output token (per request: from its first to its last token, over its tokens after the first).
+Requests: the first ``--num-prompts`` of W1's prompts (lengths uniform in [64, 1024], random.Random(0)) at the first
+rate, and as many drawn the same way with other seeds at the warm-up and each later rate (the paged server caches
+prefixes: repeating a prompt set would serve its prefill from the cache), as streamed ``/v1/chat/completions`` with
+temperature 0 and ``max_tokens`` 256; arrival gaps are exponential with mean 1/rate (random.Random(1)); ``inf``
+sends them all at once. Per rate: output tok/s (tokens streamed / from the first send to the last token), time to
+first token (first chunk with text) and inter-token latency p50/p99 (a chunk of k tokens after a gap g counts as k
+gaps of g/k: multi-step decoding streams several tokens at once), and time per output token (per request: from its
+first to its last token, over its tokens after the first).
 
   python benchmarks/serving.py --json benchmarks/results/h200_serving.json --plot docs/images/h200_serving.png
   python benchmarks/serving.py --tiny --servers paged          # smoke run on CPU, tiny model
@@ -220,14 +222,15 @@ def summarize(results: list[Result]) -> dict[str, Any]:
 def bench_server(
     name: str,
     checkpoint: Path,
-    prompts: list[str],
+    prompt_sets: list[list[str]],
     rates: list[float],
     tiny: bool,
     log_dir: Path,
     out: dict[str, Any],
     save: Callable[[], None],
 ) -> None:
-    """Fills ``out`` (startup time, then one summary per rate, saved after each; or the error and log tail)."""
+    """Fills ``out`` (startup time, then one summary per rate, saved after each; or the error and log tail).
+    ``prompt_sets``: the warm-up's, then one per rate, sharing no prefix (the paged server caches prefixes)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"{name}.log"
@@ -236,11 +239,11 @@ def bench_server(
     try:
         started = time.perf_counter()
         wait_ready(base, process, timeout=600)
-        warm = asyncio.run(run_rate(base, str(checkpoint), prompts[:4], math.inf))  # loads lazily, compiles
+        warm = asyncio.run(run_rate(base, str(checkpoint), prompt_sets[0][:4], math.inf))  # loads lazily, compiles
         if any(r.error for r in warm):
             raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
         out.update(startup_s=time.perf_counter() - started, rates={})
-        for rate in rates:
+        for rate, prompts in zip(rates, prompt_sets[1:]):
             summary = summarize(asyncio.run(run_rate(base, str(checkpoint), prompts, rate)))
             out["rates"][str(rate)] = summary
             logger.info("%s rate %s: %s", name, rate, summary)
@@ -303,15 +306,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     vocab = save_checkpoint(checkpoint, args.tiny)
     logger.info("checkpoint saved in %.1f s", time.perf_counter() - started)
-    prompts = [p[:64] if args.tiny else p for p in w1_prompts(vocab, 256)[: args.num_prompts]]
-    texts = [prompt_text(p) for p in prompts]
+    # W1's prompts at the first rate, others (same lengths' distribution) at the warm-up and each later rate.
+    prompt_sets = [
+        [prompt_text(p[:64] if args.tiny else p) for p in w1_prompts(vocab, 256, seed=seed)[: args.num_prompts]]
+        for seed in (100, *range(len(rates)))
+    ]
 
     results: dict[str, Any] = {
         "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "versions": versions(),
         "command": "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
-        "num_prompts": len(prompts),
+        "num_prompts": len(prompt_sets[1]),
         "servers": {},
     }
 
@@ -320,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     for name in servers:
         results["servers"][name] = {}
-        bench_server(name, checkpoint, texts, rates, args.tiny, work, results["servers"][name], save)
+        bench_server(name, checkpoint, prompt_sets, rates, args.tiny, work, results["servers"][name], save)
         save()
     shutil.rmtree(work, ignore_errors=True)
     if args.plot is not None:

@@ -7,9 +7,10 @@ Model: Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no EOS (fixed leng
 Backends: paged (this library), hf_patched (``model.generate`` after ``paged_backend.patch``, called like hf),
 hf (``model.generate``, batches of 64, left padded), hf_cb (``generate_batch``, transformers' continuous
 batching), hf_static (``generate`` with a static cache and torch.compile; w2 only).
-Every backend runs in this one process on identical prompts, after an untimed warm-up (W1: 64 prompts x 8
-tokens; W2: the workload once; hf_static: its compiling first call); throughput counts the output tokens
-actually returned. The paged engine is measured first, then released: HF needs the memory its KV cache held.
+Every backend runs in this one process on identical prompts, after an untimed warm-up on other prompts (the
+paged engine caches prefixes): W1 64 prompts x 8 tokens, W2 one 128-token prompt, hf_static its compiling first
+call. Throughput counts the output tokens actually returned. The paged engine is measured first, then released:
+HF needs the memory its KV cache held.
 Before timing, greedy outputs of the paged engine are checked against HF ``generate`` on 8 prompts.
 
     python benchmarks/throughput.py --workload w1,w2,ttft --backends paged,hf,hf_cb,hf_static \
@@ -81,8 +82,10 @@ def build_model(num_layers: int | None) -> LlamaForCausalLM:
     return model.eval()
 
 
-def w1_prompts(vocab: int, num_prompts: int) -> list[list[int]]:
-    rng = random.Random(0)
+def w1_prompts(vocab: int, num_prompts: int, seed: int = 0) -> list[list[int]]:
+    """W1's prompts (seed 0); other seeds give warm-ups that share no prefix with them (the paged engine caches
+    prefixes: a warm-up on the measured prompts would spare it part of the measured prefill)."""
+    rng = random.Random(seed)
     lengths = [rng.randint(64, 1024) for _ in range(num_prompts)]
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
@@ -193,44 +196,69 @@ def measure_ttft(llm: LLM, model, vocab: int, repeats: int = 5) -> dict[str, flo
 
 
 def step_breakdown(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-    """Where a step's wall time goes: scheduling, input building, launching the forward (async for CUDA graphs),
-    sampling (which waits for the GPU) and the rest (appending tokens, outputs; for a multi-step decode round,
-    which counts as one step, also the wait for the GPU). Milliseconds per step."""
-    engine = llm.llm_engine
-    totals: dict[str, float] = dict.fromkeys(("schedule", "prepare", "launch", "sample+gpu_wait"), 0.0)
+    """Where rank 0's wall time goes, in milliseconds per engine step: scheduling, input building, the broadcast
+    to tensor-parallel workers, launching forwards (async for CUDA graphs), waiting for the GPU (sampling, or
+    reading a multi-step round's tokens) and the rest (appending tokens, outputs). Also how many steps were
+    single forwards (prefill, mixed or non-greedy) and how many multi-step decode rounds, and their wall time."""
+    import paged_backend.engine.llm_engine as llm_engine
 
-    def wrap(fn, key):
-        def timed_fn(*a, **k):
+    engine = llm.llm_engine
+    runner = getattr(engine.runner, "runner", engine.runner)  # rank 0's ModelRunner, also under TP
+    totals: dict[str, float] = dict.fromkeys(
+        ("schedule", "prepare", "broadcast", "launch", "gpu_wait", "single_steps_s", "decode_rounds_s"), 0.0
+    )
+    counts = dict.fromkeys(("steps", "single_steps", "decode_rounds", "decode_round_steps"), 0)
+
+    def wrap(fn: Any, key: str, count: str | None = None) -> Any:
+        def timed_fn(*a: Any, **k: Any) -> Any:
             start = time.perf_counter()
             result = fn(*a, **k)
             totals[key] += time.perf_counter() - start
+            if count is not None:
+                counts[count] += 1
             return result
 
         return timed_fn
 
-    originals = (engine.scheduler.schedule, engine.runner.prepare_inputs, engine.runner.run, engine.sampler)
-    engine.scheduler.schedule = wrap(engine.scheduler.schedule, "schedule")
-    engine.runner.prepare_inputs = wrap(engine.runner.prepare_inputs, "prepare")
-    engine.runner.run = wrap(engine.runner.run, "launch")
-    engine.sampler = wrap(engine.sampler, "sample+gpu_wait")
-    steps = 0
-    step = engine.step
+    def decode_round(sched: Any, num_steps: Any) -> Any:
+        counts["decode_round_steps"] += int(num_steps.max())
+        return run_round(sched, num_steps)
 
-    def counted(*a, **k):
-        nonlocal steps
-        steps += 1
-        return step(*a, **k)
-
-    engine.step = counted
+    patched: list[tuple[Any, str, Any]] = [
+        (engine.scheduler, "schedule", wrap(engine.scheduler.schedule, "schedule")),
+        (runner, "prepare_inputs", wrap(runner.prepare_inputs, "prepare")),
+        (runner, "run", wrap(runner.run, "launch")),
+        (engine, "sampler", wrap(engine.sampler, "gpu_wait")),
+        (llm_engine, "to_host", wrap(llm_engine.to_host, "gpu_wait")),
+        (engine, "step", wrap(engine.step, "total", "steps")),
+        (engine, "_run_step", wrap(engine._run_step, "single_steps_s", "single_steps")),
+    ]
+    run_round = wrap(engine._run_decode_steps, "decode_rounds_s", "decode_rounds")
+    patched.append((engine, "_run_decode_steps", decode_round))
+    if getattr(engine, "tp_group", None) is not None:
+        patched.append((engine.tp_group, "send", wrap(engine.tp_group.send, "broadcast")))
+    totals["total"] = 0.0
+    saved = [(obj, name, getattr(obj, name), name in vars(obj)) for obj, name, _ in patched]
+    for obj, name, fn in patched:
+        setattr(obj, name, fn)
     try:
         _, seconds = run_paged(llm, prompts, max_tokens)
     finally:
-        del engine.scheduler.schedule, engine.runner.prepare_inputs, engine.runner.run, engine.step
-        engine.sampler = originals[3]
-    result = {k: 1e3 * v / steps for k, v in totals.items()}
+        for obj, name, original, own in saved:
+            if own:
+                setattr(obj, name, original)
+            else:
+                delattr(obj, name)
+    steps = counts["steps"]
+    result = {k: 1e3 * v / steps for k, v in totals.items() if k not in ("total", "single_steps_s", "decode_rounds_s")}
     result["other"] = 1e3 * seconds / steps - sum(result.values())
-    result["steps"] = steps
     result["step_ms"] = 1e3 * seconds / steps
+    result["wall_s"] = seconds
+    result["single_steps_s"] = totals["single_steps_s"]
+    result["decode_rounds_s"] = totals["decode_rounds_s"]
+    result.update(counts)
+    if counts["decode_round_steps"]:
+        result["ms_per_decode_step_in_rounds"] = 1e3 * totals["decode_rounds_s"] / counts["decode_round_steps"]
     return result
 
 
@@ -379,9 +407,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             _, warm = timed(lambda: run(prompts, args.max_tokens))  # first call compiles
             results["hf_static_first_call_s"] = warm
         elif workload == "w2":
-            run(prompts, args.max_tokens)  # warm-up for the single stream
-        else:
-            run(prompts[:HF_BATCH], 8)  # warm-up: one-time kernel compiles and allocator growth stay untimed
+            run([one_prompt(vocab, 128, seed=2)], args.max_tokens)  # warm-up for the single stream
+        else:  # warm-up: one-time kernel compiles and allocator growth stay untimed
+            run(w1_prompts(vocab, HF_BATCH, seed=1), 8)
         try:
             outputs, seconds = run(prompts, args.max_tokens)
         except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
@@ -421,9 +449,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.breakdown:
             results["breakdown"] = {
                 "graph_replay_ms": graph_replay_ms(llm),
-                "w1_prefill_only_s": run_paged(llm, prompts_for["w1"], 1)[1],
-                "w1": step_breakdown(llm, prompts_for["w1"], args.max_tokens),
-                "w2": step_breakdown(llm, prompts_for["w2"], args.max_tokens),
+                "w1_prefill_only_s": run_paged(llm, w1_prompts(vocab, args.num_prompts, seed=3), 1)[1],
+                "w1": step_breakdown(llm, w1_prompts(vocab, args.num_prompts, seed=2), args.max_tokens),
+                "w2": step_breakdown(llm, [one_prompt(vocab, 128, seed=3)], args.max_tokens),
             }
         if args.profile is not None:
             profile_decode(llm, vocab, args.profile)

@@ -38,6 +38,7 @@ from benchmarks.throughput import (  # noqa: E402
     release_engine,
     run_hf,
     run_paged,
+    step_breakdown,
     tokens_per_second,
     versions,
     w1_prompts,
@@ -74,10 +75,10 @@ def paged_llm(path: Path, tp: int, **kwargs: Any) -> LLM:
 
 # ---------------------------------------------------------------------------------------------------- check
 @torch.no_grad()
-def check(tmp: Path) -> list[dict[str, Any]]:
+def check(tmp: Path, archs: tuple[str, ...] = ("llama", "qwen2", "qwen3")) -> list[dict[str, Any]]:
     tokenizer = build_tiny_tokenizer()
     rows = []
-    for arch in ("llama", "qwen2", "qwen3"):
+    for arch in archs:
         model = build_tiny_model(arch, vocab_size=len(tokenizer))
         path = tmp / arch
         model.save_pretrained(path)
@@ -109,6 +110,7 @@ def check(tmp: Path) -> list[dict[str, Any]]:
                     "prompts": len(prompts),
                     "preemptions": stats["num_preemptions"],
                     "swap_outs": stats["num_swapped_out"],
+                    "all_reduce": "symm_mem" if llm.llm_engine.model.tp_all_reduce.buffer is not None else "nccl",
                 }
             )
             logger.info("check %s", rows[-1])
@@ -151,7 +153,28 @@ def kill_worker_mid_step(tmp: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- w1
-def w1(tmp: Path, num_layers: int | None, num_prompts: int, max_tokens: int, backends: list[str]) -> dict[str, Any]:
+def profile_rank0(llm: LLM, prompts: list[list[int]], path: Path) -> None:
+    """torch.profiler's kernel table on rank 0 for W1's prompts with 32 new tokens each: the NCCL kernels' total
+    against the rest says how long rank 0 waited for the other rank."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, seconds = run_paged(llm, prompts, 32)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    path.write_text(f"{len(prompts)} prompts x 32 tokens, {seconds:.2f} s wall\n{table}")
+    logger.info("profile written to %s", path)
+
+
+def w1(
+    tmp: Path,
+    num_layers: int | None,
+    num_prompts: int,
+    max_tokens: int,
+    backends: list[str],
+    breakdown: bool = False,
+    profile_dir: Path | None = None,
+    engine_args: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     path = tmp / "llama-3-8b-shape"
     config = save_config(path, MODEL_CONFIG, num_layers)
     prompts = w1_prompts(config.vocab_size, num_prompts)
@@ -168,20 +191,38 @@ def w1(tmp: Path, num_layers: int | None, num_prompts: int, max_tokens: int, bac
         del model
         release_engine("HF")
 
-    for tp in (1, 2):
-        if f"tp{tp}" not in backends:
+    variants = {"tp1": (1, {}), "tp2": (2, {}), "tp2_nccl": (2, {"disable_custom_all_reduce": True})}
+    tokens: dict[str, list[list[int]]] = {}
+    for name, (tp, extra) in variants.items():
+        if name not in backends:
             continue
-        llm = paged_llm(path, tp)
-        run_paged(llm, prompts[:64], 8)  # warm-up
+        llm = paged_llm(path, tp, **(engine_args or {}), **extra)
+        run_paged(llm, w1_prompts(config.vocab_size, 64, seed=1), 8)  # warm-up, sharing no prefix with W1
         outs, seconds = run_paged(llm, prompts, max_tokens)
-        results[f"paged_tp{tp}"] = tokens_per_second(outs, seconds)
-        results[f"paged_tp{tp}_preemptions"] = llm.stats()["num_preemptions"]
-        logger.info("W1 paged TP=%d: %.1f tok/s", tp, results[f"paged_tp{tp}"])
+        results[f"paged_{name}"] = tokens_per_second(outs, seconds)
+        results[f"paged_{name}_preemptions"] = llm.stats()["num_preemptions"]
+        if tp > 1:
+            results[f"paged_{name}_symm_mem_all_reduce"] = llm.llm_engine.model.tp_all_reduce.buffer is not None
+        tokens[name] = outs
+        logger.info("W1 paged %s: %.1f tok/s", name, results[f"paged_{name}"])
+        if breakdown:
+            fresh = w1_prompts(config.vocab_size, num_prompts, seed=2)  # prompts the prefix cache has not seen
+            results[f"breakdown_{name}"] = step_breakdown(llm, fresh, max_tokens)
+            results[f"breakdown_{name}"]["prefill_only_s"] = run_paged(
+                llm, w1_prompts(config.vocab_size, num_prompts, seed=3), 1
+            )[1]
+            logger.info("W1 %s breakdown: %s", name, results[f"breakdown_{name}"])
+        if profile_dir is not None:
+            profile_rank0(
+                llm, w1_prompts(config.vocab_size, num_prompts, seed=4), profile_dir / f"{name}_rank0_profile.txt"
+            )
         llm.llm_engine.shutdown()
         del llm
-        release_engine(f"TP={tp}")
+        release_engine(name)
     if "paged_tp1" in results and "paged_tp2" in results:
         results["speedup_tp2_over_tp1"] = results["paged_tp2"] / results["paged_tp1"]
+    if "tp2" in tokens and "tp2_nccl" in tokens:  # a + b is exact either way: the same tokens, bf16 included
+        results["tp2_same_tokens_as_nccl"] = sum(a == b for a, b in zip(tokens["tp2"], tokens["tp2_nccl"]))
     return results
 
 
@@ -227,7 +268,7 @@ def w2_70b(tmp: Path, num_layers: int | None, max_tokens: int) -> dict[str, Any]
 
     llm = paged_llm(path, 2, max_num_seqs=8)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.llm_engine.model.parameters())
-    run_paged(llm, [prompt], max_tokens)  # warm-up
+    run_paged(llm, [one_prompt(config.vocab_size, 128, seed=2)], max_tokens)  # warm-up, another prompt
     outs, seconds = run_paged(llm, [prompt], max_tokens)
     results["paged_tp2"] = tokens_per_second(outs, seconds)
     # The floor: rank 0's weights read once per token at the copy bandwidth (the embedding reads one row only).
@@ -292,10 +333,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="check,w1,w2_70b,kill", help="comma list of check, w1, w2_70b, kill")
-    parser.add_argument("--w1-backends", default="hf,tp1,tp2", help="comma list of hf, tp1, tp2")
+    parser.add_argument(
+        "--w1-backends",
+        default="hf,tp1,tp2",
+        help="comma list of hf, tp1, tp2, tp2_nccl (TP=2 without symmetric memory)",
+    )
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
+    parser.add_argument("--check-archs", default="llama,qwen2,qwen3", help="check: comma list of llama, qwen2, qwen3")
+    parser.add_argument("--breakdown", action="store_true", help="W1: where rank 0's time goes, by step kind")
+    parser.add_argument("--profile-dir", type=Path, default=None, help="W1: write rank 0's kernel tables here")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None, help="W1: decode steps per round")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
     args = parser.parse_args(argv)
@@ -317,18 +366,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         if "check" in parts:
-            results["check"] = check(Path(tmp))
+            results["check"] = check(Path(tmp), tuple(args.check_archs.split(",")))
             save()
         if "w1" in parts:
             backends = args.w1_backends.split(",")
-            results["w1"] = w1(Path(tmp), args.num_layers, args.num_prompts, args.max_tokens, backends)
+            engine_args = {}
+            if args.num_scheduler_steps is not None:
+                engine_args["num_scheduler_steps"] = args.num_scheduler_steps
+            results["w1"] = w1(
+                Path(tmp),
+                args.num_layers,
+                args.num_prompts,
+                args.max_tokens,
+                backends,
+                breakdown=args.breakdown,
+                profile_dir=args.profile_dir,
+                engine_args=engine_args,
+            )
             save()
         if "w2_70b" in parts:
             results["w2_70b"] = w2_70b(Path(tmp), args.num_layers, args.max_tokens)
             save()
         if "kill" in parts:
             if "check" not in parts:
-                check(Path(tmp))  # saves the tiny checkpoint it needs
+                check(Path(tmp), ("llama",))  # saves the tiny checkpoint it needs
             results["kill"] = kill_worker_mid_step(Path(tmp))
             save()
     if args.plot and ("w1" in results or "w2_70b" in results):

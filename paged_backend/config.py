@@ -129,10 +129,12 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"  # "mp": local worker processes; "ray": actors on a Ray cluster
+    disable_custom_all_reduce: bool = False  # True: NCCL for every all-reduce (see distributed/all_reduce.py)
 
     def __post_init__(self) -> None:
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         check_choice("distributed_executor_backend", self.distributed_executor_backend, ("mp", "ray"))
+        check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,37 @@ def test_tp2_greedy_equals_hf_generate(checkpoints, arch: str) -> None:
     assert not tp_workers()
 
 
+def test_each_step_is_one_broadcast_to_the_workers(checkpoints) -> None:
+    """Greedy decoding runs in multi-step rounds; each round (and each single step) reaches the workers as one
+    message: a broadcast per sequence (as an empty copy-on-write list once was) costs a round trip each."""
+    path, model = checkpoints["llama"]
+    prompts = ragged_prompts(6)
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, num_scheduler_steps=8, **ENGINE)
+    engine, sent, steps = llm.llm_engine, [], [0]
+    send, step = engine.tp_group.send, engine.step
+
+    def counted_send(method: str, *args: object) -> None:
+        sent.append((method, args))
+        send(method, *args)
+
+    def counted_step(*args: object, **kwargs: object) -> list:
+        steps[0] += 1
+        return step(*args, **kwargs)
+
+    engine.tp_group.send, engine.step = counted_send, counted_step
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24))
+        for prompt, out in zip(prompts, outs):
+            assert list(out.outputs[0].token_ids) == hf_greedy(model, prompt, 24)
+    finally:
+        llm.llm_engine.shutdown()
+    methods = [method for method, _ in sent]
+    assert "run_decode_steps" in methods  # multi-step rounds happened
+    assert all(args[0] for method, args in sent if method == "copy_blocks")
+    assert len([m for m in methods if m in ("run_decode_steps", "execute_inputs")]) == steps[0]
+    assert methods.count("copy_blocks") == 0  # no prompt shares blocks here, so nothing to copy
+
+
 def test_seeded_samples_match_tp1_and_workers_stop_with_the_engine(checkpoints) -> None:
     path, _ = checkpoints["llama"]
     params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=7, n=2)

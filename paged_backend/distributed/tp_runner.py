@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from paged_backend.config import EngineConfig
+from paged_backend.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from paged_backend.distributed.all_reduce import TPAllReduce
 from paged_backend.distributed.shard_loader import load_shard
 from paged_backend.distributed.tp_plan import head_layout
 from paged_backend.worker.step_inputs import StepInputs
@@ -43,8 +44,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _all_reduce(tensor: torch.Tensor) -> None:
-    dist.all_reduce(tensor)
+# Bytes of the largest hidden states one forward all-reduces through symmetric memory; larger ones use NCCL.
+_MAX_CUSTOM_ALL_REDUCE_BYTES = 128 * 2**20
+
+
+def load_rank(config: EngineConfig, model_path: str, rank: int, device: torch.device) -> Any:
+    """Rank ``rank``'s shard with its all-reduce set up (collective: every rank calls this at the same point)."""
+    all_reduce = TPAllReduce(use_custom=not config.parallel_config.disable_custom_all_reduce)
+    model = load_shard(config, model_path, rank, device, all_reduce)
+    tokens = max(
+        config.scheduler_config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        config.scheduler_config.max_num_seqs,
+    )
+    hidden = model.config.get_text_config().hidden_size
+    max_numel = min(tokens * hidden, _MAX_CUSTOM_ALL_REDUCE_BYTES // model.dtype.itemsize)
+    all_reduce.setup(device, model.dtype, max_numel)
+    model.tp_all_reduce = all_reduce  # which implementation runs: for logs and benchmarks
+    return model
 
 
 def _receive(control: Any) -> tuple[str, tuple[Any, ...]]:
@@ -148,7 +164,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
     device = tp_device(config, rank)
     control = _init_groups(init_method, rank, world_size, device)
     try:
-        worker = TPWorker(load_shard(config, model_path, rank, device, _all_reduce), device, world_size, control)
+        worker = TPWorker(load_rank(config, model_path, rank, device), device, world_size, control)
         while True:
             method, args = _receive(control)
             if method == "shutdown":
@@ -223,7 +239,7 @@ class TPGroup:
 
     def load(self, config: EngineConfig, model_path: str) -> Any:
         """Rank 0's shard of the model, on rank 0's device."""
-        return load_shard(config, model_path, 0, self.device, _all_reduce)
+        return load_rank(config, model_path, 0, self.device)
 
     def send(self, method: str, *args: Any) -> None:
         _check_alive(self.processes)
@@ -345,5 +361,7 @@ class TPModelRunner:
         return self.runner.run_decode_steps(steps)
 
     def copy_blocks(self, copies: Any) -> None:
+        if not copies:  # nothing to copy: no broadcast (each costs a round trip to every worker)
+            return
         self.group.send("copy_blocks", copies)
         self.runner.copy_blocks(copies)

@@ -413,6 +413,7 @@ class LLMEngine:
             ):
                 return None
         steps = np.empty(len(sched.seqs), dtype=np.int64)
+        copies_for_round: list[tuple[int, int]] = []
         for i, seq in enumerate(sched.seqs):
             left = self.max_model_len - len(seq.token_ids)
             if seq.params.max_tokens is not None:
@@ -426,7 +427,9 @@ class LLMEngine:
                     capacity = len(self.block_manager.get_block_table(seq.seq_id)) * self.config.block_size
                     steps[i] = max(1, min(n, capacity - seq.num_computed_tokens))
                 else:
-                    self.runner.copy_blocks(copies)  # copy-on-write of shared blocks, before any write
+                    copies_for_round += copies
+        if copies_for_round:  # copy-on-write of shared blocks before any write; one call (a broadcast under TP)
+            self.runner.copy_blocks(copies_for_round)
         # A round runs steps.max() forwards for the whole batch: not worth it when most rows would idle.
         return steps if steps.max() > 1 and 2 * steps.sum() >= steps.max() * len(steps) else None
 

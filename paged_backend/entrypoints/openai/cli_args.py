@@ -83,6 +83,12 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no torch.compile, no CUDA graphs")
     parser.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
     parser.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        default=None,
+        help="tensor parallelism: NCCL for every all-reduce (default: symmetric memory on GPUs where it works)",
+    )
+    parser.add_argument(
         "--lora-modules", type=_lora_module, nargs="+", default=[], metavar="NAME=PATH", help="adapters to serve"
     )
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
@@ -104,7 +110,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
     parser = make_parser(prog)
     args = parser.parse_args(argv)
     names = [flag[2:].replace("-", "_") for flag, *_ in _ENGINE_FLAGS]
-    names += ["enable_prefix_caching", "enforce_eager", "enable_lora"]
+    names += ["enable_prefix_caching", "enforce_eager", "enable_lora", "disable_custom_all_reduce"]
     engine: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.tokenizer is not None:
         engine["tokenizer"] = args.tokenizer
