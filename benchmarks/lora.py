@@ -117,10 +117,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ):
             llm = LLM(str(base), **common, **kwargs)
             warm = SamplingParams(max_tokens=8, ignore_eos=True)
-            warm_requests = [
-                {"prompt_token_ids": p} for p in w1_prompts(config.vocab_size, 64, seed=1)
-            ]  # no shared prefix
-            llm.generate(warm_requests, warm, lora_request=lora and lora[:64], use_tqdm=False)
+            # Warm-up prompts share no prefix with the measured ones (the engine caches prefixes).
+            warm_prompts = w1_prompts(config.vocab_size, min(64, len(prompts)), seed=1)
+            warm_requests = [{"prompt_token_ids": p} for p in warm_prompts]
+            llm.generate(warm_requests, warm, lora_request=lora and lora[: len(warm_prompts)], use_tqdm=False)
             run = llm.generate
             done, seconds = timed(lambda run=run, lora=lora: run(requests, params, lora_request=lora, use_tqdm=False))
             results[f"w1_{name}"] = tokens_per_second([list(o.outputs[0].token_ids) for o in done], seconds)
