@@ -63,7 +63,7 @@ class TPAllReduce:
             group_name = dist.group.WORLD.group_name
             buffer = symm_mem.empty(max_numel, dtype=dtype, device=device)
             self.handle = symm_mem.rendezvous(buffer, group_name)
-            probe = torch.randn(4096, dtype=dtype, device=device)
+            probe = torch.randn(min(4096, max_numel), dtype=dtype, device=device)
             expected = probe.clone()
             dist.all_reduce(expected)
             got = symm_mem_all_reduce(probe, buffer, group_name)
