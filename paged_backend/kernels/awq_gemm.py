@@ -49,11 +49,13 @@ if triton is not None:
         pid_k = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_pack = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # the int32 packs of this tile's columns
         # Column j of a pack sits at bit 4 * position-of-j in AWQ's order [0, 2, 4, 6, 1, 3, 5, 7].
-        j = offs_n % 8
+        j = tl.arange(0, BLOCK_N) % 8
         shifts = (j // 2) * 4 + (j % 2) * 16  # == AWQ_SHIFTS[j]
         mask_m = offs_m < M
         mask_n = offs_n < N
+        mask_pack = offs_pack < N // 8
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
@@ -63,13 +65,20 @@ if triton is not None:
             x = tl.load(
                 x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
             )  # [BM, BK]
+            # Each int32 is read once (contiguous rows of packs), then repeated for its eight columns in registers.
             packed = tl.load(
-                qweight_ptr + offs_k[:, None] * (N // 8) + (offs_n // 8)[None, :],
-                mask=mask_k[:, None] & mask_n[None, :],
+                qweight_ptr + offs_k[:, None] * (N // 8) + offs_pack[None, :],
+                mask=mask_k[:, None] & mask_pack[None, :],
                 other=0,
-            )  # [BK, BN]: each int32 read for its eight columns
+            )  # [BK, BN / 8]
+            packed = tl.interleave(packed, packed)
+            packed = tl.interleave(packed, packed)
+            packed = tl.interleave(packed, packed)  # [BK, BN]: column c holds pack c // 8
             group = k0 // group_size
-            zeros = tl.load(qzeros_ptr + group * (N // 8) + offs_n // 8, mask=mask_n, other=0)  # [BN]
+            zeros = tl.load(qzeros_ptr + group * (N // 8) + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
+            zeros = tl.interleave(zeros, zeros)
+            zeros = tl.interleave(zeros, zeros)
+            zeros = tl.interleave(zeros, zeros)  # [BN]
             scales = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
             q = (packed >> shifts[None, :]) & 0xF
             z = (zeros >> shifts) & 0xF
@@ -103,6 +112,8 @@ def awq_gemm_triton(
     qzeros: torch.Tensor,  # [K / G, N / 8] int32
     scales: torch.Tensor,  # [K / G, N]
     launch: tuple[int, int, int, int] | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:  # [M, N]
     m, k = x.shape
     n = scales.shape[1]
@@ -130,6 +141,8 @@ def awq_gemm_triton(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         IEEE=x.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return (partial[0] if split_k == 1 else partial.sum(0)).to(x.dtype)
 

@@ -1,0 +1,82 @@
+"""Launch shapes of the fused AWQ int4 GEMM on one GPU: for the 8B shape's gate/up and down projections at 1 and
+256 rows, every (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) of a small grid, fastest first, beside the bf16
+GEMM (cuBLAS) on the same shape and the heuristic's own choice. Bandwidth counts the packed weights, zeros and
+scales read once. What ``kernels/awq_gemm.py``'s ``_launch_shape`` picks from.
+
+    python benchmarks/awq_sweep.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton  # noqa: E402
+from paged_backend.quantization.awq_format import pack_linear  # noqa: E402
+
+logger = logging.getLogger("benchmarks.awq_sweep")
+SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
+
+
+def grid(m: int) -> itertools.product:
+    if m <= 16:
+        return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,))
+    return itertools.product((64, 128), (64, 128), (64, 128), (1,), (4, 8))
+
+
+def bench_us(fn: Callable[[], object], **kwargs: int) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, **kwargs) * 1e3
+
+
+@torch.no_grad()
+def sweep(name: str, k: int, n: int, m: int) -> None:
+    """One projection at ``m`` rows: the bf16 GEMM, the heuristic's launch, then the grid's four fastest."""
+    qweight, qzeros, scales = pack_linear(torch.randn(n, k, device="cuda") * 0.02, 128)
+    dense = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    read = qweight.numel() * 4 + qzeros.numel() * 4 + scales.numel() * 2
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    fused = partial(awq_gemm_triton, x, qweight, qzeros, scales)
+    error = (fused().float() - awq_gemm_torch(x.float(), qweight, qzeros, scales)).abs().max().item()
+    bf16_us, default_us = bench_us(lambda: x @ dense), bench_us(fused)
+    logger.info(
+        "%s m=%d: bf16 %.1f us; fused, heuristic's launch: %.1f us (%.2f TB/s), max |error| vs twin %.3g",
+        name,
+        m,
+        bf16_us,
+        default_us,
+        read / default_us / 1e6,
+        error,
+    )
+    rows = []
+    for bm, bn, bk, split_k, warps in grid(m):
+        launch = (bm, bn, bk, split_k)
+        try:
+            us = bench_us(partial(fused, launch, warps), warmup=5, rep=20)
+        except Exception as exc:  # noqa: BLE001 - a shape the compiler refuses is skipped
+            logger.info("  %s warps=%d: %s", launch, warps, type(exc).__name__)
+            continue
+        rows.append((us, launch, warps))
+    for us, launch, warps in sorted(rows)[:4]:
+        logger.info("  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s warps=%d", us, read / us / 1e6, launch, warps)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(0)
+    for name, (k, n) in SHAPES.items():
+        for m in (1, 256):
+            sweep(name, k, n, m)
+
+
+if __name__ == "__main__":
+    main()
