@@ -296,9 +296,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
             (
                 "W1, Llama-3-8B shape: output tok/s",
                 {
-                    "hf generate\n(1 GPU)": r["hf_generate_64_prompts"],
-                    "paged TP=1": r["paged_tp1"],
-                    "paged TP=2": r["paged_tp2"],
+                    name: r[key]
+                    for key, name in (
+                        ("hf_generate_64_prompts", "hf generate\n(1 GPU)"),
+                        ("paged_tp1", "paged TP=1"),
+                        ("paged_tp2_nccl", "paged TP=2\n(NCCL only)"),
+                        ("paged_tp2", "paged TP=2"),
+                    )
+                    if r.get(key) is not None
                 },
                 None,
             )
