@@ -83,6 +83,30 @@ def test_mixed_batch_with_rotating_slots_equals_each_merged_model(lora_setup) ->
     assert_idle(llm)
 
 
+def test_tensor_parallel_adapters_are_cut_like_their_layers(lora_setup) -> None:
+    """TP=2 (two processes, gloo): each rank holds its slice of every A or B, rowwise deltas are summed with the
+    layer's output, and the worker repeats rank 0's slot placements, as two slots rotate through three adapters."""
+    path, base, adapters = lora_setup
+    prompts = ragged_prompts(4)[:2]
+    names = [None, "attn", "mlp", "all"]
+    batch = [(p, n) for n in names for p in prompts]
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=64, **ENGINE)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10)
+        loras = [None if n is None else adapters[n][0] for _, n in batch]
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, lora_request=loras, use_tqdm=False)
+        for (prompt, name), out in zip(batch, outs):
+            reference = base if name is None else adapters[name][1]
+            assert list(out.outputs[0].token_ids) == hf_greedy(reference, prompt, 10), name
+        manager = llm.llm_engine.lora_manager
+        assert manager.num_slot_loads >= 3  # the third adapter took a slot another had held
+        shard = manager.shards["model.layers.0.self_attn.o_proj"]
+        assert shard.style == "rowwise" and manager.lora_a["model.layers.0.self_attn.o_proj"].shape[2] == shard.stop
+        assert_idle(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_adapters_leave_the_cpu_cache_and_come_back(lora_setup) -> None:
     path, _, adapters = lora_setup
     llm = LLM(path, num_kv_blocks=64, max_cpu_loras=2, **ENGINE)

@@ -47,6 +47,17 @@ class HeadLayout:
         return range(kv, kv + 1)
 
 
+@dataclass(frozen=True)
+class TPShard:
+    """The slice a sharded linear keeps, recorded on it (``linear.tp_shard``) for whatever must be cut alike (LoRA's
+    B rows of a colwise layer, A columns of a rowwise one)."""
+
+    style: str  # "colwise": output rows start:stop; "rowwise": input columns start:stop
+    start: int
+    stop: int
+    full_features: int  # the cut dimension's size on one device
+
+
 def head_layout(config, world_size: int) -> HeadLayout:
     """Validate that the model splits over ``world_size`` ranks, naming what does not divide."""
     if world_size < 1:
@@ -148,6 +159,7 @@ def shard_linear(
             linear.weight = nn.Parameter(_keep(linear.weight, 0, start, stop), requires_grad=False)
         if linear.bias is not None:
             linear.bias = nn.Parameter(_keep(linear.bias, 0, start, stop), requires_grad=False)
+        linear.tp_shard = TPShard(style, start, stop, linear.out_features)
         linear.out_features = stop - start
         return
     size = linear.in_features // layout.world_size
@@ -164,6 +176,7 @@ def shard_linear(
         linear.scales = _keep(linear.scales, 0, start // group, stop // group)
     else:
         linear.weight = nn.Parameter(_keep(linear.weight, 1, start, stop), requires_grad=False)
+    linear.tp_shard = TPShard(style, start, stop, linear.in_features)
     linear.in_features = size
     if linear.bias is not None and rank != 0:
         linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)

@@ -14,12 +14,14 @@ decoding's on-device argmax agrees.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing.process
 import socket
 import threading
 import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -127,33 +129,65 @@ class TPWorker:
     def __init__(self, model: Any, device: torch.device, world_size: int, control: Any) -> None:
         self.model, self.device, self.world_size, self.control = model, device, world_size, control
         self.runner: Any = None
+        self.lora: Any = None  # this rank's LoRAManager, with enable_lora
+
+    def _lora_manager(self, config: EngineConfig) -> Any:
+        """This rank's LoRA slots, made (like rank 0's) before the memory profile, so that they count."""
+        if config.lora_config.enable_lora and self.lora is None:
+            from paged_backend.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, config.lora_config, self.device, self.model.dtype)
+        return self.lora
 
     def profile_num_blocks(self, config: EngineConfig, block_bytes: int) -> None:
         from paged_backend.worker.profiler import gpu_blocks_that_fit
 
-        min_over_ranks(gpu_blocks_that_fit(self.model, config, self.device, block_bytes), self.control)
+        lora = self._lora_manager(config)
+        if lora is not None:  # as rank 0: every token's LoRA delta computed
+            lora.token_slots = torch.zeros(config.max_num_batched_tokens, dtype=torch.long, device=self.device)
+        try:
+            num_blocks = gpu_blocks_that_fit(self.model, config, self.device, block_bytes)
+        finally:
+            if lora is not None:
+                lora.clear_step()
+        min_over_ranks(num_blocks, self.control)
 
     def init_cache(self, config: EngineConfig, num_blocks: int, num_cpu_blocks: int) -> None:
         from paged_backend.worker.cache_engine import CacheEngine
         from paged_backend.worker.model_runner import ModelRunner
 
+        lora = self._lora_manager(config)
         spec = local_kv_spec(self.model, self.world_size)
         cache_engine = CacheEngine(spec, num_blocks, config.block_size, self.device, num_cpu_blocks)
         self.runner = ModelRunner(
             self.model,
             cache_engine,
             self.device,
-            enforce_eager=config.device_config.enforce_eager,
+            enforce_eager=config.device_config.enforce_eager or lora is not None,  # as rank 0 decides
             max_num_seqs=config.scheduler_config.max_num_seqs,
             max_model_len=config.max_model_len,
             num_scheduler_steps=config.scheduler_config.num_scheduler_steps,
         )
 
-    def execute_inputs(self, moves: Any, wire: tuple[Any, ...]) -> None:
-        self.runner.execute_inputs(moves, StepInputs.from_wire(wire))
+    def execute_inputs(self, moves: Any, wire: tuple[Any, ...], lora: Any = None) -> None:
+        with self._lora_step(lora):
+            self.runner.execute_inputs(moves, StepInputs.from_wire(wire))
 
-    def run_decode_steps(self, steps: list[tuple[Any, ...]]) -> None:
-        self.runner.run_decode_steps([StepInputs.from_wire(wire) for wire in steps])
+    def run_decode_steps(self, steps: list[tuple[Any, ...]], lora: Any = None) -> None:
+        with self._lora_step(lora):
+            self.runner.run_decode_steps([StepInputs.from_wire(wire) for wire in steps])
+
+    @contextlib.contextmanager
+    def _lora_step(self, wire: Any) -> Iterator[None]:
+        """Rank 0's adapter placements and token slots (``LoRAManager.step_wire``) for the forwards inside."""
+        if wire is None:
+            yield
+            return
+        self.lora.apply_step(wire)
+        try:
+            yield
+        finally:
+            self.lora.clear_step()
 
     def copy_blocks(self, copies: Any) -> None:
         self.runner.copy_blocks(copies)
@@ -342,9 +376,13 @@ class TPModelRunner:
     """``ModelRunner``'s interface on rank 0: every call that touches the cache or runs the model is sent to the
     workers first (inputs without their sequence objects), then run here."""
 
-    def __init__(self, runner: Any, group: TPGroup) -> None:
+    def __init__(self, runner: Any, group: TPGroup, lora: Any = None) -> None:
         self.runner = runner
         self.group = group
+        self.lora = lora  # rank 0's LoRAManager: each step's placements travel with the step
+
+    def _lora_wire(self) -> Any:
+        return None if self.lora is None else self.lora.step_wire
 
     def prepare_inputs(self, sched: Any, block_manager: Any) -> StepInputs:
         return self.runner.prepare_inputs(sched, block_manager)
@@ -353,11 +391,11 @@ class TPModelRunner:
     def execute(self, sched: Any, block_manager: Any) -> tuple[torch.Tensor, list[Any]]:
         inputs = self.runner.prepare_inputs(sched, block_manager)
         moves = (sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.block_copies)
-        self.group.send("execute_inputs", moves, inputs.to_wire())
+        self.group.send("execute_inputs", moves, inputs.to_wire(), self._lora_wire())
         return self.runner.execute_inputs(moves, inputs), inputs.sample_seqs
 
     def run_decode_steps(self, steps: list[StepInputs]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.group.send("run_decode_steps", [s.to_wire() for s in steps])
+        self.group.send("run_decode_steps", [s.to_wire() for s in steps], self._lora_wire())
         return self.runner.run_decode_steps(steps)
 
     def copy_blocks(self, copies: Any) -> None:

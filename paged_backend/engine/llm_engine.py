@@ -55,8 +55,6 @@ class LLMEngine:
             raise ValueError(
                 "tensor_parallel_size > 1 loads the model in every worker process: pass model as a path or hub id"
             )
-        if config.lora_config.enable_lora and world_size > 1:
-            raise NotImplementedError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         self.tp_group: TPGroup | None = None
         if world_size > 1:
             check_tp_support(config, model)  # before any process starts
@@ -114,7 +112,7 @@ class LLMEngine:
             num_scheduler_steps=self.config.scheduler_config.num_scheduler_steps,
         )
         if self.tp_group is not None:
-            self.runner = TPModelRunner(self.runner, self.tp_group)
+            self.runner = TPModelRunner(self.runner, self.tp_group, self.lora_manager)
         self.sampler = Sampler(self.device, self.config.model_config.seed)
         self.eos_token_ids = self._eos_token_ids()
         self.vocab_size = self.model.config.get_text_config().vocab_size

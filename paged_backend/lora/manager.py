@@ -5,6 +5,11 @@ Each LoRA-able base layer (``TARGET_MODULES``) keeps its own weights and gets a 
 the delta of that token's slot (``kernels/lora.py``); slot tensors are zero-padded to ``max_lora_rank``. The
 scheduler never runs more distinct adapters in one step than there are slots, so placing a step's adapters only
 ever evicts slots it does not use (least recently used first).
+
+Under tensor parallelism every rank has a manager for its shard: A and B are cut like the layer they modify (a
+colwise layer keeps B's rows of its outputs, a rowwise one A's columns of its inputs, whose partial deltas the
+layer's all-reduce then sums, so the hook runs before it). Rank 0 places adapters and sends each step's
+placements and token slots (``step_wire``); the workers repeat them (``apply_step``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from paged_backend.config import LoRAConfig
+from paged_backend.distributed.tp_plan import TPShard
 from paged_backend.kernels.lora import lora_delta
 from paged_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from paged_backend.lora.request import LoRARequest
@@ -33,11 +39,22 @@ def _in_out(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def _full_in_out(local: tuple[int, int], shard: TPShard | None) -> tuple[int, int]:
+    """A sharded layer's (in, out) before the cut: what an adapter's A and B are shaped for."""
+    if shard is None:
+        return local
+    return (local[0], shard.full_features) if shard.style == "colwise" else (shard.full_features, local[1])
+
+
+StepWire = tuple[list[tuple[int, LoRARequest]], np.ndarray | None]  # (slots filled this step, slot per token)
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config
         self.device = device
-        self.shapes: dict[str, tuple[int, int]] = {}
+        self.shapes: dict[str, tuple[int, int]] = {}  # (in, out) an adapter is shaped for
+        self.shards: dict[str, TPShard] = {}  # the slice each layer keeps under tensor parallelism
         self.hooks: list[Any] = []  # removed by close(): the model may be the user's and outlive the engine
         self.lora_a: dict[str, torch.Tensor] = {}  # [S, R, in]
         self.lora_b: dict[str, torch.Tensor] = {}  # [S, out, R]
@@ -46,10 +63,14 @@ class LoRAManager:
             shape = _in_out(module) if name.rpartition(".")[2] in TARGET_MODULES else None
             if shape is None:
                 continue
-            self.shapes[name] = shape
+            shard = getattr(module, "tp_shard", None)
+            if shard is not None:
+                self.shards[name] = shard
+            self.shapes[name] = _full_in_out(shape, shard)
             self.lora_a[name] = torch.zeros(slots, rank, shape[0], dtype=dtype, device=device)
             self.lora_b[name] = torch.zeros(slots, shape[1], rank, dtype=dtype, device=device)
-            self.hooks.append(module.register_forward_hook(self._hook(name)))
+            # prepend: before a rowwise layer's all-reduce, which then sums the ranks' partial deltas too
+            self.hooks.append(module.register_forward_hook(self._hook(name), prepend=True))
         if not self.shapes:
             raise ValueError(f"enable_lora: {type(model).__name__} has no layer named one of {list(TARGET_MODULES)}")
         self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, LRU order
@@ -57,6 +78,7 @@ class LoRAManager:
         self.slot_ids: list[int | None] = [None] * slots  # lora_int_id in each slot
         self.slot_used: list[int] = [0] * slots  # last step that used each slot
         self.token_slots: torch.Tensor | None = None  # [T] this step's slot per token, -1 = base model
+        self.step_wire: StepWire = ([], None)  # what a tensor-parallel worker needs to repeat this step
         self.num_loads = 0  # adapters read from disk
         self.num_slot_loads = 0  # adapters copied into a device slot
         self._steps = 0
@@ -108,17 +130,28 @@ class LoRAManager:
     def set_step(self, adapters: list[LoRAAdapter | None], num_tokens: list[int] | np.ndarray) -> None:
         """Place this step's adapters in slots and set each token's slot (sequence i has ``num_tokens[i]``)."""
         self._steps += 1
-        seq_slots = [-1 if a is None else self._slot_for(a) for a in adapters]
+        loads: list[tuple[int, LoRARequest]] = []
+        seq_slots = [-1 if a is None else self._slot_for(a, loads) for a in adapters]
         if all(s < 0 for s in seq_slots):
             self.token_slots = None  # a base-model step: no delta at all
+            self.step_wire = (loads, None)
             return
         per_token = np.repeat(np.asarray(seq_slots, dtype=np.int64), np.asarray(num_tokens, dtype=np.int64))
         self.token_slots = torch.from_numpy(per_token).to(self.device)
+        self.step_wire = (loads, per_token)
+
+    def apply_step(self, wire: StepWire) -> None:
+        """A tensor-parallel worker's side of ``set_step``: fill the slots rank 0 filled, use its token slots."""
+        loads, per_token = wire
+        for slot, request in loads:
+            self._load_slot(slot, self.get(request))
+        self.token_slots = None if per_token is None else torch.from_numpy(per_token).to(self.device)
 
     def clear_step(self) -> None:
         self.token_slots = None
+        self.step_wire = ([], None)
 
-    def _slot_for(self, adapter: LoRAAdapter) -> int:
+    def _slot_for(self, adapter: LoRAAdapter, loads: list[tuple[int, LoRARequest]]) -> int:
         if adapter.int_id in self.slot_ids:
             slot = self.slot_ids.index(adapter.int_id)
         else:
@@ -127,6 +160,8 @@ class LoRAManager:
                 raise RuntimeError(f"more than max_loras={self.config.max_loras} adapters in one step")
             slot = min(free, key=lambda i: (self.slot_ids[i] is not None, self.slot_used[i]))
             self._load_slot(slot, adapter)
+            name, path = self.known[adapter.int_id]
+            loads.append((slot, LoRARequest(name, adapter.int_id, path)))
         self.slot_used[slot] = self._steps
         return slot
 
@@ -137,7 +172,12 @@ class LoRAManager:
             a.zero_()
             b.zero_()
             if name in adapter.weights:
-                wa, wb = adapter.weights[name]
+                wa, wb = adapter.weights[name]  # [r, in], [out, r], as shaped for one device
+                shard = self.shards.get(name)
+                if shard is not None and shard.style == "colwise":
+                    wb = wb[shard.start : shard.stop]
+                elif shard is not None:
+                    wa = wa[:, shard.start : shard.stop]
                 a[: adapter.rank].copy_(wa)
                 b[:, : adapter.rank].copy_(wb)
         self.slot_ids[slot] = adapter.int_id
