@@ -13,6 +13,7 @@ import torch
 from paged_backend import LLM, LoRARequest, SamplingParams
 from paged_backend.demo import build_tiny_model
 from tests.conftest import assert_idle, hf_greedy, ragged_prompts
+from tests.test_model_runner import counting_backend
 
 peft = pytest.importorskip("peft")
 
@@ -105,6 +106,29 @@ def test_tensor_parallel_adapters_are_cut_like_their_layers(lora_setup) -> None:
         assert_idle(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_lora_layers_compile_into_one_graph(lora_setup) -> None:
+    """The LoRA hooks trace into the compiled decoder layer (the delta is one opaque op reading buffers that stay
+    in place), with no graph break and no recompile as adapters and batch shapes change; outputs stay exact.
+    Dynamo only (a counting backend), so it runs here; on a GPU the same graph goes to inductor, then into CUDA
+    graphs."""
+    path, base, adapters = lora_setup
+    llm = LLM(path, num_kv_blocks=64, **ENGINE)
+    graphs: list = []
+    runner = llm.llm_engine.runner
+    runner.compile(counting_backend(graphs))
+    assert runner.regions is not None and runner.regions.num_graphs == len(graphs) == 1
+    prompts = ragged_prompts(4)[:2]
+    batch = [(p, n) for n in (None, "attn", "mlp", "all") for p in prompts]
+    loras = [None if n is None else adapters[n][0] for _, n in batch]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, lora_request=loras, use_tqdm=False)
+    assert len(graphs) == 1, "a step recompiled the layer"
+    for (prompt, name), out in zip(batch, outs):
+        reference = base if name is None else adapters[name][1]
+        assert list(out.outputs[0].token_ids) == hf_greedy(reference, prompt, 8), name
+    assert_idle(llm)
 
 
 def test_adapters_leave_the_cpu_cache_and_come_back(lora_setup) -> None:
@@ -247,8 +271,11 @@ def test_shutdown_takes_the_hooks_off_the_users_model(tokenizer) -> None:
     model = build_tiny_model("llama", vocab_size=len(tokenizer))
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, **ENGINE)
     assert model.model.layers[0].self_attn.q_proj._forward_hooks
+    buffers = {name for name, _ in model.named_buffers()}
     llm.llm_engine.shutdown()
     assert not model.model.layers[0].self_attn.q_proj._forward_hooks
+    assert {name for name, _ in model.named_buffers()} < buffers  # the slot buffers left with the hooks
+    assert not any("lora" in name for name, _ in model.named_buffers())
     plain = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, block_size=4, max_model_len=64)
     prompt = ragged_prompts(4)[0]
     (out,) = plain.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)

@@ -134,9 +134,10 @@ class TPWorker:
     def _lora_manager(self, config: EngineConfig) -> Any:
         """This rank's LoRA slots, made (like rank 0's) before the memory profile, so that they count."""
         if config.lora_config.enable_lora and self.lora is None:
-            from paged_backend.lora.manager import LoRAManager
+            from paged_backend.lora.manager import LoRAManager, lora_slot_tokens
 
-            self.lora = LoRAManager(self.model, config.lora_config, self.device, self.model.dtype)
+            tokens = lora_slot_tokens(config)
+            self.lora = LoRAManager(self.model, config.lora_config, self.device, self.model.dtype, tokens)
         return self.lora
 
     def profile_num_blocks(self, config: EngineConfig, block_bytes: int) -> None:
@@ -144,7 +145,7 @@ class TPWorker:
 
         lora = self._lora_manager(config)
         if lora is not None:  # as rank 0: every token's LoRA delta computed
-            lora.token_slots = torch.zeros(config.max_num_batched_tokens, dtype=torch.long, device=self.device)
+            lora.profile_step()
         try:
             num_blocks = gpu_blocks_that_fit(self.model, config, self.device, block_bytes)
         finally:
@@ -156,14 +157,14 @@ class TPWorker:
         from paged_backend.worker.cache_engine import CacheEngine
         from paged_backend.worker.model_runner import ModelRunner
 
-        lora = self._lora_manager(config)
+        self._lora_manager(config)
         spec = local_kv_spec(self.model, self.world_size)
         cache_engine = CacheEngine(spec, num_blocks, config.block_size, self.device, num_cpu_blocks)
         self.runner = ModelRunner(
             self.model,
             cache_engine,
             self.device,
-            enforce_eager=config.device_config.enforce_eager or lora is not None,  # as rank 0 decides
+            enforce_eager=config.device_config.enforce_eager,
             max_num_seqs=config.scheduler_config.max_num_seqs,
             max_model_len=config.max_model_len,
             num_scheduler_steps=config.scheduler_config.num_scheduler_steps,

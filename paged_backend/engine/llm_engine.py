@@ -33,7 +33,7 @@ from paged_backend.engine.detokenizer import (
     visible_text,
 )
 from paged_backend.engine.sequence import Request, Sequence, SequenceStatus
-from paged_backend.lora.manager import LoRAManager
+from paged_backend.lora.manager import LoRAManager, lora_slot_tokens
 from paged_backend.lora.request import LoRARequest
 from paged_backend.model_loader import load_model, load_tokenizer, model_max_length
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
@@ -72,9 +72,10 @@ class LLMEngine:
         if self.config.lora_config.enable_lora:
             if getattr(self.model, "awq_config", None) is not None:
                 raise NotImplementedError("enable_lora on an AWQ-quantized model is not supported yet")
-            # Before the KV cache is sized, so its slots count. LoRA's per-token deltas run eagerly for now: no
-            # torch.compile, no CUDA graphs.
-            self.lora_manager = LoRAManager(self.model, self.config.lora_config, self.device, self.model.dtype)
+            # Before the KV cache is sized, so its slots count.
+            self.lora_manager = LoRAManager(
+                self.model, self.config.lora_config, self.device, self.model.dtype, lora_slot_tokens(self.config)
+            )
             weakref.finalize(self, self.lora_manager.close)
 
         block_size = self.config.block_size
@@ -106,7 +107,7 @@ class LLMEngine:
             self.model,
             self.cache_engine,
             self.device,
-            enforce_eager=self.config.device_config.enforce_eager or self.lora_manager is not None,
+            enforce_eager=self.config.device_config.enforce_eager,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
             max_model_len=self.config.max_model_len,
             num_scheduler_steps=self.config.scheduler_config.num_scheduler_steps,
@@ -179,8 +180,7 @@ class LLMEngine:
         if self.tp_group is not None:
             self.tp_group.send("profile_num_blocks", self.config, block_bytes)
         if self.lora_manager is not None:  # the activation peak with every token's LoRA delta computed
-            tokens = self.config.max_num_batched_tokens
-            self.lora_manager.token_slots = torch.zeros(tokens, dtype=torch.long, device=self.device)
+            self.lora_manager.profile_step()
         try:
             num_blocks = gpu_blocks_that_fit(self.model, self.config, self.device, block_bytes)
         finally:

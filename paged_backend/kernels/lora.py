@@ -109,3 +109,19 @@ def lora_delta(
     if x.is_cuda and triton is not None:
         return lora_delta_triton(x, lora_a, lora_b, token_slots)
     return lora_delta_torch(x, lora_a, lora_b, token_slots)
+
+
+@torch.library.custom_op("paged_backend::lora_delta", mutates_args=())
+def lora_delta_op(
+    x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:  # [T, out]
+    """``lora_delta`` as one opaque op, so that a compiled decoder layer calls it as is (and a CUDA graph captures
+    its kernels) instead of tracing into the twin's data-dependent grouping."""
+    if token_slots.shape[0] != x.shape[0]:
+        raise ValueError(f"token_slots holds {token_slots.shape[0]} slots for {x.shape[0]} tokens")
+    return lora_delta(x, lora_a, lora_b, token_slots)
+
+
+@lora_delta_op.register_fake
+def _(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], lora_b.shape[1])

@@ -2,7 +2,10 @@
 device slots that every LoRA-able layer reads.
 
 Each LoRA-able base layer (``TARGET_MODULES``) keeps its own weights and gets a forward hook that adds, per token,
-the delta of that token's slot (``kernels/lora.py``); slot tensors are zero-padded to ``max_lora_rank``. The
+the delta of that token's slot (``kernels/lora.py``); slot tensors are zero-padded to ``max_lora_rank``. Every
+tensor the hook reads stays in place (slots are filled by copying, each step's token slots are written into one
+buffer, -1 where no adapter applies), and the hook always runs: a compiled layer and a captured CUDA graph read
+whatever the current step put there. The
 scheduler never runs more distinct adapters in one step than there are slots, so placing a step's adapters only
 ever evicts slots it does not use (least recently used first).
 
@@ -22,13 +25,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from paged_backend.config import LoRAConfig
+from paged_backend.config import EngineConfig, LoRAConfig
 from paged_backend.distributed.tp_plan import TPShard
-from paged_backend.kernels.lora import lora_delta
+from paged_backend.kernels.lora import lora_delta_op
 from paged_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from paged_backend.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
+
+
+_LORA_A, _LORA_B = "paged_lora_a", "paged_lora_b"  # buffer names on each LoRA-able layer
 
 
 def _in_out(module: nn.Module) -> tuple[int, int] | None:
@@ -46,15 +52,23 @@ def _full_in_out(local: tuple[int, int], shard: TPShard | None) -> tuple[int, in
     return (local[0], shard.full_features) if shard.style == "colwise" else (shard.full_features, local[1])
 
 
+def lora_slot_tokens(config: EngineConfig) -> int:
+    """Tokens one forward can hold: a step's token budget, or a padded decode batch (plus a compile's padding)."""
+    return max(config.max_num_batched_tokens, config.scheduler_config.max_num_seqs) + 8
+
+
 StepWire = tuple[list[tuple[int, LoRARequest]], np.ndarray | None]  # (slots filled this step, slot per token)
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: nn.Module, config: LoRAConfig, device: torch.device, dtype: torch.dtype, max_num_tokens: int
+    ) -> None:
         self.config = config
         self.device = device
         self.shapes: dict[str, tuple[int, int]] = {}  # (in, out) an adapter is shaped for
         self.shards: dict[str, TPShard] = {}  # the slice each layer keeps under tensor parallelism
+        self.modules: list[nn.Module] = []  # the layers holding LoRA buffers
         self.hooks: list[Any] = []  # removed by close(): the model may be the user's and outlive the engine
         self.lora_a: dict[str, torch.Tensor] = {}  # [S, R, in]
         self.lora_b: dict[str, torch.Tensor] = {}  # [S, out, R]
@@ -69,30 +83,31 @@ class LoRAManager:
             self.shapes[name] = _full_in_out(shape, shard)
             self.lora_a[name] = torch.zeros(slots, rank, shape[0], dtype=dtype, device=device)
             self.lora_b[name] = torch.zeros(slots, shape[1], rank, dtype=dtype, device=device)
+            # Buffers of the layer itself, read by one hook shared by all: a compiled decoder layer then takes them
+            # as inputs, like its weights, and one graph serves every layer.
+            module.register_buffer(_LORA_A, self.lora_a[name], persistent=False)
+            module.register_buffer(_LORA_B, self.lora_b[name], persistent=False)
+            self.modules.append(module)
             # prepend: before a rowwise layer's all-reduce, which then sums the ranks' partial deltas too
-            self.hooks.append(module.register_forward_hook(self._hook(name), prepend=True))
+            self.hooks.append(module.register_forward_hook(self._add_delta, prepend=True))
         if not self.shapes:
             raise ValueError(f"enable_lora: {type(model).__name__} has no layer named one of {list(TARGET_MODULES)}")
         self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, LRU order
         self.known: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path), for the engine's lifetime
         self.slot_ids: list[int | None] = [None] * slots  # lora_int_id in each slot
         self.slot_used: list[int] = [0] * slots  # last step that used each slot
-        self.token_slots: torch.Tensor | None = None  # [T] this step's slot per token, -1 = base model
+        # [max_num_tokens] this step's slot per token, -1 = base model (and every row past the step's tokens)
+        self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.long, device=device)
         self.step_wire: StepWire = ([], None)  # what a tensor-parallel worker needs to repeat this step
         self.num_loads = 0  # adapters read from disk
         self.num_slot_loads = 0  # adapters copied into a device slot
         self._steps = 0
 
-    def _hook(self, name: str) -> Any:
-        def add_delta(_module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
-            slots = self.token_slots
-            if slots is None:
-                return None
-            x = args[0].reshape(-1, args[0].shape[-1])  # [T, in]
-            delta = lora_delta(x, self.lora_a[name], self.lora_b[name], slots)  # [T, out]
-            return out + delta.view(out.shape)
-
-        return add_delta
+    def _add_delta(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        x = args[0].reshape(-1, args[0].shape[-1])  # [T, in]
+        slots = self.token_slots[: x.shape[0]]  # [T]
+        delta = lora_delta_op(x, getattr(module, _LORA_A), getattr(module, _LORA_B), slots)  # [T, out]
+        return out + delta.view(out.shape)
 
     # ------------------------------------------------------------------ adapters
     def get(self, request: LoRARequest) -> LoRAAdapter:
@@ -121,23 +136,24 @@ class LoRAManager:
         return adapter
 
     def close(self) -> None:
-        """Take the hooks off the model."""
+        """Take the hooks and buffers off the model."""
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
-        self.token_slots = None
+        for module in self.modules:
+            for buffer in (_LORA_A, _LORA_B):
+                module._buffers.pop(buffer, None)
+        self.modules.clear()
 
     def set_step(self, adapters: list[LoRAAdapter | None], num_tokens: list[int] | np.ndarray) -> None:
         """Place this step's adapters in slots and set each token's slot (sequence i has ``num_tokens[i]``)."""
         self._steps += 1
         loads: list[tuple[int, LoRARequest]] = []
         seq_slots = [-1 if a is None else self._slot_for(a, loads) for a in adapters]
-        if all(s < 0 for s in seq_slots):
-            self.token_slots = None  # a base-model step: no delta at all
-            self.step_wire = (loads, None)
-            return
-        per_token = np.repeat(np.asarray(seq_slots, dtype=np.int64), np.asarray(num_tokens, dtype=np.int64))
-        self.token_slots = torch.from_numpy(per_token).to(self.device)
+        per_token = None
+        if any(s >= 0 for s in seq_slots):  # else a base-model step: every slot stays -1
+            per_token = np.repeat(np.asarray(seq_slots, dtype=np.int64), np.asarray(num_tokens, dtype=np.int64))
+        self._write_token_slots(per_token)
         self.step_wire = (loads, per_token)
 
     def apply_step(self, wire: StepWire) -> None:
@@ -145,11 +161,23 @@ class LoRAManager:
         loads, per_token = wire
         for slot, request in loads:
             self._load_slot(slot, self.get(request))
-        self.token_slots = None if per_token is None else torch.from_numpy(per_token).to(self.device)
+        self._write_token_slots(per_token)
+
+    def profile_step(self) -> None:
+        """Every token through slot 0 (zeros until filled): the memory profile's forward computes every delta."""
+        self.token_slots.fill_(0)
 
     def clear_step(self) -> None:
-        self.token_slots = None
+        self.token_slots.fill_(-1)
         self.step_wire = ([], None)
+
+    def _write_token_slots(self, per_token: np.ndarray | None) -> None:
+        full = np.full(self.token_slots.shape[0], -1, dtype=np.int64)
+        if per_token is not None:
+            if per_token.shape[0] > full.shape[0]:
+                raise ValueError(f"{per_token.shape[0]} tokens in one step; LoRA slots hold {full.shape[0]}")
+            full[: per_token.shape[0]] = per_token
+        self.token_slots.copy_(torch.from_numpy(full))
 
     def _slot_for(self, adapter: LoRAAdapter, loads: list[tuple[int, LoRARequest]]) -> int:
         if adapter.int_id in self.slot_ids:
