@@ -239,6 +239,11 @@ def test_triton_kernels_equal_their_twin(dtype: torch.dtype) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     assert torch.equal(got[0], torch.zeros_like(got[0]))  # no adapter: no delta
+    from paged_backend.kernels.lora import lora_delta_op
+
+    torch.library.opcheck(lora_delta_op, (x, a, b, slots))  # the op compiled layers call: schema, fake, dispatch
+    with pytest.raises(ValueError, match="token_slots holds 6 slots for 7 tokens"):
+        lora_delta_op(x, a, b, slots[:6])
 
 
 def test_an_id_names_one_adapter_and_admitted_adapters_need_no_disk(lora_setup, tmp_path) -> None:

@@ -80,6 +80,10 @@ class TPAllReduce:
         else:
             self.handle = None
 
+    def close(self) -> None:
+        """Drop the registered buffer before the process group goes (NCCL from then on, were anything to run)."""
+        self.buffer, self.handle = None, None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         buffer = self.buffer
         if (

@@ -198,8 +198,10 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
     """A worker process: join the groups, load its shard, then run what rank 0 broadcasts until told to stop."""
     device = tp_device(config, rank)
     control = _init_groups(init_method, rank, world_size, device)
+    model = None
     try:
-        worker = TPWorker(load_rank(config, model_path, rank, device), device, world_size, control)
+        model = load_rank(config, model_path, rank, device)
+        worker = TPWorker(model, device, world_size, control)
         while True:
             method, args = _receive(control)
             if method == "shutdown":
@@ -207,6 +209,8 @@ def _worker_main(rank: int, world_size: int, init_method: str, config: EngineCon
             with torch.inference_mode():
                 getattr(worker, method)(*args)
     finally:
+        if model is not None:
+            model.tp_all_reduce.close()
         dist.destroy_process_group()
 
 
@@ -230,7 +234,8 @@ class TPGroup:
             # group as soon as a worker has died, so that rank 0's pending step fails within a second or two.
             threading.Thread(target=_watch, args=(processes, stop), name="paged-backend-tp-watch", daemon=True).start()
         # Workers never outlive the engine or the interpreter: stopped on close, collection or exit.
-        self._finalizer = weakref.finalize(self, _shutdown, processes, control, stop)
+        self.all_reduces: list[TPAllReduce] = []  # rank 0's, closed before the group is destroyed
+        self._finalizer = weakref.finalize(self, _shutdown, processes, control, stop, self.all_reduces)
 
     @classmethod
     def start(cls, config: EngineConfig, model_path: str) -> TPGroup:
@@ -274,7 +279,9 @@ class TPGroup:
 
     def load(self, config: EngineConfig, model_path: str) -> Any:
         """Rank 0's shard of the model, on rank 0's device."""
-        return load_rank(config, model_path, 0, self.device)
+        model = load_rank(config, model_path, 0, self.device)
+        self.all_reduces.append(model.tp_all_reduce)
+        return model
 
     def send(self, method: str, *args: Any) -> None:
         _check_alive(self.processes)
@@ -305,8 +312,9 @@ def _watch(processes: list[Any], stop: threading.Event) -> None:
             return
 
 
-def _shutdown(processes: list[Any], control: Any, stop: threading.Event) -> None:
-    """Tell the workers to stop, wait for them (killing any that hang or are half dead), leave the group."""
+def _shutdown(processes: list[Any], control: Any, stop: threading.Event, all_reduces: list[TPAllReduce]) -> None:
+    """Tell the workers to stop, wait for them (killing any that hang or are half dead), drop rank 0's registered
+    all-reduce buffer, leave the group."""
     stop.set()
     try:
         _check_alive(processes)
@@ -318,6 +326,8 @@ def _shutdown(processes: list[Any], control: Any, stop: threading.Event) -> None
         if process.is_alive():
             process.kill()
             process.join(timeout=5)
+    for all_reduce in all_reduces:
+        all_reduce.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
