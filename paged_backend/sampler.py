@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_backend.engine.sequence import Sequence
+from paged_backend.kernels.greedy import greedy_tokens
 
 
 @dataclass
@@ -91,13 +92,6 @@ def sampling_logprobs(
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     return logits.log_softmax(-1)
-
-
-def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Argmax of each row and its log-probability, on the device: ``([N], [N])``."""
-    logits = logits.float()  # [N, V]
-    tokens = logits.argmax(dim=-1)
-    return tokens, logits.gather(1, tokens[:, None])[:, 0] - logits.logsumexp(dim=-1)
 
 
 def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list, list]:

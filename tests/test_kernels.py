@@ -149,3 +149,25 @@ def test_cache_write(dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> No
     assert torch.equal(caches[1].nan_to_num(), caches[3].nan_to_num())
     written = (~caches[2].isnan()).flatten(0, 1).all(-1).all(-1).sum().item()
     assert written == num_tokens - 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32] if DEVICE.type == "cuda" else DTYPES)
+@pytest.mark.parametrize("vocab", [7, 2048, 5000])  # below one block, exactly one, several with a short tail
+def test_greedy_kernel_equals_its_twin(dtype: torch.dtype, vocab: int) -> None:
+    """Argmax (the first index of a tied maximum, as torch's) and its log-probability, one pass per row."""
+    from paged_backend.kernels.greedy import greedy_tokens_torch, greedy_tokens_triton
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(6, vocab, generator=gen) * 4).to(dtype)
+    logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie across blocks: the first wins
+    logits[2, :] = 0.5  # a tie everywhere: index 0, log-probability -log(vocab)
+    logits[3, vocab - 1] = 50.0  # the last element, in the tail block
+    logits[4, : vocab // 2] = float("-inf")  # masked tokens
+    logits = logits.to(DEVICE)
+    tokens, logprobs = greedy_tokens_triton(logits[:, :vocab])
+    ref_tokens, ref_logprobs = greedy_tokens_torch(logits)
+    assert torch.equal(tokens.cpu(), ref_tokens.cpu())
+    assert tokens[1].item() == min(vocab // 3, vocab - 1) and tokens[2].item() == 0
+    torch.testing.assert_close(logprobs.cpu(), ref_logprobs.cpu(), rtol=1e-5, atol=1e-5)
+    strided = torch.cat([logits, logits], dim=1)[:, :vocab]  # rows of a wider tensor (a row stride != vocab)
+    assert torch.equal(greedy_tokens_triton(strided)[0].cpu(), ref_tokens.cpu())

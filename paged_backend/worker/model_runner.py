@@ -23,7 +23,7 @@ from paged_backend.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.engine.sequence import Sequence
-from paged_backend.sampler import greedy_tokens
+from paged_backend.kernels.greedy import greedy_tokens
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile, find_decoder_layers
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
