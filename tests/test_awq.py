@@ -77,6 +77,19 @@ def test_triton_kernel_equals_its_twin(dtype: torch.dtype, m: int, k: int) -> No
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("k", "n"), [(256, 80), (384, 136)])  # a partial block of columns, three groups
+def test_triton_dequantize_equals_its_twin(dtype: torch.dtype, k: int, n: int) -> None:
+    """Prefill's path (dequantize once, then cuBLAS): the one-pass kernel gives the twin's weight exactly."""
+    from paged_backend.kernels.awq_gemm import awq_dequantize_triton
+
+    torch.manual_seed(k + n)
+    qweight, qzeros, scales = pack_linear(torch.randn(n, k, device=DEVICE) * 0.1, GROUP)
+    got = awq_dequantize_triton(qweight, qzeros, scales, dtype)
+    assert got.dtype == dtype and got.shape == (k, n)
+    torch.testing.assert_close(got, dequantize(qweight, qzeros, scales, dtype), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------- checkpoints
 def dequantized_copy(model: nn.Module, folder) -> nn.Module:
     """The fp32 model an AWQ checkpoint stands for: each quantized linear's weight replaced by its dequantization."""

@@ -28,6 +28,75 @@ def awq_gemm_torch(
 if triton is not None:
 
     @triton.jit
+    def _dequantize_tile(
+        qweight_ptr,  # [K, N / 8] int32
+        qzeros_ptr,  # [K / G, N / 8] int32
+        scales_ptr,  # [K / G, N]
+        offs_k,  # [BK] rows, all in group ``group``
+        mask_k,
+        group,
+        pid_n,
+        N,
+        BLOCK_N: tl.constexpr,
+        DTYPE: tl.constexpr,
+    ):
+        """The ``[BK, BN]`` weight tile ``(q - z) * s`` of rows ``offs_k`` and the ``pid_n``-th block of columns.
+        Each int32 pack is read once (contiguous rows of packs), then repeated for its eight columns in
+        registers; column j of a pack sits at bit 4 * position-of-j in AWQ's order [0, 2, 4, 6, 1, 3, 5, 7]."""
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_pack = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        mask_pack = offs_pack < N // 8
+        j = tl.arange(0, BLOCK_N) % 8
+        shifts = (j // 2) * 4 + (j % 2) * 16  # == AWQ_SHIFTS[j]
+        packed = tl.load(
+            qweight_ptr + offs_k[:, None] * (N // 8) + offs_pack[None, :],
+            mask=mask_k[:, None] & mask_pack[None, :],
+            other=0,
+        )  # [BK, BN / 8]
+        packed = tl.interleave(packed, packed)
+        packed = tl.interleave(packed, packed)
+        packed = tl.interleave(packed, packed)  # [BK, BN]: column c holds pack c // 8
+        zeros = tl.load(qzeros_ptr + group * (N // 8) + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
+        zeros = tl.interleave(zeros, zeros)
+        zeros = tl.interleave(zeros, zeros)
+        zeros = tl.interleave(zeros, zeros)  # [BN]
+        scales = tl.load(scales_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)  # [BN]
+        q = (packed >> shifts[None, :]) & 0xF
+        z = (zeros >> shifts) & 0xF
+        return ((q - z[None, :]).to(tl.float32) * scales[None, :]).to(DTYPE)
+
+    @triton.jit
+    def _awq_dequantize_kernel(
+        qweight_ptr,  # [K, N / 8] int32
+        qzeros_ptr,  # [K / G, N / 8] int32
+        scales_ptr,  # [K / G, N]
+        out_ptr,  # [K, N]
+        N,
+        K,
+        group_size,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,  # divides group_size
+    ):
+        pid_k = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_k = offs_k < K
+        w = _dequantize_tile(
+            qweight_ptr,
+            qzeros_ptr,
+            scales_ptr,
+            offs_k,
+            mask_k,
+            pid_k * BLOCK_K // group_size,
+            pid_n,
+            N,
+            BLOCK_N,
+            out_ptr.dtype.element_ty,
+        )
+        tl.store(out_ptr + offs_k[:, None] * N + offs_n[None, :], w, mask=mask_k[:, None] & (offs_n[None, :] < N))
+
+    @triton.jit
     def _awq_gemm_kernel(
         x_ptr,  # [M, K]
         qweight_ptr,  # [K, N / 8] int32
@@ -49,13 +118,8 @@ if triton is not None:
         pid_k = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_pack = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # the int32 packs of this tile's columns
-        # Column j of a pack sits at bit 4 * position-of-j in AWQ's order [0, 2, 4, 6, 1, 3, 5, 7].
-        j = tl.arange(0, BLOCK_N) % 8
-        shifts = (j // 2) * 4 + (j % 2) * 16  # == AWQ_SHIFTS[j]
         mask_m = offs_m < M
         mask_n = offs_n < N
-        mask_pack = offs_pack < N // 8
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
@@ -65,24 +129,9 @@ if triton is not None:
             x = tl.load(
                 x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
             )  # [BM, BK]
-            # Each int32 is read once (contiguous rows of packs), then repeated for its eight columns in registers.
-            packed = tl.load(
-                qweight_ptr + offs_k[:, None] * (N // 8) + offs_pack[None, :],
-                mask=mask_k[:, None] & mask_pack[None, :],
-                other=0,
-            )  # [BK, BN / 8]
-            packed = tl.interleave(packed, packed)
-            packed = tl.interleave(packed, packed)
-            packed = tl.interleave(packed, packed)  # [BK, BN]: column c holds pack c // 8
-            group = k0 // group_size
-            zeros = tl.load(qzeros_ptr + group * (N // 8) + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
-            zeros = tl.interleave(zeros, zeros)
-            zeros = tl.interleave(zeros, zeros)
-            zeros = tl.interleave(zeros, zeros)  # [BN]
-            scales = tl.load(scales_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
-            q = (packed >> shifts[None, :]) & 0xF
-            z = (zeros >> shifts) & 0xF
-            w = ((q - z[None, :]).to(tl.float32) * scales[None, :]).to(x.dtype)  # [BK, BN]
+            w = _dequantize_tile(
+                qweight_ptr, qzeros_ptr, scales_ptr, offs_k, mask_k, k0 // group_size, pid_n, N, BLOCK_N, x.dtype
+            )  # [BK, BN]
             if IEEE:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
@@ -147,14 +196,33 @@ def awq_gemm_triton(
     return (partial[0] if split_k == 1 else partial.sum(0)).to(x.dtype)
 
 
+def awq_dequantize_triton(
+    qweight: torch.Tensor,  # [K, N / 8] int32
+    qzeros: torch.Tensor,  # [K / G, N / 8] int32
+    scales: torch.Tensor,  # [K / G, N]
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [K, N]
+    """The whole weight in ``dtype``, one pass (the twin, ``dequantize``, makes several over int32 copies)."""
+    k = qweight.shape[0]
+    n = scales.shape[1]
+    group_size = k // scales.shape[0]
+    block_k = min(group_size, 32)
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, 128))
+    _awq_dequantize_kernel[grid](qweight, qzeros, scales, out, n, k, group_size, BLOCK_N=128, BLOCK_K=block_k)
+    return out
+
+
 def awq_gemm(
     x: torch.Tensor,  # [M, K]
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
     scales: torch.Tensor,
 ) -> torch.Tensor:  # [M, N]
-    if x.is_cuda and triton is not None and x.shape[0] <= FUSED_MAX_M:
-        return awq_gemm_triton(x, qweight, qzeros, scales)
+    if x.is_cuda and triton is not None:
+        if x.shape[0] <= FUSED_MAX_M:
+            return awq_gemm_triton(x, qweight, qzeros, scales)
+        return x @ awq_dequantize_triton(qweight, qzeros, scales, x.dtype)  # prefill: cuBLAS does the GEMM
     return awq_gemm_torch(x, qweight, qzeros, scales)
 
 
