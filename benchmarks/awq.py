@@ -52,6 +52,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def linear_weight_gb(model: torch.nn.Module) -> dict[str, float]:
+    """The decoder's linears alone (what AWQ quantizes; the embedding and LM head stay 16-bit): bytes held, and
+    what the same layers take in bf16."""
+    from paged_backend.quantization.awq import AWQLinear
+
+    held = bf16 = 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, AWQLinear)) and module is not model.get_output_embeddings():
+            held += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+            bf16 += module.in_features * module.out_features * 2
+    return {"linears_gb": held / 1e9, "linears_bf16_gb": bf16 / 1e9}
+
+
 @torch.no_grad()
 def kernel(rows: tuple[int, ...] = (1, 16, 64, 256)) -> list[dict[str, Any]]:
     """Error against the twin and time per call; bandwidth counts the packed weights, zeros and scales read."""
@@ -126,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ):
             llm = LLM(str(path), skip_tokenizer_init=True, **kwargs)
             entry: dict[str, Any] = {"weight_gb": weight_bytes(llm.llm_engine.model) / 1e9}
+            entry.update(linear_weight_gb(llm.llm_engine.model))
             run_paged(llm, [one_prompt(config.vocab_size, 128, seed=2)], args.max_tokens)  # warm-up, another prompt
             outs, seconds = run_paged(llm, w2, args.max_tokens)
             entry["w2"] = tokens_per_second(outs, seconds)
@@ -143,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "w2_awq_over_bf16": quantized["w2"] / dense["w2"],
         "w1_awq_over_bf16": quantized["w1"] / dense["w1"],
         "weight_memory_awq_over_bf16": quantized["weight_gb"] / dense["weight_gb"],
+        "linear_weights_awq_over_bf16": quantized["linears_gb"] / quantized["linears_bf16_gb"],
     }
     save()
     if args.plot:
