@@ -1,6 +1,7 @@
 """GPU check of the engine with its Triton kernels: greedy equality with HF ``generate`` on the GPU for the tiny
 fp32 models of every tested architecture (full-precision dots in fp32), eagerly and with regional torch.compile
-+ CUDA graphs (``--compiled`` picks the architectures; default all). The kernels' own tests run with
++ CUDA graphs (``--compiled`` picks the architectures; default all); with ``--lora``, a batch mixing the base
+model and a PEFT adapter on all seven projections, against the PEFT-merged model. The kernels' own tests run with
 ``python -m pytest tests/test_kernels.py`` on the same machine; speed is ``benchmarks/throughput.py``.
 
 Run: ``python benchmarks/gpu_check.py [--compiled llama,gpt2]`` on a CUDA machine.
@@ -69,15 +70,73 @@ def tiny_equality(tokenizer, compiled: set[str]) -> list[tuple[str, str, int, in
     return rows
 
 
+def lora_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
+    """Tiny Llama with one random PEFT adapter (peft needed): each prompt once on the base model and once with
+    the adapter, eager and compiled + CUDA graphs, against HF ``generate`` on the base and the merged model."""
+    import copy
+    import tempfile
+
+    import peft
+
+    from paged_backend import LoRARequest
+
+    base = build_tiny_model("llama", vocab_size=len(tokenizer))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)
+    adapted = peft.get_peft_model(copy.deepcopy(base), config)
+    torch.manual_seed(0)
+    with torch.no_grad():  # large enough to change greedy outputs
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.3)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        adapted.save_pretrained(folder)
+        merged = adapted.merge_and_unload().eval().cuda()
+        base = base.cuda()
+        prompts = tiny_prompts()
+        refs = [hf_greedy_on_gpu(base, p) for p in prompts] + [hf_greedy_on_gpu(merged, p) for p in prompts]
+        lora = LoRARequest("adapter", 1, folder)
+        for eager in (True, False):
+            llm = LLM(
+                base,
+                tokenizer=tokenizer,
+                block_size=4,
+                num_kv_blocks=80,
+                max_model_len=80,
+                enforce_eager=eager,
+                enable_lora=True,
+                max_lora_rank=8,
+            )
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts + prompts],
+                SamplingParams(temperature=0, max_tokens=16),
+                lora_request=[None] * len(prompts) + [lora] * len(prompts),
+                use_tqdm=False,
+            )
+            matches = sum(out.outputs[0].token_ids == ref for out, ref in zip(outs, refs))
+            stats = llm.stats()
+            mode = "eager" if eager else "compiled+graphs"
+            rows.append(("llama+lora", mode, matches, len(refs), stats["num_preemptions"], stats["num_swapped_out"]))
+            llm.llm_engine.shutdown()
+            del llm
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="greedy equality with HF generate on the GPU")
     parser.add_argument("--compiled", default=",".join(TINY_CONFIGS), help="architectures also run compiled")
+    parser.add_argument("--lora", action="store_true", help="also a base + PEFT adapter batch (needs peft)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.info("torch %s, %s", torch.__version__, torch.cuda.get_device_name())
     tokenizer = build_tiny_tokenizer()
     failures = 0
-    for arch, mode, matches, total, preempted, swapped in tiny_equality(tokenizer, set(args.compiled.split(","))):
+    rows = tiny_equality(tokenizer, set(args.compiled.split(",")))
+    if args.lora:
+        rows += lora_equality(tokenizer)
+    for arch, mode, matches, total, preempted, swapped in rows:
         logger.info(
             "greedy == HF generate on GPU: %-8s %-16s %d/%d prompts (%d preemptions, %d swapped out)",
             *(arch, mode, matches, total, preempted, swapped),
