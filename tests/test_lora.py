@@ -54,12 +54,28 @@ def lora_setup(tmp_path_factory, tokenizer):
     return str(base_dir), base, adapters
 
 
+NAMES = [None, "attn", "mlp", "all"]
+
+
+def generate_mixed(llm: LLM, lora_setup, prompts: list[list[int]], max_tokens: int) -> list:
+    """Every prompt under the base model and under each adapter, in one batch (the same prompt under different
+    adapters shares no cache); each output must equal HF generate on the base or that adapter's merged model.
+    Returns the token ids, grouped by adapter name."""
+    _, base, adapters = lora_setup
+    batch = [(p, n) for n in NAMES for p in prompts]
+    loras = [None if n is None else adapters[n][0] for _, n in batch]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, lora_request=loras, use_tqdm=False)
+    by_name: dict = {n: [] for n in NAMES}
+    for (prompt, name), out in zip(batch, outs):
+        reference = base if name is None else adapters[name][1]
+        assert list(out.outputs[0].token_ids) == hf_greedy(reference, prompt, max_tokens), name
+        by_name[name].append(tuple(out.outputs[0].token_ids))
+    return by_name
+
+
 def test_mixed_batch_with_rotating_slots_equals_each_merged_model(lora_setup) -> None:
-    path, base, adapters = lora_setup
-    prompts = ragged_prompts(4)[:3]
-    names = [None, "attn", "mlp", "all"]
-    batch = [(p, n) for n in names for p in prompts]  # the same prompts under every adapter: no cache sharing
-    llm = LLM(path, num_kv_blocks=64, **ENGINE)
+    llm = LLM(lora_setup[0], num_kv_blocks=64, **ENGINE)
     manager = llm.llm_engine.lora_manager
     distinct_per_step: list[int] = []
     set_step = manager.set_step
@@ -69,36 +85,21 @@ def test_mixed_batch_with_rotating_slots_equals_each_merged_model(lora_setup) ->
         set_step(step_adapters, num_tokens)
 
     manager.set_step = recording
-    params = SamplingParams(temperature=0, max_tokens=12)
-    loras = [None if n is None else adapters[n][0] for _, n in batch]
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, lora_request=loras, use_tqdm=False)
-    for (prompt, name), out in zip(batch, outs):
-        reference = base if name is None else adapters[name][1]
-        assert list(out.outputs[0].token_ids) == hf_greedy(reference, prompt, 12), name
+    outputs_by_adapter = generate_mixed(llm, lora_setup, ragged_prompts(4)[:3], 12)
     assert max(len(names) for names in distinct_per_step) == 2  # two slots, used together, never more
     first_both = next(i for i, names in enumerate(distinct_per_step) if names == {"attn", "mlp"})
     first_all = next(i for i, names in enumerate(distinct_per_step) if "all" in names)
     assert first_all > first_both  # the third adapter waited for a slot, then took one of theirs
-    outputs_by_adapter = {n: [list(o.outputs[0].token_ids) for (_, m), o in zip(batch, outs) if m == n] for n in names}
-    assert len({tuple(map(tuple, v)) for v in outputs_by_adapter.values()}) == 4  # each adapter changes the output
+    assert len({tuple(v) for v in outputs_by_adapter.values()}) == 4  # each adapter changes the output
     assert_idle(llm)
 
 
 def test_tensor_parallel_adapters_are_cut_like_their_layers(lora_setup) -> None:
     """TP=2 (two processes, gloo): each rank holds its slice of every A or B, rowwise deltas are summed with the
     layer's output, and the worker repeats rank 0's slot placements, as two slots rotate through three adapters."""
-    path, base, adapters = lora_setup
-    prompts = ragged_prompts(4)[:2]
-    names = [None, "attn", "mlp", "all"]
-    batch = [(p, n) for n in names for p in prompts]
-    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=64, **ENGINE)
+    llm = LLM(lora_setup[0], tensor_parallel_size=2, num_kv_blocks=64, **ENGINE)
     try:
-        params = SamplingParams(temperature=0, max_tokens=10)
-        loras = [None if n is None else adapters[n][0] for _, n in batch]
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, lora_request=loras, use_tqdm=False)
-        for (prompt, name), out in zip(batch, outs):
-            reference = base if name is None else adapters[name][1]
-            assert list(out.outputs[0].token_ids) == hf_greedy(reference, prompt, 10), name
+        generate_mixed(llm, lora_setup, ragged_prompts(4)[:2], 10)
         manager = llm.llm_engine.lora_manager
         assert manager.num_slot_loads >= 3  # the third adapter took a slot another had held
         shard = manager.shards["model.layers.0.self_attn.o_proj"]
@@ -113,21 +114,13 @@ def test_lora_layers_compile_into_one_graph(lora_setup) -> None:
     in place), with no graph break and no recompile as adapters and batch shapes change; outputs stay exact.
     Dynamo only (a counting backend), so it runs here; on a GPU the same graph goes to inductor, then into CUDA
     graphs."""
-    path, base, adapters = lora_setup
-    llm = LLM(path, num_kv_blocks=64, **ENGINE)
+    llm = LLM(lora_setup[0], num_kv_blocks=64, **ENGINE)
     graphs: list = []
     runner = llm.llm_engine.runner
     runner.compile(counting_backend(graphs))
     assert runner.regions is not None and runner.regions.num_graphs == len(graphs) == 1
-    prompts = ragged_prompts(4)[:2]
-    batch = [(p, n) for n in (None, "attn", "mlp", "all") for p in prompts]
-    loras = [None if n is None else adapters[n][0] for _, n in batch]
-    params = SamplingParams(temperature=0, max_tokens=8)
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, lora_request=loras, use_tqdm=False)
+    generate_mixed(llm, lora_setup, ragged_prompts(4)[:2], 8)
     assert len(graphs) == 1, "a step recompiled the layer"
-    for (prompt, name), out in zip(batch, outs):
-        reference = base if name is None else adapters[name][1]
-        assert list(out.outputs[0].token_ids) == hf_greedy(reference, prompt, 8), name
     assert_idle(llm)
 
 
