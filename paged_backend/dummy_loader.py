@@ -48,9 +48,11 @@ def materialize(
     device: torch.device,
     seed: int,
     shard: Callable[[str, nn.Module], None] | None = None,
+    init: bool = True,
 ) -> PreTrainedModel:
     """Give ``model``'s meta parameters values on ``device``: the architecture's own random init, module by
-    module. ``shard(name, module)`` runs on each module right after its parameters are made."""
+    module (``init=False``: left uninitialised, for a caller that fills them). ``shard(name, module)`` runs on each
+    module right after its parameters are made."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # the caller's RNG state is left as it was
         for name, module in model.named_modules():
@@ -61,8 +63,9 @@ def materialize(
                 module._parameters[param_name] = nn.Parameter(
                     torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False
                 )
-            torch.manual_seed(seed + zlib.crc32(name.encode()))
-            model._init_weights(module)
+            if init:
+                torch.manual_seed(seed + zlib.crc32(name.encode()))
+                model._init_weights(module)
             if shard is not None:
                 shard(name, module)
     for module in model.modules():  # buffers (RoPE's) were made on the CPU; parameters may have been moved by shard

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -53,6 +54,19 @@ def _from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
         return loader.from_pretrained(name, local_files_only=True, **kwargs)
     except OSError:
         return loader.from_pretrained(name, **kwargs)
+
+
+def checkpoint_files(folder: str) -> list[str]:
+    """The safetensors files of a checkpoint folder (one file, or the shards its index names)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(folder, shard) for shard in shards]
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"no model.safetensors (or its index) in {folder}: checkpoints load from safetensors")
+    return [single]
 
 
 def load_hf_config(config: EngineConfig, name: str) -> Any:

@@ -81,3 +81,28 @@ def test_plan_covers_the_projections_and_bad_sizes_are_named() -> None:
         tp_plan(build_tiny_model("phi3", vocab_size=512))  # fused qkv / gate_up with gathered outputs
     layout = head_layout(build_tiny_model("qwen3", vocab_size=512).config, 2)
     assert [list(layout.kv_heads_of(r)) for r in range(2)] == [[0], [0]]  # one KV head, replicated
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # split KV heads; q/k/v biases; a replicated KV head
+def test_a_rank_reads_only_its_slices_of_a_checkpoint(arch: str, tmp_path, monkeypatch) -> None:
+    """A local safetensors checkpoint is read slice by slice (never loaded whole): each rank's tensors equal
+    those of the full model cut by shard_model, rowwise biases on rank 0 only."""
+    from paged_backend.config import EngineConfig
+    from paged_backend.distributed import shard_loader
+
+    model = build_tiny_model(arch)
+    model.save_pretrained(tmp_path)
+    config = EngineConfig.from_kwargs(model=str(tmp_path), tensor_parallel_size=2, dtype="float32")
+
+    def no_whole_load(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded whole")
+
+    monkeypatch.setattr(shard_loader, "load_model", no_whole_load)
+    for rank in range(2):
+        shard = shard_loader.load_shard(config, str(tmp_path), rank, torch.device("cpu"), all_reduce=None)
+        expected = copy.deepcopy(model)
+        shard_model(expected, rank, 2, None)
+        got = dict(shard.named_parameters())
+        assert got.keys() == dict(expected.named_parameters()).keys()
+        for name, param in expected.named_parameters():
+            assert torch.equal(got[name], param), name

@@ -8,7 +8,10 @@ a model larger than one device (a 70B shape over two GPUs) never exists whole an
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -16,7 +19,9 @@ from transformers import PreTrainedModel
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.tp_plan import head_layout, set_local_heads, shard_linear, shard_model, tp_plan
 from paged_backend.dummy_loader import materialize, meta_model
-from paged_backend.model_loader import checkpoint_dtype, load_hf_config, load_model
+from paged_backend.model_loader import checkpoint_dtype, checkpoint_files, load_hf_config, load_model, quantization
+
+logger = logging.getLogger(__name__)
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor | None]
 
@@ -33,19 +38,89 @@ def load_shard(
 ) -> PreTrainedModel:
     """Rank ``rank``'s shard of the model at ``name`` on ``device``; rowwise layers all-reduce their outputs."""
     world_size = config.parallel_config.tensor_parallel_size
-    if config.model_config.load_format != "dummy":
+    hf_config = load_hf_config(config, name)
+    dummy = config.model_config.load_format == "dummy"
+    files = None if dummy else _sliceable_files(config, hf_config, name)
+    if not dummy and files is None:
         model, _ = load_model(config, name, device, keep_on_cpu=True)
         shard_model(model, rank, world_size, all_reduce)
         return model.to(device)
-    hf_config = load_hf_config(config, name)
     layout = head_layout(hf_config.get_text_config(), world_size)
     model = meta_model(hf_config, checkpoint_dtype(config, hf_config, device), config.model_config.trust_remote_code)
     plan = tp_plan(model)
+    if files is not None and not _covers(model, files):
+        logger.info("%s: checkpoint names differ from the model's; every rank reads it whole", name)
+        model, _ = load_model(config, name, device, keep_on_cpu=True)
+        shard_model(model, rank, world_size, all_reduce)
+        return model.to(device)
 
     def shard(module_name: str, module: torch.nn.Module) -> None:
         if module_name in plan:
             shard_linear(module_name, module, plan[module_name], layout, rank, all_reduce)
 
-    materialize(model, device, config.model_config.seed, shard)
+    materialize(model, device, config.model_config.seed, shard, init=files is None)
+    if files is not None:
+        read_slices(model, files, rank)
     set_local_heads(model, layout)
     return model
+
+
+def _sliceable_files(config: EngineConfig, hf_config: Any, name: str) -> list[str] | None:
+    """The safetensors files of a local, unquantized checkpoint folder; None where the whole model must load
+    (a hub id, another format, AWQ's packed tensors)."""
+    if not os.path.isdir(name) or quantization(config, hf_config, name) is not None:
+        return None
+    try:
+        return checkpoint_files(name)
+    except FileNotFoundError:
+        return None
+
+
+def _checkpoint_keys(files: list[str]) -> dict[str, str]:
+    from safetensors import safe_open
+
+    keys = {}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            keys.update(dict.fromkeys(f.keys(), path))  # noqa: SIM118 - safe_open has keys(), not iteration
+    return keys
+
+
+def _covers(model: PreTrainedModel, files: list[str]) -> bool:
+    """Whether the checkpoint holds every parameter under the model's own name (tied ones count once)."""
+    keys = _checkpoint_keys(files)
+    return all(name in keys for name, _ in model.named_parameters())
+
+
+@torch.no_grad()
+def read_slices(model: PreTrainedModel, files: list[str], rank: int) -> None:
+    """Fill a sharded model's parameters from the checkpoint, reading only this rank's slice of each planned
+    linear (``tp_shard``): a colwise layer's output rows, a rowwise layer's input columns (its bias on rank 0
+    only; the others keep zeros). Other tensors are read whole. CPU memory holds one tensor at a time."""
+    from safetensors import safe_open
+
+    keys = _checkpoint_keys(files)
+    modules = dict(model.named_modules())
+    handles: dict[str, Any] = {}
+    try:
+        for name, param in model.named_parameters():
+            module_name, _, attr = name.rpartition(".")
+            shard = getattr(modules[module_name], "tp_shard", None)
+            if shard is not None and shard.style == "rowwise" and attr == "bias" and rank != 0:
+                continue
+            path = keys[name]
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt", device="cpu").__enter__()
+            stored = handles[path].get_slice(name)
+            if shard is None:
+                tensor = stored[:]
+            elif shard.style == "colwise":
+                tensor = stored[shard.start : shard.stop]
+            else:
+                tensor = stored[:, shard.start : shard.stop] if attr == "weight" else stored[:]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: the checkpoint holds {tuple(tensor.shape)}, the model {tuple(param.shape)}")
+            param.copy_(tensor.to(param.dtype))
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)

@@ -9,7 +9,6 @@ the shape the config implies. transformers itself is never asked to quantize.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paged_backend.model_loader import checkpoint_files
 from paged_backend.quantization.awq_format import PACK
 
 logger = logging.getLogger(__name__)
@@ -132,21 +132,6 @@ def replace_linears(model: nn.Module, awq: AWQConfig) -> list[str]:
             raise ValueError(f"{name}: {exc}") from exc
         setattr(parent, child, quantized)
     return names
-
-
-def checkpoint_files(folder: str) -> list[str]:
-    """The safetensors files of a checkpoint folder (one file, or the shards its index names)."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(folder, shard) for shard in shards]
-    single = os.path.join(folder, "model.safetensors")
-    if not os.path.exists(single):
-        raise FileNotFoundError(
-            f"no model.safetensors (or its index) in {folder}: AWQ checkpoints load from safetensors"
-        )
-    return [single]
 
 
 @torch.no_grad()
