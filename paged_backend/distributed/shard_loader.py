@@ -1,9 +1,11 @@
 """One tensor-parallel rank's model: its slices only, on its own device.
 
-A checkpoint loads on the CPU, is cut down there and then moved, so a device never holds more than its share
-(every rank reads the whole checkpoint into CPU memory meanwhile: per-slice reads are left to do). With
-``load_format="dummy"`` each module is made on the device and cut as soon as it exists (``dummy_loader.py``), so
-a model larger than one device (a 70B shape over two GPUs) never exists whole anywhere.
+The model is built on the meta device, each module is made on the rank's device and cut as soon as it exists,
+then filled: from a local safetensors checkpoint, reading only the rank's slice of each planned linear (so neither
+CPU memory nor a device ever holds more than one tensor beyond the rank's share: a 70B model over two GPUs loads
+on a host with less memory than the checkpoint), or with ``load_format="dummy"`` by the architecture's own random
+init (``dummy_loader.py``). Checkpoints that cannot be read that way (a hub id, AWQ's packed tensors, names that
+differ from the model's) load whole on the CPU, are cut there and then moved.
 """
 
 from __future__ import annotations
