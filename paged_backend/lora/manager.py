@@ -98,6 +98,9 @@ class LoRAManager:
         self.slot_used: list[int] = [0] * slots  # last step that used each slot
         # [max_num_tokens] this step's slot per token, -1 = base model (and every row past the step's tokens)
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.long, device=device)
+        # Written on the host, copied without a sync: the previous copy has run by the time the engine (or, under
+        # tensor parallelism, the previous step's all-reduces) read back the previous step.
+        self._staging = torch.empty(max_num_tokens, dtype=torch.long, pin_memory=device.type == "cuda")
         self.step_wire: StepWire = ([], None)  # what a tensor-parallel worker needs to repeat this step
         self.num_loads = 0  # adapters read from disk
         self.num_slot_loads = 0  # adapters copied into a device slot
@@ -172,12 +175,13 @@ class LoRAManager:
         self.step_wire = ([], None)
 
     def _write_token_slots(self, per_token: np.ndarray | None) -> None:
-        full = np.full(self.token_slots.shape[0], -1, dtype=np.int64)
+        full = self._staging.numpy()
+        full.fill(-1)
         if per_token is not None:
             if per_token.shape[0] > full.shape[0]:
                 raise ValueError(f"{per_token.shape[0]} tokens in one step; LoRA slots hold {full.shape[0]}")
             full[: per_token.shape[0]] = per_token
-        self.token_slots.copy_(torch.from_numpy(full))
+        self.token_slots.copy_(self._staging, non_blocking=True)
 
     def _slot_for(self, adapter: LoRAAdapter, loads: list[tuple[int, LoRARequest]]) -> int:
         if adapter.int_id in self.slot_ids:
