@@ -57,19 +57,20 @@ def lora_setup(tmp_path_factory, tokenizer):
 NAMES = [None, "attn", "mlp", "all"]
 
 
-def generate_mixed(llm: LLM, lora_setup, prompts: list[list[int]], max_tokens: int) -> list:
+def generate_mixed(llm: LLM, lora_setup, prompts: list[list[int]], max_tokens: int, references=None) -> dict:
     """Every prompt under the base model and under each adapter, in one batch (the same prompt under different
-    adapters shares no cache); each output must equal HF generate on the base or that adapter's merged model.
-    Returns the token ids, grouped by adapter name."""
+    adapters shares no cache); each output must equal HF generate on the base or that adapter's merged model
+    (``references``: adapter name, None for the base, -> the model to compare with). Returns the token ids,
+    grouped by adapter name."""
     _, base, adapters = lora_setup
+    references = references or {None: base, **{n: merged for n, (_, merged) in adapters.items()}}
     batch = [(p, n) for n in NAMES for p in prompts]
     loras = [None if n is None else adapters[n][0] for _, n in batch]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch], params, lora_request=loras, use_tqdm=False)
     by_name: dict = {n: [] for n in NAMES}
     for (prompt, name), out in zip(batch, outs):
-        reference = base if name is None else adapters[name][1]
-        assert list(out.outputs[0].token_ids) == hf_greedy(reference, prompt, max_tokens), name
+        assert list(out.outputs[0].token_ids) == hf_greedy(references[name], prompt, max_tokens), name
         by_name[name].append(tuple(out.outputs[0].token_ids))
     return by_name
 
@@ -121,6 +122,25 @@ def test_lora_layers_compile_into_one_graph(lora_setup) -> None:
     assert runner.regions is not None and runner.regions.num_graphs == len(graphs) == 1
     generate_mixed(llm, lora_setup, ragged_prompts(4)[:2], 8)
     assert len(graphs) == 1, "a step recompiled the layer"
+    assert_idle(llm)
+
+
+def test_adapters_on_an_awq_model(lora_setup, tokenizer, tmp_path) -> None:
+    """On an AWQ checkpoint each adapter adds its delta to the quantized layers' output: greedy output equals HF
+    generate on the dequantized model with the adapter merged in."""
+    from paged_backend.quantization.awq_quantize import write_checkpoint
+    from tests.test_awq import GROUP, dequantized_copy
+
+    path, base, adapters = lora_setup
+    folder = tmp_path / "awq"
+    write_checkpoint(base, str(folder), GROUP, tokenizer)
+    dequantized = dequantized_copy(base, folder)
+    references = {None: dequantized}
+    for name, (request, _) in adapters.items():
+        merged = peft.PeftModel.from_pretrained(copy.deepcopy(dequantized), request.lora_path)
+        references[name] = merged.merge_and_unload().eval()
+    llm = LLM(str(folder), quantization="awq", dtype="float32", num_kv_blocks=64, **ENGINE)
+    generate_mixed(llm, lora_setup, ragged_prompts(4)[:2], 8, references)
     assert_idle(llm)
 
 

@@ -70,8 +70,6 @@ class LLMEngine:
 
         self.lora_manager: LoRAManager | None = None
         if self.config.lora_config.enable_lora:
-            if getattr(self.model, "awq_config", None) is not None:
-                raise NotImplementedError("enable_lora on an AWQ-quantized model is not supported yet")
             # Before the KV cache is sized, so its slots count.
             self.lora_manager = LoRAManager(
                 self.model, self.config.lora_config, self.device, self.model.dtype, lora_slot_tokens(self.config)

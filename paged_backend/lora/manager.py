@@ -38,7 +38,9 @@ _LORA_A, _LORA_B = "paged_lora_a", "paged_lora_b"  # buffer names on each LoRA-a
 
 
 def _in_out(module: nn.Module) -> tuple[int, int] | None:
-    if isinstance(module, nn.Linear):
+    from paged_backend.quantization.awq import AWQLinear
+
+    if isinstance(module, (nn.Linear, AWQLinear)):  # the delta needs the input and the output, not the weight
         return module.in_features, module.out_features
     if type(module).__name__ == "Conv1D":  # GPT-2: weight [in, out]
         return tuple(module.weight.shape)  # type: ignore[return-value]
