@@ -174,11 +174,15 @@ def w1(
     breakdown: bool = False,
     profile_dir: Path | None = None,
     engine_args: dict[str, Any] | None = None,
+    results: dict[str, Any] | None = None,
+    save: Any = None,
 ) -> dict[str, Any]:
+    """W1 per backend into ``results`` (``save()`` after each, so a run stopped by a time limit keeps the rest)."""
     path = tmp / "llama-3-8b-shape"
     config = save_config(path, MODEL_CONFIG, num_layers)
     prompts = w1_prompts(config.vocab_size, num_prompts)
-    results: dict[str, Any] = {}
+    results = {} if results is None else results
+    save = save or (lambda: None)
 
     if "hf" in backends:
         model = materialize(meta_model(config, torch.bfloat16), torch.device("cuda", 0), seed=0)
@@ -188,6 +192,7 @@ def w1(
         outs, seconds = run_hf(model, prompts[:64], max_tokens)
         results["hf_generate_64_prompts"] = tokens_per_second(outs, seconds)
         logger.info("W1 hf generate (64 prompts): %.1f tok/s", results["hf_generate_64_prompts"])
+        save()
         del model
         release_engine("HF")
 
@@ -216,6 +221,7 @@ def w1(
             profile_rank0(
                 llm, w1_prompts(config.vocab_size, num_prompts, seed=4), profile_dir / f"{name}_rank0_profile.txt"
             )
+        save()
         llm.llm_engine.shutdown()
         del llm
         release_engine(name)
@@ -378,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine_args = {}
             if args.num_scheduler_steps is not None:
                 engine_args["num_scheduler_steps"] = args.num_scheduler_steps
-            results["w1"] = w1(
+            results["w1"] = {}
+            w1(
                 Path(tmp),
                 args.num_layers,
                 args.num_prompts,
@@ -387,6 +394,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 breakdown=args.breakdown,
                 profile_dir=args.profile_dir,
                 engine_args=engine_args,
+                results=results["w1"],
+                save=save,
             )
             save()
         if "w2_70b" in parts:
