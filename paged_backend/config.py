@@ -224,6 +224,13 @@ class EngineConfig:
         assert self.scheduler_config.max_num_batched_tokens is not None, "EngineConfig.resolve() has not run"
         return self.scheduler_config.max_num_batched_tokens
 
+    @property
+    def max_tokens_per_forward(self) -> int:
+        """The most tokens one forward carries: a step's token budget (its default before ``resolve``) or a padded
+        decode batch. Buffers every forward reads (LoRA's token slots, the all-reduce's) are sized by it."""
+        budget = self.scheduler_config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return max(budget, self.scheduler_config.max_num_seqs)
+
     def resolve(self, model_max_len: int | None) -> EngineConfig:
         """Fill model-dependent defaults: ``max_model_len`` from the model, the token budget from vLLM's default."""
         max_model_len = self.model_config.max_model_len

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from paged_backend.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from paged_backend.config import EngineConfig
 from paged_backend.distributed.all_reduce import TPAllReduce
 from paged_backend.distributed.shard_loader import load_shard
 from paged_backend.distributed.tp_plan import head_layout
@@ -54,12 +54,8 @@ def load_rank(config: EngineConfig, model_path: str, rank: int, device: torch.de
     """Rank ``rank``'s shard with its all-reduce set up (collective: every rank calls this at the same point)."""
     all_reduce = TPAllReduce(use_custom=not config.parallel_config.disable_custom_all_reduce)
     model = load_shard(config, model_path, rank, device, all_reduce)
-    tokens = max(
-        config.scheduler_config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        config.scheduler_config.max_num_seqs,
-    )
     hidden = model.config.get_text_config().hidden_size
-    max_numel = min(tokens * hidden, _MAX_CUSTOM_ALL_REDUCE_BYTES // model.dtype.itemsize)
+    max_numel = min(config.max_tokens_per_forward * hidden, _MAX_CUSTOM_ALL_REDUCE_BYTES // model.dtype.itemsize)
     all_reduce.setup(device, model.dtype, max_numel)
     model.tp_all_reduce = all_reduce  # which implementation runs: for logs and benchmarks
     return model

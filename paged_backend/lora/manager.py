@@ -55,8 +55,8 @@ def _full_in_out(local: tuple[int, int], shard: TPShard | None) -> tuple[int, in
 
 
 def lora_slot_tokens(config: EngineConfig) -> int:
-    """Tokens one forward can hold: a step's token budget, or a padded decode batch (plus a compile's padding)."""
-    return max(config.max_num_batched_tokens, config.scheduler_config.max_num_seqs) + 8
+    """Token slots to hold: the most tokens one forward carries, plus a compiled step's padding."""
+    return config.max_tokens_per_forward + 8
 
 
 StepWire = tuple[list[tuple[int, LoRARequest]], np.ndarray | None]  # (slots filled this step, slot per token)
