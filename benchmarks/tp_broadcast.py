@@ -1,6 +1,7 @@
-"""What rank 0 pays to send a step's inputs to a tensor-parallel worker (gloo's ``broadcast_object_list`` between
-two local processes, as ``TPModelRunner`` does): one decode step and one multi-step round of 256 sequences, sent as
-the worker gets them (numpy arrays, ``StepInputs.to_wire``) and, for comparison, as torch tensors.
+"""What rank 0 pays to send a step's inputs to a tensor-parallel worker over gloo's ``broadcast_object_list``
+between two local processes (how Ray tasks get them; local workers get a pipe, and a multi-step round as its first
+step only): one decode step and one multi-step round of 256 sequences, as numpy arrays (``StepInputs.to_wire``)
+and, for comparison, as torch tensors.
 
     python benchmarks/tp_broadcast.py
 """

@@ -52,9 +52,10 @@ def test_tp2_greedy_equals_hf_generate(checkpoints, arch: str) -> None:
     assert not tp_workers()
 
 
-def test_each_step_is_one_broadcast_to_the_workers(checkpoints) -> None:
-    """Greedy decoding runs in multi-step rounds; each round (and each single step) reaches the workers as one
-    message: a broadcast per sequence (as an empty copy-on-write list once was) costs a round trip each."""
+def test_each_step_is_one_message_to_the_workers(checkpoints) -> None:
+    """Greedy decoding runs in multi-step rounds; each round (its first step's inputs: the workers derive the rest)
+    and each single step reaches the workers as one message; one per sequence (as an empty copy-on-write list once
+    was) would cost a round trip each."""
     path, model = checkpoints["llama"]
     prompts = ragged_prompts(6)
     llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, num_scheduler_steps=8, **ENGINE)
@@ -77,9 +78,11 @@ def test_each_step_is_one_broadcast_to_the_workers(checkpoints) -> None:
     finally:
         llm.llm_engine.shutdown()
     methods = [method for method, _ in sent]
-    assert "run_decode_steps" in methods  # multi-step rounds happened
+    assert "run_decode_round" in methods  # multi-step rounds happened
     assert all(args[0] for method, args in sent if method == "copy_blocks")
-    assert len([m for m in methods if m in ("run_decode_steps", "execute_inputs")]) == steps[0]
+    assert len([m for m in methods if m in ("run_decode_round", "execute_inputs")]) == steps[0]
+    rounds = [args for method, args in sent if method == "run_decode_round"]
+    assert all(args[1].max() > 1 for args in rounds)  # (step 0's inputs, steps per sequence, ...): not K steps
     assert methods.count("copy_blocks") == 0  # no prompt shares blocks here, so nothing to copy
 
 

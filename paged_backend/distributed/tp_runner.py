@@ -3,10 +3,11 @@ shard of the model.
 
 ``TPGroup.start`` spawns ``tensor_parallel_size - 1`` worker processes on free local ports (or Ray tasks) and
 joins them in one process group: NCCL on GPUs (rank r on ``cuda:r``), gloo on CPUs, for the forward's
-all-reduces, and beside it a gloo group for control messages. Each rank loads only its slices
-(``shard_loader.py``); rowwise layers all-reduce their outputs, so every rank ends a forward with the full logits.
-``TPModelRunner`` stands in for rank 0's ``ModelRunner``: each cache move and forward is broadcast to the workers
-(numpy arrays and lists, no sequences: they pickle fast) before it runs here, and the collectives inside the
+all-reduces (``all_reduce.py``), and beside it a gloo group for small collectives. Each rank loads only its
+slices (``shard_loader.py``); rowwise layers all-reduce their outputs, so every rank ends a forward with the full
+logits. ``TPModelRunner`` stands in for rank 0's ``ModelRunner``: each cache move and forward is sent to the
+workers (``Messages``: a pipe to each local worker, a gloo broadcast to Ray tasks; numpy arrays and lists, no
+sequences, and a multi-step round as its first step's inputs) before it runs here, and the collectives inside the
 forward keep the ranks in step. The workers also profile memory, compile and capture CUDA graphs in step with
 rank 0, since each of those runs forwards. Rank 0 alone samples: every rank holds the same logits, so multi-step
 decoding's on-device argmax agrees.
@@ -18,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing.process
+import pickle
 import socket
 import threading
 import weakref
@@ -61,10 +63,27 @@ def load_rank(config: EngineConfig, model_path: str, rank: int, device: torch.de
     return model
 
 
-def _receive(control: Any) -> tuple[str, tuple[Any, ...]]:
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=control)
-    return box[0]
+class Messages:
+    """Rank 0's calls to the workers: a pipe to each local worker (tens of µs a message), or for Ray tasks, which
+    may run on other machines, a broadcast over the gloo control group (~2 ms: two collectives and pickling)."""
+
+    def __init__(self, control: Any, pipes: list[Any] | None) -> None:
+        self.control, self.pipes = control, pipes
+
+    def send(self, message: tuple[str, tuple[Any, ...]]) -> None:
+        if self.pipes is None:
+            dist.broadcast_object_list([message], src=0, group=self.control)
+            return
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for pipe in self.pipes:
+            pipe.send_bytes(data)
+
+    def receive(self) -> tuple[str, tuple[Any, ...]]:
+        if self.pipes is None:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=self.control)
+            return box[0]
+        return pickle.loads(self.pipes[0].recv_bytes())
 
 
 def min_over_ranks(value: int, control: Any) -> int:
@@ -170,9 +189,9 @@ class TPWorker:
         with self._lora_step(lora):
             self.runner.execute_inputs(moves, StepInputs.from_wire(wire))
 
-    def run_decode_steps(self, steps: list[tuple[Any, ...]], lora: Any = None) -> None:
+    def run_decode_round(self, wire: tuple[Any, ...], num_steps: Any, block_size: int, lora: Any = None) -> None:
         with self._lora_step(lora):
-            self.runner.run_decode_steps([StepInputs.from_wire(wire) for wire in steps])
+            self.runner.run_decode_round(StepInputs.from_wire(wire), num_steps, block_size)
 
     @contextlib.contextmanager
     def _lora_step(self, wire: Any) -> Iterator[None]:
@@ -190,16 +209,20 @@ class TPWorker:
         self.runner.copy_blocks(copies)
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, model_path: str) -> None:
-    """A worker process: join the groups, load its shard, then run what rank 0 broadcasts until told to stop."""
+def _worker_main(
+    rank: int, world_size: int, init_method: str, config: EngineConfig, model_path: str, pipe: Any = None
+) -> None:
+    """A worker process: join the groups, load its shard, then run what rank 0 sends (through ``pipe``, or
+    broadcast over the control group) until told to stop."""
     device = tp_device(config, rank)
     control = _init_groups(init_method, rank, world_size, device)
+    messages = Messages(control, None if pipe is None else [pipe])
     model = None
     try:
         model = load_rank(config, model_path, rank, device)
         worker = TPWorker(model, device, world_size, control)
         while True:
-            method, args = _receive(control)
+            method, args = messages.receive()
             if method == "shutdown":
                 break
             with torch.inference_mode():
@@ -219,11 +242,13 @@ class TPGroup:
         processes: list[multiprocessing.process.BaseProcess],
         device: torch.device,
         control: Any,
+        messages: Messages,
     ) -> None:
         self.world_size = world_size
         self.processes = processes
         self.device = device
         self.control = control
+        self.messages = messages
         stop = threading.Event()
         if device.type == "cuda":
             # NCCL does not notice a dead peer: its collectives would wait out the timeout. A watcher aborts the
@@ -231,7 +256,7 @@ class TPGroup:
             threading.Thread(target=_watch, args=(processes, stop), name="paged-backend-tp-watch", daemon=True).start()
         # Workers never outlive the engine or the interpreter: stopped on close, collection or exit.
         self.all_reduces: list[TPAllReduce] = []  # rank 0's, closed before the group is destroyed
-        self._finalizer = weakref.finalize(self, _shutdown, processes, control, stop, self.all_reduces)
+        self._finalizer = weakref.finalize(self, _shutdown, processes, messages, stop, self.all_reduces)
 
     @classmethod
     def start(cls, config: EngineConfig, model_path: str) -> TPGroup:
@@ -247,19 +272,24 @@ class TPGroup:
             host = "127.0.0.1"
             workers = []
         init_method = f"tcp://{host}:{_free_port()}"
+        pipes = None
         if not workers:
             context = mp.get_context("spawn")
+            ends = [context.Pipe(duplex=False) for _ in range(1, world_size)]  # (worker's end, rank 0's end)
+            pipes = [send for _, send in ends]
             workers = [
                 context.Process(
                     target=_worker_main,
-                    args=(rank, world_size, init_method, config, model_path),
+                    args=(rank, world_size, init_method, config, model_path, receive),
                     name=f"paged-backend-tp-{rank}",
                     daemon=True,
                 )
-                for rank in range(1, world_size)
+                for rank, (receive, _) in zip(range(1, world_size), ends)
             ]
             for process in workers:
                 process.start()
+            for receive, _ in ends:
+                receive.close()  # the worker holds it now
         else:
             for worker in workers:
                 worker.start(init_method)
@@ -271,7 +301,7 @@ class TPGroup:
             "nccl" if device.type == "cuda" else "gloo",
             backend,
         )
-        return cls(world_size, workers, device, control)
+        return cls(world_size, workers, device, control, Messages(control, pipes))
 
     def load(self, config: EngineConfig, model_path: str) -> Any:
         """Rank 0's shard of the model, on rank 0's device."""
@@ -281,7 +311,7 @@ class TPGroup:
 
     def send(self, method: str, *args: Any) -> None:
         _check_alive(self.processes)
-        dist.broadcast_object_list([(method, args)], src=0, group=self.control)
+        self.messages.send((method, args))
 
     def min_over_ranks(self, value: int) -> int:
         return min_over_ranks(value, self.control)
@@ -308,13 +338,13 @@ def _watch(processes: list[Any], stop: threading.Event) -> None:
             return
 
 
-def _shutdown(processes: list[Any], control: Any, stop: threading.Event, all_reduces: list[TPAllReduce]) -> None:
+def _shutdown(processes: list[Any], messages: Messages, stop: threading.Event, all_reduces: list[TPAllReduce]) -> None:
     """Tell the workers to stop, wait for them (killing any that hang or are half dead), drop rank 0's registered
     all-reduce buffer, leave the group."""
     stop.set()
     try:
         _check_alive(processes)
-        dist.broadcast_object_list([("shutdown", ())], src=0, group=control)
+        messages.send(("shutdown", ()))
     except Exception:  # noqa: BLE001 - a dead worker: the rest are killed below
         logger.debug("could not tell the workers to stop", exc_info=True)
     for process in processes:
@@ -401,9 +431,12 @@ class TPModelRunner:
         self.group.send("execute_inputs", moves, inputs.to_wire(), self._lora_wire())
         return self.runner.execute_inputs(moves, inputs), inputs.sample_seqs
 
-    def run_decode_steps(self, steps: list[StepInputs]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.group.send("run_decode_steps", [s.to_wire() for s in steps], self._lora_wire())
-        return self.runner.run_decode_steps(steps)
+    def run_decode_round(
+        self, inputs: StepInputs, num_steps: Any, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A multi-step round goes out as its first step's inputs: each worker derives the others, as rank 0 does."""
+        self.group.send("run_decode_round", inputs.to_wire(), num_steps, block_size, self._lora_wire())
+        return self.runner.run_decode_round(inputs, num_steps, block_size)
 
     def copy_blocks(self, copies: Any) -> None:
         if not copies:  # nothing to copy: no broadcast (each costs a round trip to every worker)

@@ -41,7 +41,6 @@ from paged_backend.sampler import Sampler, SampleResult, to_host
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.model_runner import ModelRunner
-from paged_backend.worker.step_inputs import advance_decode_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -434,11 +433,8 @@ class LLMEngine:
         each sequence's tokens are appended in order until it finishes (the rest were computed for nothing)."""
         with torch.inference_mode(), self._lora_step(sched, [1] * len(sched.seqs)):
             inputs = self.runner.prepare_inputs(sched, self.block_manager)  # inference tensors, as in every step
-            block_size = self.config.block_size
-            steps = [inputs] + [
-                advance_decode_inputs(inputs, k, num_steps, block_size) for k in range(1, int(num_steps.max()))
-            ]
-            tokens, logprobs = to_host(*self.runner.run_decode_steps(steps))  # [K][B] each
+            sampled = self.runner.run_decode_round(inputs, num_steps, self.config.block_size)
+            tokens, logprobs = to_host(*sampled)  # [K][B] each
         advanced: dict[str, Request] = {}
         for i, seq in enumerate(sched.seqs):
             for k in range(int(num_steps[i])):

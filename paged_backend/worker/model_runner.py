@@ -16,6 +16,7 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -28,7 +29,7 @@ from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile, find_decoder_layers
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import packing_backend
-from paged_backend.worker.step_inputs import StepInputs, build_step_inputs, pad_step_inputs
+from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs, pad_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,15 @@ class ModelRunner:
         return logits[:n]
 
     @torch.inference_mode()
+    def run_decode_round(
+        self, inputs: StepInputs, num_steps: np.ndarray, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``num_steps.max()`` decode steps from ``inputs`` (step 0; sequence i takes ``num_steps[i]``)."""
+        steps = [inputs] + [
+            advance_decode_inputs(inputs, k, num_steps, block_size) for k in range(1, int(num_steps.max()))
+        ]
+        return self.run_decode_steps(steps)
+
     def run_decode_steps(self, steps: list[StepInputs]) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy decode steps back to back, each fed the previous one's tokens on the device; no host sync.
         Returns the sampled tokens and their logprobs, ``[K, B]`` each."""
