@@ -423,7 +423,7 @@ class LLMEngine:
                     steps[i] = max(1, min(n, capacity - seq.num_computed_tokens))
                 else:
                     copies_for_round += copies
-        if copies_for_round:  # copy-on-write of shared blocks before any write; one call (a broadcast under TP)
+        if copies_for_round:  # copy-on-write of shared blocks before any write; one call (a message under TP)
             self.runner.copy_blocks(copies_for_round)
         # A round runs steps.max() forwards for the whole batch: not worth it when most rows would idle.
         return steps if steps.max() > 1 and 2 * steps.sum() >= steps.max() * len(steps) else None
