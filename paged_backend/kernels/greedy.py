@@ -29,13 +29,14 @@ if triton is not None:
         BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0)
+        row_start = logits_ptr + row.to(tl.int64) * row_stride  # 64-bit: rows x a large vocabulary pass 2**31
         offs = tl.arange(0, BLOCK_V)
         best = tl.full((), float("-inf"), tl.float32)
         best_index = tl.full((), 0, tl.int64)
         total = tl.full((), 0.0, tl.float32)  # sum of exp(logit - best)
         for v0 in range(0, V, BLOCK_V):
             mask = v0 + offs < V
-            x = tl.load(logits_ptr + row * row_stride + v0 + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            x = tl.load(row_start + v0 + offs, mask=mask, other=float("-inf")).to(tl.float32)
             block_best, block_index = tl.max(x, axis=0, return_indices=True)  # the maximum's first index
             new_best = tl.maximum(best, block_best)
             shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # all masked so far: no inf - inf
