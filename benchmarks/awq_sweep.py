@@ -1,6 +1,7 @@
 """Launch shapes of the fused AWQ int4 GEMM on one GPU: for the 8B shape's gate/up and down projections at 1 and
 256 rows, every (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) of a small grid, fastest first, beside the bf16
-GEMM (cuBLAS) on the same shape and the heuristic's own choice. Bandwidth counts the packed weights, zeros and
+GEMM (cuBLAS) on the same shape and the heuristic's own choice; at 256 rows also the whole-weight dequantize of
+the large-batch path, torch twin against Triton. Bandwidth counts the packed weights, zeros and
 scales read once. What ``kernels/awq_gemm.py``'s ``_launch_shape`` picks from.
 
     python benchmarks/awq_sweep.py
@@ -19,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton  # noqa: E402
-from paged_backend.quantization.awq_format import pack_linear  # noqa: E402
+from paged_backend.kernels.awq_gemm import awq_dequantize_triton, awq_gemm_torch, awq_gemm_triton  # noqa: E402
+from paged_backend.quantization.awq_format import dequantize, pack_linear  # noqa: E402
 
 logger = logging.getLogger("benchmarks.awq_sweep")
 SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
@@ -48,6 +49,10 @@ def sweep(name: str, k: int, n: int, m: int) -> None:
     fused = partial(awq_gemm_triton, x, qweight, qzeros, scales)
     error = (fused().float() - awq_gemm_torch(x.float(), qweight, qzeros, scales)).abs().max().item()
     bf16_us, default_us = bench_us(lambda: x @ dense), bench_us(fused)
+    if m > 16:  # the large-batch path dequantizes whole first: the torch twin's passes against one Triton pass
+        twin_us = bench_us(lambda: dequantize(qweight, qzeros, scales, x.dtype))
+        triton_us = bench_us(lambda: awq_dequantize_triton(qweight, qzeros, scales, x.dtype))
+        logger.info("%s: dequantize whole, torch twin %.1f us, Triton %.1f us", name, twin_us, triton_us)
     logger.info(
         "%s m=%d: bf16 %.1f us; fused, heuristic's launch: %.1f us (%.2f TB/s), max |error| vs twin %.3g",
         name,

@@ -43,18 +43,15 @@ def load_shard(
     hf_config = load_hf_config(config, name)
     dummy = config.model_config.load_format == "dummy"
     files = None if dummy else _sliceable_files(config, hf_config, name)
-    if not dummy and files is None:
+    model = meta_model(hf_config, checkpoint_dtype(config, hf_config, device), config.model_config.trust_remote_code)
+    if not dummy and (files is None or not _covers(model, files)):  # read whole on the CPU, cut there
+        if files is not None:
+            logger.info("%s: checkpoint names differ from the model's; every rank reads it whole", name)
         model, _ = load_model(config, name, device, keep_on_cpu=True)
         shard_model(model, rank, world_size, all_reduce)
         return model.to(device)
     layout = head_layout(hf_config.get_text_config(), world_size)
-    model = meta_model(hf_config, checkpoint_dtype(config, hf_config, device), config.model_config.trust_remote_code)
     plan = tp_plan(model)
-    if files is not None and not _covers(model, files):
-        logger.info("%s: checkpoint names differ from the model's; every rank reads it whole", name)
-        model, _ = load_model(config, name, device, keep_on_cpu=True)
-        shard_model(model, rank, world_size, all_reduce)
-        return model.to(device)
 
     def shard(module_name: str, module: torch.nn.Module) -> None:
         if module_name in plan:
