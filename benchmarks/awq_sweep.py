@@ -1,5 +1,5 @@
-"""Launch shapes of the fused AWQ int4 GEMM on one GPU: for the 8B shape's gate/up and down projections at 1 and
-256 rows, every (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) of a small grid, fastest first, beside the bf16
+"""Launch shapes of the fused AWQ int4 GEMMs on one GPU: for the 8B shape's gate/up and down projections at 1, 4,
+64 and 256 rows, every (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) of a small grid (BLOCK_M 1: the GEMV kernel), fastest first, beside the bf16
 GEMM (cuBLAS) on the same shape and the heuristic's own choice; at 256 rows also the whole-weight dequantize of
 the large-batch path, torch twin against Triton. Bandwidth counts the packed weights, zeros and
 scales read once. What ``kernels/awq_gemm.py``'s ``_launch_shape`` picks from.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
@@ -20,14 +20,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged_backend.kernels.awq_gemm import awq_dequantize_triton, awq_gemm_torch, awq_gemm_triton  # noqa: E402
+from paged_backend.kernels.awq_gemm import FUSED_MAX_M, awq_dequantize_triton, awq_gemm_torch, awq_gemm_triton  # noqa: E402
 from paged_backend.quantization.awq_format import dequantize, pack_linear  # noqa: E402
 
 logger = logging.getLogger("benchmarks.awq_sweep")
 SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
 
 
-def grid(m: int) -> itertools.product:
+def grid(m: int) -> Iterable[tuple[int, int, int, int, int]]:
+    if m <= 4:  # the GEMV kernel (BLOCK_M 1), and the tl.dot kernel at its smallest
+        gemv = itertools.product((1,), (128, 256), (32, 128), (4, 8, 16), (4, 8))
+        return itertools.chain(gemv, itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,)))
     if m <= 16:
         return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,))
     return itertools.product((64, 128), (64, 128), (64, 128), (1,), (4, 8))
@@ -49,7 +52,9 @@ def sweep(name: str, k: int, n: int, m: int) -> None:
     fused = partial(awq_gemm_triton, x, qweight, qzeros, scales)
     error = (fused().float() - awq_gemm_torch(x.float(), qweight, qzeros, scales)).abs().max().item()
     bf16_us, default_us = bench_us(lambda: x @ dense), bench_us(fused)
-    if m > 16:  # the large-batch path dequantizes whole first: the torch twin's passes against one Triton pass
+    if (
+        m > FUSED_MAX_M // 2
+    ):  # the large-batch path dequantizes whole first: the torch twin's passes against one Triton pass
         twin_us = bench_us(lambda: dequantize(qweight, qzeros, scales, x.dtype))
         triton_us = bench_us(lambda: awq_dequantize_triton(qweight, qzeros, scales, x.dtype))
         logger.info("%s: dequantize whole, torch twin %.1f us, Triton %.1f us", name, twin_us, triton_us)
@@ -79,7 +84,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
     for name, (k, n) in SHAPES.items():
-        for m in (1, 256):
+        for m in (1, 4, 64, 256):
             sweep(name, k, n, m)
 
 

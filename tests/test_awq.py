@@ -64,14 +64,15 @@ def test_awq_linear_equals_the_dequantized_linear() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("m", "k"), [(1, 256), (7, 224), (40, 256)])  # 224: split-K's last part is short
+@pytest.mark.parametrize(("m", "k"), [(1, 256), (3, 224), (7, 224), (40, 256)])  # 224: split-K's last part is short
 def test_triton_kernel_equals_its_twin(dtype: torch.dtype, m: int, k: int) -> None:
     torch.manual_seed(m)
     n = 80
     qweight, qzeros, scales = pack_linear(torch.randn(n, k, device=DEVICE) * 0.1, GROUP)
     x = torch.randn(m, k, dtype=dtype, device=DEVICE)
     expected = awq_gemm_torch(x.float(), qweight, qzeros, scales)
-    for launch in (None, (16, 32, 32, 4)):  # the heuristic's shape, and split-K over 4 programs
+    # the heuristic's shape, split-K over 4 programs of the tl.dot kernel and of the GEMV kernel (BLOCK_M 1)
+    for launch in (None, (16, 32, 32, 4), (1, 64, 32, 4)):
         got = awq_gemm_triton(x, qweight, qzeros, scales, launch)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)

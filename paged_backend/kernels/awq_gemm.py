@@ -14,6 +14,8 @@ from paged_backend.quantization.awq_format import dequantize
 
 # Rows up to which the fused kernel runs; above, dequantize + cuBLAS.
 FUSED_MAX_M = 256
+# Rows up to which the GEMV kernel (no tl.dot) runs.
+GEMV_MAX_M = 4
 
 
 def awq_gemm_torch(
@@ -142,17 +144,73 @@ if triton is not None:
             mask=mask_m[:, None] & mask_n[None, :],
         )
 
+    @triton.jit
+    def _awq_gemv_kernel(
+        x_ptr,  # [M, K]
+        qweight_ptr,  # [K, N / 8] int32
+        qzeros_ptr,  # [K / G, N / 8] int32
+        scales_ptr,  # [K / G, N]
+        out_ptr,  # [SPLIT_K, M, N] fp32
+        M,
+        N,
+        K,
+        group_size,
+        k_per_split,  # a multiple of BLOCK_K
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,  # divides group_size: one zero and scale row per tile
+    ):
+        """One row of x against a block of columns: no ``tl.dot`` (its 16-row minimum wastes 15/16 of the math
+        and registers at decode's one row), and no interleave: the eight columns of each int32 pack stay a third
+        axis ``[BK, BN / 8, 8]`` until the store. Per group, ``sum_k x_k (q_kn - z_n) s_n`` is computed as
+        ``s_n (sum_k x_k q_kn - z_n sum_k x_k)``: one multiply-add per weight."""
+        row = tl.program_id(0)  # fastest: the rows reading one weight tile run together and share it in L2
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_pack = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        mask_pack = offs_pack < N // 8
+        j = tl.arange(0, 8)
+        shifts = (j // 2) * 4 + (j % 2) * 16  # == AWQ_SHIFTS[j]
+        offs_n = offs_pack[:, None] * 8 + j[None, :]  # [BN / 8, 8]
+        acc = tl.zeros((BLOCK_N // 8, 8), dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_end
+            x = tl.load(x_ptr + row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
+            packed = tl.load(
+                qweight_ptr + offs_k[:, None] * (N // 8) + offs_pack[None, :],
+                mask=mask_k[:, None] & mask_pack[None, :],
+                other=0,
+            )  # [BK, BN / 8]
+            q = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BK, BN / 8, 8]
+            xq = tl.sum(x[:, None, None] * q, axis=0)  # [BN / 8, 8]
+            group = k0 // group_size
+            zeros = tl.load(qzeros_ptr + group * (N // 8) + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
+            z = ((zeros[:, None] >> shifts[None, :]) & 0xF).to(tl.float32)  # [BN / 8, 8]
+            s = tl.load(scales_ptr + group * N + offs_n, mask=mask_pack[:, None], other=0.0).to(tl.float32)
+            acc += s * (xq - z * tl.sum(x, axis=0))
+        tl.store(out_ptr + pid_k * M * N + row * N + offs_n, acc, mask=mask_pack[:, None])
+
+
+def _split_k(tiles: int, k: int, block_k: int, sms: int) -> int:
+    """Parts K is cut into so that about two programs run per SM, each still looping over four tiles or more."""
+    split_k = 1
+    while tiles * split_k < 2 * sms and k // (split_k * 2) >= 4 * block_k:
+        split_k *= 2
+    return split_k
+
 
 def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K): about two programs per SM when M is small."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) of the ``tl.dot`` kernel; BLOCK_M is 1 for the GEMV kernel."""
+    if m <= GEMV_MAX_M:
+        block_n, block_k = 256, min(group_size, 32)
+        return 1, block_n, block_k, _split_k(m * triton.cdiv(n, block_n), k, block_k, sms)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 32 else 128
     block_k = min(group_size, 64 if m <= 32 else 32)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split_k = 1
-    while tiles * split_k < 2 * sms and k // (split_k * 2) >= 4 * block_k:
-        split_k *= 2
-    return block_m, block_n, block_k, split_k
+    return block_m, block_n, block_k, _split_k(tiles, k, block_k, sms)
 
 
 def awq_gemm_triton(
@@ -164,6 +222,8 @@ def awq_gemm_triton(
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:  # [M, N]
+    """The fused GEMM; ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K), and BLOCK_M == 1 picks the GEMV
+    kernel (one row per program)."""
     m, k = x.shape
     n = scales.shape[1]
     group_size = k // scales.shape[0]
@@ -174,25 +234,21 @@ def awq_gemm_triton(
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    _awq_gemm_kernel[grid](
-        x.contiguous(),
-        qweight,
-        qzeros,
-        scales,
-        partial,
-        m,
-        n,
-        k,
-        group_size,
-        k_per_split,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    args = (x.contiguous(), qweight, qzeros, scales, partial, m, n, k, group_size, k_per_split)
+    if block_m == 1:
+        grid = (m, triton.cdiv(n, block_n), split_k)
+        _awq_gemv_kernel[grid](*args, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    else:
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+        _awq_gemm_kernel[grid](
+            *args,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            IEEE=x.dtype == torch.float32,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
     return (partial[0] if split_k == 1 else partial.sum(0)).to(x.dtype)
 
 
