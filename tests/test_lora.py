@@ -237,16 +237,19 @@ def test_server_serves_each_adapter_as_a_model(lora_setup) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_kernels_equal_their_twin(dtype: torch.dtype) -> None:
-    """Shrink + expand per token (BGMV) against the grouped torch twin: tokens of three slots and of none."""
+@pytest.mark.parametrize("num_tokens", [7, 70])
+def test_triton_kernels_equal_their_twin(dtype: torch.dtype, num_tokens: int) -> None:
+    """Tiled shrink + expand against the grouped torch twin: tokens of three slots and of none. With 70 tokens (two
+    blocks of 64) each block lacks a slot the other uses, so the kernels' skipping of absent slots is exercised."""
     from paged_backend.kernels.lora import lora_delta_torch, lora_delta_triton
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else Triton's interpreter
     torch.manual_seed(0)
-    x = torch.randn(7, 72, dtype=dtype, device=device)
+    x = torch.randn(num_tokens, 72, dtype=dtype, device=device)
     a = torch.randn(3, 8, 72, dtype=dtype, device=device) * 0.1  # rank 8, zero-padded slots are fine too
     b = torch.randn(3, 80, 8, dtype=dtype, device=device) * 0.1
-    slots = torch.tensor([-1, 0, 1, 0, 2, -1, 1], device=device)
+    pattern = [-1, 0, 1, 0, 2, -1, 1] if num_tokens == 7 else [-1, 0, 1, 0] * 16 + [2, -1, 2, 2, -1, 2]
+    slots = torch.tensor(pattern, device=device)
     expected = lora_delta_torch(x.float(), a.float(), b.float(), slots)
     got = lora_delta_triton(x, a, b, slots)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -255,7 +258,7 @@ def test_triton_kernels_equal_their_twin(dtype: torch.dtype) -> None:
     from paged_backend.kernels.lora import lora_delta_op
 
     torch.library.opcheck(lora_delta_op, (x, a, b, slots))  # the op compiled layers call: schema, fake, dispatch
-    with pytest.raises(ValueError, match="token_slots holds 6 slots for 7 tokens"):
+    with pytest.raises(ValueError, match=f"token_slots holds 6 slots for {num_tokens} tokens"):
         lora_delta_op(x, a, b, slots[:6])
 
 
