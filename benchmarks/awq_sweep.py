@@ -1,8 +1,8 @@
 """Launch shapes of the fused AWQ int4 GEMMs on one GPU: for the 8B shape's gate/up and down projections at 1, 4,
-64 and 256 rows, every (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) of a small grid (BLOCK_M 1: the GEMV kernel), fastest first, beside the bf16
-GEMM (cuBLAS) on the same shape and the heuristic's own choice; at 256 rows also the whole-weight dequantize of
-the large-batch path, torch twin against Triton. Bandwidth counts the packed weights, zeros and
-scales read once. What ``kernels/awq_gemm.py``'s ``_launch_shape`` picks from.
+64 and 256 rows, every (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) of a small grid (BLOCK_M 1: the GEMV kernel),
+fastest first, beside the bf16 GEMM (cuBLAS) on the same shape and the heuristic's own choice; at 256 rows also
+the whole-weight dequantize of the large-batch path, torch twin against Triton. Bandwidth counts the packed
+weights, zeros and scales read once. What ``kernels/awq_gemm.py``'s ``_launch_shape`` picks from.
 
     python benchmarks/awq_sweep.py
 """
@@ -28,9 +28,9 @@ SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
 
 
 def grid(m: int) -> Iterable[tuple[int, int, int, int, int]]:
-    if m <= 4:  # the GEMV kernel (BLOCK_M 1), and the tl.dot kernel at its smallest
-        gemv = itertools.product((1,), (128, 256), (32, 128), (4, 8, 16), (4, 8))
-        return itertools.chain(gemv, itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,)))
+    if m == 1:  # the GEMV kernel (BLOCK_M 1), and the tl.dot kernel at its smallest
+        gemv = itertools.product((1,), (128, 256, 512), (16, 32), (8, 16), (4, 8))
+        return itertools.chain(gemv, itertools.product((16,), (64, 128), (64, 128), (4,), (4,)))
     if m <= 16:
         return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,))
     return itertools.product((64, 128), (64, 128), (64, 128), (1,), (4, 8))
@@ -70,14 +70,18 @@ def sweep(name: str, k: int, n: int, m: int) -> None:
     rows = []
     for bm, bn, bk, split_k, warps in grid(m):
         launch = (bm, bn, bk, split_k)
-        try:
-            us = bench_us(partial(fused, launch, warps), warmup=5, rep=20)
-        except Exception as exc:  # noqa: BLE001 - a shape the compiler refuses is skipped
-            logger.info("  %s warps=%d: %s", launch, warps, type(exc).__name__)
-            continue
-        rows.append((us, launch, warps))
-    for us, launch, warps in sorted(rows)[:4]:
-        logger.info("  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s warps=%d", us, read / us / 1e6, launch, warps)
+        # the GEMV kernel's two accumulations, the tl.dot kernel's two operand orders
+        for option in ({"gemv_acc3": True}, {"gemv_acc3": False}) if bm == 1 else ({}, {"swap_ab": True}):
+            try:
+                us = bench_us(partial(fused, launch, warps, 3, **option), warmup=5, rep=20)
+            except Exception as exc:  # noqa: BLE001 - a shape the compiler refuses is skipped
+                logger.info("  %s warps=%d %s: %s", launch, warps, option, type(exc).__name__)
+                continue
+            rows.append((us, launch, warps, str(option)))
+    for us, launch, warps, option in sorted(rows)[:5]:
+        logger.info(
+            "  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s warps=%d %s", us, read / us / 1e6, launch, warps, option
+        )
 
 
 def main() -> None:
