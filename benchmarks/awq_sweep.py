@@ -9,6 +9,7 @@ weights, zeros and scales read once. What ``kernels/awq_gemm.py``'s ``_launch_sh
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import logging
 import sys
@@ -20,7 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged_backend.kernels.awq_gemm import FUSED_MAX_M, awq_dequantize_triton, awq_gemm_torch, awq_gemm_triton  # noqa: E402
+from paged_backend.kernels.awq_gemm import (  # noqa: E402
+    FUSED_MAX_M,
+    awq_dequantize_triton,
+    awq_gemm,
+    awq_gemm_torch,
+    awq_gemm_triton,
+)
 from paged_backend.quantization.awq_format import dequantize, pack_linear  # noqa: E402
 
 logger = logging.getLogger("benchmarks.awq_sweep")
@@ -36,17 +43,19 @@ def grid(m: int) -> Iterable[tuple[int, int, int, int, int]]:
     return itertools.product((64, 128), (64, 128), (64, 128), (1,), (4, 8))
 
 
-def bench_us(fn: Callable[[], object], rep: int = 50) -> float:
+def bench_us(fn: Callable[[], object], rep: int = 50, graph: bool = True) -> float:
     """Mean time of ``fn`` replayed from a CUDA graph, as decode steps run: a launch from Python (tens of µs for a
-    Triton kernel) would hide a kernel this short."""
+    Triton kernel) would hide a kernel this short. ``graph=False`` for the torch twin, which cannot be captured."""
     import triton.testing
 
     fn()  # compile outside the graph
+    if not graph:
+        return triton.testing.do_bench(fn, rep=rep) * 1e3
     return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3
 
 
 @torch.no_grad()
-def sweep(name: str, k: int, n: int, m: int) -> None:
+def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True) -> None:
     """One projection at ``m`` rows: the bf16 GEMM, the heuristic's launch, then the grid's four fastest."""
     qweight, qzeros, scales = pack_linear(torch.randn(n, k, device="cuda") * 0.02, 128)
     dense = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
@@ -55,12 +64,14 @@ def sweep(name: str, k: int, n: int, m: int) -> None:
     fused = partial(awq_gemm_triton, x, qweight, qzeros, scales)
     error = (fused().float() - awq_gemm_torch(x.float(), qweight, qzeros, scales)).abs().max().item()
     bf16_us, default_us = bench_us(lambda: x @ dense), bench_us(fused)
-    if (
-        m > FUSED_MAX_M // 2
-    ):  # the large-batch path dequantizes whole first: the torch twin's passes against one Triton pass
-        twin_us = bench_us(lambda: dequantize(qweight, qzeros, scales, x.dtype))
+    if m > FUSED_MAX_M:  # the engine's path here: one dequantize pass (the twin makes several), then cuBLAS
+        twin_us = bench_us(lambda: dequantize(qweight, qzeros, scales, x.dtype), graph=False)
         triton_us = bench_us(lambda: awq_dequantize_triton(qweight, qzeros, scales, x.dtype))
-        logger.info("%s: dequantize whole, torch twin %.1f us, Triton %.1f us", name, twin_us, triton_us)
+        path_us = bench_us(lambda: awq_gemm(x, qweight, qzeros, scales))
+        logger.info(
+            "%s m=%d: dequantize whole, torch twin %.1f us, Triton %.1f us; Triton + cuBLAS %.1f us",
+            *(name, m, twin_us, triton_us, path_us),
+        )
     logger.info(
         "%s m=%d: bf16 %.1f us; fused, heuristic's launch: %.1f us (%.2f TB/s), max |error| vs twin %.3g",
         name,
@@ -71,7 +82,7 @@ def sweep(name: str, k: int, n: int, m: int) -> None:
         error,
     )
     rows = []
-    for bm, bn, bk, split_k, warps in grid(m):
+    for bm, bn, bk, split_k, warps in grid(m) if sweep_grid else ():
         launch = (bm, bn, bk, split_k)
         # the GEMV kernel's two accumulations, the tl.dot kernel's two operand orders
         for option in ({"gemv_acc3": True}, {"gemv_acc3": False}) if bm == 1 else ({}, {"swap_ab": True}):
@@ -90,9 +101,12 @@ def sweep(name: str, k: int, n: int, m: int) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-grid", action="store_true", help="only bf16, the heuristic's launch and the paths")
+    args = parser.parse_args()
     for name, (k, n) in SHAPES.items():
         for m in (1, 4, 64, 256):
-            sweep(name, k, n, m)
+            sweep(name, k, n, m, sweep_grid=not args.no_grid)
 
 
 if __name__ == "__main__":

@@ -218,6 +218,7 @@ def _worker_main(
     control = _init_groups(init_method, rank, world_size, device)
     messages = Messages(control, None if pipe is None else [pipe])
     model = None
+    failed = False
     try:
         model = load_rank(config, model_path, rank, device)
         worker = TPWorker(model, device, world_size, control)
@@ -227,10 +228,19 @@ def _worker_main(
                 break
             with torch.inference_mode():
                 getattr(worker, method)(*args)
+    except BaseException:
+        # Said here: after a failure the group's orderly teardown can wait forever on rank 0, which is blocked in
+        # a collective this rank never joins; aborting it instead ends this process, which rank 0's watcher sees.
+        logger.exception("tensor-parallel worker %d failed", rank)
+        failed = True
+        raise
     finally:
-        if model is not None:
+        if model is not None and not failed:
             model.tp_all_reduce.close()
-        dist.destroy_process_group()
+        if failed:
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
 
 
 class TPGroup:

@@ -12,10 +12,10 @@ import torch
 from paged_backend.kernels import num_sms, tl, triton
 from paged_backend.quantization.awq_format import dequantize
 
-# Rows up to which the fused kernel runs; above, dequantize + cuBLAS.
-FUSED_MAX_M = 256
-# Rows up to which the GEMV kernel (no tl.dot) runs.
-GEMV_MAX_M = 4
+# Rows up to which the fused kernel runs; above, dequantize + cuBLAS (faster at 256 rows on an H200).
+FUSED_MAX_M = 128
+# Rows up to which the GEMV kernel (no tl.dot) runs: it reads the weights once per row.
+GEMV_MAX_M = 1
 
 
 def awq_gemm_torch(
@@ -218,24 +218,29 @@ if triton is not None:
         tl.store(out_ptr + pid_k * M * N + row * N + offs_n, acc, mask=mask_pack[:, None])
 
 
-def _split_k(tiles: int, k: int, block_k: int, sms: int) -> int:
-    """Parts K is cut into so that about two programs run per SM, each still looping over four tiles or more."""
+def _split_k(tiles: int, k: int, block_k: int, programs: int) -> int:
+    """Parts K is cut into (16 at most) so that about ``programs`` programs run, each still looping over four tiles
+    or more."""
     split_k = 1
-    while tiles * split_k < 2 * sms and k // (split_k * 2) >= 4 * block_k:
+    while tiles * split_k < programs and split_k < 16 and k // (split_k * 2) >= 4 * block_k:
         split_k *= 2
     return split_k
 
 
 def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) of the ``tl.dot`` kernel; BLOCK_M is 1 for the GEMV kernel."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M 1 is the GEMV kernel. From ``benchmarks/awq_sweep.py`` on an
+    H200 (8B shape, kernels replayed from CUDA graphs): at one row the GEMV kernel with 256 columns by 32 rows a
+    tile and K split 16 ways; at 4 rows 16 x 64 x 64 tiles split 4 ways on gate/up; at 64 rows 64 x 128 tiles,
+    split when there are few (down). Many programs per SM, so that enough loads are in flight."""
     if m <= GEMV_MAX_M:
         block_n, block_k = 256, min(group_size, 32)
-        return 1, block_n, block_k, _split_k(m * triton.cdiv(n, block_n), k, block_k, sms)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if m <= 32 else 128
-    block_k = min(group_size, 64 if m <= 32 else 32)
+        return 1, block_n, block_k, _split_k(m * triton.cdiv(n, block_n), k, block_k, 12 * sms)
+    if m <= 16:
+        block_m, block_n, block_k, programs = 16, 64, min(group_size, 64), 12 * sms
+    else:
+        block_m, block_n, block_k, programs = 64, 128, min(group_size, 128), 2 * sms
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    return block_m, block_n, block_k, _split_k(tiles, k, block_k, sms)
+    return block_m, block_n, block_k, _split_k(tiles, k, block_k, programs)
 
 
 def awq_gemm_triton(
