@@ -159,6 +159,25 @@ def test_a_dead_worker_is_reported_mid_step_and_between_steps(checkpoints) -> No
     assert not tp_workers()
 
 
+def test_a_failing_worker_is_reported_not_waited_for(checkpoints, caplog) -> None:
+    """A worker whose call raises says why and leaves (its orderly teardown would wait on rank 0, which is inside
+    a collective that worker never joins); rank 0 then raises instead of hanging."""
+    path, _ = checkpoints["llama"]
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
+    try:
+        (worker,) = tp_workers()
+        llm.llm_engine.tp_group.send("no_such_method")  # the worker's getattr raises AttributeError
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate("Hello", SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert time.monotonic() - started < 60
+        worker.join(timeout=30)
+        assert not worker.is_alive()
+    finally:
+        llm.llm_engine.shutdown()
+    assert not tp_workers()
+
+
 def test_workers_choose_cuda_graphs_like_rank_0() -> None:
     """Workers get each step without its sequences; the graph-or-not choice must not depend on them (a worker
     running eagerly beside a rank 0 replaying a padded graph would all-reduce tensors of other sizes)."""
