@@ -159,9 +159,9 @@ def test_a_dead_worker_is_reported_mid_step_and_between_steps(checkpoints) -> No
     assert not tp_workers()
 
 
-def test_a_failing_worker_is_reported_not_waited_for(checkpoints, caplog) -> None:
-    """A worker whose call raises says why and leaves (its orderly teardown would wait on rank 0, which is inside
-    a collective that worker never joins); rank 0 then raises instead of hanging."""
+def test_a_failing_worker_is_reported_not_waited_for(checkpoints, capfd) -> None:
+    """A worker whose call raises says why before its teardown (under NCCL an orderly teardown waits on rank 0,
+    which is inside a collective that worker never joins) and leaves; rank 0 then raises instead of hanging."""
     path, _ = checkpoints["llama"]
     llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
     try:
@@ -173,6 +173,8 @@ def test_a_failing_worker_is_reported_not_waited_for(checkpoints, caplog) -> Non
         assert time.monotonic() - started < 60
         worker.join(timeout=30)
         assert not worker.is_alive()
+        err = capfd.readouterr().err  # the worker's stderr
+        assert "tensor-parallel worker 1 failed" in err and "no_such_method" in err
     finally:
         llm.llm_engine.shutdown()
     assert not tp_workers()
