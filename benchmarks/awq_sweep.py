@@ -84,18 +84,14 @@ def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True) -> None:
     rows = []
     for bm, bn, bk, split_k, warps in grid(m) if sweep_grid else ():
         launch = (bm, bn, bk, split_k)
-        # the GEMV kernel's two accumulations, the tl.dot kernel's two operand orders
-        for option in ({"gemv_acc3": True}, {"gemv_acc3": False}) if bm == 1 else ({}, {"swap_ab": True}):
-            try:
-                us = bench_us(partial(fused, launch, warps, 3, **option), rep=20)
-            except Exception as exc:  # noqa: BLE001 - a shape the compiler refuses is skipped
-                logger.info("  %s warps=%d %s: %s", launch, warps, option, type(exc).__name__)
-                continue
-            rows.append((us, launch, warps, str(option)))
-    for us, launch, warps, option in sorted(rows)[:5]:
-        logger.info(
-            "  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s warps=%d %s", us, read / us / 1e6, launch, warps, option
-        )
+        try:
+            us = bench_us(partial(fused, launch, warps), rep=20)
+        except Exception as exc:  # noqa: BLE001 - a shape the compiler refuses is skipped
+            logger.info("  %s warps=%d: %s", launch, warps, type(exc).__name__)
+            continue
+        rows.append((us, launch, warps))
+    for us, launch, warps in sorted(rows)[:4]:
+        logger.info("  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s warps=%d", us, read / us / 1e6, launch, warps)
 
 
 def main() -> None:

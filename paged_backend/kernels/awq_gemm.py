@@ -114,7 +114,6 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,  # divides group_size: one scale row per tile
         IEEE: tl.constexpr,  # fp32 inputs: full-precision dots, not TF32
-        SWAP_AB: tl.constexpr = False,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -123,10 +122,7 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
-        if SWAP_AB:
-            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -138,18 +134,10 @@ if triton is not None:
             w = _dequantize_tile(
                 qweight_ptr, qzeros_ptr, scales_ptr, offs_k, mask_k, k0 // group_size, pid_n, N, BLOCK_N, x.dtype
             )  # [BK, BN]
-            if SWAP_AB:  # acc^T += w^T x^T: the weight computed in registers is the dot's A operand, which
-                # Hopper's wgmma may take from registers (its B operand must sit in shared memory)
-                if IEEE:
-                    acc_t += tl.dot(tl.trans(w), tl.trans(x), input_precision="ieee")
-                else:
-                    acc_t += tl.dot(tl.trans(w), tl.trans(x))
-            elif IEEE:
+            if IEEE:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
                 acc += tl.dot(x, w)
-        if SWAP_AB:
-            acc = tl.trans(acc_t)
         tl.store(
             out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :],
             acc,
@@ -170,7 +158,6 @@ if triton is not None:
         k_per_split,  # a multiple of BLOCK_K
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,  # divides group_size: one zero and scale row per tile
-        ACC3: tl.constexpr = True,  # accumulate [BK, BN] elementwise and reduce once, or reduce every tile
     ):
         """One row of x against a block of columns: no ``tl.dot`` (its 16-row minimum wastes 15/16 of the math
         and registers at decode's one row), and no interleave: the eight columns of each int32 pack stay a third
@@ -186,10 +173,7 @@ if triton is not None:
         offs_n = offs_pack[:, None] * 8 + j[None, :]  # [BN / 8, 8]
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
-        if ACC3:
-            acc3 = tl.zeros((BLOCK_K, BLOCK_N // 8, 8), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_N // 8, 8), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N // 8, 8), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < k_end
@@ -199,22 +183,13 @@ if triton is not None:
                 mask=mask_k[:, None] & mask_pack[None, :],
                 other=0,
             )  # [BK, BN / 8]
+            q = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BK, BN / 8, 8]
+            xq = tl.sum(x[:, None, None] * q, axis=0)  # [BN / 8, 8]
             group = k0 // group_size
             zeros = tl.load(qzeros_ptr + group * (N // 8) + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
+            z = ((zeros[:, None] >> shifts[None, :]) & 0xF).to(tl.float32)  # [BN / 8, 8]
             s = tl.load(scales_ptr + group * N + offs_n, mask=mask_pack[:, None], other=0.0).to(tl.float32)
-            if ACC3:
-                # a nibble OR'ed into the mantissa of 2^23 is the float 2^23 + q: no int-to-float conversion
-                # (a quarter-rate instruction); the difference of two such floats is exact
-                q = (((packed[:, :, None] >> shifts[None, None, :]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-                z = (((zeros[:, None] >> shifts[None, :]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-                acc3 += x[:, None, None] * ((q - z[None, :, :]) * s[None, :, :])  # [BK, BN / 8, 8]
-            else:
-                q = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BK, BN / 8, 8]
-                xq = tl.sum(x[:, None, None] * q, axis=0)  # [BN / 8, 8]
-                z = ((zeros[:, None] >> shifts[None, :]) & 0xF).to(tl.float32)  # [BN / 8, 8]
-                acc += s * (xq - z * tl.sum(x, axis=0))
-        if ACC3:
-            acc = tl.sum(acc3, axis=0)
+            acc += s * (xq - z * tl.sum(x, axis=0))
         tl.store(out_ptr + pid_k * M * N + row * N + offs_n, acc, mask=mask_pack[:, None])
 
 
@@ -251,8 +226,6 @@ def awq_gemm_triton(
     launch: tuple[int, int, int, int] | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
-    gemv_acc3: bool = True,
-    swap_ab: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """The fused GEMM; ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K), and BLOCK_M == 1 picks the GEMV
     kernel (one row per program)."""
@@ -278,7 +251,6 @@ def awq_gemm_triton(
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32,
-            SWAP_AB=swap_ab,
             num_warps=num_warps,
             num_stages=num_stages,
         )
