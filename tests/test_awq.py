@@ -91,6 +91,37 @@ def test_triton_dequantize_equals_its_twin(dtype: torch.dtype, k: int, n: int) -
     torch.testing.assert_close(got, dequantize(qweight, qzeros, scales, dtype), rtol=0, atol=0)
 
 
+def test_kernels_read_column_slices_of_packed_siblings() -> None:
+    """Fused siblings (worker/fuse_linears.py) leave each layer's tensors as column slices of one buffer: every
+    path reads them through the row stride, and the buffer whole is the fused layer."""
+    from paged_backend.kernels.awq_gemm import awq_dequantize_triton
+
+    torch.manual_seed(1)
+    parts = [pack_linear(torch.randn(n, 256, device=DEVICE) * 0.1, GROUP) for n in (64, 16, 24)]
+    whole = [torch.cat(tensors, dim=1) for tensors in zip(*parts)]  # qweight, qzeros, scales side by side
+    x = torch.randn(3, 256, device=DEVICE)
+    start_packs = start_cols = 0
+    for qweight, qzeros, scales in parts:
+        packs, cols = qweight.shape[1], scales.shape[1]
+        views = (
+            whole[0][:, start_packs : start_packs + packs],
+            whole[1][:, start_packs : start_packs + packs],
+            whole[2][:, start_cols : start_cols + cols],
+        )
+        assert not views[0].is_contiguous()
+        expected = awq_gemm_torch(x, qweight, qzeros, scales)
+        for launch in ((1, 64, 32, 2), (16, 32, 32, 2)):  # the GEMV kernel and the tl.dot kernel
+            torch.testing.assert_close(awq_gemm_triton(x, *views, launch), expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(awq_gemm_torch(x, *views), expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(
+            awq_dequantize_triton(*views, torch.float32), dequantize(qweight, qzeros, scales, torch.float32)
+        )
+        start_packs, start_cols = start_packs + packs, start_cols + cols
+    torch.testing.assert_close(
+        awq_gemm_triton(x, *whole), torch.cat([awq_gemm_torch(x, *t) for t in parts], dim=1), rtol=1e-4, atol=1e-4
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- checkpoints
 def dequantized_copy(model: nn.Module, folder) -> nn.Module:
     """The fp32 model an AWQ checkpoint stands for: each quantized linear's weight replaced by its dequantization."""
@@ -142,6 +173,31 @@ def test_engine_on_an_awq_checkpoint_equals_hf_on_the_dequantized_model(awq_chec
     explicit = LLM(folder, quantization="awq", dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=64)
     again = explicit.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     assert list(again[0].outputs[0].token_ids) == list(outs[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_awq_layers_fuse_their_siblings(awq_checkpoints, arch: str) -> None:
+    """The engine's compiled decoder layer makes one AWQ call for q/k/v (Qwen2: with biases) and one for gate/up
+    (dynamo-only backend, so it runs on CPU; inductor on the GPU compiles the same graph), and still equals HF
+    generate on the dequantized model."""
+    folder, reference = awq_checkpoints[arch]
+    llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=24, max_model_len=48)
+    runner = llm.llm_engine.runner
+    graphs: list = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    runner.compile(capture)
+    assert runner.regions is not None and runner.regions.num_fused_groups == 2 * len(graphs)
+    calls = [n for n in graphs[0].graph.nodes if str(n.target) == "paged_backend.awq_gemm.default"]
+    assert len(calls) == 4  # q/k/v, o, gate/up, down
+    prompts = ragged_prompts(4)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(reference, p, 8) for p in prompts]
 
 
 def _edit_checkpoint(folder, tmp_path, edit_tensors=None, edit_config=None):

@@ -9,7 +9,7 @@ from torch import nn
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.worker.compile import RegionalCompile
-from paged_backend.worker.fuse_linears import fuse_sibling_linears, is_packed, packing_backend
+from paged_backend.worker.fuse_linears import PackingBackend, fuse_sibling_linears, is_packed
 from tests.conftest import hf_greedy, ragged_prompts, tiny_model
 
 LINEAR = torch._C._nn.linear
@@ -42,8 +42,10 @@ def compile_blocks(blocks: list[nn.Module], pack_first: bool) -> tuple[list, Reg
 
     x = torch.randn(5, 8)
     if pack_first:
-        with RegionalCompile(nn.ModuleList(blocks), packing_backend(blocks)):
+        packer = PackingBackend(blocks)
+        with RegionalCompile(nn.ModuleList(blocks), packer):
             blocks[0](x)
+        packer.finish()
     regions = RegionalCompile(nn.ModuleList(blocks), capture)
     with regions:
         blocks[0](x)
@@ -77,7 +79,7 @@ def test_groups_stay_separate_unless_packed_in_every_layer() -> None:
     graphs, regions = compile_blocks(blocks, pack_first=False)
     assert regions.num_fused_groups == 0 and len(linear_inputs(graphs)) == 6
     blocks = [Block() for _ in range(2)]
-    with RegionalCompile(nn.ModuleList(blocks), packing_backend(blocks)):
+    with RegionalCompile(nn.ModuleList(blocks), PackingBackend(blocks)):
         blocks[0](torch.randn(2, 8))
     blocks[1].k.weight = nn.Parameter(blocks[1].k.weight.detach().clone())  # one layer's q/k/v no longer packed
     graphs, regions = compile_blocks(blocks, pack_first=False)
@@ -116,3 +118,63 @@ def test_engine_fuses_hf_projections(tokenizer, arch: str, groups: int) -> None:
     )
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+
+
+class AWQBlock(nn.Module):
+    """q/k/v as AWQ int4 layers (k with a bias) on one input, and a lone AWQ down projection."""
+
+    def __init__(self) -> None:
+        from paged_backend.quantization.awq import AWQLinear
+        from paged_backend.quantization.awq_format import pack_linear
+
+        super().__init__()
+        layers = []
+        for out_features, bias in ((64, False), (32, True), (32, False), (64, False)):
+            layer = AWQLinear(64, out_features, 32, bias=bias)
+            qweight, qzeros, scales = pack_linear(torch.randn(out_features, 64) * 0.1, 32)
+            layer.qweight.copy_(qweight)
+            layer.qzeros.copy_(qzeros)
+            layer.scales.copy_(scales)
+            if bias:
+                layer.bias.data.normal_()
+            layers.append(layer)
+        self.q, self.k, self.v, self.down = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.q(x), self.k(x) * 2, self.v(x).relu()], dim=-1)
+        return self.down(h[..., :64] + x)
+
+
+def test_awq_siblings_fuse_into_one_call_over_column_packed_buffers() -> None:
+    """AWQ's [in, out / 8] layout packs siblings side by side: each layer's buffers become column slices of one
+    buffer (the kernels read them through their row stride) and the graph makes one AWQ call over all of it."""
+    from paged_backend.worker.fuse_linears import is_column_packed
+
+    torch.manual_seed(0)
+    blocks = [AWQBlock() for _ in range(2)]
+    x = torch.randn(1, 5, 64)
+    graphs: list = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        expected = [b(x) for b in blocks]
+        packer = PackingBackend(blocks)
+        with RegionalCompile(nn.ModuleList(blocks), packer):
+            blocks[0](x)
+        packer.finish()  # AWQ siblings are packed after the trace that found them
+        regions = RegionalCompile(nn.ModuleList(blocks), capture)
+        with regions:
+            got = [b(x) for b in blocks]
+    assert regions.num_fused_groups == 1
+    calls = [n for gm in graphs for n in gm.graph.nodes if str(n.target) == "paged_backend.awq_gemm.default"]
+    assert len(calls) == 2  # q/k/v as one, down alone
+    for block in blocks:
+        for name in ("qweight", "qzeros", "scales"):
+            assert is_column_packed([getattr(layer, name) for layer in (block.q, block.k, block.v)])
+        assert not block.q.qweight.is_contiguous()
+    for block, want, have in zip(blocks, expected, got):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-5)  # the plain modules read the views

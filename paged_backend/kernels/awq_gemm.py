@@ -39,6 +39,7 @@ if triton is not None:
         group,
         pid_n,
         N,
+        row_packs,  # int32 packs from one row of qweight or qzeros to the next (scales: 8 times as many elements)
         BLOCK_N: tl.constexpr,
         DTYPE: tl.constexpr,
     ):
@@ -51,18 +52,18 @@ if triton is not None:
         j = tl.arange(0, BLOCK_N) % 8
         shifts = (j // 2) * 4 + (j % 2) * 16  # == AWQ_SHIFTS[j]
         packed = tl.load(
-            qweight_ptr + offs_k[:, None] * (N // 8) + offs_pack[None, :],
+            qweight_ptr + offs_k[:, None] * row_packs + offs_pack[None, :],
             mask=mask_k[:, None] & mask_pack[None, :],
             other=0,
         )  # [BK, BN / 8]
         packed = tl.interleave(packed, packed)
         packed = tl.interleave(packed, packed)
         packed = tl.interleave(packed, packed)  # [BK, BN]: column c holds pack c // 8
-        zeros = tl.load(qzeros_ptr + group * (N // 8) + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
+        zeros = tl.load(qzeros_ptr + group * row_packs + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
         zeros = tl.interleave(zeros, zeros)
         zeros = tl.interleave(zeros, zeros)
         zeros = tl.interleave(zeros, zeros)  # [BN]
-        scales = tl.load(scales_ptr + group * N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)  # [BN]
+        scales = tl.load(scales_ptr + group * row_packs * 8 + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)  # [BN]
         q = (packed >> shifts[None, :]) & 0xF
         z = (zeros >> shifts) & 0xF
         return ((q - z[None, :]).to(tl.float32) * scales[None, :]).to(DTYPE)
@@ -76,6 +77,7 @@ if triton is not None:
         N,
         K,
         group_size,
+        row_packs,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,  # divides group_size
     ):
@@ -93,6 +95,7 @@ if triton is not None:
             pid_k * BLOCK_K // group_size,
             pid_n,
             N,
+            row_packs,
             BLOCK_N,
             out_ptr.dtype.element_ty,
         )
@@ -109,6 +112,7 @@ if triton is not None:
         N,
         K,
         group_size,
+        row_packs,  # packs per row of qweight and qzeros: N / 8, or more for a view into siblings' packed columns
         k_per_split,  # a multiple of BLOCK_K
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -132,7 +136,17 @@ if triton is not None:
                 x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
             )  # [BM, BK]
             w = _dequantize_tile(
-                qweight_ptr, qzeros_ptr, scales_ptr, offs_k, mask_k, k0 // group_size, pid_n, N, BLOCK_N, x.dtype
+                qweight_ptr,
+                qzeros_ptr,
+                scales_ptr,
+                offs_k,
+                mask_k,
+                k0 // group_size,
+                pid_n,
+                N,
+                row_packs,
+                BLOCK_N,
+                x.dtype,
             )  # [BK, BN]
             if IEEE:
                 acc += tl.dot(x, w, input_precision="ieee")
@@ -155,6 +169,7 @@ if triton is not None:
         N,
         K,
         group_size,
+        row_packs,  # packs per row of qweight and qzeros: N / 8, or more for a view into siblings' packed columns
         k_per_split,  # a multiple of BLOCK_K
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,  # divides group_size: one zero and scale row per tile
@@ -179,18 +194,35 @@ if triton is not None:
             mask_k = offs_k < k_end
             x = tl.load(x_ptr + row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
             packed = tl.load(
-                qweight_ptr + offs_k[:, None] * (N // 8) + offs_pack[None, :],
+                qweight_ptr + offs_k[:, None] * row_packs + offs_pack[None, :],
                 mask=mask_k[:, None] & mask_pack[None, :],
                 other=0,
             )  # [BK, BN / 8]
             q = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BK, BN / 8, 8]
             xq = tl.sum(x[:, None, None] * q, axis=0)  # [BN / 8, 8]
             group = k0 // group_size
-            zeros = tl.load(qzeros_ptr + group * (N // 8) + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
+            zeros = tl.load(qzeros_ptr + group * row_packs + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
             z = ((zeros[:, None] >> shifts[None, :]) & 0xF).to(tl.float32)  # [BN / 8, 8]
-            s = tl.load(scales_ptr + group * N + offs_n, mask=mask_pack[:, None], other=0.0).to(tl.float32)
+            s = tl.load(scales_ptr + group * row_packs * 8 + offs_n, mask=mask_pack[:, None], other=0.0).to(tl.float32)
             acc += s * (xq - z * tl.sum(x, axis=0))
         tl.store(out_ptr + pid_k * M * N + row * N + offs_n, acc, mask=mask_pack[:, None])
+
+
+def _row_packs(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> int:
+    """The kernels' row stride: rows contiguous, and one stride for all three tensors, as for whole tensors or for
+    column slices of sibling layers packed side by side (``worker/fuse_linears.py``)."""
+    row_packs = qweight.stride(0)
+    if (
+        qweight.stride(1) != 1
+        or qzeros.stride() != (row_packs, 1)
+        or scales.stride() != (8 * row_packs, 1)
+        or row_packs < qweight.shape[1]
+    ):
+        raise ValueError(
+            f"AWQ tensors must share one row stride with contiguous rows: qweight {qweight.stride()}, "
+            f"qzeros {qzeros.stride()}, scales {scales.stride()}"
+        )
+    return row_packs
 
 
 def _split_k(tiles: int, k: int, block_k: int, programs: int) -> int:
@@ -239,7 +271,19 @@ def awq_gemm_triton(
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    args = (x.contiguous(), qweight, qzeros, scales, partial, m, n, k, group_size, k_per_split)
+    args = (
+        x.contiguous(),
+        qweight,
+        qzeros,
+        scales,
+        partial,
+        m,
+        n,
+        k,
+        group_size,
+        _row_packs(qweight, qzeros, scales),
+        k_per_split,
+    )
     if block_m == 1:
         grid = (m, triton.cdiv(n, block_n), split_k)
         _awq_gemv_kernel[grid](*args, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
@@ -270,7 +314,10 @@ def awq_dequantize_triton(
     block_k = min(group_size, 32)
     out = torch.empty(k, n, dtype=dtype, device=qweight.device)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, 128))
-    _awq_dequantize_kernel[grid](qweight, qzeros, scales, out, n, k, group_size, BLOCK_N=128, BLOCK_K=block_k)
+    row_packs = _row_packs(qweight, qzeros, scales)
+    _awq_dequantize_kernel[grid](
+        qweight, qzeros, scales, out, n, k, group_size, row_packs, BLOCK_N=128, BLOCK_K=block_k
+    )
     return out
 
 

@@ -7,12 +7,13 @@ columns: 16 tiles of 64 for 132 SMs) and each paying its own launch and tail. vL
 
 1. find ``linear`` calls on one input whose weights (and biases) are parameters of the layer;
 2. pack those parameters, in every layer the graph serves, into one buffer each (the parameters become views of
-   it, so memory does not grow and HF's own eager forward still sees its weights): ``packing_backend``, a
+   it, so memory does not grow and HF's own eager forward still sees its weights): ``PackingBackend``, a
    dynamo trace of its own before the compiling one;
 3. in the compiling trace, replace the calls by one ``linear`` over the packed weight, read as ``as_strided``
    from the first weight (its storage runs on into the others), and split the result back:
    ``fuse_sibling_linears``.
 
+AWQ layers' calls are fused the same way, their packed int4 buffers side by side along the output columns.
 Weights must not be replaced after packing (CUDA graphs already assume that); a group found unpacked in any
 layer is left as separate calls.
 """
@@ -29,18 +30,19 @@ import torch
 from torch import fx, nn
 
 _LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
-_PARAMETER_SOURCE = re.compile(r"^L\['self'\]((?:\._modules\['[^']+'\])*)\._parameters\['([^']+)'\]$")
+_SOURCE = re.compile(r"^L\['self'\]((?:\._modules\['[^']+'\])*)\._(parameters|buffers)\['([^']+)'\]$")
 
 
-def parameter_path(node: fx.Node) -> str | None:
-    """``self_attn.q_proj.weight`` for a placeholder that dynamo lifted from the layer's parameters, else None."""
+def parameter_path(node: fx.Node, kind: str = "parameters") -> str | None:
+    """``self_attn.q_proj.weight`` for a placeholder that dynamo lifted from the layer's parameters (or, with
+    ``kind="buffers"``, its buffers), else None."""
     if node.op != "placeholder" or node.meta.get("grapharg") is None:
         return None
-    match = _PARAMETER_SOURCE.match(node.meta["grapharg"].source.name)
-    if match is None:
+    match = _SOURCE.match(node.meta["grapharg"].source.name)
+    if match is None or match.group(2) != kind:
         return None
     modules = re.findall(r"\._modules\['([^']+)'\]", match.group(1))
-    return ".".join([*modules, match.group(2)])
+    return ".".join([*modules, match.group(3)])
 
 
 def _linear_parts(node: fx.Node) -> tuple[fx.Node, str, str | None] | None:
@@ -124,19 +126,143 @@ def pack(params: list[nn.Parameter]) -> None:
         torch.cuda.empty_cache()
 
 
-def packing_backend(layers: list[nn.Module]) -> Callable[[fx.GraphModule, list[Any]], Callable]:
-    """A dynamo backend that packs the sibling groups of the traced layer in every layer, then runs the graph as
-    traced. Packing must come before the compiling trace: inductor's trace records each weight's storage
-    offset, and packing moves them."""
+# ---------------------------------------------------------------------------------------------------------- AWQ
+# AWQ layers (quantization/awq.py) call one op on their own packed int4 buffers. Their siblings are packed side by
+# side along the output columns (the layout is [in, out / 8]): each layer's buffers become column slices of one
+# buffer, which the kernels read through their row stride, and the fused call reads the whole buffer.
+_AWQ_OP = "paged_backend.awq_gemm.default"
+_AWQ_TENSORS = ("qweight", "qzeros", "scales")
 
-    def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        for group in find_sibling_groups(gm, layers[0]):
-            for layer in layers:
+
+class AWQGroup(NamedTuple):
+    """Sibling AWQ calls and the paths of their layers (modules) in the decoder layer."""
+
+    nodes: list[fx.Node]
+    modules: list[str]
+
+
+def _awq_parts(node: fx.Node) -> tuple[Any, str] | None:
+    """(a key for the call's input, the AWQ layer's path) of an AWQ call on one layer's own buffers, else None.
+    Each AWQ layer flattens the hidden states itself, so calls on the same reshape of the same input match."""
+    if node.op != "call_function" or str(node.target) != _AWQ_OP or node.kwargs:
+        return None
+    flat, *tensors = node.args
+    paths = [parameter_path(t, "buffers") if isinstance(t, fx.Node) else None for t in tensors]
+    if None in paths:
+        return None
+    modules = {p.rsplit(".", 1)[0] for p in paths}
+    if len(modules) != 1 or tuple(p.rsplit(".", 1)[1] for p in paths) != _AWQ_TENSORS:
+        return None
+    key: Any = flat
+    if isinstance(flat, fx.Node) and flat.op == "call_method" and flat.target in ("reshape", "view"):
+        key = (flat.args[0], *flat.args[1:])
+    return key, modules.pop()
+
+
+def find_awq_groups(gm: fx.GraphModule, layer: nn.Module) -> list[AWQGroup]:
+    """Groups of two or more AWQ calls on one input whose layers share in_features, group size, dtype and device."""
+    by_input: dict[Any, list[tuple[fx.Node, str]]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        parts = _awq_parts(node)
+        if parts is not None:
+            by_input[parts[0]].append((node, parts[1]))
+    groups = []
+    for members in by_input.values():
+        modules = [m for _, m in members]
+        if len(members) < 2 or len(set(modules)) != len(modules):
+            continue
+        qweights, qzeros, scales = _awq_siblings(layer, modules)
+        if len({(w.shape[0], z.shape[0], s.dtype, w.device) for w, z, s in zip(qweights, qzeros, scales)}) != 1:
+            continue
+        groups.append(AWQGroup([n for n, _ in members], modules))
+    return groups
+
+
+def _awq_siblings(layer: nn.Module, modules: list[str]) -> list[list[torch.Tensor]]:
+    """[qweights, qzeros, scales] of the sibling AWQ layers ``modules``."""
+    return [[layer.get_buffer(f"{m}.{name}") for m in modules] for name in _AWQ_TENSORS]
+
+
+def is_column_packed(tensors: list[torch.Tensor]) -> bool:
+    """Whether 2-D ``tensors`` are, in order, the column slices of one row-major buffer (as ``pack_columns``
+    leaves them)."""
+    first = tensors[0]
+    total = sum(t.shape[1] for t in tensors)
+    offset = first.storage_offset()
+    for t in tensors:
+        if (
+            t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or t.storage_offset() != offset
+            or t.stride() != (total, 1)
+        ):
+            return False
+        offset += t.shape[1]
+    return True
+
+
+def pack_columns(tensors: list[torch.Tensor]) -> None:
+    """Copy 2-D ``tensors`` side by side into one new buffer and make each a view of its columns."""
+    if is_column_packed(tensors):
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        buffer = torch.cat([t.data for t in tensors], dim=1)
+        start = 0
+        for t in tensors:
+            width = t.shape[1]
+            t.data = buffer[:, start : start + width]
+            start += width
+    if buffer.is_cuda:
+        torch.cuda.empty_cache()  # as ``pack``
+
+
+def _fuse_awq_group(graph: fx.Graph, group: AWQGroup, siblings: list[list[torch.Tensor]]) -> None:
+    """One AWQ call over the packed buffers (read as ``as_strided`` from the first layer's slices), split back."""
+    qweights, qzeros, scales = siblings
+    packs = sum(t.shape[1] for t in qweights)
+    widths = [t.shape[1] for t in scales]
+    first = group.nodes[0]
+    flat, qweight, qzero, scale = first.args
+    with graph.inserting_before(first):
+        tensors = [
+            graph.call_function(torch.as_strided, (node, (rows, cols), (cols, 1)))
+            for node, rows, cols in (
+                (qweight, qweights[0].shape[0], packs),
+                (qzero, qzeros[0].shape[0], packs),
+                (scale, scales[0].shape[0], sum(widths)),
+            )
+        ]
+        fused = graph.call_function(first.target, (flat, *tensors))
+        split = graph.call_function(torch.split, (fused, widths), {"dim": -1})
+        for i, node in enumerate(group.nodes):
+            node.replace_all_uses_with(graph.call_function(operator.getitem, (split, i)))
+    for node in group.nodes:
+        graph.erase_node(node)
+
+
+class PackingBackend:
+    """A dynamo backend that packs the sibling groups of the traced layer in every layer, then runs the graph as
+    traced. Packing must come before the compiling trace: inductor's trace records each weight's storage offset,
+    and packing moves them. AWQ siblings change strides when packed, which dynamo would find against the guards
+    of the frame being traced: they are packed by ``finish()``, after the trace."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = layers
+        self.deferred: list[list[torch.Tensor]] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        for group in find_sibling_groups(gm, self.layers[0]):
+            for layer in self.layers:
                 for paths in _parameter_lists(group):
                     pack([layer.get_parameter(p) for p in paths])
+        for awq_group in find_awq_groups(gm, self.layers[0]):
+            for layer in self.layers:
+                self.deferred.extend(_awq_siblings(layer, awq_group.modules))
         return gm.forward
 
-    return backend
+    def finish(self) -> None:
+        for tensors in self.deferred:
+            pack_columns(tensors)
+        self.deferred.clear()
 
 
 def fuse_sibling_linears(gm: fx.GraphModule, layers: list[nn.Module]) -> int:
@@ -164,6 +290,10 @@ def fuse_sibling_linears(gm: fx.GraphModule, layers: list[nn.Module]) -> int:
         for node in group.nodes:
             graph.erase_node(node)
         fused_groups += 1
+    for awq_group in find_awq_groups(gm, layers[0]):
+        if all(is_column_packed(t) for layer in layers for t in _awq_siblings(layer, awq_group.modules)):
+            _fuse_awq_group(graph, awq_group, _awq_siblings(layers[0], awq_group.modules))
+            fused_groups += 1
     if fused_groups:
         graph.lint()
         gm.recompile()

@@ -28,7 +28,7 @@ from paged_backend.kernels.greedy import greedy_tokens
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile, find_decoder_layers
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
-from paged_backend.worker.fuse_linears import packing_backend
+from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs, pad_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -83,8 +83,10 @@ class ModelRunner:
         try:
             with torch.inference_mode():  # inputs made here are inference tensors, like every step's
                 # A first dynamo-only trace packs sibling projections (fuse_linears.py), then the real compile.
-                self.regions = RegionalCompile(layers, packing_backend(list(layers)))
+                packer = PackingBackend(list(layers))
+                self.regions = RegionalCompile(layers, packer)
                 self.run(self._warmup_inputs())
+                packer.finish()
                 self.regions = RegionalCompile(layers, backend)
                 self.run(self._warmup_inputs())
             if self.device.type == "cuda":
