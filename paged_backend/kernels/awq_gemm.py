@@ -1,8 +1,10 @@
 """y = x @ dequantize(qweight, qzeros, scales): the AWQ int4 GEMM. The torch twin dequantizes whole and multiplies
-(the reference, and the CPU path); the Triton kernel dequantizes each weight tile in registers right before its
-``tl.dot``, so a decode step reads 4-bit weights from memory instead of 16-bit ones. Small batches split K over
-several programs to fill the GPU (their fp32 partial sums are added afterwards); large ones (prefill) dequantize
-once and use cuBLAS, where the GEMM's compute outweighs the extra pass over the weights.
+(the reference, and the CPU path). On a GPU the weights are dequantized in registers right before use, so a decode
+step reads 4-bit weights instead of 16-bit ones: one row (decode at batch 1) runs a GEMV kernel, up to
+``FUSED_MAX_M`` rows a ``tl.dot`` kernel; both split K over several programs to fill the GPU (their fp32 parts
+are added and cast in one more pass). Larger batches (prefill) dequantize once and use cuBLAS, where the GEMM's
+compute outweighs the extra pass over the weights. Every path reads its tensors through one row stride, so sibling
+layers packed side by side (``worker/fuse_linears.py``) run as one call.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ if triton is not None:
         qweight_ptr,  # [K, N / 8] int32
         qzeros_ptr,  # [K / G, N / 8] int32
         scales_ptr,  # [K / G, N]
-        out_ptr,  # [SPLIT_K, M, N] fp32
+        out_ptr,  # [SPLIT_K, M, N] fp32, or [M, N] in x's dtype when SPLIT_K is 1
         M,
         N,
         K,
@@ -154,7 +156,7 @@ if triton is not None:
                 acc += tl.dot(x, w)
         tl.store(
             out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :],
-            acc,
+            acc.to(out_ptr.dtype.element_ty),
             mask=mask_m[:, None] & mask_n[None, :],
         )
 
@@ -164,7 +166,7 @@ if triton is not None:
         qweight_ptr,  # [K, N / 8] int32
         qzeros_ptr,  # [K / G, N / 8] int32
         scales_ptr,  # [K / G, N]
-        out_ptr,  # [SPLIT_K, M, N] fp32
+        out_ptr,  # [SPLIT_K, M, N] fp32, or [M, N] in x's dtype when SPLIT_K is 1
         M,
         N,
         K,
@@ -205,7 +207,23 @@ if triton is not None:
             z = ((zeros[:, None] >> shifts[None, :]) & 0xF).to(tl.float32)  # [BN / 8, 8]
             s = tl.load(scales_ptr + group * row_packs * 8 + offs_n, mask=mask_pack[:, None], other=0.0).to(tl.float32)
             acc += s * (xq - z * tl.sum(x, axis=0))
-        tl.store(out_ptr + pid_k * M * N + row * N + offs_n, acc, mask=mask_pack[:, None])
+        tl.store(out_ptr + pid_k * M * N + row * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_pack[:, None])
+
+    @triton.jit
+    def _split_k_sum_kernel(
+        partial_ptr,  # [SPLIT_K, numel] fp32
+        out_ptr,  # [numel]
+        split_k,
+        numel,
+        BLOCK: tl.constexpr,
+    ):
+        """The split-K parts added in fp32 and cast, one pass (a sum, then a cast, would be two kernels)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for part in range(0, split_k):
+            acc += tl.load(partial_ptr + part * numel + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_packs(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> int:
@@ -270,7 +288,9 @@ def awq_gemm_triton(
         raise ValueError(f"BLOCK_K={block_k} must divide group_size={group_size}: a tile reads one scale row")
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # one part: the kernel writes the output itself; several: fp32 parts, then one pass adds and casts them
+    partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     args = (
         x.contiguous(),
         qweight,
@@ -298,7 +318,9 @@ def awq_gemm_triton(
             num_warps=num_warps,
             num_stages=num_stages,
         )
-    return (partial[0] if split_k == 1 else partial.sum(0)).to(x.dtype)
+    if split_k > 1:
+        _split_k_sum_kernel[(triton.cdiv(m * n, 1024),)](partial, out, split_k, m * n, BLOCK=1024)
+    return out
 
 
 def awq_dequantize_triton(
