@@ -18,7 +18,7 @@ from paged_backend.quantization import awq
 from paged_backend.quantization.awq import AWQLinear, convertible_linears
 from paged_backend.quantization.awq_format import AWQ_ORDER, dequantize, pack, pack_linear, unpack
 from paged_backend.quantization.awq_quantize import apply_awq, calibration_batches, write_checkpoint
-from tests.conftest import hf_greedy, ragged_prompts
+from tests.conftest import capturing_backend, hf_greedy, ragged_prompts
 
 GROUP = 32
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel: on the GPU, else interpreted
@@ -184,10 +184,7 @@ def test_compiled_awq_layers_fuse_their_siblings(awq_checkpoints, arch: str) -> 
     llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=24, max_model_len=48)
     runner = llm.llm_engine.runner
     graphs: list = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    capture = capturing_backend(graphs)
 
     runner.compile(capture)
     assert runner.regions is not None and runner.regions.num_fused_groups == 2 * len(graphs)

@@ -10,7 +10,7 @@ from torch import nn
 from paged_backend import LLM, SamplingParams
 from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.fuse_linears import PackingBackend, fuse_sibling_linears, is_packed
-from tests.conftest import hf_greedy, ragged_prompts, tiny_model
+from tests.conftest import capturing_backend, hf_greedy, ragged_prompts, tiny_model
 
 LINEAR = torch._C._nn.linear
 
@@ -35,10 +35,7 @@ def linear_inputs(graphs: list) -> list:
 
 def compile_blocks(blocks: list[nn.Module], pack_first: bool) -> tuple[list, RegionalCompile]:
     graphs: list = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    capture = capturing_backend(graphs)
 
     x = torch.randn(5, 8)
     if pack_first:
@@ -99,10 +96,7 @@ def test_engine_fuses_hf_projections(tokenizer, arch: str, groups: int) -> None:
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_num_batched_tokens=40, max_model_len=128)
     runner = llm.llm_engine.runner
     graphs: list = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    capture = capturing_backend(graphs)
 
     runner.compile(capture)
     assert runner.regions is not None and runner.regions.num_fused_groups == groups
@@ -154,10 +148,7 @@ def test_awq_siblings_fuse_into_one_call_over_column_packed_buffers() -> None:
     blocks = [AWQBlock() for _ in range(2)]
     x = torch.randn(1, 5, 64)
     graphs: list = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    capture = capturing_backend(graphs)
 
     with torch.no_grad():
         expected = [b(x) for b in blocks]

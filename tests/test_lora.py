@@ -12,8 +12,7 @@ import torch
 
 from paged_backend import LLM, LoRARequest, SamplingParams
 from paged_backend.demo import build_tiny_model
-from tests.conftest import assert_idle, hf_greedy, ragged_prompts
-from tests.test_model_runner import counting_backend
+from tests.conftest import assert_idle, capturing_backend, hf_greedy, ragged_prompts
 
 peft = pytest.importorskip("peft")
 
@@ -118,7 +117,7 @@ def test_lora_layers_compile_into_one_graph(lora_setup) -> None:
     llm = LLM(lora_setup[0], num_kv_blocks=64, **ENGINE)
     graphs: list = []
     runner = llm.llm_engine.runner
-    runner.compile(counting_backend(graphs))
+    runner.compile(capturing_backend(graphs))
     assert runner.regions is not None and runner.regions.num_graphs == len(graphs) == 1
     generate_mixed(llm, lora_setup, ragged_prompts(4)[:2], 8)
     assert len(graphs) == 1, "a step recompiled the layer"

@@ -11,7 +11,7 @@ from paged_backend.attention import KV_CACHE_ATTR
 from paged_backend.kernels.ops import paged_attention_op, write_kv_cache_op
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner, capture_sizes, fits_decode_graph
 from paged_backend.worker.step_inputs import pad_step_inputs
-from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tiny_model
+from tests.conftest import assert_idle, capturing_backend, hf_greedy, ragged_prompts, tiny_model
 
 
 def test_capture_sizes() -> None:
@@ -110,14 +110,6 @@ def test_custom_ops_schema_and_fake_kernels() -> None:
     torch.library.opcheck(paged_attention_op, (q, k_cache, v_cache, tables, cu, ctx, 0.3, 2, 5.0))
 
 
-def counting_backend(graphs: list):
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    return backend
-
-
 @pytest.mark.parametrize(
     ("arch", "max_graphs"), [("llama", 1), ("gpt2", 1), ("mixtral", 1), ("qwen2", 2), ("gemma3", 2)]
 )
@@ -129,7 +121,7 @@ def test_regional_compile_shares_one_graph_across_layers(tokenizer, arch: str, m
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_num_batched_tokens=40, max_model_len=128)
     graphs: list = []
     runner = llm.llm_engine.runner
-    runner.compile(counting_backend(graphs))
+    runner.compile(capturing_backend(graphs))
     assert runner.regions is not None and len(runner.regions.layers) == model.config.num_hidden_layers
     after_warmup = len(graphs)
     assert 1 <= after_warmup <= max_graphs and runner.regions.num_graphs == after_warmup
@@ -152,7 +144,7 @@ def test_each_engine_compiles_its_own_graphs(tokenizer) -> None:
     for _ in range(9):
         llm = LLM(tiny_model("llama"), tokenizer=tokenizer, num_kv_blocks=16, max_model_len=64)
         runner = llm.llm_engine.runner
-        runner.compile(counting_backend([]))
+        runner.compile(capturing_backend([]))
         assert runner.regions is not None and runner.regions.num_graphs == 1
 
 
@@ -161,7 +153,7 @@ def test_switch_and_regions_are_reentrant(tokenizer) -> None:
     model = tiny_model("llama")
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=16, max_model_len=64)
     runner = llm.llm_engine.runner
-    runner.compile(counting_backend([]))
+    runner.compile(capturing_backend([]))
     before = model.config._attn_implementation
     with runner.switch, runner.regions:
         with runner.switch, runner.regions:
