@@ -9,6 +9,8 @@ Parts (``--parts``, all by default):
   w2_70b   W2 (one 128-token prompt, 256 new tokens) on a Llama-3-70B shape (80 layers, hidden 8192, 64 heads,
            8 KV heads, FFN 28672, vocab 128256): paged TP=2 beside HF ``generate`` with the layers split over the
            two GPUs (accelerate's ``dispatch_model``, what ``device_map="auto"`` does)
+Each check (architecture and mode), W1 engine, the 70B run and the kill test run in a child process of their own,
+killed with their workers after ``--unit-timeout`` seconds (``--in-process``: all in this one).
 Weights: ``load_format="dummy"``, the architecture's own random init (normal(0, 0.02), norms 1) in bf16, made on
 the GPUs from config.json alone (a 70B checkpoint would not fit this machine's disk). No EOS: fixed lengths.
 
@@ -75,18 +77,26 @@ def paged_llm(path: Path, tp: int, **kwargs: Any) -> LLM:
 
 # ---------------------------------------------------------------------------------------------------- check
 @torch.no_grad()
-def check(tmp: Path, archs: tuple[str, ...] = ("llama", "qwen2", "qwen3")) -> list[dict[str, Any]]:
+def save_tiny(tmp: Path, arch: str, tokenizer: Any) -> tuple[Path, Any]:
+    """A tiny fp32 model of ``arch`` and the tokenizer, saved in ``tmp / arch``."""
+    model = build_tiny_model(arch, vocab_size=len(tokenizer))
+    path = tmp / arch
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model
+
+
+def check(
+    tmp: Path, archs: tuple[str, ...] = ("llama", "qwen2", "qwen3"), modes: tuple[str, ...] = ("eager", "compiled")
+) -> list[dict[str, Any]]:
     tokenizer = build_tiny_tokenizer()
     rows = []
     for arch in archs:
-        model = build_tiny_model(arch, vocab_size=len(tokenizer))
-        path = tmp / arch
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+        path, model = save_tiny(tmp, arch, tokenizer)
         model = model.cuda()
         prompts = tiny_prompts()
         refs = [hf_greedy_on_gpu(model, prompt) for prompt in prompts]
-        for eager in (True, False):
+        for eager in [mode == "eager" for mode in modes]:
             llm = LLM(
                 str(path),
                 tensor_parallel_size=2,
@@ -176,6 +186,7 @@ def w1(
     engine_args: dict[str, Any] | None = None,
     results: dict[str, Any] | None = None,
     save: Any = None,
+    keep_tokens: bool = False,
 ) -> dict[str, Any]:
     """W1 per backend into ``results`` (``save()`` after each, so a run stopped by a time limit keeps the rest)."""
     path = tmp / "llama-3-8b-shape"
@@ -209,6 +220,8 @@ def w1(
         if tp > 1:
             results[f"paged_{name}_symm_mem_all_reduce"] = llm.llm_engine.model.tp_all_reduce.buffer is not None
         tokens[name] = outs
+        if keep_tokens and name in ("tp2", "tp2_nccl"):  # for the parent process to compare (popped there)
+            results[f"tokens_{name}"] = outs
         logger.info("W1 paged %s: %.1f tok/s", name, results[f"paged_{name}"])
         if breakdown:
             fresh = w1_prompts(config.vocab_size, num_prompts, seed=2)  # prompts the prefix cache has not seen
@@ -225,11 +238,16 @@ def w1(
         llm.llm_engine.shutdown()
         del llm
         release_engine(name)
+    compare_w1(results, tokens)
+    return results
+
+
+def compare_w1(results: dict[str, Any], tokens: dict[str, list[list[int]]]) -> None:
+    """The TP=2 speedup, and how many W1 outputs of TP=2 with symmetric memory equal those with NCCL."""
     if "paged_tp1" in results and "paged_tp2" in results:
         results["speedup_tp2_over_tp1"] = results["paged_tp2"] / results["paged_tp1"]
     if "tp2" in tokens and "tp2_nccl" in tokens:  # a + b is exact either way: the same tokens, bf16 included
         results["tp2_same_tokens_as_nccl"] = sum(a == b for a, b in zip(tokens["tp2"], tokens["tp2_nccl"]))
-    return results
 
 
 # ---------------------------------------------------------------------------------------------------- w2 70b
@@ -341,6 +359,79 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# Options each child process gets as they were given.
+_PASSED_ON = (
+    "--num-prompts",
+    "--max-tokens",
+    "--num-layers",
+    "--profile-dir",
+    "--num-scheduler-steps",
+)
+
+
+def isolated_units(args: argparse.Namespace) -> list[list[str]]:
+    """The command lines of the child processes that run ``args``'s parts: each check (architecture and mode),
+    each W1 engine, the 70B run and the kill test in a process of its own."""
+    parts = args.parts.split(",")
+    units = []
+    if "check" in parts:
+        units += [
+            ["--parts", "check", "--check-archs", arch, "--check-modes", mode]
+            for arch in args.check_archs.split(",")
+            for mode in args.check_modes.split(",")
+        ]
+    if "w1" in parts:
+        units += [["--parts", "w1", "--w1-backends", backend] for backend in args.w1_backends.split(",")]
+    units += [["--parts", part] for part in ("w2_70b", "kill") if part in parts]
+    return units
+
+
+def run_isolated(args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
+    """Each unit in a child process (``isolated_units``), its results merged into ``results`` as it ends."""
+    import os
+    import signal
+    import subprocess
+
+    passed_on = []
+    for flag in _PASSED_ON:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            passed_on += [flag, str(value)]
+    if args.breakdown:
+        passed_on.append("--breakdown")
+    tokens: dict[str, list[list[int]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, unit in enumerate(isolated_units(args)):
+            out = Path(tmp) / f"unit{i}.json"
+            command = [sys.executable, __file__, *unit, *passed_on, "--in-process", "--keep-tokens", "--json", str(out)]
+            logger.info("child process: %s", " ".join(command[1:]))
+            # its own process group: on a time-out the child and its tensor-parallel workers go together
+            child_process = subprocess.Popen(command, start_new_session=True)
+            try:
+                returncode = child_process.wait(timeout=args.unit_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(child_process.pid, signal.SIGKILL)
+                returncode = child_process.wait()
+                logger.error("child process %s ran past --unit-timeout=%d s: killed", unit, args.unit_timeout)
+            if not out.exists():
+                logger.error("child process %s wrote no results (exit code %d)", unit, returncode)
+                continue
+            child = json.loads(out.read_text())
+            for part in ("check", "w1", "w2_70b", "kill"):
+                if part not in child:
+                    continue
+                if part == "check":
+                    results.setdefault("check", []).extend(child["check"])
+                elif part == "w1":
+                    for key in [k for k in child["w1"] if k.startswith("tokens_")]:
+                        tokens[key.removeprefix("tokens_")] = child["w1"].pop(key)
+                    results.setdefault("w1", {}).update(child["w1"])
+                    compare_w1(results["w1"], tokens)
+                else:
+                    results[part] = child[part]
+            save()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="check,w1,w2_70b,kill", help="comma list of check, w1, w2_70b, kill")
@@ -353,9 +444,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
     parser.add_argument("--check-archs", default="llama,qwen2,qwen3", help="check: comma list of llama, qwen2, qwen3")
+    parser.add_argument("--check-modes", default="eager,compiled", help="check: comma list of eager, compiled")
     parser.add_argument("--breakdown", action="store_true", help="W1: where rank 0's time goes, by step kind")
     parser.add_argument("--profile-dir", type=Path, default=None, help="W1: write rank 0's kernel tables here")
     parser.add_argument("--num-scheduler-steps", type=int, default=None, help="W1: decode steps per round")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every part and engine in this process (by default each check, W1 engine, 70B run and kill "
+        "test runs in a child process: on two H200s a TP=2 engine started after another engine in the same "
+        "process hung while compiling, docs/benchmarks.md)",
+    )
+    parser.add_argument(
+        "--unit-timeout", type=int, default=900, help="seconds after which a child process and its workers are killed"
+    )
+    parser.add_argument("--keep-tokens", action="store_true", help=argparse.SUPPRESS)  # a child, for its parent
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
     args = parser.parse_args(argv)
@@ -366,6 +469,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(parts) - {"check", "w1", "w2_70b", "kill"}
     if unknown:
         parser.error(f"--parts takes check, w1, w2_70b, kill; got {sorted(unknown)}")
+    modes = tuple(args.check_modes.split(","))
+    if set(modes) - {"eager", "compiled"}:
+        parser.error(f"--check-modes takes eager, compiled; got {args.check_modes!r}")
     results: dict[str, Any] = {
         "machine": f"2x {torch.cuda.get_device_name(0)}",
         "versions": versions(),
@@ -375,12 +481,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def save() -> None:
         write_json(args.json, results)
 
+    if not args.in_process:
+        run_isolated(args, results, save)
+    else:
+        run_parts(args, parts, modes, results, save)
+    if args.plot and ("w1" in results or "w2_70b" in results):
+        plot(results, args.plot)
+    logger.info("%s", json.dumps({k: v for k, v in results.items() if k != "versions"}, indent=2))
+    return results
+
+
+def run_parts(
+    args: argparse.Namespace, parts: list[str], modes: tuple[str, ...], results: dict[str, Any], save: Any
+) -> None:
+    """``parts`` one after the other in this process."""
     with tempfile.TemporaryDirectory() as tmp:
         if "check" in parts:
-            results["check"] = check(Path(tmp), tuple(args.check_archs.split(",")))
+            results["check"] = check(Path(tmp), tuple(args.check_archs.split(",")), modes)
             save()
         if "w1" in parts:
-            backends = args.w1_backends.split(",")
             engine_args = {}
             if args.num_scheduler_steps is not None:
                 engine_args["num_scheduler_steps"] = args.num_scheduler_steps
@@ -390,12 +509,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 args.num_layers,
                 args.num_prompts,
                 args.max_tokens,
-                backends,
+                args.w1_backends.split(","),
                 breakdown=args.breakdown,
                 profile_dir=args.profile_dir,
                 engine_args=engine_args,
                 results=results["w1"],
                 save=save,
+                keep_tokens=args.keep_tokens,
             )
             save()
         if "w2_70b" in parts:
@@ -403,13 +523,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             save()
         if "kill" in parts:
             if "check" not in parts:
-                check(Path(tmp), ("llama",))  # saves the tiny checkpoint it needs
+                save_tiny(Path(tmp), "llama", build_tiny_tokenizer())
             results["kill"] = kill_worker_mid_step(Path(tmp))
             save()
-    if args.plot and ("w1" in results or "w2_70b" in results):
-        plot(results, args.plot)
-    logger.info("%s", json.dumps({k: v for k, v in results.items() if k != "versions"}, indent=2))
-    return results
 
 
 if __name__ == "__main__":
