@@ -1,7 +1,8 @@
 """GPU check of the engine with its Triton kernels: greedy equality with HF ``generate`` on the GPU for the tiny
 fp32 models of every tested architecture (full-precision dots in fp32), eagerly and with regional torch.compile
 + CUDA graphs (``--compiled`` picks the architectures; default all); with ``--lora``, a batch mixing the base
-model and a PEFT adapter on all seven projections, against the PEFT-merged model. The kernels' own tests run with
+model and a PEFT adapter on all seven projections, against the PEFT-merged model; with ``--awq``, an AWQ
+checkpoint against its dequantized model. The kernels' own tests run with
 ``python -m pytest tests/test_kernels.py`` on the same machine; speed is ``benchmarks/throughput.py``.
 
 Run: ``python benchmarks/gpu_check.py [--compiled llama,gpt2]`` on a CUDA machine.
@@ -124,10 +125,50 @@ def lora_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     return rows
 
 
+def awq_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
+    """Tiny Llama written as an AWQ checkpoint (round to nearest, group 32): the engine in fp32, eager and compiled
+    + CUDA graphs (AWQ siblings fused), against HF ``generate`` on the dequantized model. On the GPU the AWQ
+    kernels run: the GEMV at one row, the ``tl.dot`` kernel up to 128 rows, dequantize + cuBLAS above."""
+    import tempfile
+
+    from paged_backend.quantization.awq import dequantized_copy
+    from paged_backend.quantization.awq_quantize import write_checkpoint
+
+    model = build_tiny_model("llama", vocab_size=len(tokenizer))
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        write_checkpoint(model, folder, 32, tokenizer)
+        reference = dequantized_copy(model, folder).cuda()
+        prompts = tiny_prompts()
+        refs = [hf_greedy_on_gpu(reference, p) for p in prompts]
+        for eager in (True, False):
+            llm = LLM(
+                folder,
+                dtype="float32",
+                block_size=4,
+                num_kv_blocks=40,
+                max_num_batched_tokens=24,
+                max_model_len=80,
+                enforce_eager=eager,
+            )
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
+            )
+            matches = sum(out.outputs[0].token_ids == ref for out, ref in zip(outs, refs))
+            stats = llm.stats()
+            mode = "eager" if eager else "compiled+graphs"
+            rows.append(("llama+awq", mode, matches, len(refs), stats["num_preemptions"], stats["num_swapped_out"]))
+            llm.llm_engine.shutdown()
+            del llm
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="greedy equality with HF generate on the GPU")
     parser.add_argument("--compiled", default=",".join(TINY_CONFIGS), help="architectures also run compiled")
     parser.add_argument("--lora", action="store_true", help="also a base + PEFT adapter batch (needs peft)")
+    parser.add_argument("--awq", action="store_true", help="also an AWQ checkpoint against its dequantized model")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.info("torch %s, %s", torch.__version__, torch.cuda.get_device_name())
@@ -136,6 +177,8 @@ def main() -> None:
     rows = tiny_equality(tokenizer, set(args.compiled.split(",")))
     if args.lora:
         rows += lora_equality(tokenizer)
+    if args.awq:
+        rows += awq_equality(tokenizer)
     for arch, mode, matches, total, preempted, swapped in rows:
         logger.info(
             "greedy == HF generate on GPU: %-8s %-16s %d/%d prompts (%d preemptions, %d swapped out)",

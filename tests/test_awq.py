@@ -15,7 +15,7 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.demo import CORPUS, build_tiny_model
 from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton
 from paged_backend.quantization import awq
-from paged_backend.quantization.awq import AWQLinear, convertible_linears
+from paged_backend.quantization.awq import AWQLinear, dequantized_copy
 from paged_backend.quantization.awq_format import AWQ_ORDER, dequantize, pack, pack_linear, unpack
 from paged_backend.quantization.awq_quantize import apply_awq, calibration_batches, write_checkpoint
 from tests.conftest import capturing_backend, hf_greedy, ragged_prompts
@@ -123,30 +123,6 @@ def test_kernels_read_column_slices_of_packed_siblings() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
-def dequantized_copy(model: nn.Module, folder) -> nn.Module:
-    """The fp32 model an AWQ checkpoint stands for: each quantized linear's weight replaced by its dequantization."""
-    from safetensors.torch import load_file
-
-    tensors = load_file(f"{folder}/model.safetensors")
-    reference = copy.deepcopy(model)
-    for name, linear in convertible_linears(reference, _awq_config(folder)).items():
-        w = dequantize(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"], tensors[f"{name}.scales"], torch.float32)
-        linear.weight.data.copy_(w.t())
-        if linear.bias is not None:
-            linear.bias.data.copy_(tensors[f"{name}.bias"].float())
-    for name, param in reference.named_parameters():
-        if name in tensors:  # the rest is stored in fp16
-            param.data.copy_(tensors[name].float())
-    return reference
-
-
-def _awq_config(folder):
-    from paged_backend.quantization.awq import AWQConfig
-
-    with open(f"{folder}/config.json") as f:
-        return AWQConfig.from_hf(json.load(f)["quantization_config"])
-
-
 @pytest.fixture(scope="module")
 def awq_checkpoints(tmp_path_factory, tokenizer):
     """Tiny Llama and Qwen2 (biases) written as round-to-nearest AWQ checkpoints."""

@@ -193,6 +193,32 @@ def load_awq_weights(model: nn.Module, folder: str, dtype: torch.dtype, device: 
         model.tie_weights()
 
 
+def dequantized_copy(model: nn.Module, folder: str) -> nn.Module:
+    """The dense fp32 model that the single-file AWQ checkpoint in ``folder`` (written from ``model``) stands for:
+    a copy of ``model`` with each quantized linear's weight replaced by its dequantization and every other stored
+    tensor read back. The reference that the engine on the checkpoint must equal."""
+    import copy
+    import json
+
+    from safetensors.torch import load_file
+
+    from paged_backend.quantization.awq_format import dequantize
+
+    with open(os.path.join(folder, "config.json")) as f:
+        awq = AWQConfig.from_hf(json.load(f)["quantization_config"])
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    reference = copy.deepcopy(model)
+    for name, linear in convertible_linears(reference, awq).items():
+        w = dequantize(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"], tensors[f"{name}.scales"], torch.float32)
+        linear.weight.data.copy_(w.t())
+        if linear.bias is not None:
+            linear.bias.data.copy_(tensors[f"{name}.bias"].float())
+    for name, param in reference.named_parameters():
+        if name in tensors:  # the rest is stored in fp16
+            param.data.copy_(tensors[name].float())
+    return reference
+
+
 def _tied_keys(model: nn.Module) -> set[str]:
     """Parameters that alias another (a tied LM head), which a checkpoint stores once."""
     if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
