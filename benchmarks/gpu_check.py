@@ -71,6 +71,15 @@ def tiny_equality(tokenizer, compiled: set[str]) -> list[tuple[str, str, int, in
     return rows
 
 
+def engine_row(name: str, eager: bool, llm: LLM, outs: list, refs: list[list[int]]) -> tuple:
+    """(name, mode, matches, prompts, preemptions, swap-outs) of one engine's outputs; the engine is shut down."""
+    matches = sum(out.outputs[0].token_ids == ref for out, ref in zip(outs, refs))
+    stats = llm.stats()
+    llm.llm_engine.shutdown()
+    mode = "eager" if eager else "compiled+graphs"
+    return name, mode, matches, len(refs), stats["num_preemptions"], stats["num_swapped_out"]
+
+
 def lora_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     """Tiny Llama with one random PEFT adapter (peft needed): each prompt once on the base model and once with
     the adapter, eager and compiled + CUDA graphs, against HF ``generate`` on the base and the merged model."""
@@ -115,11 +124,7 @@ def lora_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
                 lora_request=[None] * len(prompts) + [lora] * len(prompts),
                 use_tqdm=False,
             )
-            matches = sum(out.outputs[0].token_ids == ref for out, ref in zip(outs, refs))
-            stats = llm.stats()
-            mode = "eager" if eager else "compiled+graphs"
-            rows.append(("llama+lora", mode, matches, len(refs), stats["num_preemptions"], stats["num_swapped_out"]))
-            llm.llm_engine.shutdown()
+            rows.append(engine_row("llama+lora", eager, llm, outs, refs))
             del llm
             torch.cuda.empty_cache()
     return rows
@@ -154,11 +159,7 @@ def awq_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
             outs = llm.generate(
                 [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
             )
-            matches = sum(out.outputs[0].token_ids == ref for out, ref in zip(outs, refs))
-            stats = llm.stats()
-            mode = "eager" if eager else "compiled+graphs"
-            rows.append(("llama+awq", mode, matches, len(refs), stats["num_preemptions"], stats["num_swapped_out"]))
-            llm.llm_engine.shutdown()
+            rows.append(engine_row("llama+awq", eager, llm, outs, refs))
             del llm
             torch.cuda.empty_cache()
     return rows
