@@ -194,9 +194,9 @@ def load_awq_weights(model: nn.Module, folder: str, dtype: torch.dtype, device: 
 
 
 def dequantized_copy(model: nn.Module, folder: str) -> nn.Module:
-    """The dense fp32 model that the single-file AWQ checkpoint in ``folder`` (written from ``model``) stands for:
-    a copy of ``model`` with each quantized linear's weight replaced by its dequantization and every other stored
-    tensor read back. The reference that the engine on the checkpoint must equal."""
+    """The dense fp32 model that the AWQ checkpoint in ``folder`` (written from ``model``) stands for: a copy of
+    ``model`` with each quantized linear's weight replaced by its dequantization and every other stored tensor read
+    back. The reference that the engine on the checkpoint must equal."""
     import copy
     import json
 
@@ -206,7 +206,7 @@ def dequantized_copy(model: nn.Module, folder: str) -> nn.Module:
 
     with open(os.path.join(folder, "config.json")) as f:
         awq = AWQConfig.from_hf(json.load(f)["quantization_config"])
-    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    tensors = {k: v for path in checkpoint_files(folder) for k, v in load_file(path).items()}
     reference = copy.deepcopy(model)
     for name, linear in convertible_linears(reference, awq).items():
         w = dequantize(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"], tensors[f"{name}.scales"], torch.float32)
