@@ -1,8 +1,9 @@
-"""Launch shapes of the fused AWQ int4 GEMMs on one GPU: for the 8B shape's gate/up and down projections at 1, 4,
-64 and 256 rows, every (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) of a small grid (BLOCK_M 1: the GEMV kernel),
-fastest first, beside the bf16 GEMM (cuBLAS) on the same shape and the heuristic's own choice; at 256 rows also
-the whole-weight dequantize of the large-batch path, torch twin against Triton. Bandwidth counts the packed
-weights, zeros and scales read once. What ``kernels/awq_gemm.py``'s ``_launch_shape`` picks from.
+"""Launch shapes of the fused AWQ int4 GEMMs on one GPU: for the 8B shape's fused q/k/v, o, gate/up and down
+projections at 1, 4, 64 and 256 rows (``--rows``), every (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) of a small
+grid (BLOCK_M 1: the GEMV kernel), fastest first, beside the bf16 GEMM (cuBLAS) on the same shape and the
+heuristic's own choice; at 256 rows also the whole-weight dequantize of the large-batch path, torch twin against
+Triton. Bandwidth counts the packed weights, zeros and scales read once. What ``kernels/awq_gemm.py``'s
+``_launch_shape`` picks from.
 
     python benchmarks/awq_sweep.py
 """
@@ -18,6 +19,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -31,13 +33,20 @@ from paged_backend.kernels.awq_gemm import (  # noqa: E402
 from paged_backend.quantization.awq_format import dequantize, pack_linear  # noqa: E402
 
 logger = logging.getLogger("benchmarks.awq_sweep")
-SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
 
 
 def grid(m: int) -> Iterable[tuple[int, int, int, int, int]]:
-    if m == 1:  # the GEMV kernel (BLOCK_M 1), and the tl.dot kernel at its smallest
-        gemv = itertools.product((1,), (128, 256, 512), (16, 32), (8, 16), (4, 8))
-        return itertools.chain(gemv, itertools.product((16,), (64, 128), (64, 128), (4,), (4,)))
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) to try. BLOCK_M below 16 is the GEMV kernel: all rows in one
+    program, or one row a program (BLOCK_M 1); its tiles hold one, two or four packs a thread (BLOCK_N / 8 x
+    BLOCK_K packs over 32 x warps threads)."""
+    dot_small = itertools.product((16,), (64, 128), (64, 128), (1, 4), (4,))
+    if m <= 4:
+        tiles = ((256, 4, 4), (128, 8, 4), (256, 8, 8), (512, 4, 8), (512, 4, 4), (256, 8, 4), (256, 16, 4))
+        splits = (2, 4, 8, 16) if m == 1 else (4, 8, 16)
+        rows = sorted({1, triton.next_power_of_2(m)})
+        gemv = ((bm, bn, bk, split_k, warps) for bm, (bn, bk, warps), split_k in itertools.product(rows, tiles, splits))
+        return itertools.chain(gemv, dot_small)
     if m <= 16:
         return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,))
     return itertools.product((64, 128), (64, 128), (64, 128), (1,), (4, 8))
@@ -99,9 +108,12 @@ def main() -> None:
     torch.manual_seed(0)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-grid", action="store_true", help="only bf16, the heuristic's launch and the paths")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 64, 256], help="rows of x (M) to time")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES), help="projections")
     args = parser.parse_args()
-    for name, (k, n) in SHAPES.items():
-        for m in (1, 4, 64, 256):
+    for name in args.shapes:
+        k, n = SHAPES[name]
+        for m in args.rows:
             sweep(name, k, n, m, sweep_grid=not args.no_grid)
 
 

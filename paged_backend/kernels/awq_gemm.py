@@ -16,8 +16,11 @@ from paged_backend.quantization.awq_format import dequantize
 
 # Rows up to which the fused kernel runs; above, dequantize + cuBLAS (faster at 256 rows on an H200).
 FUSED_MAX_M = 128
-# Rows up to which the GEMV kernel (no tl.dot) runs: it reads the weights once per row.
-GEMV_MAX_M = 1
+# Rows up to which the GEMV kernel (no tl.dot) runs, all rows in one program: decode at batch 1, padded to 2 by the
+# CUDA graph buckets (``worker/cuda_graphs.py``), and 4.
+GEMV_MAX_M = 4
+# tl.dot's smallest tile: a launch with fewer rows a program is the GEMV kernel.
+DOT_MIN_M = 16
 
 
 def awq_gemm_torch(
@@ -47,12 +50,16 @@ if triton is not None:
     ):
         """The ``[BK, BN]`` weight tile ``(q - z) * s`` of rows ``offs_k`` and the ``pid_n``-th block of columns.
         Each int32 pack is read once (contiguous rows of packs), then repeated for its eight columns in
-        registers; column j of a pack sits at bit 4 * position-of-j in AWQ's order [0, 2, 4, 6, 1, 3, 5, 7]."""
+        registers; column j of a pack sits at bit 4 * position-of-j in AWQ's order [0, 2, 4, 6, 1, 3, 5, 7]. As
+        in ``_nibble_floats``, q and z become floats ``2**23 + q * 2**B`` by an AND-OR, with no int-to-float
+        conversion, and the scale times ``2**-B`` undoes the nibble's place."""
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_pack = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
         mask_pack = offs_pack < N // 8
         j = tl.arange(0, BLOCK_N) % 8
-        shifts = (j // 2) * 4 + (j % 2) * 16  # == AWQ_SHIFTS[j]
+        pos = (j // 2) * 4 + (j % 2) * 16  # == AWQ_SHIFTS[j]
+        pre = tl.where(pos >= 20, 12, 0)  # nibbles above bit 19 move down, to fit the 23-bit mantissa
+        nibble = 0xF << (pos - pre)  # [BN]
         packed = tl.load(
             qweight_ptr + offs_k[:, None] * row_packs + offs_pack[None, :],
             mask=mask_k[:, None] & mask_pack[None, :],
@@ -65,10 +72,11 @@ if triton is not None:
         zeros = tl.interleave(zeros, zeros)
         zeros = tl.interleave(zeros, zeros)
         zeros = tl.interleave(zeros, zeros)  # [BN]
-        scales = tl.load(scales_ptr + group * row_packs * 8 + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)  # [BN]
-        q = (packed >> shifts[None, :]) & 0xF
-        z = (zeros >> shifts) & 0xF
-        return ((q - z[None, :]).to(tl.float32) * scales[None, :]).to(DTYPE)
+        scales = tl.load(scales_ptr + group * row_packs * 8 + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        scales = scales * tl.exp2(-(pos - pre).to(tl.float32))  # [BN]
+        q = (((packed >> pre[None, :]) & nibble[None, :]) | 0x4B000000).to(tl.float32, bitcast=True)
+        z = (((zeros >> pre) & nibble) | 0x4B000000).to(tl.float32, bitcast=True)
+        return ((q - z[None, :]) * scales[None, :]).to(DTYPE)
 
     @triton.jit
     def _awq_dequantize_kernel(
@@ -161,6 +169,24 @@ if triton is not None:
         )
 
     @triton.jit
+    def _nibble_floats(packed, magic, J: tl.constexpr):
+        """Column ``J`` of each int32 pack as the fp32 ``2**23 + q * 2**B`` (exact; B from ``_nibble_scale``):
+        the nibble masked in place and OR-ed with 2**23's exponent bits is that float, so no int-to-float
+        conversion runs (a quarter-rate instruction: it bounded the GEMV before). Nibbles above bit 19 are first
+        shifted down 12 bits, so that ``q * 2**B`` fits the 23-bit mantissa."""
+        POS: tl.constexpr = (J // 2) * 4 + (J % 2) * 16  # AWQ_SHIFTS[J]
+        PRE: tl.constexpr = 12 if POS >= 20 else 0
+        return (((packed >> PRE) & (0xF << (POS - PRE))) | magic).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nibble_scale(scale_row, offs_pack, mask_pack, J: tl.constexpr):
+        """Column ``J``'s scales times ``2**-B``, which undoes the place of its nibble in ``_nibble_floats``."""
+        POS: tl.constexpr = (J // 2) * 4 + (J % 2) * 16
+        B: tl.constexpr = POS - (12 if POS >= 20 else 0)
+        s = tl.load(scale_row + offs_pack * 8 + J, mask=mask_pack, other=0.0).to(tl.float32)
+        return s * (1.0 / (1 << B))
+
+    @triton.jit
     def _awq_gemv_kernel(
         x_ptr,  # [M, K]
         qweight_ptr,  # [K, N / 8] int32
@@ -168,46 +194,81 @@ if triton is not None:
         scales_ptr,  # [K / G, N]
         out_ptr,  # [SPLIT_K, M, N] fp32, or [M, N] in x's dtype when SPLIT_K is 1
         M,
-        N,
+        n_packs,  # N / 8
         K,
-        group_size,
-        row_packs,  # packs per row of qweight and qzeros: N / 8, or more for a view into siblings' packed columns
-        k_per_split,  # a multiple of BLOCK_K
+        k_per_split,  # a multiple of GROUP_SIZE
+        magic,  # 0x4B000000, the bits of 2.0**23: an argument, so that it stays in a register and each nibble's
+        # mask is the AND-OR's one immediate (as two immediates, every mask was moved into a register first)
+        ROW_PACKS: tl.constexpr,  # row stride of qweight and qzeros (see ``_row_packs``): a constant, so that the
+        # unrolled loads below address by immediate offsets
+        BLOCK_M: tl.constexpr,  # rows of x per program, each weight made once for all of them
         BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,  # divides group_size: one zero and scale row per tile
+        BLOCK_K: tl.constexpr,  # rows per load; divides GROUP_SIZE
+        GROUP_SIZE: tl.constexpr,
     ):
-        """One row of x against a block of columns: no ``tl.dot`` (its 16-row minimum wastes 15/16 of the math
-        and registers at decode's one row), and no interleave: the eight columns of each int32 pack stay a third
-        axis ``[BK, BN / 8, 8]`` until the store. Per group, ``sum_k x_k (q_kn - z_n) s_n`` is computed as
-        ``s_n (sum_k x_k q_kn - z_n sum_k x_k)``: one multiply-add per weight."""
-        row = tl.program_id(0)  # fastest: the rows reading one weight tile run together and share it in L2
+        """One row of x against a block of columns, with no ``tl.dot`` (its 16-row minimum wastes 15/16 of the
+        math at decode's one row). The eight columns of each pack are eight tensors of the loaded tile's own
+        shape, so nothing moves between threads until the end. A weight costs an AND-OR, a subtract (of the
+        zero, made the same way, which also cancels the 2**23) and a multiply-add; each thread sums its own
+        rows, and per group ``acc += s * sum_k x_k (q_kn - z_n)``: tile-shaped accumulators, reduced once. With
+        one pack per thread (tiles of 32 x num_warps packs) a program needs ~56 registers, so many warps are
+        resident and keep loads in flight: 2.2 TB/s on gate/up, against 1.2 with four packs a thread."""
+        pid_m = tl.program_id(0)  # fastest: the programs reading one weight tile run together and share it in L2
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
+        N = n_packs * 8
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
         offs_pack = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-        mask_pack = offs_pack < N // 8
-        j = tl.arange(0, 8)
-        shifts = (j // 2) * 4 + (j % 2) * 16  # == AWQ_SHIFTS[j]
-        offs_n = offs_pack[:, None] * 8 + j[None, :]  # [BN / 8, 8]
+        mask_pack = offs_pack < n_packs  # an argument (divisible by 16): the mask is constant over vectors
         k_start = pid_k * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
-        acc = tl.zeros((BLOCK_N // 8, 8), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        acc0 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N // 8), dtype=tl.float32)
+        acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
+        for k0 in range(k_start, k_end, GROUP_SIZE):
+            group = k0 // GROUP_SIZE
+            zeros = tl.load(qzeros_ptr + group * ROW_PACKS + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
+            z0, z1 = _nibble_floats(zeros, magic, 0)[None, :], _nibble_floats(zeros, magic, 1)[None, :]
+            z2, z3 = _nibble_floats(zeros, magic, 2)[None, :], _nibble_floats(zeros, magic, 3)[None, :]
+            z4, z5 = _nibble_floats(zeros, magic, 4)[None, :], _nibble_floats(zeros, magic, 5)[None, :]
+            z6, z7 = _nibble_floats(zeros, magic, 6)[None, :], _nibble_floats(zeros, magic, 7)[None, :]
+            part0 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N // 8), dtype=tl.float32)
+            part1, part2, part3, part4, part5, part6, part7 = part0, part0, part0, part0, part0, part0, part0
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < k_end
-            x = tl.load(x_ptr + row * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
-            packed = tl.load(
-                qweight_ptr + offs_k[:, None] * row_packs + offs_pack[None, :],
-                mask=mask_k[:, None] & mask_pack[None, :],
-                other=0,
-            )  # [BK, BN / 8]
-            q = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BK, BN / 8, 8]
-            xq = tl.sum(x[:, None, None] * q, axis=0)  # [BN / 8, 8]
-            group = k0 // group_size
-            zeros = tl.load(qzeros_ptr + group * row_packs + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
-            z = ((zeros[:, None] >> shifts[None, :]) & 0xF).to(tl.float32)  # [BN / 8, 8]
-            s = tl.load(scales_ptr + group * row_packs * 8 + offs_n, mask=mask_pack[:, None], other=0.0).to(tl.float32)
-            acc += s * (xq - z * tl.sum(x, axis=0))
-        tl.store(out_ptr + pid_k * M * N + row * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_pack[:, None])
+            x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]  # [BM, BK]
+            w_ptrs = qweight_ptr + offs_k[:, None] * ROW_PACKS + offs_pack[None, :]  # [BK, BN / 8]
+            for r in tl.static_range(GROUP_SIZE // BLOCK_K):
+                x = tl.load(x_ptrs + r * BLOCK_K, mask=mask_m[:, None], other=0.0).to(tl.float32)[:, :, None]
+                packed = tl.load(w_ptrs + r * BLOCK_K * ROW_PACKS, mask=mask_pack[None, :], other=0)  # [BK, BN / 8]
+                # each weight is made once and used for the BM rows of x: [BK, BN / 8] -> [1, BK, BN / 8]
+                part0 += x * (_nibble_floats(packed, magic, 0) - z0)[None, :, :]
+                part1 += x * (_nibble_floats(packed, magic, 1) - z1)[None, :, :]
+                part2 += x * (_nibble_floats(packed, magic, 2) - z2)[None, :, :]
+                part3 += x * (_nibble_floats(packed, magic, 3) - z3)[None, :, :]
+                part4 += x * (_nibble_floats(packed, magic, 4) - z4)[None, :, :]
+                part5 += x * (_nibble_floats(packed, magic, 5) - z5)[None, :, :]
+                part6 += x * (_nibble_floats(packed, magic, 6) - z6)[None, :, :]
+                part7 += x * (_nibble_floats(packed, magic, 7) - z7)[None, :, :]
+            scale_row = scales_ptr + group * ROW_PACKS * 8
+            acc0 += part0 * _nibble_scale(scale_row, offs_pack, mask_pack, 0)[None, None, :]
+            acc1 += part1 * _nibble_scale(scale_row, offs_pack, mask_pack, 1)[None, None, :]
+            acc2 += part2 * _nibble_scale(scale_row, offs_pack, mask_pack, 2)[None, None, :]
+            acc3 += part3 * _nibble_scale(scale_row, offs_pack, mask_pack, 3)[None, None, :]
+            acc4 += part4 * _nibble_scale(scale_row, offs_pack, mask_pack, 4)[None, None, :]
+            acc5 += part5 * _nibble_scale(scale_row, offs_pack, mask_pack, 5)[None, None, :]
+            acc6 += part6 * _nibble_scale(scale_row, offs_pack, mask_pack, 6)[None, None, :]
+            acc7 += part7 * _nibble_scale(scale_row, offs_pack, mask_pack, 7)[None, None, :]
+        out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_pack[None, :] * 8  # [BM, BN / 8]: column 0 of packs
+        mask = mask_m[:, None] & mask_pack[None, :]
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out + 0, tl.sum(acc0, axis=1).to(dtype), mask=mask)
+        tl.store(out + 1, tl.sum(acc1, axis=1).to(dtype), mask=mask)
+        tl.store(out + 2, tl.sum(acc2, axis=1).to(dtype), mask=mask)
+        tl.store(out + 3, tl.sum(acc3, axis=1).to(dtype), mask=mask)
+        tl.store(out + 4, tl.sum(acc4, axis=1).to(dtype), mask=mask)
+        tl.store(out + 5, tl.sum(acc5, axis=1).to(dtype), mask=mask)
+        tl.store(out + 6, tl.sum(acc6, axis=1).to(dtype), mask=mask)
+        tl.store(out + 7, tl.sum(acc7, axis=1).to(dtype), mask=mask)
 
     @triton.jit
     def _split_k_sum_kernel(
@@ -254,12 +315,14 @@ def _split_k(tiles: int, k: int, block_k: int, programs: int) -> int:
 
 def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M 1 is the GEMV kernel. From ``benchmarks/awq_sweep.py`` on an
-    H200 (8B shape, kernels replayed from CUDA graphs): at one row the GEMV kernel with 256 columns by 32 rows a
-    tile and K split 16 ways; at 4 rows 16 x 64 x 64 tiles split 4 ways on gate/up; at 64 rows 64 x 128 tiles,
-    split when there are few (down). Many programs per SM, so that enough loads are in flight."""
-    if m <= GEMV_MAX_M:
-        block_n, block_k = 256, min(group_size, 32)
-        return 1, block_n, block_k, _split_k(m * triton.cdiv(n, block_n), k, block_k, 12 * sms)
+    H200 (8B shape, kernels replayed from CUDA graphs): at one row the GEMV kernel with 128 columns by 8 rows a
+    tile (256 by 4 on gate/up's 28,672 columns) and K split up to 16 ways, at least 4 groups a part; at 4 rows
+    16 x 64 x 64 tiles split 4 ways on gate/up; at 64 rows 64 x 128 tiles, split when there are few (down).
+    Many programs per SM, so that enough loads are in flight."""
+    if m <= GEMV_MAX_M:  # one pack per thread of 4 warps: few registers, so many warps keep loads in flight
+        block_n = 128 if n < 16384 else 256
+        block_k = 1024 // block_n
+        return triton.next_power_of_2(m), block_n, block_k, _split_k(triton.cdiv(n, block_n), k, group_size, 12 * sms)
     if m <= 16:
         block_m, block_n, block_k, programs = 16, 64, min(group_size, 64), 12 * sms
     else:
@@ -277,8 +340,8 @@ def awq_gemm_triton(
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:  # [M, N]
-    """The fused GEMM; ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K), and BLOCK_M == 1 picks the GEMV
-    kernel (one row per program)."""
+    """The fused GEMM; ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K). BLOCK_M below ``DOT_MIN_M`` picks the
+    GEMV kernel (BLOCK_M rows per program; BLOCK_K rows of weights per load; K split in whole groups)."""
     m, k = x.shape
     n = scales.shape[1]
     group_size = k // scales.shape[0]
@@ -286,37 +349,46 @@ def awq_gemm_triton(
     block_m, block_n, block_k, split_k = launch or _launch_shape(m, n, k, group_size, sms)
     if group_size % block_k:
         raise ValueError(f"BLOCK_K={block_k} must divide group_size={group_size}: a tile reads one scale row")
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    gemv = block_m < DOT_MIN_M
+    step = group_size if gemv else block_k  # the GEMV loops over whole groups
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), step) * step
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # one part: the kernel writes the output itself; several: fp32 parts, then one pass adds and casts them
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    args = (
-        x.contiguous(),
-        qweight,
-        qzeros,
-        scales,
-        partial,
-        m,
-        n,
-        k,
-        group_size,
-        _row_packs(qweight, qzeros, scales),
-        k_per_split,
-    )
-    if block_m == 1:
-        grid = (m, triton.cdiv(n, block_n), split_k)
-        _awq_gemv_kernel[grid](*args, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    row_packs = _row_packs(qweight, qzeros, scales)
+    tensors = (x.contiguous(), qweight, qzeros, scales, partial)
+    tuning = dict(num_warps=num_warps, num_stages=num_stages)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    if gemv:
+        _awq_gemv_kernel[grid](
+            *tensors,
+            m,
+            n // 8,
+            k,
+            k_per_split,
+            0x4B000000,
+            ROW_PACKS=row_packs,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            GROUP_SIZE=group_size,
+            **tuning,
+        )
     else:
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
         _awq_gemm_kernel[grid](
-            *args,
+            *tensors,
+            m,
+            n,
+            k,
+            group_size,
+            row_packs,
+            k_per_split,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32,
-            num_warps=num_warps,
-            num_stages=num_stages,
+            **tuning,
         )
     if split_k > 1:
         _split_k_sum_kernel[(triton.cdiv(m * n, 1024),)](partial, out, split_k, m * n, BLOCK=1024)
