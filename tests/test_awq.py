@@ -71,8 +71,10 @@ def test_triton_kernel_equals_its_twin(dtype: torch.dtype, m: int, k: int) -> No
     qweight, qzeros, scales = pack_linear(torch.randn(n, k, device=DEVICE) * 0.1, GROUP)
     x = torch.randn(m, k, dtype=dtype, device=DEVICE)
     expected = awq_gemm_torch(x.float(), qweight, qzeros, scales)
-    # the heuristic's shape, split-K over 4 programs of the tl.dot kernel and of the GEMV kernel (BLOCK_M 1)
-    for launch in (None, (16, 32, 32, 4), (1, 64, 32, 4)):
+    # the heuristic's shape, then split-K over 4 parts: the tl.dot kernel, and for a few rows the GEMV kernel with
+    # one row a program (BLOCK_M 1) and with four (the last program's rows partly masked when m is 3 or 7)
+    gemv = ((1, 64, 32, 4), (4, 64, 8, 4)) if m < 16 else ()
+    for launch in (None, (16, 32, 32, 4), *gemv):
         got = awq_gemm_triton(x, qweight, qzeros, scales, launch)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
@@ -110,7 +112,7 @@ def test_kernels_read_column_slices_of_packed_siblings() -> None:
         )
         assert not views[0].is_contiguous()
         expected = awq_gemm_torch(x, qweight, qzeros, scales)
-        for launch in ((1, 64, 32, 2), (16, 32, 32, 2)):  # the GEMV kernel and the tl.dot kernel
+        for launch in ((1, 64, 32, 2), (4, 64, 8, 2), (16, 32, 32, 2)):  # GEMV, one row / 4 rows a program; tl.dot
             torch.testing.assert_close(awq_gemm_triton(x, *views, launch), expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(awq_gemm_torch(x, *views), expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(
