@@ -3,8 +3,9 @@ every sequence that samples this step.
 
 On CUDA (unless ``enforce_eager``) the decoder layer is compiled once with ``torch.compile`` (dynamic token and
 sequence dimensions; our attention and cache write stay opaque custom ops; see ``worker/compile.py``) and
-decode-only steps replay CUDA graphs. Compiled calls always have at least two sequences, two tokens and two
-logit rows: a dimension of size 1 would make dynamo specialise and compile a second graph.
+decode-only steps replay CUDA graphs. The compile's warm-up has several sequences, tokens and logit rows: a
+dimension of size 1 would make dynamo specialise on it. Steps of one token (the CUDA graph bucket of 1) get a
+second graph of their own.
 """
 
 from __future__ import annotations
