@@ -1,10 +1,10 @@
 """y = x @ dequantize(qweight, qzeros, scales): the AWQ int4 GEMM. The torch twin dequantizes whole and multiplies
 (the reference, and the CPU path). On a GPU the weights are dequantized in registers right before use, so a decode
-step reads 4-bit weights instead of 16-bit ones: one row (decode at batch 1) runs a GEMV kernel, up to
-``FUSED_MAX_M`` rows a ``tl.dot`` kernel; both split K over several programs to fill the GPU (their fp32 parts
-are added and cast in one more pass). Larger batches (prefill) dequantize once and use cuBLAS, where the GEMM's
-compute outweighs the extra pass over the weights. Every path reads its tensors through one row stride, so sibling
-layers packed side by side (``worker/fuse_linears.py``) run as one call.
+step reads 4-bit weights instead of 16-bit ones: up to ``GEMV_MAX_M`` rows (decode of a few sequences) run a GEMV
+kernel, up to ``FUSED_MAX_M`` rows a ``tl.dot`` kernel; both split K over several programs to fill the GPU (their
+fp32 parts are added and cast in one more pass). Larger batches (prefill) dequantize once and use cuBLAS, where
+the GEMM's compute outweighs the extra pass over the weights. Every path reads its tensors through one row stride,
+so sibling layers packed side by side (``worker/fuse_linears.py``) run as one call.
 """
 
 from __future__ import annotations
@@ -206,13 +206,14 @@ if triton is not None:
         BLOCK_K: tl.constexpr,  # rows per load; divides GROUP_SIZE
         GROUP_SIZE: tl.constexpr,
     ):
-        """One row of x against a block of columns, with no ``tl.dot`` (its 16-row minimum wastes 15/16 of the
-        math at decode's one row). The eight columns of each pack are eight tensors of the loaded tile's own
-        shape, so nothing moves between threads until the end. A weight costs an AND-OR, a subtract (of the
-        zero, made the same way, which also cancels the 2**23) and a multiply-add; each thread sums its own
-        rows, and per group ``acc += s * sum_k x_k (q_kn - z_n)``: tile-shaped accumulators, reduced once. With
-        one pack per thread (tiles of 32 x num_warps packs) a program needs ~56 registers, so many warps are
-        resident and keep loads in flight: 2.2 TB/s on gate/up, against 1.2 with four packs a thread."""
+        """A few rows of x (all in one program) against a block of columns, with no ``tl.dot`` (its 16-row
+        minimum wastes most of the math at decode's one or two rows). The eight columns of each pack are eight
+        tensors of the loaded tile's own shape, so nothing moves between threads until the end. A weight costs an
+        AND-OR, a subtract (of the zero, made the same way, which also cancels the 2**23) and a multiply-add per
+        row; each thread sums its own rows, and per group ``acc += s * sum_k x_k (q_kn - z_n)``: tile-shaped
+        accumulators, reduced once. With one pack per thread (tiles of 32 x num_warps packs) a program needs ~56
+        registers at one row, so many warps are resident and keep loads in flight: 2.2 TB/s on gate/up at one
+        row (the kernel before these changes: 1.2)."""
         pid_m = tl.program_id(0)  # fastest: the programs reading one weight tile run together and share it in L2
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -314,11 +315,12 @@ def _split_k(tiles: int, k: int, block_k: int, programs: int) -> int:
 
 
 def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M 1 is the GEMV kernel. From ``benchmarks/awq_sweep.py`` on an
-    H200 (8B shape, kernels replayed from CUDA graphs): at one row the GEMV kernel with 128 columns by 8 rows a
-    tile (256 by 4 on gate/up's 28,672 columns) and K split up to 16 ways, at least 4 groups a part; at 4 rows
-    16 x 64 x 64 tiles split 4 ways on gate/up; at 64 rows 64 x 128 tiles, split when there are few (down).
-    Many programs per SM, so that enough loads are in flight."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. From
+    ``benchmarks/awq_sweep.py`` on an H200 (8B shape, kernels replayed from CUDA graphs): up to 4 rows the GEMV
+    kernel, all rows in one program, with 128 columns by 8 rows a tile (256 by 4 on gate/up's 28,672 columns)
+    and K split up to 16 ways, at least 4 groups a part; at 16 rows 16 x 64 x 64 tiles split 4 ways on gate/up;
+    at 64 rows 64 x 128 tiles, split when there are few (down). Many programs per SM, so that enough loads are in
+    flight."""
     if m <= GEMV_MAX_M:  # one pack per thread of 4 warps: few registers, so many warps keep loads in flight
         block_n = 128 if n < 16384 else 256
         block_k = 1024 // block_n
