@@ -1,6 +1,6 @@
-"""AWQ int4 on one GPU: the fused kernel against its twin and its achieved bandwidth, then W1 and W2 on the
-Llama-3-8B shape quantized in the AWQ layout (group 128, round to nearest: quality is irrelevant to speed),
-beside the same engine in bf16 and HF ``generate`` in bf16.
+"""AWQ int4 on one GPU: the decode GEMMs as the engine runs them, against their twin and cuBLAS bf16 (graph-timed),
+then W1 and W2 on the Llama-3-8B shape quantized in the AWQ layout (group 128, round to nearest: quality is
+irrelevant to speed), beside the same engine in bf16 and HF ``generate`` in bf16.
 
 Weights: the architecture's own random init (normal(0, 0.02)) in bf16, made on the GPU; the AWQ checkpoint is
 written from them (``write_checkpoint``) and loaded back through the engine's AWQ loader.
@@ -35,7 +35,7 @@ from benchmarks.throughput import (  # noqa: E402
 )
 from paged_backend import LLM  # noqa: E402
 from paged_backend.dummy_loader import dummy_model  # noqa: E402
-from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton  # noqa: E402
+from paged_backend.kernels.awq_gemm import awq_gemm, awq_gemm_torch  # noqa: E402
 from paged_backend.quantization.awq_format import pack_linear  # noqa: E402
 from paged_backend.quantization.awq_quantize import write_checkpoint  # noqa: E402
 
@@ -66,9 +66,11 @@ def linear_weight_gb(model: torch.nn.Module) -> dict[str, float]:
 
 
 @torch.no_grad()
-def kernel(rows: tuple[int, ...] = (1, 16, 64, 256)) -> list[dict[str, Any]]:
-    """Error against the twin and time per call; bandwidth counts the packed weights, zeros and scales read."""
-    import triton.testing
+def kernel(rows: tuple[int, ...] = (1, 2, 4, 16, 64, 256)) -> list[dict[str, Any]]:
+    """Each decode GEMM as the engine runs it (``awq_gemm``: the GEMV, the ``tl.dot`` kernel, or dequantize +
+    cuBLAS above ``FUSED_MAX_M`` rows), replayed from a CUDA graph as decode steps run it (``awq_sweep.bench_us``):
+    error against the twin and time per call; bandwidth counts the packed weights, zeros and scales read."""
+    from benchmarks.awq_sweep import bench_us
 
     results = []
     for name, (k, n) in GEMMS.items():
@@ -78,18 +80,17 @@ def kernel(rows: tuple[int, ...] = (1, 16, 64, 256)) -> list[dict[str, Any]]:
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = awq_gemm_torch(x.float(), qweight, qzeros, scales)
-            err = (awq_gemm_triton(x, qweight, qzeros, scales).float() - ref).abs().max().item()
-            args = (x, qweight, qzeros, scales)
-            fused_ms = triton.testing.do_bench(lambda args=args: awq_gemm_triton(*args))
-            bf16_ms = triton.testing.do_bench(lambda x=x, dense=dense: x @ dense)
+            err = (awq_gemm(x, qweight, qzeros, scales).float() - ref).abs().max().item()
+            awq_us = bench_us(lambda x=x, w=(qweight, qzeros, scales): awq_gemm(x, *w))
+            bf16_us = bench_us(lambda x=x, dense=dense: x @ dense)
             row = {
                 "gemm": name,
                 "m": m,
                 "max_abs_err_vs_twin": err,
-                "awq_us": fused_ms * 1e3,
-                "bf16_us": bf16_ms * 1e3,
-                "awq_weight_tb_s": read / (fused_ms * 1e-3) / 1e12,
-                "share_of_copy_bandwidth": read / (fused_ms * 1e-3) / 1e12 / H200_COPY_TBPS,
+                "awq_us": awq_us,
+                "bf16_us": bf16_us,
+                "awq_weight_tb_s": read / awq_us / 1e6,
+                "share_of_copy_bandwidth": read / awq_us / 1e6 / H200_COPY_TBPS,
             }
             results.append(row)
             logger.info("kernel %s", row)
