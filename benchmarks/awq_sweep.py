@@ -1,6 +1,6 @@
 """Launch shapes of the fused AWQ int4 GEMMs on one GPU: for the 8B shape's fused q/k/v, o, gate/up and down
 projections at 1, 4, 64 and 256 rows (``--rows``), every (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) of a small
-grid (BLOCK_M 1: the GEMV kernel), fastest first, beside the bf16 GEMM (cuBLAS) on the same shape and the
+grid (BLOCK_M below 16: the GEMV kernel), fastest first, beside the bf16 GEMM (cuBLAS) on the same shape and the
 heuristic's own choice; at 256 rows also the whole-weight dequantize of the large-batch path, torch twin against
 Triton. Bandwidth counts the packed weights, zeros and scales read once. What ``kernels/awq_gemm.py``'s
 ``_launch_shape`` picks from.
