@@ -142,7 +142,6 @@ class AWQBlock(nn.Module):
 def test_awq_siblings_fuse_into_one_call_over_column_packed_buffers() -> None:
     """AWQ's [in, out / 8] layout packs siblings side by side: each layer's buffers become column slices of one
     buffer (the kernels read them through their row stride) and the graph makes one AWQ call over all of it."""
-    from paged_backend.worker.fuse_linears import is_column_packed
 
     torch.manual_seed(0)
     blocks = [AWQBlock() for _ in range(2)]
@@ -164,7 +163,7 @@ def test_awq_siblings_fuse_into_one_call_over_column_packed_buffers() -> None:
     assert len(calls) == 2  # q/k/v as one, down alone
     for block in blocks:
         for name in ("qweight", "qzeros", "scales"):
-            assert is_column_packed([getattr(layer, name) for layer in (block.q, block.k, block.v)])
+            assert is_packed([getattr(layer, name) for layer in (block.q, block.k, block.v)], dim=1)
         assert not block.q.qweight.is_contiguous()
     for block, want, have in zip(blocks, expected, got):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)

@@ -99,27 +99,37 @@ def _parameter_lists(group: Group) -> list[list[str]]:
     return [group.weights] if group.biases is None else [group.weights, group.biases]
 
 
-def is_packed(params: list[torch.Tensor]) -> bool:
-    """Whether ``params`` lie back to back, in order, in one storage (as ``pack`` leaves them)."""
-    first = params[0]
+def is_packed(tensors: list[torch.Tensor], dim: int = 0) -> bool:
+    """Whether ``tensors`` are, in order, the slices along ``dim`` of one contiguous buffer (as ``pack`` leaves
+    them): back to back for ``dim=0`` (weights ``[out, in]``, biases), column slices for ``dim=1`` (AWQ's
+    ``[in, out / 8]`` buffers)."""
+    first = tensors[0]
+    shape = list(first.shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    strides = torch.empty(shape, device="meta").stride()  # the whole buffer's, row-major
     offset = first.storage_offset()
-    for p in params:
-        if p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or p.storage_offset() != offset:
+    for t in tensors:
+        if (
+            t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or t.storage_offset() != offset
+            or t.stride() != strides
+        ):
             return False
-        offset += p.numel()
-    return all(p.is_contiguous() for p in params)
+        offset += t.shape[dim] * strides[dim]
+    return True
 
 
-def pack(params: list[nn.Parameter]) -> None:
-    """Copy ``params`` into one new buffer and make each a view of its slice (the old storage is freed)."""
-    if is_packed(params):
+def pack(tensors: list[torch.Tensor], dim: int = 0) -> None:
+    """Copy ``tensors`` into one new buffer, concatenated along ``dim``, and make each a view of its slice (the old
+    storage is freed)."""
+    if is_packed(tensors, dim):
         return
     with torch.inference_mode(False), torch.no_grad():  # plain tensors: the user's model stays usable
-        buffer = torch.cat([p.data.reshape(-1) for p in params])
+        buffer = torch.cat([t.data for t in tensors], dim=dim)
         start = 0
-        for p in params:
-            p.data = buffer[start : start + p.numel()].view(p.shape)
-            start += p.numel()
+        for t in tensors:
+            t.data = buffer.narrow(dim, start, t.shape[dim])
+            start += t.shape[dim]
     if buffer.is_cuda:
         # The old storages are free now, but each is smaller than the next layer's packed buffer: give them back
         # to the driver, or a large model fragments its way out of memory (70B with the KV cache allocated).
@@ -183,38 +193,6 @@ def _awq_siblings(layer: nn.Module, modules: list[str]) -> list[list[torch.Tenso
     return [[layer.get_buffer(f"{m}.{name}") for m in modules] for name in _AWQ_TENSORS]
 
 
-def is_column_packed(tensors: list[torch.Tensor]) -> bool:
-    """Whether 2-D ``tensors`` are, in order, the column slices of one row-major buffer (as ``pack_columns``
-    leaves them)."""
-    first = tensors[0]
-    total = sum(t.shape[1] for t in tensors)
-    offset = first.storage_offset()
-    for t in tensors:
-        if (
-            t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-            or t.storage_offset() != offset
-            or t.stride() != (total, 1)
-        ):
-            return False
-        offset += t.shape[1]
-    return True
-
-
-def pack_columns(tensors: list[torch.Tensor]) -> None:
-    """Copy 2-D ``tensors`` side by side into one new buffer and make each a view of its columns."""
-    if is_column_packed(tensors):
-        return
-    with torch.inference_mode(False), torch.no_grad():
-        buffer = torch.cat([t.data for t in tensors], dim=1)
-        start = 0
-        for t in tensors:
-            width = t.shape[1]
-            t.data = buffer[:, start : start + width]
-            start += width
-    if buffer.is_cuda:
-        torch.cuda.empty_cache()  # as ``pack``
-
-
 def _fuse_awq_group(graph: fx.Graph, group: AWQGroup, siblings: list[list[torch.Tensor]]) -> None:
     """One AWQ call over the packed buffers (read as ``as_strided`` from the first layer's slices), split back."""
     qweights, qzeros, scales = siblings
@@ -261,7 +239,7 @@ class PackingBackend:
 
     def finish(self) -> None:
         for tensors in self.deferred:
-            pack_columns(tensors)
+            pack(tensors, dim=1)
         self.deferred.clear()
 
 
@@ -291,7 +269,7 @@ def fuse_sibling_linears(gm: fx.GraphModule, layers: list[nn.Module]) -> int:
             graph.erase_node(node)
         fused_groups += 1
     for awq_group in find_awq_groups(gm, layers[0]):
-        if all(is_column_packed(t) for layer in layers for t in _awq_siblings(layer, awq_group.modules)):
+        if all(is_packed(t, dim=1) for layer in layers for t in _awq_siblings(layer, awq_group.modules)):
             _fuse_awq_group(graph, awq_group, _awq_siblings(layers[0], awq_group.modules))
             fused_groups += 1
     if fused_groups:
