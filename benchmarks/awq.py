@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.throughput import (  # noqa: E402
     benchmark_config,
     one_prompt,
+    profile_kernels,
     release_engine,
     run_hf,
     run_paged,
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
     parser.add_argument("--skip-kernel", action="store_true", help="skip the kernel table")
+    parser.add_argument("--profile", action="store_true", help="W2: each engine's GPU kernels per step")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
     args = parser.parse_args(argv)
@@ -146,6 +148,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run_paged(llm, [one_prompt(config.vocab_size, 128, seed=2)], args.max_tokens)  # warm-up, another prompt
             outs, seconds = run_paged(llm, w2, args.max_tokens)
             entry["w2"] = tokens_per_second(outs, seconds)
+            if args.profile:
+                entry["w2_profile"] = profile_kernels(llm, w2, 64)
+                logger.info("%s W2 kernels per step: %s", name, json.dumps(entry["w2_profile"], indent=1))
             run_paged(llm, w1_prompts(config.vocab_size, 64, seed=1), 8)  # warm-up sharing no prefix with W1
             outs, seconds = run_paged(llm, w1, args.max_tokens)
             entry["w1"] = tokens_per_second(outs, seconds)

@@ -307,6 +307,32 @@ def profile_decode(llm: LLM, vocab: int, path: Path) -> None:
     logger.info("profile written to %s", path)
 
 
+def profile_kernels(llm: LLM, prompts: list[list[int]], max_tokens: int, top: int = 25) -> dict[str, Any]:
+    """GPU kernels of one run, per engine step (``max_tokens`` steps, the prefill among them): each kernel's
+    microseconds and calls per step, the GPU's busy time and the wall time per step (their difference is time
+    the GPU waited on the host). Kernels inside CUDA graphs count too."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, seconds = run_paged(llm, prompts, max_tokens)
+    per_kernel: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            entry = per_kernel.setdefault(event.name, [0.0, 0])
+            entry[0] += event.time_range.elapsed_us()
+            entry[1] += 1
+    ranked = sorted(per_kernel.items(), key=lambda item: -item[1][0])
+    return {
+        "wall_ms_per_step": 1e3 * seconds / max_tokens,
+        "gpu_busy_ms_per_step": sum(us for us, _ in per_kernel.values()) / max_tokens / 1e3,
+        "kernels": [
+            {"name": name[:120], "us_per_step": us / max_tokens, "calls_per_step": calls / max_tokens}
+            for name, (us, calls) in ranked[:top]
+        ],
+    }
+
+
 # ---------------------------------------------------------------------------------------------------- report
 COLORS = {"paged": "#2a7", "hf_patched": "#8c8"}  # this library's engine, directly and under HF's generate
 

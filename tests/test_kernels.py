@@ -164,10 +164,13 @@ def test_greedy_kernel_equals_its_twin(dtype: torch.dtype, vocab: int) -> None:
     logits[3, vocab - 1] = 50.0  # the last element, in the tail block
     logits[4, : vocab // 2] = float("-inf")  # masked tokens
     logits = logits.to(DEVICE)
-    tokens, logprobs = greedy_tokens_triton(logits[:, :vocab])
     ref_tokens, ref_logprobs = greedy_tokens_torch(logits)
-    assert torch.equal(tokens.cpu(), ref_tokens.cpu())
-    assert tokens[1].item() == min(vocab // 3, vocab - 1) and tokens[2].item() == 0
-    torch.testing.assert_close(logprobs.cpu(), ref_logprobs.cpu(), rtol=1e-5, atol=1e-5)
+    # rows in one program, and cut into slices merged by the last to finish (at 5000: the tie at 1666 and 4999
+    # spans slices, and with 4 slices of 2048 the last is empty)
+    for splits in (None, 2, 4):
+        tokens, logprobs = greedy_tokens_triton(logits[:, :vocab], splits)
+        assert torch.equal(tokens.cpu(), ref_tokens.cpu())
+        assert tokens[1].item() == min(vocab // 3, vocab - 1) and tokens[2].item() == 0
+        torch.testing.assert_close(logprobs.cpu(), ref_logprobs.cpu(), rtol=1e-5, atol=1e-5)
     strided = torch.cat([logits, logits], dim=1)[:, :vocab]  # rows of a wider tensor (a row stride != vocab)
     assert torch.equal(greedy_tokens_triton(strided)[0].cpu(), ref_tokens.cpu())

@@ -1,10 +1,11 @@
 """y = x @ dequantize(qweight, qzeros, scales): the AWQ int4 GEMM. The torch twin dequantizes whole and multiplies
 (the reference, and the CPU path). On a GPU the weights are dequantized in registers right before use, so a decode
 step reads 4-bit weights instead of 16-bit ones: up to ``GEMV_MAX_M`` rows (decode of a few sequences) run a GEMV
-kernel, up to ``FUSED_MAX_M`` rows a ``tl.dot`` kernel; both split K over several programs to fill the GPU (their
-fp32 parts are added and cast in one more pass). Larger batches (prefill) dequantize once and use cuBLAS, where
-the GEMM's compute outweighs the extra pass over the weights. Every path reads its tensors through one row stride,
-so sibling layers packed side by side (``worker/fuse_linears.py``) run as one call.
+kernel, up to ``FUSED_MAX_M`` rows a ``tl.dot`` kernel; both split K over several programs to fill the GPU (the
+last program of each output tile adds the fp32 parts: ``kernels/arrival.py``). Larger batches (prefill)
+dequantize once and use cuBLAS, where the GEMM's compute outweighs the extra pass over the weights. Every path
+reads its tensors through one row stride, so sibling layers packed side by side (``worker/fuse_linears.py``) run
+as one call.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import num_sms, tl, triton
+from paged_backend.kernels.arrival import arrival_counters, check_tiles
 from paged_backend.quantization.awq_format import dequantize
 
 # Rows up to which the fused kernel runs; above, dequantize + cuBLAS (faster at 256 rows on an H200).
@@ -33,6 +35,7 @@ def awq_gemm_torch(
 
 
 if triton is not None:
+    from paged_backend.kernels.arrival import add_parts, last_to_arrive
 
     @triton.jit
     def _dequantize_tile(
@@ -117,7 +120,9 @@ if triton is not None:
         qweight_ptr,  # [K, N / 8] int32
         qzeros_ptr,  # [K / G, N / 8] int32
         scales_ptr,  # [K / G, N]
-        out_ptr,  # [SPLIT_K, M, N] fp32, or [M, N] in x's dtype when SPLIT_K is 1
+        out_ptr,  # [M, N] in x's dtype
+        partial_ptr,  # [SPLIT_K, M, N] fp32 when K is split (programs along axis 2)
+        counters_ptr,  # [tiles] int32 zeros (``kernels/arrival.py``)
         M,
         N,
         K,
@@ -128,6 +133,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,  # divides group_size: one scale row per tile
         IEEE: tl.constexpr,  # fp32 inputs: full-precision dots, not TF32
+        SPLIT: tl.constexpr,  # K split: fp32 parts, the last program of a tile adds them
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -162,11 +168,14 @@ if triton is not None:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
                 acc += tl.dot(x, w)
-        tl.store(
-            out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=mask_m[:, None] & mask_n[None, :],
-        )
+        mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT:
+            tl.store(partial_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+            if last_to_arrive(counters_ptr + pid_m * tl.num_programs(1) + pid_n, tl.num_programs(2)):
+                acc = add_parts(partial_ptr, offs_m, offs_n, mask, M, N, tl.num_programs(2), BLOCK_M, BLOCK_N)
+                tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _nibble_floats(packed, magic, J: tl.constexpr):
@@ -192,7 +201,9 @@ if triton is not None:
         qweight_ptr,  # [K, N / 8] int32
         qzeros_ptr,  # [K / G, N / 8] int32
         scales_ptr,  # [K / G, N]
-        out_ptr,  # [SPLIT_K, M, N] fp32, or [M, N] in x's dtype when SPLIT_K is 1
+        out_ptr,  # [M, N] in x's dtype
+        partial_ptr,  # [SPLIT_K, M, N] fp32 when K is split (programs along axis 2)
+        counters_ptr,  # [tiles] int32 zeros (``kernels/arrival.py``)
         M,
         n_packs,  # N / 8
         K,
@@ -205,6 +216,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,  # rows per load; divides GROUP_SIZE
         GROUP_SIZE: tl.constexpr,
+        SPLIT: tl.constexpr,  # K split: fp32 parts, the last program of a tile adds them
     ):
         """A few rows of x (all in one program) against a block of columns, with no ``tl.dot`` (its 16-row
         minimum wastes most of the math at decode's one or two rows). The eight columns of each pack are eight
@@ -259,9 +271,14 @@ if triton is not None:
             acc5 += part5 * _nibble_scale(scale_row, offs_pack, mask_pack, 5)[None, None, :]
             acc6 += part6 * _nibble_scale(scale_row, offs_pack, mask_pack, 6)[None, None, :]
             acc7 += part7 * _nibble_scale(scale_row, offs_pack, mask_pack, 7)[None, None, :]
-        out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_pack[None, :] * 8  # [BM, BN / 8]: column 0 of packs
+        # [BM, BN / 8]: column 0 of each pack
+        if SPLIT:
+            out = partial_ptr + pid_k * M * N + offs_m[:, None] * N + offs_pack[None, :] * 8
+            dtype = tl.float32
+        else:
+            out = out_ptr + offs_m[:, None] * N + offs_pack[None, :] * 8
+            dtype = out_ptr.dtype.element_ty
         mask = mask_m[:, None] & mask_pack[None, :]
-        dtype = out_ptr.dtype.element_ty
         tl.store(out + 0, tl.sum(acc0, axis=1).to(dtype), mask=mask)
         tl.store(out + 1, tl.sum(acc1, axis=1).to(dtype), mask=mask)
         tl.store(out + 2, tl.sum(acc2, axis=1).to(dtype), mask=mask)
@@ -270,22 +287,13 @@ if triton is not None:
         tl.store(out + 5, tl.sum(acc5, axis=1).to(dtype), mask=mask)
         tl.store(out + 6, tl.sum(acc6, axis=1).to(dtype), mask=mask)
         tl.store(out + 7, tl.sum(acc7, axis=1).to(dtype), mask=mask)
-
-    @triton.jit
-    def _split_k_sum_kernel(
-        partial_ptr,  # [SPLIT_K, numel] fp32
-        out_ptr,  # [numel]
-        split_k,
-        numel,
-        BLOCK: tl.constexpr,
-    ):
-        """The split-K parts added in fp32 and cast, one pass (a sum, then a cast, would be two kernels)."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for part in range(0, split_k):
-            acc += tl.load(partial_ptr + part * numel + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if SPLIT:
+            if last_to_arrive(counters_ptr + pid_m * tl.num_programs(1) + pid_n, tl.num_programs(2)):
+                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                tile_mask = mask_m[:, None] & (offs_n < N)[None, :]
+                total = add_parts(partial_ptr, offs_m, offs_n, tile_mask, M, N, tl.num_programs(2), BLOCK_M, BLOCK_N)
+                tile = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+                tl.store(tile, total.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def _row_packs(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> int:
@@ -357,12 +365,13 @@ def awq_gemm_triton(
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), step) * step
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    # one part: the kernel writes the output itself; several: fp32 parts, then one pass adds and casts them
-    partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    row_packs = _row_packs(qweight, qzeros, scales)
-    tensors = (x.contiguous(), qweight, qzeros, scales, partial)
-    tuning = dict(num_warps=num_warps, num_stages=num_stages)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    # K split: fp32 parts, added by the last program of each tile (``kernels/arrival.py``)
+    partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    check_tiles(grid[0] * grid[1])
+    row_packs = _row_packs(qweight, qzeros, scales)
+    tensors = (x.contiguous(), qweight, qzeros, scales, out, partial, arrival_counters(x.device))
+    tuning = dict(num_warps=num_warps, num_stages=num_stages)
     if gemv:
         _awq_gemv_kernel[grid](
             *tensors,
@@ -376,6 +385,7 @@ def awq_gemm_triton(
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             GROUP_SIZE=group_size,
+            SPLIT=split_k > 1,
             **tuning,
         )
     else:
@@ -391,10 +401,9 @@ def awq_gemm_triton(
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             IEEE=x.dtype == torch.float32,
+            SPLIT=split_k > 1,
             **tuning,
         )
-    if split_k > 1:
-        _split_k_sum_kernel[(triton.cdiv(m * n, 1024),)](partial, out, split_k, m * n, BLOCK=1024)
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import num_sms, tl, triton
+from paged_backend.kernels.arrival import arrival_counters, check_tiles
 
 
 def _attend_group(
@@ -103,10 +104,10 @@ def paged_attention_torch(
 # once per KV head. The kernel finds its sequence by a binary search over ``cu_seqlens_q``; the grid depends
 # only on T and B, so it is the same at every replay of a CUDA graph. With NUM_SPLITS > 1 (decode of long
 # contexts with few sequences) each program covers a slice of the context and writes a partial output plus
-# its log-sum-exp; a reduce kernel merges the slices.
+# its log-sum-exp; the last program of a tile to finish merges the slices (``kernels/arrival.py``).
 
 MAX_SPLITS = 32
-MIN_SPLIT_TOKENS = 256  # a slice shorter than this is not worth its reduce
+MIN_SPLIT_TOKENS = 128  # one decode tile (BLOCK_N) at least: a shorter slice is not worth its merge
 
 
 def _next_pow2(n: int) -> int:
@@ -125,14 +126,19 @@ _VARYING_ARGS = [
     "stride_oh",
     "stride_ls",
     "stride_lt",
+    "stride_ft",
+    "stride_fh",
 ]
 
 if triton is not None:
+    from paged_backend.kernels.arrival import last_to_arrive
 
     @triton.jit(do_not_specialize=_VARYING_ARGS)
     def _paged_attention_kernel(
         out_ptr,  # [T, H, D] final, or [S, T, H, D] fp32 partials when NUM_SPLITS > 1
         lse_ptr,  # [S, T, H] fp32 (NUM_SPLITS > 1 only)
+        final_ptr,  # [T, H, D]: where the last slice's program writes the merged output (NUM_SPLITS > 1 only)
+        counters_ptr,  # [tiles] int32 zeros (``kernels/arrival.py``)
         q_ptr,
         k_cache_ptr,
         v_cache_ptr,
@@ -154,6 +160,8 @@ if triton is not None:
         stride_oh,
         stride_ls,
         stride_lt,
+        stride_ft,
+        stride_fh,
         QUERIES_PER_KV: tl.constexpr,
         G_PAD: tl.constexpr,
         BLOCK_Q: tl.constexpr,
@@ -162,6 +170,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
         MIN_SPLIT: tl.constexpr,
         USE_WINDOW: tl.constexpr,
         USE_SOFTCAP: tl.constexpr,
@@ -209,9 +218,11 @@ if triton is not None:
             kv_lo = tl.maximum(kv_lo, prefix + tile_start - sliding_window + 1)
         kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
         kv_hi = tl.where(tile_start < q_len, kv_hi, kv_lo)
+        num_active = 1  # slices with keys (NUM_SPLITS > 1)
         if NUM_SPLITS > 1:
             per_split = tl.maximum(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), MIN_SPLIT)
             per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+            num_active = tl.cdiv(kv_hi - kv_lo, per_split)
             kv_lo = kv_lo + split * per_split
             kv_hi = tl.minimum(kv_hi, kv_lo + per_split)
 
@@ -254,54 +265,46 @@ if triton is not None:
         token = (q_start + q_tok).to(tl.int64)
         out_mask = row_valid[:, None] & d_mask[None, :]
         if NUM_SPLITS > 1:
-            dst = split * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-            tl.store(out_ptr + dst, out, mask=out_mask)
-            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # log2 domain
-            tl.store(lse_ptr + split * stride_ls + token * stride_lt + head, lse, mask=row_valid)
+            if num_active <= 1:  # one slice holds the whole context (or there is none): it writes the output
+                if split == 0:
+                    dst = token[:, None] * stride_ft + head[:, None] * stride_fh + offs_d[None, :]
+                    tl.store(final_ptr + dst, out.to(final_ptr.dtype.element_ty), mask=out_mask)
+            elif split < num_active:  # slices past the context have no keys and no part
+                dst = split * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+                tl.store(out_ptr + dst, out, mask=out_mask)
+                lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # log2 domain
+                tl.store(lse_ptr + split * stride_ls + token * stride_lt + head, lse, mask=row_valid)
+                if last_to_arrive(counters_ptr + pid * tl.num_programs(1) + kv_head, num_active):
+                    # merge the slices with keys: weights 2^(lse_s - max lse), empty rows' slices weigh 0
+                    offs_s = tl.arange(0, SPLITS_PAD)
+                    lses = tl.load(
+                        lse_ptr + offs_s[:, None] * stride_ls + token[None, :] * stride_lt + head[None, :],
+                        mask=(offs_s[:, None] < num_active) & row_valid[None, :],
+                        other=float("-inf"),
+                        cache_modifier=".cg",
+                    )  # [S, M]
+                    m = tl.max(lses, 0)
+                    m = tl.where(m == float("-inf"), 0.0, m)
+                    total = tl.sum(tl.where(lses == float("-inf"), 0.0, tl.exp2(lses - m[None, :])), 0)  # [M]
+                    merged = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+                    for part in range(0, num_active):
+                        lse = tl.load(
+                            lse_ptr + part * stride_ls + token * stride_lt + head,
+                            mask=row_valid,
+                            other=float("-inf"),
+                            cache_modifier=".cg",
+                        )
+                        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))  # [M]
+                        src = (
+                            part * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+                        )
+                        merged += tl.load(out_ptr + src, mask=out_mask, other=0.0, cache_modifier=".cg") * w[:, None]
+                    merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+                    dst = token[:, None] * stride_ft + head[:, None] * stride_fh + offs_d[None, :]
+                    tl.store(final_ptr + dst, merged.to(final_ptr.dtype.element_ty), mask=out_mask)
         else:
             dst = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-    @triton.jit(
-        do_not_specialize=["stride_ot", "stride_oh", "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt"]
-    )
-    def _reduce_splits_kernel(
-        out_ptr,  # [T, H, D]
-        partial_ptr,  # [S, T, H, D] fp32
-        lse_ptr,  # [S, T, H] fp32, log2 domain
-        stride_ot,
-        stride_oh,
-        stride_ps,
-        stride_pt,
-        stride_ph,
-        stride_ls,
-        stride_lt,
-        NUM_SPLITS: tl.constexpr,
-        SPLITS_PAD: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        DIM_PAD: tl.constexpr,
-    ):
-        """Merge the slices of one (token, head): weights 2^(lse_s - max lse), empty slices weigh 0."""
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        offs_s = tl.arange(0, SPLITS_PAD)
-        offs_d = tl.arange(0, DIM_PAD)
-        s_mask = offs_s < NUM_SPLITS
-        lse = tl.load(lse_ptr + offs_s * stride_ls + token * stride_lt + head, mask=s_mask, other=float("-inf"))
-        m = tl.max(lse, 0)
-        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)))  # [S]
-        parts = tl.load(
-            partial_ptr + offs_s[:, None] * stride_ps + token * stride_pt + head * stride_ph + offs_d[None, :],
-            mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
-            other=0.0,
-        )  # [S, D]
-        total = tl.sum(w, 0)
-        out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-        tl.store(
-            out_ptr + token * stride_ot + head * stride_oh + offs_d,
-            out.to(out_ptr.dtype.element_ty),
-            mask=offs_d < HEAD_DIM,
-        )
 
 
 def choose_num_splits(num_seqs: int, num_tokens: int, num_kv_heads: int, device: torch.device) -> int:
@@ -358,6 +361,7 @@ def paged_attention_triton(
     block_n = launch["block_n"]
     tuning = {k: launch[k] for k in ("num_warps", "num_stages") if k in launch}
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    check_tiles(grid[0] * grid[1])
     if num_splits > 1:
         partial = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
         lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
@@ -369,6 +373,8 @@ def paged_attention_triton(
     _paged_attention_kernel[grid](
         target,
         lse,
+        out,
+        arrival_counters(query.device),
         query,
         k_cache,
         v_cache,
@@ -390,6 +396,8 @@ def paged_attention_triton(
         stride_oh,
         stride_ls,
         stride_lt,
+        out.stride(0),
+        out.stride(1),
         QUERIES_PER_KV=queries_per_kv,
         G_PAD=g_pad,
         BLOCK_Q=block_q,
@@ -398,27 +406,11 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits,
+        SPLITS_PAD=_next_pow2(num_splits),
         MIN_SPLIT=min_split_tokens,
         USE_WINDOW=bool(sliding_window),
         USE_SOFTCAP=bool(softcap),
         IEEE=query.dtype == torch.float32,
         **tuning,
     )
-    if num_splits > 1:
-        _reduce_splits_kernel[(num_tokens, num_heads)](
-            out,
-            partial,
-            lse,
-            out.stride(0),
-            out.stride(1),
-            partial.stride(0),
-            partial.stride(1),
-            partial.stride(2),
-            lse.stride(0),
-            lse.stride(1),
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=_next_pow2(num_splits),
-            HEAD_DIM=head_dim,
-            DIM_PAD=dim_pad,
-        )
     return out
