@@ -13,6 +13,7 @@ from torch import nn
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.demo import CORPUS, build_tiny_model
+from paged_backend.kernels.arrival import arrival_counters
 from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton
 from paged_backend.quantization import awq
 from paged_backend.quantization.awq import AWQLinear, dequantized_copy
@@ -78,6 +79,7 @@ def test_triton_kernel_equals_its_twin(dtype: torch.dtype, m: int, k: int) -> No
         got = awq_gemm_triton(x, qweight, qzeros, scales, launch)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    assert not arrival_counters(DEVICE).any()  # the programs that added the split-K parts reset the counters
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

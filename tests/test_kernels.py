@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from paged_backend.kernels.arrival import arrival_counters
 from paged_backend.kernels.cache_write import write_kv_cache_torch, write_kv_cache_triton
 from paged_backend.kernels.paged_attention import (
     choose_num_splits,
@@ -112,6 +113,7 @@ def test_split_kv_decode(dtype: torch.dtype, num_splits: int, sliding_window: in
     kwargs = dict(num_splits=num_splits, min_split_tokens=16, launch={"block_n": 16})
     out = check_attention(batch, dtype, sliding_window=sliding_window, **kwargs)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    assert not arrival_counters(DEVICE).any()  # the merging programs left the counters at zero
 
 
 def test_split_heuristic_on_cpu() -> None:
@@ -172,5 +174,6 @@ def test_greedy_kernel_equals_its_twin(dtype: torch.dtype, vocab: int) -> None:
         assert torch.equal(tokens.cpu(), ref_tokens.cpu())
         assert tokens[1].item() == min(vocab // 3, vocab - 1) and tokens[2].item() == 0
         torch.testing.assert_close(logprobs.cpu(), ref_logprobs.cpu(), rtol=1e-5, atol=1e-5)
+    assert not arrival_counters(DEVICE).any()
     strided = torch.cat([logits, logits], dim=1)[:, :vocab]  # rows of a wider tensor (a row stride != vocab)
     assert torch.equal(greedy_tokens_triton(strided)[0].cpu(), ref_tokens.cpu())

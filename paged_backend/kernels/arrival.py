@@ -20,11 +20,17 @@ from paged_backend.kernels import tl, triton
 MAX_TILES = 1 << 16
 
 
-@functools.cache
 def arrival_counters(device: torch.device) -> torch.Tensor:
     """The device's zeroed tile counters, ``[MAX_TILES]`` int32, made on first use. That is before any CUDA
     graph capture (the engine's warm-up runs every kernel eagerly first), so it is ordinary memory that outlives
-    graphs."""
+    graphs. ``cuda`` and ``cuda:0`` (when current) are one device, with one buffer."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _counters(device)
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
