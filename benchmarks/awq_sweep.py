@@ -3,7 +3,7 @@ projections at 1, 4, 64 and 256 rows (``--rows``), every (BLOCK_M, BLOCK_N, BLOC
 grid (BLOCK_M below 16: the GEMV kernel), fastest first, beside the bf16 GEMM (cuBLAS) on the same shape and the
 heuristic's own choice; at 256 rows also the whole-weight dequantize of the large-batch path, torch twin against
 Triton. Bandwidth counts the packed weights, zeros and scales read once. What ``kernels/awq_gemm.py``'s
-``_launch_shape`` picks from.
+``_launch_shape`` picks from. ``--cold`` times over enough copies of the weights that none stays in L2.
 
     python benchmarks/awq_sweep.py
 """
@@ -40,13 +40,11 @@ def grid(m: int) -> Iterable[tuple[int, int, int, int, int]]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) to try. BLOCK_M below 16 is the GEMV kernel: all rows in one
     program, or one row a program (BLOCK_M 1); its tiles hold one, two or four packs a thread (BLOCK_N / 8 x
     BLOCK_K packs over 32 x warps threads)."""
-    dot_small = itertools.product((16,), (64, 128), (64, 128), (1, 4), (4,))
-    if m <= 4:
-        tiles = ((256, 4, 4), (128, 8, 4), (256, 8, 8), (512, 4, 8), (512, 4, 4), (256, 8, 4), (256, 16, 4))
-        splits = (2, 4, 8, 16) if m == 1 else (4, 8, 16)
+    if m <= 4:  # the GEMV only: the tl.dot kernel never came near it at these rows
+        tiles = ((64, 16, 4), (128, 8, 4), (256, 4, 4), (256, 8, 8), (512, 4, 8), (256, 8, 4), (256, 16, 4))
+        splits = (4, 8, 16, 32)
         rows = sorted({1, triton.next_power_of_2(m)})
-        gemv = ((bm, bn, bk, split_k, warps) for bm, (bn, bk, warps), split_k in itertools.product(rows, tiles, splits))
-        return itertools.chain(gemv, dot_small)
+        return ((bm, bn, bk, split_k, warps) for bm, (bn, bk, warps), split_k in itertools.product(rows, tiles, splits))
     if m <= 16:
         return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,))
     return itertools.product((64, 128, 256), (64, 128), (64, 128), (1,), (4, 8))  # 256: each weight made once
@@ -63,16 +61,31 @@ def bench_us(fn: Callable[[], object], rep: int = 50, graph: bool = True) -> flo
     return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3
 
 
+L2_BYTES = 50e6  # an H200's L2 cache
+
+
+def per_call_us(fn: Callable[..., object], weights: list[tuple], rep: int = 50) -> float:
+    """``bench_us`` of one graph calling ``fn`` on each set of weights in turn, divided by their number: with
+    sets that together exceed the L2 cache, every call reads its weights from HBM, as the engine's layers do."""
+    return bench_us(lambda: [fn(*w) for w in weights], rep=rep) / len(weights)
+
+
 @torch.no_grad()
-def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True) -> None:
-    """One projection at ``m`` rows: the bf16 GEMM, the heuristic's launch, then the grid's four fastest."""
+def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True, cold: bool = False) -> None:
+    """One projection at ``m`` rows: the bf16 GEMM, the heuristic's launch, then the grid's four fastest. With
+    ``cold``, each is timed over copies of the weights four times the L2's size (otherwise the same weights
+    again and again: a small projection's then partly stay in L2)."""
     qweight, qzeros, scales = pack_linear(torch.randn(n, k, device="cuda") * 0.02, 128)
-    dense = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     read = qweight.numel() * 4 + qzeros.numel() * 4 + scales.numel() * 2
+    copies = min(32, max(1, round(4 * L2_BYTES / read))) if cold else 1
+    first = (qweight, qzeros, scales)
+    packed = [first] + [tuple(t.clone() for t in first) for _ in range(1, copies)]
+    denses = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     fused = partial(awq_gemm_triton, x, qweight, qzeros, scales)
     error = (fused().float() - awq_gemm_torch(x.float(), qweight, qzeros, scales)).abs().max().item()
-    bf16_us, default_us = bench_us(lambda: x @ dense), bench_us(fused)
+    bf16_us = per_call_us(lambda dense: x @ dense, [(d,) for d in denses])
+    default_us = per_call_us(partial(awq_gemm_triton, x), packed)
     if m > FUSED_MAX_M:  # the engine's path here: one dequantize pass (the twin makes several), then cuBLAS
         twin_us = bench_us(lambda: dequantize(qweight, qzeros, scales, x.dtype), graph=False)
         triton_us = bench_us(lambda: awq_dequantize_triton(qweight, qzeros, scales, x.dtype))
@@ -94,7 +107,7 @@ def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True) -> None:
     for bm, bn, bk, split_k, warps in grid(m) if sweep_grid else ():
         launch = (bm, bn, bk, split_k)
         try:
-            us = bench_us(partial(fused, launch, warps), rep=20)
+            us = per_call_us(lambda *w, launch=launch, warps=warps: awq_gemm_triton(x, *w, launch, warps), packed, 20)
         except Exception as exc:  # noqa: BLE001 - a shape the compiler refuses is skipped
             logger.info("  %s warps=%d: %s", launch, warps, type(exc).__name__)
             continue
@@ -110,11 +123,12 @@ def main() -> None:
     parser.add_argument("--no-grid", action="store_true", help="only bf16, the heuristic's launch and the paths")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 64, 256], help="rows of x (M) to time")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES), help="projections")
+    parser.add_argument("--cold", action="store_true", help="weights from HBM at every call, as in the engine")
     args = parser.parse_args()
     for name in args.shapes:
         k, n = SHAPES[name]
         for m in args.rows:
-            sweep(name, k, n, m, sweep_grid=not args.no_grid)
+            sweep(name, k, n, m, sweep_grid=not args.no_grid, cold=args.cold)
 
 
 if __name__ == "__main__":

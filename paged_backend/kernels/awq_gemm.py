@@ -325,15 +325,13 @@ def _split_k(tiles: int, k: int, block_k: int, programs: int) -> int:
 def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. From
     ``benchmarks/awq_sweep.py`` on an H200 (8B shape, kernels replayed from CUDA graphs): up to 4 rows the GEMV
-    kernel, all rows in one program, with 128 columns by 8 rows a tile (256 by 4 on gate/up's 28,672 columns)
-    and K split up to 8 ways, at least 4 groups a part; at 16 rows 16 x 64 x 64 tiles split 4 ways on gate/up;
-    at 64 rows 64 x 128 tiles, split when there are few (down). Many programs per SM, so that enough loads are in
-    flight."""
+    kernel, all rows in one program, 256 columns by 4 rows a tile, K split up to 16 ways while programs stay
+    under 6 per SM (``--cold``, one row: 16 ways on q/k/v, o and down, 8 on gate/up; since the last program adds
+    the parts, a deeper split costs little); at 16 rows 16 x 64 x 64 tiles split 4 ways on gate/up; at 64 rows
+    64 x 128 tiles, split when there are few (down). Many programs per SM, so that enough loads are in flight."""
     if m <= GEMV_MAX_M:  # one pack per thread of 4 warps: few registers, so many warps keep loads in flight
-        block_n = 128 if n < 16384 else 256
-        block_k = 1024 // block_n
-        split_k = min(8, _split_k(triton.cdiv(n, block_n), k, group_size, 12 * sms))  # down: 8 beat 16
-        return triton.next_power_of_2(m), block_n, block_k, split_k
+        split_k = _split_k(triton.cdiv(n, 256), k, group_size // 4, 6 * sms)  # parts of one group or more
+        return triton.next_power_of_2(m), 256, 4, split_k
     if m <= 16:
         block_m, block_n, block_k, programs = 16, 64, min(group_size, 64), 12 * sms
     else:
