@@ -36,18 +36,23 @@ logger = logging.getLogger("benchmarks.awq_sweep")
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
 
 
-def grid(m: int) -> Iterable[tuple[int, int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) to try. BLOCK_M below 16 is the GEMV kernel: all rows in one
-    program, or one row a program (BLOCK_M 1); its tiles hold one, two or four packs a thread (BLOCK_N / 8 x
-    BLOCK_K packs over 32 x warps threads)."""
+def grid(m: int) -> Iterable[tuple[int, int, int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, rows per thread) to try. BLOCK_M below 16 is the GEMV kernel:
+    all rows in one program, or one row a program (BLOCK_M 1); its tiles hold one, two or four packs a thread
+    (BLOCK_N / 8 x BLOCK_K packs over 32 x warps threads), times the rows each thread loads at once and sums."""
     if m <= 4:  # the GEMV only: the tl.dot kernel never came near it at these rows
         tiles = ((64, 16, 4), (128, 8, 4), (256, 4, 4), (256, 8, 8), (512, 4, 8), (256, 8, 4), (256, 16, 4))
         splits = (4, 8, 16, 32)
         rows = sorted({1, triton.next_power_of_2(m)})
-        return ((bm, bn, bk, split_k, warps) for bm, (bn, bk, warps), split_k in itertools.product(rows, tiles, splits))
+        gemv = [(bm, bn, bk, s, w, 1) for bm, (bn, bk, w), s in itertools.product(rows, tiles, splits)]
+        deep = [
+            (bm, bn, bk, s, 4, r)
+            for bm, (bn, bk), s, r in itertools.product(rows, ((256, 4), (128, 8)), (8, 16), (2, 4))
+        ]
+        return itertools.chain(gemv, deep)
     if m <= 16:
-        return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,))
-    return itertools.product((64, 128, 256), (64, 128), (64, 128), (1,), (4, 8))  # 256: each weight made once
+        return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,), (1,))
+    return itertools.product((64, 128, 256), (64, 128), (64, 128), (1,), (4, 8), (1,))  # 256: each weight made once
 
 
 def bench_us(fn: Callable[[], object], rep: int = 50, graph: bool = True) -> float:
@@ -104,16 +109,20 @@ def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True, cold: bool
         error,
     )
     rows = []
-    for bm, bn, bk, split_k, warps in grid(m) if sweep_grid else ():
+    for bm, bn, bk, split_k, warps, per_thread in grid(m) if sweep_grid else ():
         launch = (bm, bn, bk, split_k)
+        run = partial(awq_gemm_triton, x, launch=launch, num_warps=warps, rows_per_thread=per_thread)
         try:
-            us = per_call_us(lambda *w, launch=launch, warps=warps: awq_gemm_triton(x, *w, launch, warps), packed, 20)
+            us = per_call_us(lambda *w, run=run: run(*w), packed, 20)
         except Exception as exc:  # noqa: BLE001 - a shape the compiler refuses is skipped
-            logger.info("  %s warps=%d: %s", launch, warps, type(exc).__name__)
+            logger.info("  %s warps=%d rows=%d: %s", launch, warps, per_thread, type(exc).__name__)
             continue
-        rows.append((us, launch, warps))
-    for us, launch, warps in sorted(rows)[:4]:
-        logger.info("  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s warps=%d", us, read / us / 1e6, launch, warps)
+        rows.append((us, launch, warps, per_thread))
+    for us, launch, warps, per_thread in sorted(rows)[:4]:
+        logger.info(
+            "  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s warps=%d rows/thread=%d",
+            *(us, read / us / 1e6, launch, warps, per_thread),
+        )
 
 
 def main() -> None:
