@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paged_backend.kernels.awq_gemm import (  # noqa: E402
     FUSED_MAX_M,
+    GEMV_MAX_M,
     awq_dequantize_triton,
     awq_gemm,
     awq_gemm_torch,
@@ -76,10 +77,11 @@ def per_call_us(fn: Callable[..., object], weights: list[tuple], rep: int = 50) 
 
 
 @torch.no_grad()
-def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True, cold: bool = False) -> None:
+def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True, cold: bool = False, pdl: bool = False) -> None:
     """One projection at ``m`` rows: the bf16 GEMM, the heuristic's launch, then the grid's four fastest. With
     ``cold``, each is timed over copies of the weights four times the L2's size (otherwise the same weights
-    again and again: a small projection's then partly stay in L2)."""
+    again and again: a small projection's then partly stay in L2). With ``pdl`` (with ``cold``: a chain of
+    calls in one graph), the heuristic's GEMV launch also as a programmatic dependent launch."""
     qweight, qzeros, scales = pack_linear(torch.randn(n, k, device="cuda") * 0.02, 128)
     read = qweight.numel() * 4 + qzeros.numel() * 4 + scales.numel() * 2
     copies = min(32, max(1, round(4 * L2_BYTES / read))) if cold else 1
@@ -91,6 +93,15 @@ def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True, cold: bool
     error = (fused().float() - awq_gemm_torch(x.float(), qweight, qzeros, scales)).abs().max().item()
     bf16_us = per_call_us(lambda dense: x @ dense, [(d,) for d in denses])
     default_us = per_call_us(partial(awq_gemm_triton, x), packed)
+    if pdl and m <= GEMV_MAX_M:
+        pdl_us = per_call_us(partial(awq_gemm_triton, x, pdl=True), packed)
+        logger.info(
+            "%s m=%d: heuristic's launch %.1f us, as a programmatic dependent launch %.1f us",
+            name,
+            m,
+            default_us,
+            pdl_us,
+        )
     if m > FUSED_MAX_M:  # the engine's path here: one dequantize pass (the twin makes several), then cuBLAS
         twin_us = bench_us(lambda: dequantize(qweight, qzeros, scales, x.dtype), graph=False)
         triton_us = bench_us(lambda: awq_dequantize_triton(qweight, qzeros, scales, x.dtype))
@@ -133,11 +144,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 64, 256], help="rows of x (M) to time")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES), help="projections")
     parser.add_argument("--cold", action="store_true", help="weights from HBM at every call, as in the engine")
+    parser.add_argument("--pdl", action="store_true", help="also the GEMV as a programmatic dependent launch")
     args = parser.parse_args()
     for name in args.shapes:
         k, n = SHAPES[name]
         for m in args.rows:
-            sweep(name, k, n, m, sweep_grid=not args.no_grid, cold=args.cold)
+            sweep(name, k, n, m, sweep_grid=not args.no_grid, cold=args.cold, pdl=args.pdl)
 
 
 if __name__ == "__main__":

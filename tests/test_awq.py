@@ -83,6 +83,20 @@ def test_triton_kernel_equals_its_twin(dtype: torch.dtype, m: int, k: int) -> No
     assert not arrival_counters(DEVICE).any()  # the programs that added the split-K parts reset the counters
 
 
+def test_gemv_as_a_programmatic_dependent_launch() -> None:
+    """``pdl=True`` (Hopper's programmatic dependent launch) gives the twin's result on a GPU that has it, a clear
+    error where it cannot run."""
+    torch.manual_seed(2)
+    qweight, qzeros, scales = pack_linear(torch.randn(80, 256, device=DEVICE) * 0.1, GROUP)
+    x = torch.randn(2, 256, device=DEVICE)
+    if DEVICE.type != "cuda" or torch.cuda.get_device_capability() < (9, 0):
+        with pytest.raises(ValueError, match="pdl"):
+            awq_gemm_triton(x, qweight, qzeros, scales, pdl=True)
+        return
+    expected = awq_gemm_torch(x, qweight, qzeros, scales)
+    torch.testing.assert_close(awq_gemm_triton(x, qweight, qzeros, scales, pdl=True), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("k", "n"), [(256, 80), (384, 136)])  # a partial block of columns, three groups
 def test_triton_dequantize_equals_its_twin(dtype: torch.dtype, k: int, n: int) -> None:

@@ -34,8 +34,14 @@ def awq_gemm_torch(
     return x @ dequantize(qweight, qzeros, scales, x.dtype)
 
 
+gdc_wait = None  # programmatic dependent launch's wait (Triton >= 3.4)
 if triton is not None:
     from paged_backend.kernels.arrival import add_parts, last_to_arrive
+
+    try:
+        from triton.language.extra.cuda import gdc_wait
+    except ImportError:  # pragma: no cover - older Triton: no pdl
+        pass
 
     @triton.jit
     def _dequantize_tile(
@@ -218,6 +224,7 @@ if triton is not None:
         GROUP_SIZE: tl.constexpr,
         SPLIT: tl.constexpr,  # K split: fp32 parts, the last program of a tile adds them
         ROWS: tl.constexpr,  # rows per load within a thread (its loads in flight at once), summed in the thread
+        PDL: tl.constexpr,  # launched as a programmatic dependent: starts while the previous kernel drains
     ):
         """A few rows of x (all in one program) against a block of columns, with no ``tl.dot`` (its 16-row
         minimum wastes most of the math at decode's one or two rows). The eight columns of each pack are eight
@@ -227,6 +234,8 @@ if triton is not None:
         accumulators, reduced once. With one pack per thread (tiles of 32 x num_warps packs) a program needs ~56
         registers at one row, so many warps are resident and keep loads in flight: 2.2 TB/s on gate/up at one
         row (the kernel before these changes: 1.2)."""
+        if PDL:  # nothing of the previous kernel's (x, the counters) is read or written before it has finished
+            gdc_wait()
         pid_m = tl.program_id(0)  # fastest: the programs reading one weight tile run together and share it in L2
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -352,10 +361,13 @@ def awq_gemm_triton(
     num_warps: int = 4,
     num_stages: int = 3,
     rows_per_thread: int = 1,
+    pdl: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """The fused GEMM; ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K). BLOCK_M below ``DOT_MIN_M`` picks the
     GEMV kernel (BLOCK_M rows per program; BLOCK_K rows of weights per load across threads, ``rows_per_thread``
-    within each thread; K split in whole groups)."""
+    within each thread; K split in whole groups). ``pdl`` launches the GEMV as a programmatic dependent launch
+    (Hopper and later): its programs start as the previous kernel's finish and wait for its results in the
+    kernel, which hides part of the launch gap between kernels (also inside CUDA graphs)."""
     m, k = x.shape
     n = scales.shape[1]
     group_size = k // scales.shape[0]
@@ -367,6 +379,8 @@ def awq_gemm_triton(
             "reads one scale row"
         )
     gemv = block_m < DOT_MIN_M
+    if pdl and not (gemv and x.is_cuda and gdc_wait is not None and torch.cuda.get_device_capability(x.device)[0] >= 9):
+        raise ValueError("pdl=True needs the GEMV kernel (BLOCK_M < DOT_MIN_M) on a CUDA device of sm_90 or later")
     step = group_size if gemv else block_k  # the GEMV loops over whole groups
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), step) * step
     split_k = triton.cdiv(k, k_per_split)
@@ -393,7 +407,9 @@ def awq_gemm_triton(
             GROUP_SIZE=group_size,
             SPLIT=split_k > 1,
             ROWS=rows_per_thread,
+            PDL=pdl,
             **tuning,
+            **({"launch_pdl": True} if pdl else {}),
         )
     else:
         _awq_gemm_kernel[grid](
