@@ -95,19 +95,21 @@ if triton is not None:
             splits = 1
             while n * splits * 2 <= programs and v >= splits * 2 * 4 * block_v:
                 splits *= 2
-        if splits & (splits - 1):
-            raise ValueError(f"splits must be a power of two, got {splits}")
+        if splits < 1 or splits & (splits - 1):
+            raise ValueError(f"splits must be a power of two (1, 2, 4, ...), got {splits}")
         v_per_split = triton.cdiv(triton.cdiv(v, splits), block_v) * block_v
-        parts = [torch.empty(n, splits, dtype=t, device=logits.device) for t in (torch.float32, torch.long)]
+        best = torch.empty(n, splits, dtype=torch.float32, device=logits.device)  # each slice's part
+        index = torch.empty(n, splits, dtype=torch.long, device=logits.device)
+        total = torch.empty(n, splits, dtype=torch.float32, device=logits.device)
         check_tiles(n)
         _greedy_kernel[(n, splits)](
             logits,
             logits.stride(0),
             tokens,
             logprobs,
-            parts[0],
-            parts[1],
-            torch.empty_like(parts[0]),
+            best,
+            index,
+            total,
             arrival_counters(logits.device),
             v,
             v_per_split,
