@@ -309,8 +309,9 @@ def profile_decode(llm: LLM, vocab: int, path: Path) -> None:
 
 def profile_kernels(llm: LLM, prompts: list[list[int]], max_tokens: int, top: int = 25) -> dict[str, Any]:
     """GPU kernels of one run, per engine step (``max_tokens`` steps, the prefill among them): each kernel's
-    microseconds and calls per step, the GPU's busy time and the wall time per step (their difference is time
-    the GPU waited on the host). Kernels inside CUDA graphs count too."""
+    microseconds and calls per step, and the GPU's busy time per step. Kernels inside CUDA graphs count too. The
+    wall time per step is the profiled run's, slower than an unprofiled one: compare busy time with a timed run's
+    wall time for what the GPU spends idle (gaps between kernels, the host between rounds)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
