@@ -142,7 +142,6 @@ class AWQBlock(nn.Module):
 def test_awq_siblings_fuse_into_one_call_over_column_packed_buffers() -> None:
     """AWQ's [in, out / 8] layout packs siblings side by side: each layer's buffers become column slices of one
     buffer (the kernels read them through their row stride) and the graph makes one AWQ call over all of it."""
-
     torch.manual_seed(0)
     blocks = [AWQBlock() for _ in range(2)]
     x = torch.randn(1, 5, 64)

@@ -20,10 +20,13 @@ from paged_backend.kernels import tl, triton
 MAX_TILES = 1 << 16
 
 
-def arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed tile counters, ``[MAX_TILES]`` int32, made on first use. That is before any CUDA
-    graph capture (the engine's warm-up runs every kernel eagerly first), so it is ordinary memory that outlives
-    graphs. ``cuda`` and ``cuda:0`` (when current) are one device, with one buffer."""
+def arrival_counters(device: torch.device, tiles: int = 0) -> torch.Tensor:
+    """The device's zeroed tile counters, ``[MAX_TILES]`` int32, for a launch of ``tiles`` output tiles. Made on
+    first use, which is before any CUDA graph capture (the engine's warm-up runs every kernel eagerly first), so
+    it is ordinary memory that outlives graphs. ``cuda`` and ``cuda:0`` (when current) are one device, with one
+    buffer."""
+    if tiles > MAX_TILES:
+        raise ValueError(f"a split launch has {tiles} output tiles; at most MAX_TILES={MAX_TILES} have counters")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return _counters(device)
@@ -32,11 +35,6 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
 @functools.cache
 def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-
-
-def check_tiles(tiles: int) -> None:
-    if tiles > MAX_TILES:
-        raise ValueError(f"a split launch has {tiles} output tiles; at most MAX_TILES={MAX_TILES} have counters")
 
 
 if triton is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import num_sms, tl, triton
-from paged_backend.kernels.arrival import arrival_counters, check_tiles
+from paged_backend.kernels.arrival import arrival_counters
 from paged_backend.quantization.awq_format import dequantize
 
 # Rows up to which the fused kernel runs; above, dequantize + cuBLAS (faster at 256 rows on an H200).
@@ -388,9 +388,8 @@ def awq_gemm_triton(
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     # K split: fp32 parts, added by the last program of each tile (``kernels/arrival.py``)
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    check_tiles(grid[0] * grid[1])
     row_packs = _row_packs(qweight, qzeros, scales)
-    tensors = (x.contiguous(), qweight, qzeros, scales, out, partial, arrival_counters(x.device))
+    tensors = (x.contiguous(), qweight, qzeros, scales, out, partial, arrival_counters(x.device, grid[0] * grid[1]))
     tuning = dict(num_warps=num_warps, num_stages=num_stages)
     if gemv:
         _awq_gemv_kernel[grid](

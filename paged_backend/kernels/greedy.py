@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import num_sms, tl, triton
-from paged_backend.kernels.arrival import arrival_counters, check_tiles
+from paged_backend.kernels.arrival import arrival_counters
 
 
 def greedy_tokens_torch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, V] -> [N], [N]
@@ -101,7 +101,6 @@ if triton is not None:
         best = torch.empty(n, splits, dtype=torch.float32, device=logits.device)  # each slice's part
         index = torch.empty(n, splits, dtype=torch.long, device=logits.device)
         total = torch.empty(n, splits, dtype=torch.float32, device=logits.device)
-        check_tiles(n)
         _greedy_kernel[(n, splits)](
             logits,
             logits.stride(0),
@@ -110,7 +109,7 @@ if triton is not None:
             best,
             index,
             total,
-            arrival_counters(logits.device),
+            arrival_counters(logits.device, n),
             v,
             v_per_split,
             BLOCK_V=block_v,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import num_sms, tl, triton
-from paged_backend.kernels.arrival import arrival_counters, check_tiles
+from paged_backend.kernels.arrival import arrival_counters
 
 
 def _attend_group(
@@ -361,7 +361,6 @@ def paged_attention_triton(
     block_n = launch["block_n"]
     tuning = {k: launch[k] for k in ("num_warps", "num_stages") if k in launch}
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    check_tiles(grid[0] * grid[1])
     if num_splits > 1:
         partial = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
         lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
@@ -374,7 +373,7 @@ def paged_attention_triton(
         target,
         lse,
         out,
-        arrival_counters(query.device),
+        arrival_counters(query.device, grid[0] * grid[1]),
         query,
         k_cache,
         v_cache,

@@ -1,0 +1,79 @@
+"""The AWQ GEMV's machine code for an H100/H200 (sm_90), compiled here with the Triton wheel's own ``ptxas`` and
+``nvdisasm``: no GPU needed. Prints its registers per thread, spills and opcode counts, and where its weight loads
+sit (``LDG.E``: each line's position in the SASS), which is how the launch options of ``kernels/awq_gemm.py`` were
+judged before timing them on a GPU.
+
+    python benchmarks/awq_sass.py                       # the heuristic's one-row gate/up launch: 56 registers
+    python benchmarks/awq_sass.py --rows-per-thread 4   # each thread loads 4 rows at once: 128 registers
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from paged_backend.kernels.awq_gemm import _awq_gemv_kernel  # noqa: E402
+
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def compile_gemv(constants: dict[str, int | bool], num_warps: int = 4) -> bytes:
+    """The GEMV's cubin for sm_90 with bf16 activations and these constexprs."""
+    pointers = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": "*bf16"}
+    pointers |= {"out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32"}
+    scalars = dict.fromkeys(("M", "n_packs", "K", "k_per_split", "magic"), "i32")
+    signature = pointers | scalars | dict.fromkeys(constants, "constexpr")
+    source = triton.compiler.ASTSource(fn=_awq_gemv_kernel, signature=signature, constexprs=constants)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return kernel.asm["cubin"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--row-packs", type=int, default=3584, help="row stride in packs (gate/up fused: 3584)")
+    parser.add_argument("--block-m", type=int, default=1)
+    parser.add_argument("--block-n", type=int, default=256)
+    parser.add_argument("--block-k", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--rows-per-thread", type=int, default=1)
+    parser.add_argument("--pdl", action="store_true")
+    parser.add_argument("--loads", action="store_true", help="also print each weight load's SASS line")
+    args = parser.parse_args()
+    constants = dict(
+        ROW_PACKS=args.row_packs,
+        BLOCK_M=args.block_m,
+        BLOCK_N=args.block_n,
+        BLOCK_K=args.block_k,
+        GROUP_SIZE=args.group_size,
+        SPLIT=True,
+        ROWS=args.rows_per_thread,
+        PDL=args.pdl,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "gemv.cubin"
+        cubin.write_bytes(compile_gemv(constants))
+        usage = subprocess.run([TOOLS / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
+        sass = subprocess.run([TOOLS / "nvdisasm", "-c", cubin], capture_output=True, text=True).stdout
+    print(re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage).group(0), constants)
+    opcodes: collections.Counter[str] = collections.Counter()
+    for line in sass.splitlines():
+        found = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if found:
+            opcodes[found.group(1)] += 1
+        if args.loads and "LDG.E " in line:
+            print("  ", line.strip())
+    print(", ".join(f"{op} {n}" for op, n in opcodes.most_common(16)))
+
+
+if __name__ == "__main__":
+    main()
