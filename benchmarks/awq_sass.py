@@ -3,14 +3,15 @@
 sit (``LDG.E``: each line's position in the SASS), which is how the launch options of ``kernels/awq_gemm.py`` were
 judged before timing them on a GPU.
 
-    python benchmarks/awq_sass.py                       # the heuristic's one-row gate/up launch: 56 registers
-    python benchmarks/awq_sass.py --rows-per-thread 4   # each thread loads 4 rows at once: 128 registers
+    python benchmarks/awq_sass.py           # the heuristic's one-row gate/up launch: 56 registers
+    python benchmarks/awq_sass.py --loads   # also where each weight load sits
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import re
 import subprocess
 import sys
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paged_backend.kernels.awq_gemm import _awq_gemv_kernel  # noqa: E402
 
+logger = logging.getLogger("benchmarks.awq_sass")
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
@@ -45,10 +47,9 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, default=256)
     parser.add_argument("--block-k", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=128)
-    parser.add_argument("--rows-per-thread", type=int, default=1)
-    parser.add_argument("--pdl", action="store_true")
     parser.add_argument("--loads", action="store_true", help="also print each weight load's SASS line")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     constants = dict(
         ROW_PACKS=args.row_packs,
         BLOCK_M=args.block_m,
@@ -56,23 +57,21 @@ def main() -> None:
         BLOCK_K=args.block_k,
         GROUP_SIZE=args.group_size,
         SPLIT=True,
-        ROWS=args.rows_per_thread,
-        PDL=args.pdl,
     )
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "gemv.cubin"
         cubin.write_bytes(compile_gemv(constants))
         usage = subprocess.run([TOOLS / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
         sass = subprocess.run([TOOLS / "nvdisasm", "-c", cubin], capture_output=True, text=True).stdout
-    print(re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage).group(0), constants)
+    logger.info("%s %s", re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage).group(0), constants)
     opcodes: collections.Counter[str] = collections.Counter()
     for line in sass.splitlines():
         found = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
         if found:
             opcodes[found.group(1)] += 1
         if args.loads and "LDG.E " in line:
-            print("  ", line.strip())
-    print(", ".join(f"{op} {n}" for op, n in opcodes.most_common(16)))
+            logger.info("   %s", line.strip())
+    logger.info(", ".join(f"{op} {n}" for op, n in opcodes.most_common(16)))
 
 
 if __name__ == "__main__":

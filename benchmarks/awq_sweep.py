@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paged_backend.kernels.awq_gemm import (  # noqa: E402
     FUSED_MAX_M,
-    GEMV_MAX_M,
     awq_dequantize_triton,
     awq_gemm,
     awq_gemm_torch,
@@ -37,23 +36,18 @@ logger = logging.getLogger("benchmarks.awq_sweep")
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
 
 
-def grid(m: int) -> Iterable[tuple[int, int, int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, rows per thread) to try. BLOCK_M below 16 is the GEMV kernel:
-    all rows in one program, or one row a program (BLOCK_M 1); its tiles hold one, two or four packs a thread
-    (BLOCK_N / 8 x BLOCK_K packs over 32 x warps threads), times the rows each thread loads at once and sums."""
+def grid(m: int) -> Iterable[tuple[int, int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) to try. BLOCK_M below 16 is the GEMV kernel: all rows in one
+    program, or one row a program (BLOCK_M 1); its tiles hold one, two or four packs a thread (BLOCK_N / 8 x
+    BLOCK_K packs over 32 x warps threads)."""
     if m <= 4:  # the GEMV only: the tl.dot kernel never came near it at these rows
         tiles = ((64, 16, 4), (128, 8, 4), (256, 4, 4), (256, 8, 8), (512, 4, 8), (256, 8, 4), (256, 16, 4))
         splits = (4, 8, 16, 32)
         rows = sorted({1, triton.next_power_of_2(m)})
-        gemv = [(bm, bn, bk, s, w, 1) for bm, (bn, bk, w), s in itertools.product(rows, tiles, splits)]
-        deep = [
-            (bm, bn, bk, s, 4, r)
-            for bm, (bn, bk), s, r in itertools.product(rows, ((256, 4), (128, 8)), (8, 16), (2, 4))
-        ]
-        return itertools.chain(gemv, deep)
+        return ((bm, bn, bk, split_k, warps) for bm, (bn, bk, warps), split_k in itertools.product(rows, tiles, splits))
     if m <= 16:
-        return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,), (1,))
-    return itertools.product((64, 128, 256), (64, 128), (64, 128), (1,), (4, 8), (1,))  # 256: each weight made once
+        return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,))
+    return itertools.product((64, 128, 256), (64, 128), (64, 128), (1,), (4, 8))  # 256: each weight made once
 
 
 def bench_us(fn: Callable[[], object], rep: int = 50, graph: bool = True) -> float:
@@ -77,11 +71,10 @@ def per_call_us(fn: Callable[..., object], weights: list[tuple], rep: int = 50) 
 
 
 @torch.no_grad()
-def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True, cold: bool = False, pdl: bool = False) -> None:
+def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True, cold: bool = False) -> None:
     """One projection at ``m`` rows: the bf16 GEMM, the heuristic's launch, then the grid's four fastest. With
     ``cold``, each is timed over copies of the weights four times the L2's size (otherwise the same weights
-    again and again: a small projection's then partly stay in L2). With ``pdl`` (with ``cold``: a chain of
-    calls in one graph), the heuristic's GEMV launch also as a programmatic dependent launch."""
+    again and again: a small projection's then partly stay in L2)."""
     qweight, qzeros, scales = pack_linear(torch.randn(n, k, device="cuda") * 0.02, 128)
     read = qweight.numel() * 4 + qzeros.numel() * 4 + scales.numel() * 2
     copies = min(32, max(1, round(4 * L2_BYTES / read))) if cold else 1
@@ -93,15 +86,6 @@ def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True, cold: bool
     error = (fused().float() - awq_gemm_torch(x.float(), qweight, qzeros, scales)).abs().max().item()
     bf16_us = per_call_us(lambda dense: x @ dense, [(d,) for d in denses])
     default_us = per_call_us(partial(awq_gemm_triton, x), packed)
-    if pdl and m <= GEMV_MAX_M:
-        pdl_us = per_call_us(partial(awq_gemm_triton, x, pdl=True), packed)
-        logger.info(
-            "%s m=%d: heuristic's launch %.1f us, as a programmatic dependent launch %.1f us",
-            name,
-            m,
-            default_us,
-            pdl_us,
-        )
     if m > FUSED_MAX_M:  # the engine's path here: one dequantize pass (the twin makes several), then cuBLAS
         twin_us = bench_us(lambda: dequantize(qweight, qzeros, scales, x.dtype), graph=False)
         triton_us = bench_us(lambda: awq_dequantize_triton(qweight, qzeros, scales, x.dtype))
@@ -120,20 +104,16 @@ def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True, cold: bool
         error,
     )
     rows = []
-    for bm, bn, bk, split_k, warps, per_thread in grid(m) if sweep_grid else ():
+    for bm, bn, bk, split_k, warps in grid(m) if sweep_grid else ():
         launch = (bm, bn, bk, split_k)
-        run = partial(awq_gemm_triton, x, launch=launch, num_warps=warps, rows_per_thread=per_thread)
         try:
-            us = per_call_us(lambda *w, run=run: run(*w), packed, 20)
+            us = per_call_us(lambda *w, launch=launch, warps=warps: awq_gemm_triton(x, *w, launch, warps), packed, 20)
         except Exception as exc:  # noqa: BLE001 - a shape the compiler refuses is skipped
-            logger.info("  %s warps=%d rows=%d: %s", launch, warps, per_thread, type(exc).__name__)
+            logger.info("  %s warps=%d: %s", launch, warps, type(exc).__name__)
             continue
-        rows.append((us, launch, warps, per_thread))
-    for us, launch, warps, per_thread in sorted(rows)[:4]:
-        logger.info(
-            "  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s warps=%d rows/thread=%d",
-            *(us, read / us / 1e6, launch, warps, per_thread),
-        )
+        rows.append((us, launch, warps))
+    for us, launch, warps in sorted(rows)[:4]:
+        logger.info("  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s warps=%d", us, read / us / 1e6, launch, warps)
 
 
 def main() -> None:
@@ -144,12 +124,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 64, 256], help="rows of x (M) to time")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES), help="projections")
     parser.add_argument("--cold", action="store_true", help="weights from HBM at every call, as in the engine")
-    parser.add_argument("--pdl", action="store_true", help="also the GEMV as a programmatic dependent launch")
     args = parser.parse_args()
     for name in args.shapes:
         k, n = SHAPES[name]
         for m in args.rows:
-            sweep(name, k, n, m, sweep_grid=not args.no_grid, cold=args.cold, pdl=args.pdl)
+            sweep(name, k, n, m, sweep_grid=not args.no_grid, cold=args.cold)
 
 
 if __name__ == "__main__":

@@ -73,28 +73,13 @@ def test_triton_kernel_equals_its_twin(dtype: torch.dtype, m: int, k: int) -> No
     x = torch.randn(m, k, dtype=dtype, device=DEVICE)
     expected = awq_gemm_torch(x.float(), qweight, qzeros, scales)
     # the heuristic's shape, then split-K over 4 parts: the tl.dot kernel, and for a few rows the GEMV kernel with
-    # one row a program (BLOCK_M 1) and with four (the last program's rows partly masked when m is 3 or 7), and
-    # each thread summing 4 rows of weights itself
-    gemv = (((1, 64, 32, 4), 1), ((4, 64, 8, 4), 1), ((4, 64, 8, 4), 4)) if m < 16 else ()
-    for launch, rows_per_thread in ((None, 1), ((16, 32, 32, 4), 1), *gemv):
-        got = awq_gemm_triton(x, qweight, qzeros, scales, launch, rows_per_thread=rows_per_thread)
+    # one row a program (BLOCK_M 1) and with four (the last program's rows partly masked when m is 3 or 7)
+    gemv = ((1, 64, 32, 4), (4, 64, 8, 4)) if m < 16 else ()
+    for launch in (None, (16, 32, 32, 4), *gemv):
+        got = awq_gemm_triton(x, qweight, qzeros, scales, launch)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     assert not arrival_counters(DEVICE).any()  # the programs that added the split-K parts reset the counters
-
-
-def test_gemv_as_a_programmatic_dependent_launch() -> None:
-    """``pdl=True`` (Hopper's programmatic dependent launch) gives the twin's result on a GPU that has it, a clear
-    error where it cannot run."""
-    torch.manual_seed(2)
-    qweight, qzeros, scales = pack_linear(torch.randn(80, 256, device=DEVICE) * 0.1, GROUP)
-    x = torch.randn(2, 256, device=DEVICE)
-    if DEVICE.type != "cuda" or torch.cuda.get_device_capability() < (9, 0):
-        with pytest.raises(ValueError, match="pdl"):
-            awq_gemm_triton(x, qweight, qzeros, scales, pdl=True)
-        return
-    expected = awq_gemm_torch(x, qweight, qzeros, scales)
-    torch.testing.assert_close(awq_gemm_triton(x, qweight, qzeros, scales, pdl=True), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

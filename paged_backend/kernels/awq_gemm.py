@@ -34,14 +34,8 @@ def awq_gemm_torch(
     return x @ dequantize(qweight, qzeros, scales, x.dtype)
 
 
-gdc_wait = None  # programmatic dependent launch's wait (Triton >= 3.4)
 if triton is not None:
     from paged_backend.kernels.arrival import add_parts, last_to_arrive
-
-    try:
-        from triton.language.extra.cuda import gdc_wait
-    except ImportError:  # pragma: no cover - older Triton: no pdl
-        pass
 
     @triton.jit
     def _dequantize_tile(
@@ -220,11 +214,9 @@ if triton is not None:
         # unrolled loads below address by immediate offsets
         BLOCK_M: tl.constexpr,  # rows of x per program, each weight made once for all of them
         BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,  # rows per load across threads; ROWS * BLOCK_K divides GROUP_SIZE
+        BLOCK_K: tl.constexpr,  # rows per load; divides GROUP_SIZE
         GROUP_SIZE: tl.constexpr,
         SPLIT: tl.constexpr,  # K split: fp32 parts, the last program of a tile adds them
-        ROWS: tl.constexpr,  # rows per load within a thread (its loads in flight at once), summed in the thread
-        PDL: tl.constexpr,  # launched as a programmatic dependent: starts while the previous kernel drains
     ):
         """A few rows of x (all in one program) against a block of columns, with no ``tl.dot`` (its 16-row
         minimum wastes most of the math at decode's one or two rows). The eight columns of each pack are eight
@@ -234,8 +226,6 @@ if triton is not None:
         accumulators, reduced once. With one pack per thread (tiles of 32 x num_warps packs) a program needs ~56
         registers at one row, so many warps are resident and keep loads in flight: 2.2 TB/s on gate/up at one
         row (the kernel before these changes: 1.2)."""
-        if PDL:  # nothing of the previous kernel's (x, the counters) is read or written before it has finished
-            gdc_wait()
         pid_m = tl.program_id(0)  # fastest: the programs reading one weight tile run together and share it in L2
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -251,29 +241,27 @@ if triton is not None:
         for k0 in range(k_start, k_end, GROUP_SIZE):
             group = k0 // GROUP_SIZE
             zeros = tl.load(qzeros_ptr + group * ROW_PACKS + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
-            z0, z1 = _nibble_floats(zeros, magic, 0)[None, None, :], _nibble_floats(zeros, magic, 1)[None, None, :]
-            z2, z3 = _nibble_floats(zeros, magic, 2)[None, None, :], _nibble_floats(zeros, magic, 3)[None, None, :]
-            z4, z5 = _nibble_floats(zeros, magic, 4)[None, None, :], _nibble_floats(zeros, magic, 5)[None, None, :]
-            z6, z7 = _nibble_floats(zeros, magic, 6)[None, None, :], _nibble_floats(zeros, magic, 7)[None, None, :]
+            z0, z1 = _nibble_floats(zeros, magic, 0)[None, :], _nibble_floats(zeros, magic, 1)[None, :]
+            z2, z3 = _nibble_floats(zeros, magic, 2)[None, :], _nibble_floats(zeros, magic, 3)[None, :]
+            z4, z5 = _nibble_floats(zeros, magic, 4)[None, :], _nibble_floats(zeros, magic, 5)[None, :]
+            z6, z7 = _nibble_floats(zeros, magic, 6)[None, :], _nibble_floats(zeros, magic, 7)[None, :]
             part0 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N // 8), dtype=tl.float32)
             part1, part2, part3, part4, part5, part6, part7 = part0, part0, part0, part0, part0, part0, part0
-            # [R, BK]: a load's rows; a thread's ROWS rows are its own (the tile's first axis stays in the thread)
-            rows = k0 + tl.arange(0, BLOCK_K)[None, :] * ROWS + tl.arange(0, ROWS)[:, None]
-            x_ptrs = x_ptr + offs_m[:, None, None] * K + rows[None, :, :]  # [BM, R, BK]
-            w_ptrs = qweight_ptr + rows[:, :, None] * ROW_PACKS + offs_pack[None, None, :]  # [R, BK, BN / 8]
-            for r in tl.static_range(GROUP_SIZE // (ROWS * BLOCK_K)):
-                step = r * ROWS * BLOCK_K
-                x = tl.load(x_ptrs + step, mask=mask_m[:, None, None], other=0.0).to(tl.float32)[:, :, :, None]
-                packed = tl.load(w_ptrs + step * ROW_PACKS, mask=mask_pack[None, None, :], other=0)  # [R, BK, BN / 8]
-                # each weight is made once and used for the BM rows of x: [R, BK, BN / 8] -> [1, R, BK, BN / 8]
-                part0 += tl.sum(x * (_nibble_floats(packed, magic, 0) - z0)[None], axis=1)
-                part1 += tl.sum(x * (_nibble_floats(packed, magic, 1) - z1)[None], axis=1)
-                part2 += tl.sum(x * (_nibble_floats(packed, magic, 2) - z2)[None], axis=1)
-                part3 += tl.sum(x * (_nibble_floats(packed, magic, 3) - z3)[None], axis=1)
-                part4 += tl.sum(x * (_nibble_floats(packed, magic, 4) - z4)[None], axis=1)
-                part5 += tl.sum(x * (_nibble_floats(packed, magic, 5) - z5)[None], axis=1)
-                part6 += tl.sum(x * (_nibble_floats(packed, magic, 6) - z6)[None], axis=1)
-                part7 += tl.sum(x * (_nibble_floats(packed, magic, 7) - z7)[None], axis=1)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]  # [BM, BK]
+            w_ptrs = qweight_ptr + offs_k[:, None] * ROW_PACKS + offs_pack[None, :]  # [BK, BN / 8]
+            for r in tl.static_range(GROUP_SIZE // BLOCK_K):
+                x = tl.load(x_ptrs + r * BLOCK_K, mask=mask_m[:, None], other=0.0).to(tl.float32)[:, :, None]
+                packed = tl.load(w_ptrs + r * BLOCK_K * ROW_PACKS, mask=mask_pack[None, :], other=0)  # [BK, BN / 8]
+                # each weight is made once and used for the BM rows of x: [BK, BN / 8] -> [1, BK, BN / 8]
+                part0 += x * (_nibble_floats(packed, magic, 0) - z0)[None, :, :]
+                part1 += x * (_nibble_floats(packed, magic, 1) - z1)[None, :, :]
+                part2 += x * (_nibble_floats(packed, magic, 2) - z2)[None, :, :]
+                part3 += x * (_nibble_floats(packed, magic, 3) - z3)[None, :, :]
+                part4 += x * (_nibble_floats(packed, magic, 4) - z4)[None, :, :]
+                part5 += x * (_nibble_floats(packed, magic, 5) - z5)[None, :, :]
+                part6 += x * (_nibble_floats(packed, magic, 6) - z6)[None, :, :]
+                part7 += x * (_nibble_floats(packed, magic, 7) - z7)[None, :, :]
             scale_row = scales_ptr + group * ROW_PACKS * 8
             acc0 += part0 * _nibble_scale(scale_row, offs_pack, mask_pack, 0)[None, None, :]
             acc1 += part1 * _nibble_scale(scale_row, offs_pack, mask_pack, 1)[None, None, :]
@@ -360,27 +348,17 @@ def awq_gemm_triton(
     launch: tuple[int, int, int, int] | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
-    rows_per_thread: int = 1,
-    pdl: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """The fused GEMM; ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K). BLOCK_M below ``DOT_MIN_M`` picks the
-    GEMV kernel (BLOCK_M rows per program; BLOCK_K rows of weights per load across threads, ``rows_per_thread``
-    within each thread; K split in whole groups). ``pdl`` launches the GEMV as a programmatic dependent launch
-    (Hopper and later): its programs start as the previous kernel's finish and wait for its results in the
-    kernel, which hides part of the launch gap between kernels (also inside CUDA graphs)."""
+    GEMV kernel (BLOCK_M rows per program; BLOCK_K rows of weights per load; K split in whole groups)."""
     m, k = x.shape
     n = scales.shape[1]
     group_size = k // scales.shape[0]
     sms = num_sms(x.device) if x.is_cuda else 132
     block_m, block_n, block_k, split_k = launch or _launch_shape(m, n, k, group_size, sms)
-    if group_size % (block_k * rows_per_thread):
-        raise ValueError(
-            f"BLOCK_K={block_k} x rows_per_thread={rows_per_thread} must divide group_size={group_size}: a tile "
-            "reads one scale row"
-        )
+    if group_size % block_k:
+        raise ValueError(f"BLOCK_K={block_k} must divide group_size={group_size}: a tile reads one scale row")
     gemv = block_m < DOT_MIN_M
-    if pdl and not (gemv and x.is_cuda and gdc_wait is not None and torch.cuda.get_device_capability(x.device)[0] >= 9):
-        raise ValueError("pdl=True needs the GEMV kernel (BLOCK_M < DOT_MIN_M) on a CUDA device of sm_90 or later")
     step = group_size if gemv else block_k  # the GEMV loops over whole groups
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), step) * step
     split_k = triton.cdiv(k, k_per_split)
@@ -405,10 +383,7 @@ def awq_gemm_triton(
             BLOCK_K=block_k,
             GROUP_SIZE=group_size,
             SPLIT=split_k > 1,
-            ROWS=rows_per_thread,
-            PDL=pdl,
             **tuning,
-            **({"launch_pdl": True} if pdl else {}),
         )
     else:
         _awq_gemm_kernel[grid](
