@@ -17,6 +17,8 @@ if not torch.cuda.is_available():
 from paged_backend.demo import build_tiny_model, build_tiny_tokenizer
 
 EOS = 2
+# TP=2 engines run on two CPU processes (gloo) without CUDA and on two GPUs with it: a one-GPU machine cannot
+tp2 = pytest.mark.skipif(torch.cuda.device_count() == 1, reason="tensor_parallel_size=2 on CUDA needs two GPUs")
 
 
 @pytest.fixture(scope="session")

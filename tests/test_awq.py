@@ -19,7 +19,7 @@ from paged_backend.quantization import awq
 from paged_backend.quantization.awq import AWQLinear, dequantized_copy
 from paged_backend.quantization.awq_format import AWQ_ORDER, dequantize, pack, pack_linear, unpack
 from paged_backend.quantization.awq_quantize import apply_awq, calibration_batches, write_checkpoint
-from tests.conftest import capturing_backend, hf_greedy, ragged_prompts
+from tests.conftest import capturing_backend, hf_greedy, ragged_prompts, tp2
 
 GROUP = 32
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel: on the GPU, else interpreted
@@ -274,6 +274,7 @@ def test_awq_beats_round_to_nearest_on_held_out_text(tokenizer, tmp_path) -> Non
     assert list(out[0].outputs[0].token_ids) == hf_greedy(reference, prompt, 8)
 
 
+@tp2
 def test_tp2_on_an_awq_checkpoint_equals_hf_on_the_dequantized_model(awq_checkpoints) -> None:
     """Under tensor parallelism the packed tensors are cut like the layer: outputs in whole packs of eight, inputs
     in whole groups."""

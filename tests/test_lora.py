@@ -12,7 +12,7 @@ import torch
 
 from paged_backend import LLM, LoRARequest, SamplingParams
 from paged_backend.demo import build_tiny_model
-from tests.conftest import assert_idle, capturing_backend, hf_greedy, ragged_prompts
+from tests.conftest import assert_idle, capturing_backend, hf_greedy, ragged_prompts, tp2
 
 peft = pytest.importorskip("peft")
 
@@ -94,6 +94,7 @@ def test_mixed_batch_with_rotating_slots_equals_each_merged_model(lora_setup) ->
     assert_idle(llm)
 
 
+@tp2
 def test_tensor_parallel_adapters_are_cut_like_their_layers(lora_setup) -> None:
     """TP=2 (two processes, gloo): each rank holds its slice of every A or B, rowwise deltas are summed with the
     layer's output, and the worker repeats rank 0's slot placements, as two slots rotate through three adapters."""

@@ -12,8 +12,9 @@ import torch
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.demo import build_tiny_model
-from tests.conftest import assert_idle, hf_greedy, ragged_prompts
+from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tp2
 
+pytestmark = tp2
 ENGINE = dict(block_size=4, max_model_len=128)
 
 
