@@ -5,7 +5,6 @@ helpers."""
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
@@ -90,13 +89,14 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0) -> PreTrainedModel:
-    """A random-weight fp32 model of the named architecture (one of ``TINY_CONFIGS``), in eval mode."""
+def build_tiny_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A random-weight fp32 model of the named architecture (one of ``TINY_CONFIGS``, with ``overrides`` of its
+    config's fields), in eval mode."""
     from transformers import AutoConfig
 
     if arch not in TINY_CONFIGS:
         raise ValueError(f"arch must be one of {sorted(TINY_CONFIGS)}, got {arch!r}")
-    kwargs = dict(TINY_CONFIGS[arch])
+    kwargs = dict(TINY_CONFIGS[arch], **overrides)
     model_type = kwargs.pop("model_type")
     config = AutoConfig.for_model(
         model_type, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0, **kwargs
@@ -110,36 +110,3 @@ def build_tiny_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0) 
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     return model.eval()
-
-
-def run_demo(num_prompts: int = 32, max_tokens: int = 64, arch: str = "llama") -> dict[str, float]:
-    """Generate with the tiny model; returns and logs output tokens per second."""
-    from paged_backend import LLM, SamplingParams
-
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(arch, vocab_size=len(tokenizer))
-    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=512, block_size=16)
-    prompts = [CORPUS[i % len(CORPUS)][: 20 + 7 * i] for i in range(num_prompts)]
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True, seed=0)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    for output in outputs[:3]:
-        logger.info("prompt %r -> %r", output.prompt, output.outputs[0].text)
-    result = {
-        "prompts": num_prompts,
-        "output_tokens": tokens,
-        "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed,
-    }
-    logger.info(
-        "%d prompts, %d output tokens in %.2f s: %.0f output tokens/s (%s, %s)",
-        num_prompts,
-        tokens,
-        elapsed,
-        result["tokens_per_s"],
-        arch,
-        llm.llm_engine.device,
-    )
-    return result

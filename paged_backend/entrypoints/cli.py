@@ -1,4 +1,5 @@
-"""``paged-backend`` command line: ``demo`` runs the embedded tiny model (no download, no GPU); ``serve MODEL``
+"""``paged-backend`` command line: ``demo`` compares HF ``generate`` with the engine on one batch (an embedded
+model by default: no download, no GPU); ``serve MODEL``
 starts the OpenAI-compatible server with vLLM's flags."""
 
 from __future__ import annotations
@@ -6,19 +7,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paged-backend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="generate with an embedded tiny random model and report tokens/s")
+    demo = sub.add_parser("demo", help="one batch through HF generate and through the engine, side by side")
+    demo.add_argument("--model", default=None, help="checkpoint path or hub id (default: the embedded demo Llama)")
     demo.add_argument("--num-prompts", type=int, default=32)
-    demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument(
-        "--arch",
-        default="llama",
-        help="llama, mistral, qwen2, qwen3, gpt2, gemma2, gemma3, phi3, opt, gpt_neox or mixtral",
-    )
+    demo.add_argument("--max-tokens", type=int, default=64, help="new tokens a prompt (greedy, EOS ignored)")
+    demo.add_argument("--batch-size", type=int, default=None, help="HF generate's batch (default: all prompts)")
+    demo.add_argument("--cache-dir", type=Path, default=None, help="where the demo checkpoint is built once")
+    demo.add_argument("--num-kv-blocks", type=int, default=None, help="the engine's KV cache size in blocks")
+    demo.add_argument("--block-size", type=int, default=16)
     serve = sub.add_parser(
         "serve", help="OpenAI-compatible server (vLLM's flags; needs the [server] extra)", add_help=False
     )
@@ -32,9 +34,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if args.command == "demo":
-        from paged_backend.demo import run_demo
+        from paged_backend.entrypoints.demo import run_demo
 
-        run_demo(args.num_prompts, args.max_tokens, args.arch)
+        engine_args = {"block_size": args.block_size}
+        if args.num_kv_blocks is not None:
+            engine_args["num_kv_blocks"] = args.num_kv_blocks
+        run_demo(args.model, args.num_prompts, args.max_tokens, args.batch_size, args.cache_dir, **engine_args)
     return 0
 
 

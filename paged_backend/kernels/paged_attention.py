@@ -29,27 +29,29 @@ def _attend_group(
 ) -> torch.Tensor:  # [G, max_q, H, D] (rows past q_len are garbage)
     device = query.device
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_heads = query.shape[1]
+    groups, num_heads, head_dim = block_tables.shape[0], query.shape[1], query.shape[2]
+    per_kv = num_heads // num_kv_heads  # query heads sharing a KV head (h = kv * per_kv + r)
     kv_pos = torch.arange(max_ctx, device=device)  # [C]
     slots = block_tables[:, kv_pos // block_size].long() * block_size + kv_pos % block_size  # [G, C]
-    keys = k_cache.flatten(0, 1)[slots].float()  # [G, C, Hkv, D]
-    values = v_cache.flatten(0, 1)[slots].float()  # [G, C, Hkv, D]
-    if num_heads != num_kv_heads:
-        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=2)  # [G, C, H, D]
-        values = values.repeat_interleave(num_heads // num_kv_heads, dim=2)
+    keys = k_cache.flatten(0, 1)[slots].float().transpose(1, 2)  # [G, Hkv, C, D]
+    values = v_cache.flatten(0, 1)[slots].float().transpose(1, 2)  # [G, Hkv, C, D]
     q_idx = torch.arange(max_q, device=device)  # [Q]
     token_idx = (q_starts[:, None] + q_idx[None, :]).clamp(max=query.shape[0] - 1)  # [G, Q]
-    queries = query[token_idx].float()  # [G, Q, H, D]
+    queries = query[token_idx].float().view(groups, max_q, num_kv_heads, per_kv, head_dim)  # [G, Q, Hkv, R, D]
+    # one matmul per KV head over all the query heads that share it: [G, Hkv, R * Q, D]
+    queries = queries.permute(0, 2, 3, 1, 4).reshape(groups, num_kv_heads, per_kv * max_q, head_dim)
     q_pos = (context_lens - q_lens)[:, None] + q_idx[None, :]  # [G, Q]
     allowed = kv_pos[None, None, :] <= q_pos[:, :, None]  # [G, Q, C]
     if sliding_window is not None:
         allowed &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    scores = torch.einsum("gqhd,gchd->ghqc", queries, keys) * scale  # [G, H, Q, C]
+    scores = (queries @ keys.transpose(-1, -2) * scale).view(groups, num_kv_heads, per_kv, max_q, max_ctx)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))  # [G, Hkv, R, Q, C]
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded query rows are fully masked
-    return torch.einsum("ghqc,gchd->gqhd", probs, values)
+    out = probs.view(groups, num_kv_heads, per_kv * max_q, max_ctx) @ values  # [G, Hkv, R * Q, D]
+    out = out.view(groups, num_kv_heads, per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [G, Q, Hkv, R, D]
+    return out.reshape(groups, max_q, num_heads, head_dim)
 
 
 def paged_attention_torch(
