@@ -1,23 +1,29 @@
 """Existing Hugging Face code, made paged by one line: ``paged_backend.patch(model, tokenizer)``.
 
-Runs on the embedded tiny model (no download, no GPU); with a real checkpoint, load it with
-``AutoModelForCausalLM.from_pretrained`` as usual. Run: python examples/hf_generate_patch.py
+Runs on the embedded demo Llama (built once, no download, no GPU); ``--model PATH`` runs a real checkpoint.
+Run: python examples/hf_generate_patch.py [--model PATH]
 """
 
+import argparse
 import logging
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import paged_backend
-from paged_backend.demo import build_tiny_model, build_tiny_tokenizer
+from paged_backend.demo import model_or_demo
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 logger = logging.getLogger("example")
 
-tokenizer = build_tiny_tokenizer()
-tokenizer.padding_side = "left"
-model = build_tiny_model("llama", vocab_size=len(tokenizer))
-batch = tokenizer(["Hello, my name is", "The paged KV cache"], return_tensors="pt", padding=True)
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--model", default=None, help="checkpoint path or hub id (default: the embedded demo Llama)")
+args = parser.parse_args()
+path = model_or_demo(args.model)
+tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+device = "cuda" if torch.cuda.is_available() else "cpu"
+model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device)
+batch = tokenizer(["Hello, my name is", "The paged KV cache"], return_tensors="pt", padding=True).to(device)
 
 with torch.no_grad():
     before = model.generate(**batch, max_new_tokens=16, do_sample=False)

@@ -1,24 +1,27 @@
-"""LangChain on the paged engine, with the embedded tiny model (no download, no GPU): an LCEL chain invoked,
-streamed and batched, and a text model with a constructor-level stop string.
+"""LangChain on the paged engine: an LCEL chain invoked, streamed and batched, and a text model with a
+constructor-level stop string.
 
-Swap the tiny model for ``ChatPagedBackend(model="your/model", engine_kwargs={...})`` to use a real checkpoint.
-Run: pip install -e ".[langchain]" && python examples/langchain_chat.py
+Runs on the embedded demo Llama (built once, no download, no GPU); ``--model PATH`` runs a real checkpoint.
+Run: pip install -e ".[langchain]" && python examples/langchain_chat.py [--model PATH]
 """
 
+import argparse
 import logging
 
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 
 from paged_backend import LLM
-from paged_backend.demo import build_tiny_model, build_tiny_tokenizer
+from paged_backend.demo import model_or_demo
 from paged_backend.integrations.langchain import ChatPagedBackend, PagedBackendLLM
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 logger = logging.getLogger("example")
 
-tokenizer = build_tiny_tokenizer()
-llm = LLM(build_tiny_model("llama", vocab_size=len(tokenizer)), tokenizer=tokenizer, block_size=16)
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--model", default=None, help="checkpoint path or hub id (default: the embedded demo Llama)")
+args = parser.parse_args()
+llm = LLM(model_or_demo(args.model))
 
 chat = ChatPagedBackend(backend=llm, temperature=0, max_tokens=24)
 chain = ChatPromptTemplate.from_messages([("system", "Be brief."), ("user", "{question}")]) | chat | StrOutputParser()

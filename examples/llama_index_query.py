@@ -1,10 +1,12 @@
-"""A LlamaIndex query engine on the paged engine, with the embedded tiny model and a mock embedding (no
-download, no GPU): the retrieved passage goes into the prompt the engine answers.
+"""A LlamaIndex query engine on the paged engine, with a mock embedding: the retrieved passage goes into the
+prompt the engine answers.
 
-Swap the tiny model for ``PagedBackendLLM(model="your/model")`` and a real embedding model for real answers.
-Run: pip install -e ".[llama-index]" && python examples/llama_index_query.py
+Runs on the embedded demo Llama (built once, no download, no GPU); ``--model PATH`` runs a real checkpoint (use a
+real embedding model too for real answers).
+Run: pip install -e ".[llama-index]" && python examples/llama_index_query.py [--model PATH]
 """
 
+import argparse
 import asyncio
 import logging
 
@@ -12,16 +14,16 @@ from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.embeddings import MockEmbedding
 
 from paged_backend import LLM
-from paged_backend.demo import build_tiny_model, build_tiny_tokenizer
+from paged_backend.demo import model_or_demo
 from paged_backend.integrations.llama_index import PagedBackendLLM
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 logger = logging.getLogger("example")
 
-tokenizer = build_tiny_tokenizer()
-model = build_tiny_model("llama", vocab_size=len(tokenizer))
-model.config.max_position_embeddings = 2048  # room for LlamaIndex's prompt templates
-llm = LLM(model, tokenizer=tokenizer, block_size=16, max_model_len=2048)
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--model", default=None, help="checkpoint path or hub id (default: the embedded demo Llama)")
+args = parser.parse_args()
+llm = LLM(model_or_demo(args.model), max_model_len=2048)  # room for LlamaIndex's prompt templates
 
 documents = [Document(text="A paged KV cache stores keys and values in fixed-size blocks."), Document(text="Zebras.")]
 index = VectorStoreIndex.from_documents(documents, embed_model=MockEmbedding(embed_dim=8))

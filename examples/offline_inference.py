@@ -1,19 +1,23 @@
-"""Offline batched generation with vLLM's API, on the embedded tiny model (no download, no GPU).
+"""Offline batched generation with vLLM's API: ``LLM`` + ``SamplingParams``, then a chat turn.
 
-Swap ``build_tiny_model`` / ``build_tiny_tokenizer`` for ``LLM(model="your/model")`` to use a real checkpoint.
-Run: python examples/offline_inference.py
+Runs on the embedded demo Llama (built once, no download, no GPU); ``--model PATH`` runs a real checkpoint.
+Run: python examples/offline_inference.py [--model PATH]
 """
 
+import argparse
 import logging
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.demo import build_tiny_model, build_tiny_tokenizer
+from paged_backend.demo import model_or_demo
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 logger = logging.getLogger("example")
 
-tokenizer = build_tiny_tokenizer()
-llm = LLM(build_tiny_model("llama", vocab_size=len(tokenizer)), tokenizer=tokenizer, block_size=16)
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--model", default=None, help="checkpoint path or hub id (default: the embedded demo Llama)")
+args = parser.parse_args()
+
+llm = LLM(model_or_demo(args.model))
 
 prompts = ["Hello, my name is", "The paged KV cache", "Continuous batching lets"]
 outputs = llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=0))

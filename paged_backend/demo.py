@@ -5,6 +5,10 @@ helpers."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,3 +114,46 @@ def build_tiny_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, 
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+# Larger than the tests' models so that the batch's work, not Python, sets the pace; still seconds on a laptop.
+DEMO_CONFIG = dict(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, max_position_embeddings=2048
+)
+DEMO_FOLDER = "demo-llama"
+
+
+def default_cache_dir() -> Path:
+    """``$PAGED_BACKEND_CACHE``, else ``$XDG_CACHE_HOME/paged-backend``, else ``~/.cache/paged-backend``."""
+    if os.environ.get("PAGED_BACKEND_CACHE"):
+        return Path(os.environ["PAGED_BACKEND_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "paged-backend"
+
+
+def demo_checkpoint(cache_dir: Path) -> Path:
+    """The demo's checkpoint folder, built on first use (written beside it, then renamed: a run cut short
+    leaves no half checkpoint behind)."""
+    path = cache_dir / DEMO_FOLDER
+    if (path / "config.json").exists():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("building the demo checkpoint in %s (once)", path)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model("llama", vocab_size=len(tokenizer), **DEMO_CONFIG)
+    staging = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".building-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(path)
+        except OSError:  # another process built it meanwhile
+            if not (path / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def model_or_demo(model: str | None) -> str:
+    """``model`` when given, else the demo checkpoint's path: examples run the same code on both."""
+    return model or str(demo_checkpoint(default_cache_dir()))

@@ -9,9 +9,6 @@ may part where two logits tie within rounding).
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,40 +17,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from paged_backend.demo import CORPUS, build_tiny_model, build_tiny_tokenizer
+from paged_backend.demo import CORPUS, default_cache_dir, demo_checkpoint
 
 logger = logging.getLogger(__name__)
-
-# Larger than the tests' models so that the batch's work, not Python, sets the pace; still seconds on a laptop.
-DEMO_CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8)
-DEMO_FOLDER = "demo-llama"
-
-
-def default_cache_dir() -> Path:
-    """``$PAGED_BACKEND_CACHE``, else ``$XDG_CACHE_HOME/paged-backend``, else ``~/.cache/paged-backend``."""
-    if os.environ.get("PAGED_BACKEND_CACHE"):
-        return Path(os.environ["PAGED_BACKEND_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "paged-backend"
-
-
-def demo_checkpoint(cache_dir: Path) -> Path:
-    """The demo's checkpoint folder, built on first use (written beside it, then renamed: a run cut short
-    leaves no half checkpoint behind)."""
-    path = cache_dir / DEMO_FOLDER
-    if (path / "config.json").exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("building the demo checkpoint in %s (once)", path)
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model("llama", vocab_size=len(tokenizer), **DEMO_CONFIG)
-    staging = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".building-"))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        staging.rename(path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return path
 
 
 def demo_prompts(num_prompts: int) -> list[str]:
