@@ -19,4 +19,5 @@ def test_docs_site_builds_strict(tmp_path) -> None:
 
 def test_every_docs_page_is_in_the_nav() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
-    assert all(page.name in nav for page in (ROOT / "docs").glob("*.md"))
+    pages = [page.relative_to(ROOT / "docs").as_posix() for page in (ROOT / "docs").rglob("*.md")]
+    assert pages and all(page in nav for page in pages)
