@@ -38,3 +38,5 @@ def test_demo_builds_its_checkpoint_once(tmp_path) -> None:
 def test_demo_rejects_empty_runs(tmp_path) -> None:
     with pytest.raises(ValueError, match="num_prompts and max_tokens must be >= 1"):
         run_demo(num_prompts=0, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        run_demo(batch_size=0, cache_dir=tmp_path)

@@ -2,8 +2,8 @@
 
 Without ``--model`` it builds, once, a small random-weight Llama checkpoint and its tokenizer into a cache folder
 (no download, no GPU). Both sides decode greedily for exactly ``max_tokens`` tokens, so the speed and the KV
-memory compare like for like and the outputs must agree token for token (fp32 on CPU; in 16-bit on a GPU a few
-may part where two logits tie within rounding).
+memory compare like for like. The demo model runs in fp32 everywhere, where the outputs must agree token for
+token; a ``--model`` runs in bf16 on a GPU, where a few may part where two logits tie within rounding.
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ def run_hf(model: Any, tokenizer: Any, prompts: list[str], max_tokens: int, batc
     """HF ``generate`` on left-padded batches of ``batch_size``. Its cache holds every row at the batch's
     longest prompt plus ``max_tokens``: the padding and the tails are the waste."""
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # e.g. Llama 3's: padding needs one, and left padding is never attended
+        tokenizer.pad_token = tokenizer.eos_token
     config = model.generation_config
     config.eos_token_id = None  # exactly max_tokens a row, as the engine's ignore_eos
-    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    config.pad_token_id = tokenizer.pad_token_id
     device = model.device
     model.generate(**tokenizer(prompts[:1], return_tensors="pt").to(device), max_new_tokens=2, do_sample=False)
     outputs: list[list[int]] = []
@@ -114,6 +116,8 @@ def run_demo(
 
     if num_prompts < 1 or max_tokens < 1:
         raise ValueError(f"num_prompts and max_tokens must be >= 1, got {num_prompts} and {max_tokens}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 or None (all prompts in one batch), got {batch_size}")
     path = str(model or demo_checkpoint(cache_dir or default_cache_dir()))
     prompts = demo_prompts(num_prompts)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -124,11 +128,11 @@ def run_demo(
     hf = run_hf(hf_model, tokenizer, prompts, max_tokens, batch_size or num_prompts)
     del hf_model
     llm = LLM(path, dtype=str(dtype).removeprefix("torch."), **engine_args)
+    block_size = llm.llm_engine.stats()["block_size"]
     try:
         paged = run_paged(llm, prompts, max_tokens)
     finally:
         llm.llm_engine.shutdown()
-    block_size = llm.llm_engine.stats()["block_size"]
     same = sum(a == b for a, b in zip(hf.outputs, paged.outputs))
     agree = sum(
         next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(hf.outputs, paged.outputs)
