@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ):
             llm = LLM(str(path), skip_tokenizer_init=True, **kwargs)
             entry: dict[str, Any] = {"weight_gb": weight_bytes(llm.llm_engine.model) / 1e9}
-            regions = llm.llm_engine.runner.regions  # None when running eagerly
+            regions = llm.llm_engine.executor.model_runner.regions  # None when running eagerly
             entry["fused_sibling_groups"] = 0 if regions is None else regions.num_fused_groups
             entry.update(linear_weight_gb(llm.llm_engine.model))
             run_paged(llm, [one_prompt(config.vocab_size, 128, seed=2)], args.max_tokens)  # warm-up, another prompt

@@ -29,7 +29,7 @@ def ms_per_decode_step(num_seqs: int, max_tokens: int, num_scheduler_steps: int)
         num_scheduler_steps=num_scheduler_steps,
     )
     logits = torch.zeros(num_seqs, vocab)
-    llm.llm_engine.runner.run = lambda inputs, *args: logits[: inputs.logits_indices.shape[0]]
+    llm.llm_engine.executor.model_runner.run = lambda inputs, *args: logits[: inputs.logits_indices.shape[0]]
     rng = random.Random(0)
     prompts = [
         {"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(64, 250))]} for _ in range(num_seqs)

@@ -195,77 +195,65 @@ def measure_ttft(llm: LLM, model, vocab: int, repeats: int = 5) -> dict[str, flo
     return {"paged": 1e3 * statistics.median(paged), "hf_forward": 1e3 * statistics.median(hf)}
 
 
+class TimedExecutor:
+    """The engine's executor seam (``paged_backend.worker.worker.Executor``) with each ``execute_model`` timed:
+    everything on the device side of a step (input building, forwards, sampling and its host read)."""
+
+    def __init__(self, executor: Any) -> None:
+        self.inner = executor
+        self.seconds = 0.0
+        self.single_steps = 0
+        self.decode_rounds = 0
+        self.decode_round_steps = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        start = time.perf_counter()
+        result = self.inner.execute_model(scheduler_output)
+        self.seconds += time.perf_counter() - start
+        num_steps = scheduler_output.batch.num_steps
+        if num_steps is None:
+            self.single_steps += 1
+        else:
+            self.decode_rounds += 1
+            self.decode_round_steps += max(num_steps)
+        return result
+
+
 def step_breakdown(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-    """Where rank 0's wall time goes, in milliseconds per engine step: scheduling, input building, the broadcast
-    to tensor-parallel workers, launching forwards (async for CUDA graphs), waiting for the GPU (sampling, or
-    reading a multi-step round's tokens) and the rest (appending tokens, outputs). Also how many steps were
-    single forwards (prefill, mixed or non-greedy) and how many multi-step decode rounds, and their wall time."""
-    import paged_backend.engine.llm_engine as llm_engine
-
+    """Where rank 0's wall time goes, in milliseconds per engine step: the executor (input building, the
+    broadcast to tensor-parallel workers, forwards, sampling) and the engine around it (scheduling, appending
+    tokens, detokenizing, outputs). Also how many steps were single forwards (prefill, mixed or non-greedy) and
+    how many multi-step decode rounds."""
     engine = llm.llm_engine
-    runner = getattr(engine.runner, "runner", engine.runner)  # rank 0's ModelRunner, also under TP
-    totals: dict[str, float] = dict.fromkeys(
-        ("schedule", "prepare", "broadcast", "launch", "gpu_wait", "single_steps_s", "decode_rounds_s"), 0.0
-    )
-    counts = dict.fromkeys(("steps", "single_steps", "decode_rounds", "decode_round_steps"), 0)
-
-    def wrap(fn: Any, key: str, count: str | None = None) -> Any:
-        def timed_fn(*a: Any, **k: Any) -> Any:
-            start = time.perf_counter()
-            result = fn(*a, **k)
-            totals[key] += time.perf_counter() - start
-            if count is not None:
-                counts[count] += 1
-            return result
-
-        return timed_fn
-
-    def decode_round(sched: Any, num_steps: Any) -> Any:
-        counts["decode_round_steps"] += int(num_steps.max())
-        return run_round(sched, num_steps)
-
-    patched: list[tuple[Any, str, Any]] = [
-        (engine.scheduler, "schedule", wrap(engine.scheduler.schedule, "schedule")),
-        (runner, "prepare_inputs", wrap(runner.prepare_inputs, "prepare")),
-        (runner, "run", wrap(runner.run, "launch")),
-        (engine, "sampler", wrap(engine.sampler, "gpu_wait")),
-        (llm_engine, "to_host", wrap(llm_engine.to_host, "gpu_wait")),
-        (engine, "step", wrap(engine.step, "total", "steps")),
-        (engine, "_run_step", wrap(engine._run_step, "single_steps_s", "single_steps")),
-    ]
-    run_round = wrap(engine._run_decode_steps, "decode_rounds_s", "decode_rounds")
-    patched.append((engine, "_run_decode_steps", decode_round))
-    if getattr(engine, "tp_group", None) is not None:
-        patched.append((engine.tp_group, "send", wrap(engine.tp_group.send, "broadcast")))
-    totals["total"] = 0.0
-    saved = [(obj, name, getattr(obj, name), name in vars(obj)) for obj, name, _ in patched]
-    for obj, name, fn in patched:
-        setattr(obj, name, fn)
+    timed = TimedExecutor(engine.executor)
+    engine.executor = timed
     try:
         _, seconds = run_paged(llm, prompts, max_tokens)
     finally:
-        for obj, name, original, own in saved:
-            if own:
-                setattr(obj, name, original)
-            else:
-                delattr(obj, name)
-    steps = counts["steps"]
-    result = {k: 1e3 * v / steps for k, v in totals.items() if k not in ("total", "single_steps_s", "decode_rounds_s")}
-    result["other"] = 1e3 * seconds / steps - sum(result.values())
-    result["step_ms"] = 1e3 * seconds / steps
-    result["wall_s"] = seconds
-    result["single_steps_s"] = totals["single_steps_s"]
-    result["decode_rounds_s"] = totals["decode_rounds_s"]
-    result.update(counts)
-    if counts["decode_round_steps"]:
-        result["ms_per_decode_step_in_rounds"] = 1e3 * totals["decode_rounds_s"] / counts["decode_round_steps"]
+        engine.executor = timed.inner
+    steps = timed.single_steps + timed.decode_rounds
+    result: dict[str, float] = {
+        "execute_model": 1e3 * timed.seconds / steps,
+        "engine": 1e3 * (seconds - timed.seconds) / steps,
+        "step_ms": 1e3 * seconds / steps,
+        "wall_s": seconds,
+        "steps": steps,
+        "single_steps": timed.single_steps,
+        "decode_rounds": timed.decode_rounds,
+        "decode_round_steps": timed.decode_round_steps,
+    }
+    if timed.decode_round_steps:
+        result["decode_steps_per_round"] = timed.decode_round_steps / timed.decode_rounds
     return result
 
 
 def graph_replay_ms(llm: LLM, sizes: tuple[int, ...] = (2, 64, 256)) -> dict[int, float]:
     """GPU time of one decode-graph replay with padding inputs (attention reads nothing): the non-attention
     floor of a decode step."""
-    graphs = llm.llm_engine.runner.graphs
+    graphs = llm.llm_engine.executor.model_runner.graphs
     result = {}
     for size in sizes:
         if graphs is None or size not in graphs.graphs:
@@ -287,7 +275,7 @@ def profile_decode(llm: LLM, vocab: int, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     tables = []
-    graphs = llm.llm_engine.runner.graphs
+    graphs = llm.llm_engine.executor.model_runner.graphs
     for size in (2, 256):
         if graphs is None or size not in graphs.graphs:
             continue

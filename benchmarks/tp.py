@@ -136,18 +136,18 @@ def kill_worker_mid_step(tmp: Path) -> dict[str, Any]:
     import time
 
     llm = LLM(str(tmp / "llama"), tensor_parallel_size=2, dtype="float32", block_size=4, max_model_len=80)
-    (worker,) = llm.llm_engine.tp_group.processes
-    runner = llm.llm_engine.runner.runner
-    forward, steps = runner.execute_inputs, [0]
+    (worker,) = llm.llm_engine.executor.group.processes
+    driver = llm.llm_engine.executor.driver_worker
+    forward, steps = driver.execute_model, [0]
 
-    def dying_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def dying_forward(*args: Any, **kwargs: Any) -> Any:
         steps[0] += 1
         if steps[0] == 3:
             worker.kill()
             worker.join(timeout=10)
         return forward(*args, **kwargs)
 
-    runner.execute_inputs = dying_forward
+    driver.execute_model = dying_forward
     started = time.monotonic()
     try:
         llm.generate(["Hello"] * 4, SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
@@ -157,7 +157,7 @@ def kill_worker_mid_step(tmp: Path) -> dict[str, Any]:
     result = {"seconds_to_error": time.monotonic() - started, "error": error}
     logger.info("dead worker: %s", result)
     llm.llm_engine.shutdown()
-    del llm, runner
+    del llm, driver
     release_engine("dead-worker check")
     return result
 

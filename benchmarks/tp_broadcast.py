@@ -1,7 +1,7 @@
-"""What rank 0 pays to send a step's inputs to a tensor-parallel worker over gloo's ``broadcast_object_list``
-between two local processes (how Ray tasks get them; local workers get a pipe, and a multi-step round as its first
-step only): one decode step and one multi-step round of 256 sequences, as numpy arrays (``StepInputs.to_wire``)
-and, for comparison, as torch tensors.
+"""What rank 0 pays to send a step to a tensor-parallel worker over gloo's ``broadcast_object_list`` between two
+local processes (how Ray tasks get them; local workers get a pipe): one decode step of 256 sequences as the
+engine sends it (``SchedulerOutput.to_wire()``: lists of ints), and the same step's built input tensors for
+comparison.
 
     python benchmarks/tp_broadcast.py
 """
@@ -9,40 +9,39 @@ and, for comparison, as torch tensors.
 from __future__ import annotations
 
 import logging
+import random
 import time
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from paged_backend.worker.step_inputs import StepInputs
+from paged_backend.core.scheduler_output import ScheduledBatch, SchedulerOutput
+from paged_backend.worker.step_inputs import build_step_inputs
 
 logger = logging.getLogger("benchmarks.tp_broadcast")
 
 
-def decode_inputs(num_seqs: int = 256, width: int = 80) -> StepInputs:
+def decode_step(num_seqs: int = 256, width: int = 80, block_size: int = 16) -> SchedulerOutput:
     """A decode step's shapes: W1's longest sequences span 80 blocks of 16 tokens."""
-    return StepInputs(
-        input_ids=torch.randint(0, 128256, (num_seqs,)),
-        positions=torch.randint(0, 1280, (num_seqs,)),
-        slot_mapping=torch.randint(0, 2**20, (num_seqs,)),
-        block_tables=torch.randint(0, 2**16, (num_seqs, width), dtype=torch.int32),
-        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32),
-        context_lens=torch.randint(1, 1280, (num_seqs,)),
-        logits_indices=torch.arange(num_seqs),
-        sample_seqs=[],
+    rng = random.Random(0)
+    lens = [rng.randint(1, width * block_size - 1) for _ in range(num_seqs)]
+    batch = ScheduledBatch(
+        input_token_ids=[rng.randrange(128256) for _ in range(num_seqs)],
+        num_computed_tokens=lens,
+        num_scheduled_tokens=[1] * num_seqs,
+        block_tables=[[rng.randrange(2**16) for _ in range(n // block_size + 1)] for n in lens],
+        sampling_rows=list(range(num_seqs)),
     )
+    return SchedulerOutput(batch)
 
 
 def _rank(rank: int, port: int, steps: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    rounds = [decode_inputs() for _ in range(steps)]  # each step's own tensors, as advance_decode_inputs makes
+    step = decode_step()
     payloads = {
-        "one step, numpy": rounds[0].to_wire(),
-        f"{steps}-step round, numpy": [step.to_wire() for step in rounds],
-        "one step, torch tensors": rounds[0],
-        f"{steps}-step round, torch tensors": rounds,
+        "one step, SchedulerOutput.to_wire()": step.to_wire(),
+        "one step, built input tensors": build_step_inputs(step.batch, 16),
     }
     for name, payload in payloads.items():
         box = [payload if rank == 0 else None]

@@ -162,7 +162,7 @@ def test_compiled_awq_layers_fuse_their_siblings(awq_checkpoints, arch: str) -> 
     generate on the dequantized model."""
     folder, reference = awq_checkpoints[arch]
     llm = LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=24, max_model_len=48)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.model_runner
     graphs: list = []
     capture = capturing_backend(graphs)
 

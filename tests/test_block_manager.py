@@ -17,8 +17,8 @@ def test_allocate_append_free() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     assert bm.allocate_slots(0, 0, 5) == []
     assert len(bm.get_block_table(0)) == 2 and bm.num_free_blocks == 2
-    assert bm.allocate_slots(0, 5, 8) == [] and len(bm.get_block_table(0)) == 2
-    assert bm.allocate_slots(0, 8, 9) == [] and bm.num_free_blocks == 1
+    assert bm.allocate_slots(0, 5, 3) == [] and len(bm.get_block_table(0)) == 2
+    assert bm.allocate_slots(0, 8, 1) == [] and bm.num_free_blocks == 1
     assert bm.allocate_slots(1, 0, 8) is None  # needs 2, 1 free: nothing changes
     assert bm.get_block_table(1) == [] and bm.num_free_blocks == 1
     bm.free(0)
@@ -32,7 +32,7 @@ def test_fork_shares_then_copies_on_write() -> None:
     assert bm.get_block_table(1) == bm.get_block_table(0)
     assert bm.num_free_blocks == 4
     full, partial = bm.get_block_table(0)
-    copies = bm.allocate_slots(1, 6, 7)  # the child writes into the shared partial block
+    copies = bm.allocate_slots(1, 6, 1)  # the child writes into the shared partial block
     assert copies == [(partial, bm.get_block_table(1)[1])]
     assert bm.get_block_table(1)[0] == full and bm.blocks[full].ref_count == 2
     assert bm.blocks[partial].ref_count == 1
@@ -98,7 +98,7 @@ class BlockManagerMachine(SequencesMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
         old = self.seqs[seq_id]
         table_before = list(self.bm.get_block_table(seq_id))
-        copies = self.bm.allocate_slots(seq_id, old, old + extra)
+        copies = self.bm.allocate_slots(seq_id, old, extra)
         if copies is None:
             assert self.bm.get_block_table(seq_id) == table_before
             return
@@ -153,7 +153,7 @@ def test_prefix_cache_reuses_full_blocks_and_evicts_least_recently_used() -> Non
     # Needing all 4 blocks: the 2 never-cached ones go first, then `second` (freed first), then `first`.
     assert bm.allocate_slots(2, 0, 6) == []
     assert bm.find_cached_prefix(tokens) == [first] and bm.num_cached_blocks == 1
-    assert bm.allocate_slots(2, 6, 8) == []
+    assert bm.allocate_slots(2, 6, 2) == []
     assert bm.find_cached_prefix(tokens) == [] and bm.num_cached_blocks == 0
     bm.free(2)
     assert bm.num_free_blocks == 4
@@ -164,7 +164,7 @@ def test_kv_waste_counts_shared_blocks_once() -> None:
     bm.allocate_slots(0, 0, 6)  # 6 tokens in 2 blocks
     bm.fork(0, 1)
     assert bm.kv_waste_fraction({0: 6, 1: 6}) == pytest.approx(2 / 8)
-    bm.allocate_slots(1, 6, 7)  # the child copies the partial block and writes a seventh token
+    bm.allocate_slots(1, 6, 1)  # the child copies the partial block and writes a seventh token
     assert bm.kv_waste_fraction({0: 6, 1: 7}) == pytest.approx((2 + 1) / 12)
 
 
@@ -201,7 +201,7 @@ class PrefixCacheMachine(SequencesMachine):
             return
         seq_id = self.new_id()
         self.bm.allocate_cached_prefix(seq_id, cached)
-        copies = self.bm.allocate_slots(seq_id, len(cached) * bs, len(tokens))
+        copies = self.bm.allocate_slots(seq_id, len(cached) * bs, len(tokens) - len(cached) * bs)
         assert copies is not None, "admission said the blocks fit"
         self.seqs[seq_id] = list(tokens)
         self._write(seq_id, len(cached) * bs, copies)
@@ -211,7 +211,7 @@ class PrefixCacheMachine(SequencesMachine):
     def append(self, data: st.DataObject, extra: list[int]) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
         old = len(self.seqs[seq_id])
-        copies = self.bm.allocate_slots(seq_id, old, old + len(extra))
+        copies = self.bm.allocate_slots(seq_id, old, len(extra))
         if copies is not None:
             self.seqs[seq_id] += extra
             self._write(seq_id, old, copies)
@@ -225,8 +225,8 @@ class PrefixCacheMachine(SequencesMachine):
         assert len(free) + len(evictable) + len(refs) == bm.num_blocks, "a block leaked"
         for block in bm.blocks:
             assert block.ref_count == refs.get(block.block_id, 0)
-            assert (block.block_id in evictable) <= (block.block_hash is not None)
-            assert (block.block_id in free) <= (block.block_hash is None)
+            assert (block.block_id in evictable) <= (block.prefix_id is not None)
+            assert (block.block_id in free) <= (block.prefix_id is None)
         for key, block_id in bm.cached_blocks.items():
             assert bm.blocks[block_id].key == key
             assert tuple(prefix[-1] for prefix in self.content[block_id]) == key[1], "a cached block changed"

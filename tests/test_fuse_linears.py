@@ -94,7 +94,7 @@ def test_engine_fuses_hf_projections(tokenizer, arch: str, groups: int) -> None:
     with torch.no_grad():
         before = model(ids).logits
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_num_batched_tokens=40, max_model_len=128)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.model_runner
     graphs: list = []
     capture = capturing_backend(graphs)
 

@@ -117,7 +117,7 @@ def test_lora_layers_compile_into_one_graph(lora_setup) -> None:
     graphs."""
     llm = LLM(lora_setup[0], num_kv_blocks=64, **ENGINE)
     graphs: list = []
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.model_runner
     runner.compile(capturing_backend(graphs))
     assert runner.regions is not None and runner.regions.num_graphs == len(graphs) == 1
     generate_mixed(llm, lora_setup, ragged_prompts(4)[:2], 8)

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from paged_backend.engine.sequence import Request, Sequence
-from paged_backend.sampler import Sampler, apply_penalties, sampling_logprobs
+from paged_backend.core.sequence import Request, Sequence
 from paged_backend.sampling_params import SamplingParams
+from paged_backend.worker.sampler import Sampler, apply_penalties, sampling_logprobs
 
 PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]
 
@@ -57,10 +57,10 @@ def test_filtered_distribution_is_exact(kwargs, expected) -> None:
     assert _dist(**kwargs) == pytest.approx(expected, abs=1e-6)
 
 
-def _seqs(params: list[SamplingParams], prompt=(5, 6), outputs=()) -> list[Sequence]:
+def _seqs(params: list[SamplingParams], prompt=(5, 6), outputs=(), eos=frozenset()) -> list[Sequence]:
     seqs = []
     for i, p in enumerate(params):
-        request = Request(str(i), None, list(prompt), p)
+        request = Request(str(i), None, list(prompt), p, eos_token_ids=eos)
         seq = Sequence(i, 0, request, list(prompt) + list(outputs), len(prompt), arrival=i)
         if p.seed is not None:
             seq.generator = torch.Generator().manual_seed(p.seed)
@@ -73,7 +73,7 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
     params = SamplingParams(temperature=0.5, top_k=4)
     expected = _normalized([p**2 for p in PROBS[:4]] + [0, 0])
     sampler = Sampler(torch.device("cpu"), seed=0)
-    results = sampler(_logits().expand(n, -1).clone(), _seqs([params] * n), [frozenset()] * n)
+    results = sampler(_logits().expand(n, -1).clone(), _seqs([params] * n))
     counts = [0] * 6
     for r in results:
         counts[r.token_id] += 1
@@ -90,7 +90,7 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
 def test_greedy_picks_argmax_and_reports_logprobs() -> None:
     sampler = Sampler(torch.device("cpu"), seed=0)
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
-    (result,) = sampler(logits, _seqs([SamplingParams(temperature=0, logprobs=2)]), [frozenset()])
+    (result,) = sampler(logits, _seqs([SamplingParams(temperature=0, logprobs=2)]))
     log_probs = logits.log_softmax(-1)[0]
     assert result.token_id == 1
     assert result.logprob == pytest.approx(log_probs[1].item())
@@ -126,18 +126,18 @@ def test_min_tokens_masks_stop_tokens() -> None:
     sampler = Sampler(torch.device("cpu"), seed=0)
     logits = torch.tensor([[0.0, 5.0, 1.0]])
     params = SamplingParams(temperature=0, min_tokens=2)
-    (early,) = sampler(logits.clone(), _seqs([params]), [frozenset({1})])
-    (late,) = sampler(logits.clone(), _seqs([params], outputs=(2, 2)), [frozenset({1})])
+    (early,) = sampler(logits.clone(), _seqs([params], eos=frozenset({1})))
+    (late,) = sampler(logits.clone(), _seqs([params], outputs=(2, 2), eos=frozenset({1})))
     assert early.token_id == 2 and late.token_id == 1
 
 
 def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     logits = torch.randn(1, 50)
     seeded = SamplingParams(temperature=1.0, seed=7)
-    alone = Sampler(torch.device("cpu"), seed=0)(logits.clone(), _seqs([seeded]), [frozenset()])
+    alone = Sampler(torch.device("cpu"), seed=0)(logits.clone(), _seqs([seeded]))
     other = SamplingParams(temperature=1.0)
     mixed = Sampler(torch.device("cpu"), seed=1)(
-        torch.cat([torch.randn(2, 50), logits]), _seqs([other, other, seeded]), [frozenset()] * 3
+        torch.cat([torch.randn(2, 50), logits]), _seqs([other, other, seeded])
     )
     assert mixed[2].token_id == alone[0].token_id
 
@@ -147,8 +147,8 @@ def test_greedy_fast_path_matches_the_general_path() -> None:
     logprobs request forces)."""
     logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(3))
     sampler = Sampler(torch.device("cpu"), seed=0)
-    fast = sampler(logits.clone(), _seqs([SamplingParams(temperature=0)] * 7), [frozenset()] * 7)
-    general = sampler(logits.clone(), _seqs([SamplingParams(temperature=0, logprobs=0)] * 7), [frozenset()] * 7)
+    fast = sampler(logits.clone(), _seqs([SamplingParams(temperature=0)] * 7))
+    general = sampler(logits.clone(), _seqs([SamplingParams(temperature=0, logprobs=0)] * 7))
     assert [r.token_id for r in fast] == logits.argmax(-1).tolist() == [r.token_id for r in general]
     for a, b in zip(fast, general):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-6)

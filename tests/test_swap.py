@@ -62,7 +62,7 @@ def test_block_manager_swaps_shared_blocks_once() -> None:
     bm = BlockManager(num_blocks=6, block_size=4, num_cpu_blocks=4)
     bm.allocate_slots(0, 0, 6)
     bm.fork(0, 1)
-    bm.allocate_slots(1, 6, 7)  # the child copies the partial block: 3 distinct blocks
+    bm.allocate_slots(1, 6, 1)  # the child copies the partial block: 3 distinct blocks
     assert bm.can_swap_out([0, 1])
     out = bm.swap_out([0, 1])
     assert len(out) == 3 and bm.num_free_blocks == 6 and len(bm.cpu_free_block_ids) == 1

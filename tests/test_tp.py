@@ -54,14 +54,15 @@ def test_tp2_greedy_equals_hf_generate(checkpoints, arch: str) -> None:
 
 
 def test_each_step_is_one_message_to_the_workers(checkpoints) -> None:
-    """Greedy decoding runs in multi-step rounds; each round (its first step's inputs: the workers derive the rest)
-    and each single step reaches the workers as one message; one per sequence (as an empty copy-on-write list once
-    was) would cost a round trip each."""
+    """Greedy decoding runs in multi-step rounds; each round (its batch: the workers derive the round's forwards)
+    and each single step reaches the workers as one message, the batch without its Python objects; one message
+    per sequence would cost a round trip each."""
     path, model = checkpoints["llama"]
     prompts = ragged_prompts(6)
     llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, num_scheduler_steps=8, **ENGINE)
     engine, sent, steps = llm.llm_engine, [], [0]
-    send, step = engine.tp_group.send, engine.step
+    group = engine.executor.group
+    send, step = group.send, engine.step
 
     def counted_send(method: str, *args: object) -> None:
         sent.append((method, args))
@@ -71,20 +72,19 @@ def test_each_step_is_one_message_to_the_workers(checkpoints) -> None:
         steps[0] += 1
         return step(*args, **kwargs)
 
-    engine.tp_group.send, engine.step = counted_send, counted_step
+    group.send, engine.step = counted_send, counted_step
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24))
         for prompt, out in zip(prompts, outs):
             assert list(out.outputs[0].token_ids) == hf_greedy(model, prompt, 24)
     finally:
         llm.llm_engine.shutdown()
-    methods = [method for method, _ in sent]
-    assert "run_decode_round" in methods  # multi-step rounds happened
-    assert all(args[0] for method, args in sent if method == "copy_blocks")
-    assert len([m for m in methods if m in ("run_decode_round", "execute_inputs")]) == steps[0]
-    rounds = [args for method, args in sent if method == "run_decode_round"]
-    assert all(args[1].max() > 1 for args in rounds)  # (step 0's inputs, steps per sequence, ...): not K steps
-    assert methods.count("copy_blocks") == 0  # no prompt shares blocks here, so nothing to copy
+    assert {method for method, _ in sent} == {"execute_model"}
+    assert len(sent) == steps[0]
+    wires = [args[0] for _, args in sent]
+    assert all(not wire.seqs and not wire.sampling_seqs for wire in wires)  # no Python objects travel
+    rounds = [wire.batch.num_steps for wire in wires if wire.batch.num_steps is not None]
+    assert rounds and all(max(n) > 1 for n in rounds)  # multi-step rounds happened
 
 
 def test_seeded_samples_match_tp1_and_workers_stop_with_the_engine(checkpoints) -> None:
@@ -136,8 +136,8 @@ def test_a_dead_worker_is_reported_mid_step_and_between_steps(checkpoints) -> No
     llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
     try:
         (worker,) = tp_workers()
-        runner = llm.llm_engine.runner.runner  # rank 0's own ModelRunner, behind the broadcasting one
-        forward = runner.execute_inputs
+        driver = llm.llm_engine.executor.driver_worker  # rank 0's own Worker, behind the broadcasting executor
+        forward = driver.execute_model
         steps = [0]
 
         def dying_forward(*args, **kwargs):
@@ -147,7 +147,7 @@ def test_a_dead_worker_is_reported_mid_step_and_between_steps(checkpoints) -> No
                 worker.join(timeout=10)
             return forward(*args, **kwargs)
 
-        runner.execute_inputs = dying_forward
+        driver.execute_model = dying_forward
         params = SamplingParams(max_tokens=50, ignore_eos=True)
         started = time.monotonic()
         with pytest.raises(RuntimeError):
@@ -167,7 +167,7 @@ def test_a_failing_worker_is_reported_not_waited_for(checkpoints, capfd) -> None
     llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, **ENGINE)
     try:
         (worker,) = tp_workers()
-        llm.llm_engine.tp_group.send("no_such_method")  # the worker's getattr raises AttributeError
+        llm.llm_engine.executor.group.send("no_such_method")  # the worker's getattr raises AttributeError
         started = time.monotonic()
         with pytest.raises(RuntimeError):
             llm.generate("Hello", SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -184,23 +184,23 @@ def test_a_failing_worker_is_reported_not_waited_for(checkpoints, capfd) -> None
 def test_workers_choose_cuda_graphs_like_rank_0() -> None:
     """Workers get each step without its sequences; the graph-or-not choice must not depend on them (a worker
     running eagerly beside a rank 0 replaying a padded graph would all-reduce tensors of other sizes)."""
+    from paged_backend.core.scheduler_output import ScheduledBatch, SchedulerOutput
     from paged_backend.worker.cuda_graphs import fits_decode_graph
-    from paged_backend.worker.step_inputs import StepInputs
+    from paged_backend.worker.step_inputs import build_step_inputs
 
-    for sampling in (3, 2):  # all three decode, or one is a prefill chunk that does not sample yet
-        inputs = StepInputs(
-            input_ids=torch.tensor([5, 6, 7]),
-            positions=torch.tensor([4, 9, 2]),
-            slot_mapping=torch.tensor([4, 9, 2]),
-            block_tables=torch.zeros(3, 4, dtype=torch.int32),
-            cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
-            context_lens=torch.tensor([5, 10, 3]),
-            logits_indices=torch.arange(sampling),
-            sample_seqs=[object()] * sampling,
+    for sampling in ([0, 1, 2], [0, 1]):  # all three decode, or one is a prefill chunk that does not sample yet
+        batch = ScheduledBatch(
+            input_token_ids=[5, 6, 7],
+            num_computed_tokens=[4, 9, 2],
+            num_scheduled_tokens=[1, 1, 1],
+            block_tables=[[0], [1, 2, 3], [4]],
+            sampling_rows=sampling,
         )
-        stripped = StepInputs.from_wire(inputs.to_wire())  # what a worker gets
-        assert all(torch.equal(getattr(stripped, f), getattr(inputs, f)) for f in ("input_ids", "block_tables"))
-        assert fits_decode_graph(stripped, 8) == fits_decode_graph(inputs, 8) == (sampling == 3)
+        output = SchedulerOutput(batch, seqs=[object()] * 3, sampling_seqs=[object()] * len(sampling))
+        wire = output.to_wire()  # what a worker gets
+        assert wire.batch is batch and not wire.seqs and not wire.sampling_seqs
+        inputs = build_step_inputs(wire.batch, block_size=4)
+        assert fits_decode_graph(inputs, 8) == (len(sampling) == 3)
 
 
 def test_unsupported_layouts_are_refused_before_any_worker_starts(checkpoints, tokenizer, tmp_path) -> None:

@@ -6,9 +6,10 @@ sequences can share them (``fork``); a shared block that is about to be written 
 (copy-on-write), and the copy is reported to the caller, who moves the cached KV before the next forward.
 
 Prefix caching: once a block is full its content never changes, so it is registered under the key
-``(parent block's hash, its tokens, LoRA id)`` and gets a ``block_hash``: an id of the exact token prefix it
-ends. A new sequence walks its tokens block by block through these keys and reuses every block it finds,
-skipping their prefill. The keys hold the tokens themselves, so two different prefixes never collide. A freed
+``(parent block's prefix id, its tokens, LoRA id)`` and gets a ``prefix_id``: a number naming the exact token
+prefix it ends. A new sequence walks its tokens block by block through these keys and reuses every block it
+finds, skipping their prefill. The keys hold the tokens themselves, not a hash of them, so two different
+prefixes never collide. A freed
 block that holds a cached prefix stays reusable ("evictable") until its memory is needed: blocks that were never
 cached are handed out first, then evictable ones, least recently used first. The partial last block of a
 sequence is never registered, so it is never shared through the cache.
@@ -20,7 +21,7 @@ import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-BlockKey = tuple[int, tuple[int, ...], int]  # (parent block_hash or ROOT, the block's tokens, LoRA id)
+BlockKey = tuple[int, tuple[int, ...], int]  # (parent prefix_id or ROOT, the block's tokens, LoRA id)
 ROOT = -1  # the parent of a sequence's first block
 
 
@@ -28,7 +29,7 @@ ROOT = -1  # the parent of a sequence's first block
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # id of the token prefix this full block ends, when it is cached
+    prefix_id: int | None = None  # id of the token prefix this full block ends, when it is cached
     key: BlockKey | None = None  # where ``BlockManager.cached_blocks`` holds it
 
 
@@ -54,8 +55,8 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recently used first
         self.cached_blocks: dict[BlockKey, int] = {}
         self.block_tables: dict[int, list[int]] = {}
-        self.block_hashes: dict[int, list[int]] = {}  # seq id -> block_hash of each of its leading full blocks
-        self._hash_ids = itertools.count()
+        self.prefix_ids_of: dict[int, list[int]] = {}  # seq id -> prefix_id of each of its leading full blocks
+        self._next_prefix_id = itertools.count()
         # Swap space: CPU blocks of preempted sequences, reference counted like device blocks.
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free_block_ids: deque[int] = deque(range(num_cpu_blocks))
@@ -104,7 +105,7 @@ class BlockManager:
             if block_id is None:
                 break
             found.append(block_id)
-            parent = self.blocks[block_id].block_hash
+            parent = self.blocks[block_id].prefix_id
         return found
 
     def num_blocks_to_admit(self, num_tokens: int, cached: list[int]) -> int:
@@ -123,24 +124,24 @@ class BlockManager:
                 del self.evictable[block_id]
             block.ref_count += 1
         self.block_tables[seq_id] = list(cached)
-        self.block_hashes[seq_id] = [self.blocks[b].block_hash for b in cached]
+        self.prefix_ids_of[seq_id] = [self.blocks[b].prefix_id for b in cached]
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, lora_id: int = 0) -> None:
         """Register the sequence's blocks that its computed tokens have filled since the last call. A block
         whose prefix is already cached elsewhere stays unregistered; the sequence continues from that entry."""
         if not self.enable_prefix_caching:
             return
-        hashes = self.block_hashes.setdefault(seq_id, [])
+        ids = self.prefix_ids_of.setdefault(seq_id, [])
         table = self.block_tables.get(seq_id, [])
         bs = self.block_size
-        for i in range(len(hashes), min(num_computed_tokens // bs, len(table))):
-            key = (hashes[-1] if hashes else ROOT, tuple(token_ids[i * bs : (i + 1) * bs]), lora_id)
+        for i in range(len(ids), min(num_computed_tokens // bs, len(table))):
+            key = (ids[-1] if ids else ROOT, tuple(token_ids[i * bs : (i + 1) * bs]), lora_id)
             existing = self.cached_blocks.get(key)
             block = self.blocks[existing if existing is not None else table[i]]
-            if existing is None and block.block_hash is None:
-                block.block_hash, block.key = next(self._hash_ids), key
+            if existing is None and block.prefix_id is None:
+                block.prefix_id, block.key = next(self._next_prefix_id), key
                 self.cached_blocks[key] = block.block_id
-            hashes.append(block.block_hash)
+            ids.append(block.prefix_id)
 
     # ------------------------------------------------------------------ allocation
     def _first_written_block(self, num_computed_tokens: int) -> int:
@@ -154,12 +155,16 @@ class BlockManager:
         needed += sum(1 for block_id in table[first:] if self.blocks[block_id].ref_count > 1)
         return needed
 
-    def allocate_slots(self, seq_id: int, num_computed_tokens: int, num_tokens: int) -> list[tuple[int, int]] | None:
-        """Make the sequence's table hold ``num_tokens`` tokens, with private blocks from ``num_computed_tokens`` on.
+    def allocate_slots(
+        self, seq_id: int, num_computed_tokens: int, num_new_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """Make the sequence's table hold ``num_new_tokens`` more tokens after its ``num_computed_tokens``, with
+        private blocks from ``num_computed_tokens`` on.
 
         Returns the (src, dst) block copies that copy-on-write requires, or None (and changes nothing) when the
         free list is too short.
         """
+        num_tokens = num_computed_tokens + num_new_tokens
         if self.num_new_blocks_needed(seq_id, num_computed_tokens, num_tokens) > self.num_free_blocks:
             return None
         table = self.block_tables.setdefault(seq_id, [])
@@ -189,7 +194,7 @@ class BlockManager:
         for block_id in table:
             self.blocks[block_id].ref_count += 1
         self.block_tables[child_seq_id] = table
-        self.block_hashes[child_seq_id] = list(self.block_hashes.get(parent_seq_id, []))
+        self.prefix_ids_of[child_seq_id] = list(self.prefix_ids_of.get(parent_seq_id, []))
 
     def undo_copies(self, seq_id: int, copies: list[tuple[int, int]]) -> None:
         """Take back copy-on-write copies that will not be made (the sequence is preempted in the step that
@@ -251,12 +256,12 @@ class BlockManager:
         reusable, the sequence's last blocks first in line for eviction."""
         for cpu_id in self.cpu_block_tables.pop(seq_id, []):
             self._release_cpu_block(cpu_id)
-        self.block_hashes.pop(seq_id, None)
+        self.prefix_ids_of.pop(seq_id, None)
         for block_id in reversed(self.block_tables.pop(seq_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.block_hash is None:
+                if block.prefix_id is None:
                     self.free_block_ids.append(block_id)
                 else:
                     self.evictable[block_id] = None
@@ -268,7 +273,7 @@ class BlockManager:
             block_id, _ = self.evictable.popitem(last=False)
             block = self.blocks[block_id]
             del self.cached_blocks[block.key]
-            block.block_hash = block.key = None
+            block.prefix_id = block.key = None
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"block {block_id} on the free list has ref_count {block.ref_count}"
         block.ref_count = 1

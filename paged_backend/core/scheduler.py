@@ -1,13 +1,19 @@
-"""Continuous batching: which sequences run this step, and how many of their tokens.
+"""Continuous batching: which sequences run this step, how many of their tokens, and what their sampled tokens do.
 
-Every step has a token budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). Running
-sequences go first, decodes before unfinished (chunked) prefills, then waiting sequences are admitted in FIFO
-order while the blocks of their prompt fit (plus a small watermark), reusing the blocks of their longest cached
-prefix (prefix caching, see block_manager.py) and skipping those tokens. Admission looks only at what a sequence
-needs now, not at ``max_tokens``; when a running sequence cannot get a block, the newest running request is
-preempted: swapped to CPU memory when there is swap space for its blocks (it comes back, oldest first, before
+The scheduler is the only owner of KV decisions: it alone calls the ``BlockManager``. Every step has a token
+budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). Running sequences go first, decodes
+before unfinished (chunked) prefills, then swapped-out requests come back, then waiting sequences are admitted in
+FIFO order while the blocks of their prompt fit (plus a small watermark), reusing the blocks of their longest
+cached prefix (prefix caching, see block_manager.py) and skipping those tokens. Admission looks only at what a
+sequence needs now, not at ``max_tokens``; when a running sequence cannot get a block, the newest running request
+is preempted: swapped to CPU memory when there is swap space for its blocks (it comes back, oldest first, before
 new requests are admitted), else by recompute: its blocks are freed and it waits again, at the front, to redo
 its prefill.
+
+After the step has run, ``update_from_output`` counts the computed tokens, forks a request's other samples
+from its first one (their blocks shared, copy-on-write), appends the sampled tokens and applies the stop-token
+and length checks, freeing the blocks of every sequence that finishes. Stop strings need text: the output
+processor finds them and calls ``finish_seq`` with the length to keep.
 """
 
 from __future__ import annotations
@@ -17,34 +23,47 @@ from dataclasses import dataclass, field
 
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
-from paged_backend.engine.sequence import Sequence, SequenceStatus
+from paged_backend.core.multi_step import plan_round
+from paged_backend.core.scheduler_output import (
+    BlockMoves,
+    ModelRunnerOutput,
+    ScheduledBatch,
+    SchedulerOutput,
+    SequenceUpdate,
+)
+from paged_backend.core.sequence import Request, Sequence, SequenceStatus
 
 
 @dataclass
-class SchedulerOutput:
-    """One step's work: sequences in batch order and the number of new tokens each contributes."""
+class _Plan:
+    """The step being scheduled: who runs how many tokens, and the block moves that takes."""
 
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, CPU), made first
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (CPU, device), made next
+    budget: int
+    scheduled: dict[Sequence, int] = field(default_factory=dict)
+    copies: dict[Sequence, BlockMoves] = field(default_factory=dict)
+    preempted: set[Sequence] = field(default_factory=set)
+    swap_out: BlockMoves = field(default_factory=list)
+    swap_in: BlockMoves = field(default_factory=list)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
+    def add(self, seq: Sequence, num_new_tokens: int, copies: BlockMoves) -> None:
+        self.copies[seq] = copies
+        self.scheduled[seq] = num_new_tokens
+        self.budget -= num_new_tokens
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+    def drop(self, seq: Sequence) -> BlockMoves:
+        """Unschedule a sequence (it is being preempted); returns the copies planned for it."""
+        self.budget += self.scheduled.pop(seq, 0)
+        return self.copies.pop(seq, [])
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_num_seqs = config.scheduler_config.max_num_seqs
-        # At most this many distinct adapters among running sequences, so any step's fit the device slots.
+        # At most this many distinct adapters among running sequences, so any step's fit the device's LoRA slots.
         self.max_loras = config.lora_config.max_loras if config.lora_config.enable_lora else None
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.num_scheduler_steps = config.scheduler_config.num_scheduler_steps
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -55,22 +74,35 @@ class Scheduler:
         self.num_prompt_tokens_admitted = 0  # prompt tokens of first admissions ...
         self.num_prompt_tokens_cached = 0  # ... and those of them served from the prefix cache
 
-    def add_seq(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
-
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence whose KV is already in place (a forked sample) joins the running batch."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def add_request(self, request: Request) -> None:
+        """Queue a request: one prefill for all its samples; the others fork its blocks when it samples."""
+        first = request.seqs[0]
+        first.status = SequenceStatus.WAITING
+        self.waiting.append(first)
+        request.unforked = request.seqs[1:]
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Mark finished and release the sequence's blocks (running or waiting); blocks its computed tokens
-        filled stay in the prefix cache."""
+    def finish_seq(
+        self,
+        seq: Sequence,
+        status: SequenceStatus,
+        stop_reason: int | str | None = None,
+        num_tokens: int | None = None,
+    ) -> None:
+        """Mark finished and release the sequence's blocks; blocks its computed tokens filled stay in the prefix
+        cache. ``num_tokens`` cuts tokens a stop string made void (sampled in the same round after it); a
+        sequence that had already finished only takes the new status and reason."""
+        if num_tokens is not None and num_tokens < len(seq.token_ids):
+            del seq.token_ids[num_tokens:]
+            seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens - 1)
+        if stop_reason is not None:
+            seq.stop_reason = stop_reason
+        was_finished = seq.status.finished
         seq.status = status
+        if was_finished:
+            return
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
@@ -78,118 +110,139 @@ class Scheduler:
         self.cache_full_blocks([seq])
         self.block_manager.free(seq.seq_id)
 
+    # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        scheduled: dict[Sequence, int] = {}
-        copies: dict[Sequence, list[tuple[int, int]]] = {}
-        preempted_now: set[Sequence] = set()
-        swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
+        plan = _Plan(self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        self._schedule_swapped(plan)
+        self._schedule_waiting(plan)
+        self.num_chunked_prefill_steps += sum(1 for seq, n in plan.scheduled.items() if n < seq.num_uncomputed_tokens)
+        return self._make_output(plan)
 
-        # Running sequences: decodes first, then unfinished prefills; oldest first within each.
+    def _schedule_running(self, plan: _Plan) -> None:
+        """Running sequences: decodes first, then unfinished prefills; oldest first within each."""
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival)):
-            if budget == 0:
+            if plan.budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, plan.budget)
             if num_new == 1 and self.block_manager.has_private_slot(seq.seq_id, seq.num_computed_tokens):
-                scheduled[seq] = 1  # a decode whose slot is already allocated and not shared
-                budget -= 1
+                plan.add(seq, 1, [])  # a decode whose slot is already allocated and not shared
                 continue
             while seq.status is SequenceStatus.RUNNING:
-                result = self.block_manager.allocate_slots(
-                    seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_new
-                )
-                if result is not None:
-                    copies[seq] = result
-                    scheduled[seq] = num_new
-                    budget -= num_new
+                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+                if copies is not None:
+                    plan.add(seq, num_new, copies)
                     break
                 # Out of blocks: preempt the newest running request (all its samples), maybe this one.
                 newest = max(self.running, key=lambda s: s.arrival).request
                 victims = [v for v in self.running if v.request is newest]
                 for victim in victims:
-                    budget += scheduled.pop(victim, 0)
-                    self.block_manager.undo_copies(victim.seq_id, copies.pop(victim, []))
-                swap_out += self._preempt(victims)
-                preempted_now.update(victims)
+                    self.block_manager.undo_copies(victim.seq_id, plan.drop(victim))
+                plan.swap_out += self._preempt(victims)
+                plan.preempted.update(victims)
 
-        # Swapped requests, oldest first, come back before new ones are admitted, when all their blocks fit.
-        while self.swapped and budget > 0:
+    def _schedule_swapped(self, plan: _Plan) -> None:
+        """Swapped requests, oldest first, come back before new ones are admitted, when all their blocks fit."""
+        bm = self.block_manager
+        while self.swapped and plan.budget > 0:
             group = [s for s in self.swapped if s.request is self.swapped[0].request]
             ids = [s.seq_id for s in group]
-            watermark = self.block_manager.watermark_blocks if self.running else 0
-            needed = self.block_manager.num_blocks_to_swap_in(ids)
-            if not self.running and needed > self.block_manager.num_free_blocks:
+            watermark = bm.watermark_blocks if self.running else 0
+            needed = bm.num_blocks_to_swap_in(ids)
+            if not self.running and needed > bm.num_free_blocks:
                 self._recompute(group)  # it cannot come back whole even alone: its samples re-prefill instead
                 continue
             if (
-                preempted_now.intersection(group)
+                plan.preempted.intersection(group)
                 or not self._lora_fits(group[0])
                 or len(self.running) + len(group) > self.max_num_seqs
-                or self.block_manager.num_free_blocks - needed < watermark
+                or bm.num_free_blocks - needed < watermark
             ):
                 break
-            swap_in += self.block_manager.swap_in(ids)
+            plan.swap_in += bm.swap_in(ids)
             for seq in group:
                 self.swapped.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                num_new = min(seq.num_uncomputed_tokens, budget)
-                result = None
-                if num_new:
-                    result = self.block_manager.allocate_slots(
-                        seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_new
-                    )
-                if result is not None:  # else it runs from the next step on, like any running sequence
-                    copies[seq] = result
-                    scheduled[seq] = num_new
-                    budget -= num_new
+                num_new = min(seq.num_uncomputed_tokens, plan.budget)
+                copies = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new) if num_new else None
+                if copies is not None:  # else it runs from the next step on, like any running sequence
+                    plan.add(seq, num_new, copies)
 
-        # Waiting sequences, FIFO, while the blocks of their whole prompt fit (plus a watermark when others
-        # run); blocks of a cached prefix are reused and their tokens skipped; only the chunk that fits the
-        # token budget is allocated now.
-        # Samples that will fork into the batch once their request's first sample has prefilled need room too.
+    def _schedule_waiting(self, plan: _Plan) -> None:
+        """Waiting sequences, FIFO, while the blocks of their whole prompt fit (plus a watermark when others run);
+        blocks of a cached prefix are reused and their tokens skipped; only the chunk that fits the token budget
+        is allocated now. Samples that will fork once their request's first sample has prefilled need room too."""
+        bm = self.block_manager
         to_fork = sum(len(s.request.unforked) for s in self.running if s.request.unforked)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             # FIFO, except that a request whose adapter has no slot left waits for one while later requests
             # (base model, or adapters already running) go ahead.
             index = next((i for i, s in enumerate(self.waiting) if self._lora_fits(s)), None)
             if index is None:
                 break
             seq = self.waiting[index]
-            if seq in preempted_now and self.running:
+            if seq in plan.preempted and self.running:
                 break  # let the running sequences free blocks before it tries again
             if self.running and len(self.running) + to_fork + 1 + len(seq.request.unforked) > self.max_num_seqs:
                 break
-            cached = self.block_manager.find_cached_prefix(seq.token_ids, seq.lora_id)
-            needed = self.block_manager.num_blocks_to_admit(len(seq.token_ids), cached)
-            watermark = self.block_manager.watermark_blocks if self.running else 0
-            if self.block_manager.num_free_blocks - needed < watermark:
+            cached = bm.find_cached_prefix(seq.token_ids, seq.lora_id)
+            needed = bm.num_blocks_to_admit(len(seq.token_ids), cached)
+            watermark = bm.watermark_blocks if self.running else 0
+            if bm.num_free_blocks - needed < watermark:
                 break
-            self.block_manager.allocate_cached_prefix(seq.seq_id, cached)
-            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
+            bm.allocate_cached_prefix(seq.seq_id, cached)
+            seq.num_computed_tokens = len(cached) * bm.block_size
             if seq.num_cached_prompt_tokens is None:  # first admission: count the prompt tokens it reuses
                 seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
                 self.num_prompt_tokens_admitted += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_prompt_tokens
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            result = self.block_manager.allocate_slots(
-                seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            )
-            assert result is not None
-            copies[seq] = result
+            num_new = min(seq.num_uncomputed_tokens, plan.budget)
+            copies = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            assert copies is not None  # its blocks were counted above
             del self.waiting[index]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             to_fork += len(seq.request.unforked)
-            scheduled[seq] = num_new
-            budget -= num_new
+            plan.add(seq, num_new, copies)
 
-        self.num_chunked_prefill_steps += sum(1 for seq, n in scheduled.items() if n < seq.num_uncomputed_tokens)
-        block_copies = [pair for seq in scheduled for pair in copies.get(seq, ())]
-        return SchedulerOutput(list(scheduled), list(scheduled.values()), block_copies, swap_out, swap_in)
+    def _make_output(self, plan: _Plan) -> SchedulerOutput:
+        seqs, num_new = list(plan.scheduled), list(plan.scheduled.values())
+        blocks_to_copy = [pair for seq in seqs for pair in plan.copies[seq]]
+        num_steps = None
+        if self.num_scheduler_steps > 1 and not (blocks_to_copy or plan.swap_out or plan.swap_in):
+            # The round's extra slots may copy shared blocks: those copies are made even when it does not run.
+            num_steps, blocks_to_copy = plan_round(
+                seqs, num_new, self.num_scheduler_steps, self.max_model_len, self.block_manager
+            )
+        tokens: list[int] = []
+        sampling_rows: list[int] = []
+        for row, (seq, n) in enumerate(zip(seqs, num_new)):
+            start = seq.num_computed_tokens
+            tokens += seq.token_ids[start : start + n]
+            if start + n == len(seq.token_ids):
+                sampling_rows.append(row)
+        sampling_seqs = [seqs[row] for row in sampling_rows]
+        fork_parents: list[int] = []
+        for index, seq in enumerate(list(sampling_seqs)):
+            if seq.request.unforked and seq is seq.request.seqs[0]:  # the prompt is in: its samples fork now
+                sampling_seqs += seq.request.unforked
+                fork_parents += [index] * len(seq.request.unforked)
+        batch = ScheduledBatch(
+            input_token_ids=tokens,
+            num_computed_tokens=[seq.num_computed_tokens for seq in seqs],
+            num_scheduled_tokens=num_new,
+            block_tables=[self.block_manager.get_block_table(seq.seq_id) for seq in seqs],
+            sampling_rows=sampling_rows,
+            num_steps=num_steps,
+            blocks_to_swap_out=plan.swap_out,
+            blocks_to_swap_in=plan.swap_in,
+            blocks_to_copy=blocks_to_copy,
+            lora_requests=None if self.max_loras is None else [seq.request.lora_request for seq in seqs],
+        )
+        return SchedulerOutput(batch, seqs, sampling_seqs, fork_parents)
 
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether ``seq`` can run beside the running sequences without exceeding ``max_loras`` adapters."""
@@ -198,7 +251,7 @@ class Scheduler:
         active = {s.lora_id for s in self.running if s.lora_id}
         return seq.lora_id in active or len(active) < self.max_loras
 
-    def _preempt(self, victims: list[Sequence]) -> list[tuple[int, int]]:
+    def _preempt(self, victims: list[Sequence]) -> BlockMoves:
         """Preempt a request's running samples. With swap space that holds their blocks, swap them out (returns
         the copies); otherwise by recompute: drop their KV, and they re-prefill prompt + output so far."""
         victims = sorted(victims, key=lambda s: s.arrival)
@@ -227,11 +280,66 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
 
-    def on_step_done(self, output: SchedulerOutput) -> None:
-        """The batch ran: its tokens are now in the KV cache."""
-        for seq, n in zip(output.seqs, output.num_new_tokens):
-            seq.num_computed_tokens += n
-        self.cache_full_blocks(output.seqs)
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[SequenceUpdate]:
+        """The step ran: count its tokens as computed, fork samples, append each sampled token until a stop."""
+        in_round = output.batch.num_steps is not None
+        if not in_round:  # a round counts its tokens one by one below, as they are taken
+            for seq, n in zip(output.seqs, output.batch.num_scheduled_tokens):
+                seq.num_computed_tokens += n
+            self.cache_full_blocks(output.seqs)
+        num_parents = len(output.sampling_seqs) - len(output.fork_parents)
+        for child, parent in zip(output.sampling_seqs[num_parents:], output.fork_parents):
+            self._fork(output.sampling_seqs[parent], child)
+        updates = []
+        for row, seq in enumerate(output.sampling_seqs):
+            tokens = runner_output.sampled_token_ids[row]
+            taken = self._append_tokens(seq, tokens, in_round)
+            top = runner_output.top_logprobs[row] if runner_output.top_logprobs else None
+            logits = runner_output.logits[row] if runner_output.logits else None
+            updates.append(SequenceUpdate(seq, tokens[:taken], runner_output.logprobs[row][:taken], top, logits))
+        if in_round:  # finished sequences offered their blocks to the prefix cache in finish_seq
+            self.cache_full_blocks([seq for seq in output.seqs if not seq.status.finished])
+        return updates
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """A sample joins the running batch on its first sample's blocks, by reference (copy-on-write)."""
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_prompt_tokens = 0  # the prompt was counted once, with the first sample
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        parent.request.unforked = []
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], in_round: bool) -> int:
+        """Append tokens in order until the sequence finishes; returns how many it took."""
+        taken = 0
+        for token in tokens:
+            if seq.status.finished:
+                break  # the rest of a round was computed for nothing
+            if in_round:
+                seq.num_computed_tokens += 1  # the forward that sampled this token cached its input
+            seq.token_ids.append(token)
+            taken += 1
+            status = self._check_stop(seq, token)
+            if status is not None:
+                self.finish_seq(seq, status)
+        return taken
+
+    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        params = seq.params
+        num_output = seq.num_output_tokens
+        if num_output >= params.min_tokens:
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+            if token in seq.request.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+        if (params.max_tokens is not None and num_output >= params.max_tokens) or len(
+            seq.token_ids
+        ) >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
 
     def cache_full_blocks(self, seqs: list[Sequence]) -> None:
         """Offer the blocks that computed tokens have filled to the prefix cache. Most steps fill no block: the
@@ -239,10 +347,10 @@ class Scheduler:
         bm = self.block_manager
         if not bm.enable_prefix_caching:
             return
-        bs, known = bm.block_size, bm.block_hashes
+        bs, known = bm.block_size, bm.prefix_ids_of
         for seq in seqs:
-            hashes = known.get(seq.seq_id)
-            if hashes is None or (len(hashes) + 1) * bs <= seq.num_computed_tokens:
+            ids = known.get(seq.seq_id)
+            if ids is None or (len(ids) + 1) * bs <= seq.num_computed_tokens:
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.lora_id)
 
     @property

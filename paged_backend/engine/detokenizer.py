@@ -9,9 +9,16 @@ taken back when a stop string is cut.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
-from paged_backend.engine.sequence import Sequence
+from paged_backend.core.sequence import Sequence
+
+
+class Tokenizer(Protocol):
+    """What detokenizing needs of a Hugging Face tokenizer."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
 
 # Decode this many earlier tokens with each new one: enough context for spaces and multi-token characters.
 INITIAL_CONTEXT_TOKENS = 5
@@ -23,16 +30,17 @@ def init_offsets(seq: Sequence) -> None:
     seq.prefix_offset = max(seq.num_prompt_tokens - INITIAL_CONTEXT_TOKENS, 0)
 
 
-def detokenize_incrementally(tokenizer: Any, seq: Sequence) -> str:
-    """Return the text the newest tokens add (possibly empty) and advance the sequence's offsets."""
+def detokenize_incrementally(tokenizer: Tokenizer, seq: Sequence, num_tokens: int) -> str:
+    """Return the text that tokens up to ``num_tokens`` add (possibly empty) and advance the sequence's offsets.
+    (A round's tokens are appended together and decoded one by one.)"""
     skip = seq.params.skip_special_tokens
     ids = seq.token_ids
     prefix_text = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-    new_text = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+    new_text = tokenizer.decode(ids[seq.prefix_offset : num_tokens], skip_special_tokens=skip)
     if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
         return ""  # nothing new yet, or an incomplete UTF-8 character: wait for the next token
     seq.prefix_offset = seq.read_offset
-    seq.read_offset = len(ids)
+    seq.read_offset = num_tokens
     return new_text[len(prefix_text) :]
 
 

@@ -11,14 +11,15 @@ ever evicts slots it does not use (least recently used first).
 
 Under tensor parallelism every rank has a manager for its shard: A and B are cut like the layer they modify (a
 colwise layer keeps B's rows of its outputs, a rowwise one A's columns of its inputs, whose partial deltas the
-layer's all-reduce then sums, so the hook runs before it). Rank 0 places adapters and sends each step's
-placements and token slots (``step_wire``); the workers repeat them (``apply_step``).
+layer's all-reduce then sums, so the hook runs before it). Every rank places the same adapters in the same slots:
+placement depends only on the sequence of steps and their adapters, which every rank receives.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -57,9 +58,6 @@ def _full_in_out(local: tuple[int, int], shard: TPShard | None) -> tuple[int, in
 def lora_slot_tokens(config: EngineConfig) -> int:
     """Token slots to hold: the most tokens one forward carries, plus a compiled step's padding."""
     return config.max_tokens_per_forward + 8
-
-
-StepWire = tuple[list[tuple[int, LoRARequest]], np.ndarray | None]  # (slots filled this step, slot per token)
 
 
 class LoRAManager:
@@ -103,7 +101,6 @@ class LoRAManager:
         # Written on the host, copied without a sync: the previous copy has run by the time the engine (or, under
         # tensor parallelism, the previous step's all-reduces) read back the previous step.
         self._staging = torch.empty(max_num_tokens, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.step_wire: StepWire = ([], None)  # what a tensor-parallel worker needs to repeat this step
         self.num_loads = 0  # adapters read from disk
         self.num_slot_loads = 0  # adapters copied into a device slot
         self._steps = 0
@@ -150,22 +147,13 @@ class LoRAManager:
                 module._buffers.pop(buffer, None)
         self.modules.clear()
 
-    def set_step(self, adapters: list[LoRAAdapter | None], num_tokens: list[int] | np.ndarray) -> None:
+    def set_step(self, adapters: Sequence[LoRAAdapter | None], num_tokens: Sequence[int]) -> None:
         """Place this step's adapters in slots and set each token's slot (sequence i has ``num_tokens[i]``)."""
         self._steps += 1
-        loads: list[tuple[int, LoRARequest]] = []
-        seq_slots = [-1 if a is None else self._slot_for(a, loads) for a in adapters]
+        seq_slots = [-1 if a is None else self._slot_for(a) for a in adapters]
         per_token = None
         if any(s >= 0 for s in seq_slots):  # else a base-model step: every slot stays -1
             per_token = np.repeat(np.asarray(seq_slots, dtype=np.int64), np.asarray(num_tokens, dtype=np.int64))
-        self._write_token_slots(per_token)
-        self.step_wire = (loads, per_token)
-
-    def apply_step(self, wire: StepWire) -> None:
-        """A tensor-parallel worker's side of ``set_step``: fill the slots rank 0 filled, use its token slots."""
-        loads, per_token = wire
-        for slot, request in loads:
-            self._load_slot(slot, self.get(request))
         self._write_token_slots(per_token)
 
     def profile_step(self) -> None:
@@ -174,7 +162,6 @@ class LoRAManager:
 
     def clear_step(self) -> None:
         self.token_slots.fill_(-1)
-        self.step_wire = ([], None)
 
     def _write_token_slots(self, per_token: np.ndarray | None) -> None:
         full = self._staging.numpy()
@@ -185,7 +172,7 @@ class LoRAManager:
             full[: per_token.shape[0]] = per_token
         self.token_slots.copy_(self._staging, non_blocking=True)
 
-    def _slot_for(self, adapter: LoRAAdapter, loads: list[tuple[int, LoRARequest]]) -> int:
+    def _slot_for(self, adapter: LoRAAdapter) -> int:
         if adapter.int_id in self.slot_ids:
             slot = self.slot_ids.index(adapter.int_id)
         else:
@@ -194,8 +181,6 @@ class LoRAManager:
                 raise RuntimeError(f"more than max_loras={self.config.max_loras} adapters in one step")
             slot = min(free, key=lambda i: (self.slot_ids[i] is not None, self.slot_used[i]))
             self._load_slot(slot, adapter)
-            name, path = self.known[adapter.int_id]
-            loads.append((slot, LoRARequest(name, adapter.int_id, path)))
         self.slot_used[slot] = self._steps
         return slot
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from paged_backend.attention import AttentionMetadata
+from paged_backend.worker.attention import AttentionMetadata
 from paged_backend.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)

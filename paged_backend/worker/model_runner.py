@@ -1,5 +1,5 @@
-"""Runs one scheduled step as a single ``[1, T]`` forward of the user's HF model and returns the logits of
-every sequence that samples this step.
+"""Runs one scheduled step — a single ``[1, T]`` forward of the user's HF model, or a multi-step round of greedy
+decode forwards — and samples the tokens of the sequences that sample (``execute_model``).
 
 On CUDA (unless ``enforce_eager``) the decoder layer is compiled once with ``torch.compile`` (dynamic token and
 sequence dimensions; our attention and cache write stay opaque custom ops; see ``worker/compile.py``) and
@@ -15,21 +15,23 @@ import inspect
 import logging
 import math
 import time
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+from torch._dynamo.backends.registry import CompilerFn
 from transformers import PreTrainedModel
 
-from paged_backend.attention import AttentionMetadata, PagedAttentionSwitch
-from paged_backend.core.block_manager import BlockManager
-from paged_backend.core.scheduler import SchedulerOutput
-from paged_backend.engine.sequence import Sequence
+from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput
+from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.kernels.greedy import greedy_tokens
+from paged_backend.lora.manager import LoRAManager
+from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile, find_decoder_layers
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
+from paged_backend.worker.sampler import Sampler, to_host
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs, pad_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -48,10 +50,14 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
         num_scheduler_steps: int = 1,
+        lora_manager: LoRAManager | None = None,
+        seed: int = 0,
     ) -> None:
         self.model = model
         self.cache_engine = cache_engine
         self.device = device
+        self.lora_manager = lora_manager
+        self.sampler = Sampler(device, seed)
         self.block_size = cache_engine.block_size
         self.switch = PagedAttentionSwitch(model, cache_engine.kv_caches)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -73,7 +79,7 @@ class ModelRunner:
                 self.graphs = None
 
     # ------------------------------------------------------------------ set-up
-    def compile(self, backend: Any = "inductor") -> None:
+    def compile(self, backend: str | CompilerFn = "inductor") -> None:
         """Compile the decoder layer on a generic warm-up batch. If that fails, steps run eagerly (still with
         CUDA graphs on a GPU)."""
         layers = find_decoder_layers(self.model)
@@ -119,36 +125,64 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
             context_lens=torch.tensor(_WARMUP["context_lens"]),
             logits_indices=torch.tensor(_WARMUP["logits_indices"]),
-            sample_seqs=[],
         )
 
-    def _compiled(self) -> contextlib.AbstractContextManager:
+    def _compiled(self) -> contextlib.AbstractContextManager[object]:
         return self.regions if self.regions is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ the step
-    def prepare_inputs(self, sched: SchedulerOutput, block_manager: BlockManager) -> StepInputs:
-        return build_step_inputs(sched, block_manager, self.block_size)
-
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step; returns logits ``[N, V]`` for the ``N`` sequences that sample."""
-        inputs = self.prepare_inputs(sched, block_manager)
-        moves = (sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.block_copies)
-        return self.execute_inputs(moves, inputs), inputs.sample_seqs
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's cache moves, its forward (or round of forwards), then sampling. A tensor-parallel rank other
+        than 0 gets the batch without its sequences: it runs the forwards and samples nothing."""
+        batch, seqs = scheduler_output.batch, scheduler_output.sampling_seqs
+        self.cache_engine.swap_out(batch.blocks_to_swap_out)  # before the freed blocks are written again
+        self.cache_engine.swap_in(batch.blocks_to_swap_in)
+        self.cache_engine.copy_blocks(batch.blocks_to_copy)
+        inputs = build_step_inputs(batch, self.block_size)
+        if batch.num_steps is not None:
+            with self._lora_step(batch, [1] * batch.num_seqs, scheduler_output.seqs):
+                tokens, logprobs = self._run_round(inputs, batch.num_steps)
+                if not seqs:
+                    return ModelRunnerOutput()
+                token_rows, logprob_rows = to_host(tokens, logprobs)  # [K][B] each: one host read a round
+            return ModelRunnerOutput(
+                [[token_rows[k][i] for k in range(n)] for i, n in enumerate(batch.num_steps)],
+                [[logprob_rows[k][i] for k in range(n)] for i, n in enumerate(batch.num_steps)],
+            )
+        with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
+            logits = self.run(inputs)
+        if not seqs:
+            return ModelRunnerOutput()
+        if scheduler_output.fork_parents:  # forked samples draw their first token from their parent's row
+            logits = torch.cat([logits, logits[scheduler_output.fork_parents]])  # [N + F, V]
+        kept = [logits[row].float().cpu() if seq.request.keep_logits else None for row, seq in enumerate(seqs)]
+        results = self.sampler(logits, seqs)
+        return ModelRunnerOutput(
+            [[r.token_id] for r in results],
+            [[r.logprob] for r in results],
+            [r.top_logprobs for r in results],
+            kept if any(row is not None for row in kept) else [],
+        )
 
-    @torch.inference_mode()
-    def execute_inputs(self, moves: tuple[Any, Any, Any], inputs: StepInputs) -> torch.Tensor:
-        """A step from plain data (what a tensor-parallel worker receives): the scheduler's block moves (swap
-        out, swap in, copies), then the forward."""
-        swap_out, swap_in, copies = moves
-        self.cache_engine.swap_out(swap_out)  # before the freed blocks are written again
-        self.cache_engine.swap_in(swap_in)
-        self.cache_engine.copy_blocks(copies)
-        return self.run(inputs)
-
-    def copy_blocks(self, copies: Any) -> None:
-        """Copy-on-write of shared blocks outside a step (multi-step decoding's extra slots)."""
-        self.cache_engine.copy_blocks(copies)
+    @contextlib.contextmanager
+    def _lora_step(self, batch: ScheduledBatch, tokens_per_seq: Sequence[int], seqs: list[Seq]) -> Iterator[None]:
+        """The step's adapters in the device's LoRA slots and each token's slot, for the forwards inside. Rank 0
+        has each request's adapter in hand; other ranks read theirs by request (cached after the first step) and
+        place them alike: placement depends only on the order of steps and their adapters."""
+        if self.lora_manager is None:
+            yield
+            return
+        manager = self.lora_manager
+        if seqs:
+            adapters = [seq.request.lora_adapter for seq in seqs]
+        else:
+            adapters = [None if r is None else manager.get(r) for r in batch.lora_requests or []]
+        manager.set_step(adapters, tokens_per_seq)
+        try:
+            yield
+        finally:
+            manager.clear_step()
 
     def run(self, inputs: StepInputs, input_ids: torch.Tensor | None = None, step_index: int = 0) -> torch.Tensor:
         """One step; returns ``[N, V]``. ``input_ids`` [T] on the device replaces ``inputs.input_ids``
@@ -168,14 +202,11 @@ class ModelRunner:
             logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices)
         return logits[:n]
 
-    @torch.inference_mode()
-    def run_decode_round(
-        self, inputs: StepInputs, num_steps: np.ndarray, block_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``num_steps.max()`` decode steps from ``inputs`` (step 0; sequence i takes ``num_steps[i]``)."""
-        steps = [inputs] + [
-            advance_decode_inputs(inputs, k, num_steps, block_size) for k in range(1, int(num_steps.max()))
-        ]
+    def _run_round(self, inputs: StepInputs, num_steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``max(num_steps)`` decode steps from ``inputs`` (step 0; row i takes ``num_steps[i]``)."""
+        per_row = np.asarray(num_steps, dtype=np.int64)
+        steps = [inputs]
+        steps += [advance_decode_inputs(inputs, k, per_row, self.block_size) for k in range(1, max(num_steps))]
         return self.run_decode_steps(steps)
 
     def run_decode_steps(self, steps: list[StepInputs]) -> tuple[torch.Tensor, torch.Tensor]:

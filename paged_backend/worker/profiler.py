@@ -49,7 +49,6 @@ def profile_peak_memory(model: PreTrainedModel, config: EngineConfig, device: to
         cu_seqlens_q=cu_seqlens_q,
         context_lens=torch.tensor(lens),
         logits_indices=(cu_seqlens_q[1:] - 1).long(),
-        sample_seqs=[],
     )
     runner.run(inputs)
     torch.cuda.synchronize(device)

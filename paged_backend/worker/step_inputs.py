@@ -11,10 +11,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from paged_backend.attention import AttentionMetadata
-from paged_backend.core.block_manager import BlockManager
-from paged_backend.core.scheduler import SchedulerOutput
-from paged_backend.engine.sequence import Sequence
+from paged_backend.core.scheduler_output import ScheduledBatch
+from paged_backend.worker.attention import AttentionMetadata
 
 
 @dataclass
@@ -28,7 +26,6 @@ class StepInputs:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     context_lens: torch.Tensor  # [B]
     logits_indices: torch.Tensor  # [N] rows of the sequences that sample
-    sample_seqs: list[Sequence]
 
     @property
     def num_tokens(self) -> int:
@@ -42,15 +39,6 @@ class StepInputs:
     def decode_only(self) -> bool:
         return self.num_tokens == self.num_seqs
 
-    def to_wire(self) -> tuple[np.ndarray, ...]:
-        """The tensors as numpy arrays, without the sequences: what a tensor-parallel worker needs, in a form that
-        pickles about 8x faster than torch tensors (the broadcast happens every step)."""
-        return tuple(getattr(self, name).numpy() for name in _WIRE_FIELDS)
-
-    @classmethod
-    def from_wire(cls, wire: tuple[np.ndarray, ...]) -> StepInputs:
-        return cls(**{name: torch.from_numpy(array) for name, array in zip(_WIRE_FIELDS, wire)}, sample_seqs=[])
-
     def to(self, device: torch.device) -> DeviceInputs:
         to = dict(device=device, non_blocking=True)
         metadata = AttentionMetadata(
@@ -62,17 +50,6 @@ class StepInputs:
         return DeviceInputs(self.input_ids.to(**to), self.positions.to(**to), metadata, self.logits_indices.to(**to))
 
 
-_WIRE_FIELDS = (
-    "input_ids",
-    "positions",
-    "slot_mapping",
-    "block_tables",
-    "cu_seqlens_q",
-    "context_lens",
-    "logits_indices",
-)
-
-
 @dataclass
 class DeviceInputs:
     input_ids: torch.Tensor  # [T]
@@ -81,26 +58,13 @@ class DeviceInputs:
     logits_indices: torch.Tensor  # [N]
 
 
-def build_step_inputs(sched: SchedulerOutput, block_manager: BlockManager, block_size: int) -> StepInputs:
-    """Flatten the scheduled sequences; a sequence samples when its step reaches its last known token."""
-    num_new = np.asarray(sched.num_new_tokens, dtype=np.int64)  # [B]
-    starts_list = [seq.num_computed_tokens for seq in sched.seqs]
-    tokens: list[int] = []
-    tables = [block_manager.get_block_table(seq.seq_id) for seq in sched.seqs]
-    logits_indices: list[int] = []
-    sample_seqs: list[Sequence] = []
-    offset = 0
-    for seq, start, n in zip(sched.seqs, starts_list, sched.num_new_tokens):
-        end = start + n
-        offset += n
-        tokens += seq.token_ids[start:end]
-        if end == len(seq.token_ids):
-            logits_indices.append(offset - 1)
-            sample_seqs.append(seq)
-    starts = np.asarray(starts_list, dtype=np.int64)  # [B]
-    ends = starts + num_new
+def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
+    """Flatten the scheduled rows: positions, the cache slot of every new token, each row's context length."""
+    num_new = np.asarray(batch.num_scheduled_tokens, dtype=np.int64)  # [B]
+    starts = np.asarray(batch.num_computed_tokens, dtype=np.int64)  # [B]
     cu = np.zeros(len(num_new) + 1, dtype=np.int64)
     np.cumsum(num_new, out=cu[1:])
+    tables = batch.block_tables
     width = max(len(t) for t in tables)
     block_tables = np.zeros((len(tables), width), dtype=np.int32)  # [B, W]
     for i, t in enumerate(tables):
@@ -109,14 +73,13 @@ def build_step_inputs(sched: SchedulerOutput, block_manager: BlockManager, block
     positions = np.arange(int(cu[-1]), dtype=np.int64) - cu[owner] + starts[owner]  # [T]
     slot_mapping = block_tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return StepInputs(
-        input_ids=torch.tensor(tokens, dtype=torch.long),
+        input_ids=torch.tensor(batch.input_token_ids, dtype=torch.long),
         positions=torch.from_numpy(positions),
         slot_mapping=torch.from_numpy(slot_mapping),
         block_tables=torch.from_numpy(block_tables),
         cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
-        context_lens=torch.from_numpy(ends),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
-        sample_seqs=sample_seqs,
+        context_lens=torch.from_numpy(starts + num_new),
+        logits_indices=torch.from_numpy(cu[1:][np.asarray(batch.sampling_rows, dtype=np.int64)] - 1),
     )
 
 

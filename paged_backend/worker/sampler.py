@@ -9,12 +9,11 @@ distribution the token was drawn from (temperature 1 and no filtering for greedy
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
-from paged_backend.engine.sequence import Sequence
+from paged_backend.core.sequence import Sequence
 from paged_backend.kernels.greedy import greedy_tokens
 
 
@@ -115,14 +114,16 @@ class Sampler:
         return [SampleResult(t, lp) for t, lp in zip(*to_host(*greedy_tokens(logits)))]
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], stop_ids: Seq[frozenset[int]]) -> list[SampleResult]:
-        """``logits`` [N, V] for ``seqs``; ``stop_ids[i]`` are the tokens barred until min_tokens is reached."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        """``logits`` [N, V] for ``seqs``. A sequence short of ``min_tokens`` cannot draw its stop tokens."""
         logits = logits.float()
         n, vocab = logits.shape
         params = [s.params for s in seqs]
         f32 = dict(dtype=torch.float32, device=logits.device)
         barred = [
-            i for i, (seq, p) in enumerate(zip(seqs, params)) if seq.num_output_tokens < p.min_tokens and stop_ids[i]
+            i
+            for i, (seq, p) in enumerate(zip(seqs, params))
+            if seq.num_output_tokens < p.min_tokens and seq.request.stop_token_ids
         ]
         if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params) and not barred:
             return self._greedy(logits)
@@ -137,7 +138,7 @@ class Sampler:
                 torch.tensor([p.repetition_penalty for p in params], **f32),
             )
         for i in barred:
-            logits[i, [t for t in stop_ids[i] if t < vocab]] = float("-inf")
+            logits[i, [t for t in seqs[i].request.stop_token_ids if t < vocab]] = float("-inf")
 
         # Greedy rows: temperature 1 and no filtering, so their logprobs are the model's own distribution.
         logprobs = sampling_logprobs(

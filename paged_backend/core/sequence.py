@@ -1,13 +1,23 @@
-"""Per-request and per-sample state: token ids, how many are in the KV cache, text, finish state."""
+"""Per-request and per-sample state: token ids, how many are in the KV cache, text, finish state.
+
+The scheduler owns the token ids, ``num_computed_tokens`` and the status; the output processor owns what is
+shown to the user (text, detokenization offsets, logprobs, kept logits).
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
+from paged_backend.lora.request import LoRARequest
 from paged_backend.outputs import Logprob
 from paged_backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from paged_backend.lora.adapter import LoRAAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -44,7 +54,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     arrival: int
-    generator: Any = None  # torch.Generator for seeded requests
+    generator: torch.Generator | None = None  # a seeded request's own, so its draws ignore the rest of the batch
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0
@@ -52,7 +62,7 @@ class Sequence:
     output_text: str = ""
     stop_reason: int | str | None = None
     num_cached_prompt_tokens: int | None = None  # prompt tokens reused from the prefix cache at first admission
-    logits: list[Any] | None = None  # raw logits row of each generated token, when the request keeps them
+    logits: list[torch.Tensor] | None = None  # raw logits row of each generated token, when the request keeps them
     # incremental detokenization offsets into token_ids (vLLM's prefix_offset / read_offset)
     prefix_offset: int = 0
     read_offset: int = 0
@@ -92,8 +102,10 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    lora_request: Any = None
-    lora_adapter: Any = None  # its LoRAAdapter, read at admission: a step never re-reads an adapter from disk
+    lora_request: LoRARequest | None = None
+    lora_adapter: LoRAAdapter | None = None  # read when the request is added: a step never reads a disk
+    eos_token_ids: frozenset[int] = frozenset()  # the model's EOS ids that stop it (none with ignore_eos)
+    keep_logits: bool = False  # each generated token's raw logits row goes to the output (HF's output_logits)
     seqs: list[Sequence] = field(default_factory=list)
     unforked: list[Sequence] = field(default_factory=list)  # samples waiting for the first one's prefill
     arrival_time: float = 0.0
@@ -102,3 +114,8 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(seq.status.finished for seq in self.seqs)
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Tokens that end a sample once it has ``min_tokens`` tokens (and are barred until then)."""
+        return self.eos_token_ids | frozenset(self.params.stop_token_ids)

@@ -1,0 +1,53 @@
+"""Multi-step rounds: several greedy decode steps run back to back on the device, one host read at the end.
+
+A round suits a batch where every sequence decodes one token greedily without penalties, logprobs, kept logits
+or a ``min_tokens`` barrier: each step's argmax can feed the next forward on the device and be checked for stops
+afterwards. The first token of a request goes out alone (time to first token).
+"""
+
+from __future__ import annotations
+
+from paged_backend.core.block_manager import BlockManager
+from paged_backend.core.scheduler_output import BlockMoves
+from paged_backend.core.sequence import Sequence
+
+
+def can_run_ahead(seq: Sequence) -> bool:
+    params = seq.params
+    return (
+        seq.num_uncomputed_tokens == 1
+        and seq.num_output_tokens > 0
+        and params.greedy
+        and not params.has_penalties
+        and params.logprobs is None
+        and not seq.request.keep_logits
+        and seq.num_output_tokens >= params.min_tokens
+    )
+
+
+def plan_round(
+    seqs: list[Sequence], num_new_tokens: list[int], max_steps: int, max_model_len: int, block_manager: BlockManager
+) -> tuple[list[int] | None, BlockMoves]:
+    """How many steps each sequence takes in one round (None: a normal step), and the copy-on-write copies its
+    extra slots need. A sequence takes no more steps than ``max_tokens`` and ``max_model_len`` leave it, nor more
+    than the blocks it can get hold."""
+    if not seqs or any(n != 1 for n in num_new_tokens) or not all(can_run_ahead(seq) for seq in seqs):
+        return None, []
+    steps: list[int] = []
+    copies: BlockMoves = []
+    for seq in seqs:
+        left = max_model_len - len(seq.token_ids)
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+        n = max(1, min(max_steps, left))
+        if n > 1:
+            planned = block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
+            if planned is None:  # no free blocks for all n: as many steps as its blocks already hold
+                capacity = len(block_manager.get_block_table(seq.seq_id)) * block_manager.block_size
+                n = max(1, min(n, capacity - seq.num_computed_tokens))
+            else:
+                copies += planned
+        steps.append(n)
+    # A round runs max(steps) forwards for the whole batch: not worth it when most rows would idle.
+    worth_it = max(steps) > 1 and 2 * sum(steps) >= max(steps) * len(steps)
+    return (steps if worth_it else None), copies

@@ -1,0 +1,83 @@
+"""The messages of one step: ``SchedulerOutput`` (scheduler → executor), ``ModelRunnerOutput`` (executor →
+scheduler) and ``SequenceUpdate`` (scheduler → output processor), in vLLM v1's shape.
+
+A ``SchedulerOutput`` has two parts. ``batch`` is plain data (ints and lists): everything a worker needs to run
+the step's forward — token ids to feed, positions, block tables, cache moves, steps in the round, adapters — and
+under tensor parallelism it is the one message each step sends to the other ranks. The rest are the sequences
+themselves, which only rank 0's sampler reads (sampling parameters, seeded generators, token history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from paged_backend.core.sequence import Sequence
+from paged_backend.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    import torch
+
+BlockMoves = list[tuple[int, int]]  # (source block, destination block)
+TopLogprobs = list[tuple[int, float, int]]  # (token id, logprob, rank): the sampled token first, then the top k
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work for every rank, in batch order (row ``i`` is the ``i``-th scheduled sequence)."""
+
+    input_token_ids: list[int]  # [T] the new tokens of every row, concatenated
+    num_computed_tokens: list[int]  # [B] tokens already in the cache: the first new token's position
+    num_scheduled_tokens: list[int]  # [B] new tokens this step
+    block_tables: list[list[int]]  # [B][blocks]
+    sampling_rows: list[int]  # rows whose new tokens reach their last known token: they sample
+    # A multi-step round: row i decodes num_steps[i] tokens greedily, each fed to the next forward on the device.
+    num_steps: list[int] | None = None
+    blocks_to_swap_out: BlockMoves = field(default_factory=list)  # (device, CPU), made first
+    blocks_to_swap_in: BlockMoves = field(default_factory=list)  # (CPU, device), made next
+    blocks_to_copy: BlockMoves = field(default_factory=list)  # copy-on-write (src, dst), made before the forward
+    lora_requests: list[LoRARequest | None] | None = None  # each row's adapter, when LoRA is enabled
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    batch: ScheduledBatch
+    seqs: list[Sequence] = field(default_factory=list)  # [B] the scheduled sequences
+    # The sequences that sample: those of ``batch.sampling_rows``, then the samples that fork from them this step
+    # (a request's other samples take their first token from their parent's logits row).
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+    fork_parents: list[int] = field(default_factory=list)  # for each forked sample: its parent's sampling index
+
+    @property
+    def is_empty(self) -> bool:
+        return self.batch.num_seqs == 0
+
+    def to_wire(self) -> SchedulerOutput:
+        """What the other tensor-parallel ranks receive: the batch without Python objects."""
+        return SchedulerOutput(self.batch)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What sampling produced, a row per ``SchedulerOutput.sampling_seqs`` entry (empty on ranks other than 0)."""
+
+    sampled_token_ids: list[list[int]] = field(default_factory=list)  # one token, or a round's tokens in order
+    logprobs: list[list[float]] = field(default_factory=list)  # of each sampled token
+    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)  # when the sample asked for logprobs
+    logits: list[torch.Tensor | None] = field(default_factory=list)  # raw rows, for requests that keep them
+
+
+@dataclass
+class SequenceUpdate:
+    """The tokens one sequence took this step (after stop checks), for the output processor (vLLM v1's
+    ``EngineCoreOutput``, per sample)."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: TopLogprobs | None = None
+    logits: torch.Tensor | None = None

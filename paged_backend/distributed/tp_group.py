@@ -1,0 +1,288 @@
+"""A tensor-parallel process group: rank 0 (the engine's process) and ``tensor_parallel_size - 1`` workers.
+
+``TPGroup.start`` spawns the workers on free local ports (or as Ray tasks) and joins them in one process group:
+NCCL on GPUs (rank r on ``cuda:r``), gloo on CPUs, for the forward's all-reduces (``all_reduce.py``), and beside
+it a gloo group for small collectives. Rank 0 talks to the workers through ``Messages``: a pipe to each local
+worker (tens of µs a message), or for Ray tasks, which may run on other machines, a broadcast over the gloo
+control group. A worker that dies is noticed (on GPUs by a watcher thread that aborts the group, since NCCL
+would wait out its timeout), and the workers never outlive the group, the engine or the interpreter.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.process
+import pickle
+import socket
+import threading
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from paged_backend.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT = timedelta(seconds=300)
+
+# A worker process's body: (rank, world_size, init_method, config, model_path, pipe or None).
+WorkerMain = Callable[..., None]
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Bytes of the largest hidden states one forward all-reduces through symmetric memory; larger ones use NCCL.
+class Messages:
+    """Rank 0's calls to the workers: a pipe to each local worker (tens of µs a message), or for Ray tasks, which
+    may run on other machines, a broadcast over the gloo control group (~2 ms: two collectives and pickling)."""
+
+    def __init__(self, control: Any, pipes: list[Any] | None) -> None:
+        self.control, self.pipes = control, pipes
+
+    def send(self, message: tuple[str, tuple[Any, ...]]) -> None:
+        if self.pipes is None:
+            dist.broadcast_object_list([message], src=0, group=self.control)
+            return
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for pipe in self.pipes:
+            pipe.send_bytes(data)
+
+    def receive(self) -> tuple[str, tuple[Any, ...]]:
+        if self.pipes is None:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=self.control)
+            return box[0]
+        return pickle.loads(self.pipes[0].recv_bytes())
+
+
+def min_over_ranks(value: int, control: Any) -> int:
+    tensor = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=control)
+    return int(tensor.item())
+
+
+def tp_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank ``rank``'s device: ``cuda:rank`` (``cuda:0`` in a Ray task, which sees its own GPU only) or the CPU."""
+    name = config.device_config.device
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if name not in ("auto", "cuda"):
+        raise ValueError(
+            f"device must be 'auto', 'cuda' or 'cpu' with tensor_parallel_size > 1 (rank r runs on cuda:r), "
+            f"got {name!r}"
+        )
+    if config.parallel_config.distributed_executor_backend == "ray" and rank > 0:
+        return torch.device("cuda", 0)
+    world_size = config.parallel_config.tensor_parallel_size
+    if rank == 0 and config.parallel_config.distributed_executor_backend == "mp":
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(
+                f"tensor_parallel_size={world_size} needs {world_size} GPUs, this machine has "
+                f"{torch.cuda.device_count()}"
+            )
+    return torch.device("cuda", rank)
+
+
+def init_groups(init_method: str, rank: int, world_size: int, device: torch.device) -> Any:
+    """Join the default group (NCCL on a GPU, gloo on the CPU) and return the gloo group for control messages
+    (None: the default group, already gloo)."""
+    if device.type != "cuda":
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=_TIMEOUT)
+        return None
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl", init_method=init_method, rank=rank, world_size=world_size, timeout=_TIMEOUT, device_id=device
+    )
+    return dist.new_group(backend="gloo", timeout=_TIMEOUT)
+
+
+class TPGroup:
+    """Rank 0's side of the group: the worker processes, its own device and the broadcast of each call to them."""
+
+    def __init__(
+        self,
+        world_size: int,
+        processes: list[multiprocessing.process.BaseProcess],
+        device: torch.device,
+        control: Any,
+        messages: Messages,
+    ) -> None:
+        self.world_size = world_size
+        self.processes = processes
+        self.device = device
+        self.control = control
+        self.messages = messages
+        stop = threading.Event()
+        if device.type == "cuda":
+            # NCCL does not notice a dead peer: its collectives would wait out the timeout. A watcher aborts the
+            # group as soon as a worker has died, so that rank 0's pending step fails within a second or two.
+            threading.Thread(target=_watch, args=(processes, stop), name="paged-backend-tp-watch", daemon=True).start()
+        # Workers never outlive the engine or the interpreter: stopped on close, collection or exit.
+        self.all_reduces: list[Closable] = []  # rank 0's, closed before the group is destroyed
+        self._finalizer = weakref.finalize(self, _shutdown, processes, messages, stop, self.all_reduces)
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_path: str, worker_main: WorkerMain) -> TPGroup:
+        """Start the workers (local processes, or Ray tasks for ``distributed_executor_backend="ray"``) running
+        ``worker_main`` and join the groups; each worker then loads its shard while rank 0 loads its own."""
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed process group is already initialized in this process")
+        world_size = config.parallel_config.tensor_parallel_size
+        device = tp_device(config, 0)
+        if config.parallel_config.distributed_executor_backend == "ray":
+            host, workers = _start_ray_workers(config, model_path, world_size, device, worker_main)
+        else:
+            host = "127.0.0.1"
+            workers = []
+        init_method = f"tcp://{host}:{_free_port()}"
+        pipes = None
+        if not workers:
+            context = mp.get_context("spawn")
+            ends = [context.Pipe(duplex=False) for _ in range(1, world_size)]  # (worker's end, rank 0's end)
+            pipes = [send for _, send in ends]
+            workers = [
+                context.Process(
+                    target=worker_main,
+                    args=(rank, world_size, init_method, config, model_path, receive),
+                    name=f"paged-backend-tp-{rank}",
+                    daemon=True,
+                )
+                for rank, (receive, _) in zip(range(1, world_size), ends)
+            ]
+            for process in workers:
+                process.start()
+            for receive, _ in ends:
+                receive.close()  # the worker holds it now
+        else:
+            for worker in workers:
+                worker.start(init_method)
+        control = init_groups(init_method, 0, world_size, device)
+        backend = config.parallel_config.distributed_executor_backend
+        logger.info(
+            "tensor parallelism: %d ranks (%s), workers started by %s",
+            world_size,
+            "nccl" if device.type == "cuda" else "gloo",
+            backend,
+        )
+        return cls(world_size, workers, device, control, Messages(control, pipes))
+
+    def send(self, method: str, *args: Any) -> None:
+        _check_alive(self.processes)
+        self.messages.send((method, args))
+
+    def min_over_ranks(self, value: int) -> int:
+        return min_over_ranks(value, self.control)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _check_alive(processes: list[Any]) -> None:
+    for process in processes:
+        if not process.is_alive():
+            raise RuntimeError(f"tensor-parallel worker {process.name} died (exit code {process.exitcode})")
+
+
+def _watch(processes: list[Any], stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        try:
+            _check_alive(processes)
+        except RuntimeError as exc:
+            if stop.is_set():
+                return
+            logger.error("%s: aborting the process group", exc)
+            dist.distributed_c10d._abort_process_group()
+            return
+
+
+def _shutdown(processes: list[Any], messages: Messages, stop: threading.Event, all_reduces: list[Closable]) -> None:
+    """Tell the workers to stop, wait for them (killing any that hang or are half dead), drop rank 0's registered
+    all-reduce buffer, leave the group."""
+    stop.set()
+    try:
+        _check_alive(processes)
+        messages.send(("shutdown", ()))
+    except Exception:  # noqa: BLE001 - a dead worker: the rest are killed below
+        logger.debug("could not tell the workers to stop", exc_info=True)
+    for process in processes:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    for all_reduce in all_reduces:
+        all_reduce.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class RayWorker:
+    """One rank as a Ray task on the cluster, with the process-like handle the group uses (is_alive, join, kill)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        config: EngineConfig,
+        model_path: str,
+        device: torch.device,
+        worker_main: WorkerMain,
+    ) -> None:
+        self.rank, self.world_size, self.config, self.model_path = rank, world_size, config, model_path
+        self.worker_main = worker_main
+        self.device = device
+        self.name = f"paged-backend-tp-{rank}"
+        self.ref: Any = None
+
+    def start(self, init_method: str) -> None:
+        import ray
+
+        num_gpus = 1 if self.device.type == "cuda" else 0
+        task = ray.remote(num_cpus=0, num_gpus=num_gpus)(self.worker_main).options(name=self.name)
+        self.ref = task.remote(self.rank, self.world_size, init_method, self.config, self.model_path)
+
+    @property
+    def exitcode(self) -> str:
+        return "ended" if not self.is_alive() else "running"
+
+    def is_alive(self) -> bool:
+        import ray
+
+        return not ray.wait([self.ref], timeout=0)[0]
+
+    def join(self, timeout: float | None = None) -> None:
+        import ray
+
+        ray.wait([self.ref], timeout=timeout)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.cancel(self.ref, force=True)
+
+
+def _start_ray_workers(
+    config: EngineConfig, model_path: str, world_size: int, device: torch.device, worker_main: WorkerMain
+) -> tuple[str, list[RayWorker]]:
+    """Ray tasks for ranks 1..N-1 on the running cluster (``ray start --head`` on one node, ``ray start --address``
+    on the others; or a local instance started here); rank 0's address is this node's IP."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("distributed_executor_backend='ray' needs Ray: pip install ray") from exc
+    if not ray.is_initialized():
+        ray.init(ignore_reinit_error=True, include_dashboard=False)
+    host = ray.util.get_node_ip_address()
+    return host, [RayWorker(rank, world_size, config, model_path, device, worker_main) for rank in range(1, world_size)]

@@ -1,0 +1,134 @@
+"""From a prompt and its parameters to a validated ``Request``: every check runs before anything is queued, so a
+bad request fails alone."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from paged_backend.config import EngineConfig
+from paged_backend.core.sequence import Request, Sequence
+from paged_backend.lora.adapter import LoRAAdapter
+from paged_backend.lora.request import LoRARequest
+from paged_backend.sampling_params import SamplingParams
+
+PromptType = str | Mapping[str, object]
+
+
+class PromptTokenizer(Protocol):
+    """What tokenizing a prompt needs of a Hugging Face tokenizer."""
+
+    def __call__(self, text: str) -> Mapping[str, list[int]]: ...
+
+
+class AdapterSource(Protocol):
+    def get(self, request: LoRARequest) -> LoRAAdapter: ...
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: PromptTokenizer | None,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        device: torch.device,
+        adapters: AdapterSource | None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device  # where a seeded request's generator lives: it draws on the logits' device
+        self.adapters = adapters
+        self._seq_ids = itertools.count()
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt is a string or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``."""
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                text = prompt.get("prompt")
+                return text if isinstance(text, str) else None, list(ids)
+            if "prompt" not in prompt:
+                raise ValueError("a prompt dict must have a 'prompt' or a 'prompt_token_ids' key")
+            prompt = prompt["prompt"]  # type: ignore[assignment]
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}"
+            )
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: pass tokenizer=... or use prompt_token_ids")
+        return prompt, list(self.tokenizer(prompt)["input_ids"])
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None,
+        lora_request: LoRARequest | None,
+        keep_logits: bool,
+    ) -> Request:
+        adapter = self._adapter(lora_request)
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        self._check(ids, params)
+        request = Request(
+            request_id,
+            text,
+            ids,
+            params,
+            lora_request,
+            lora_adapter=adapter,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            keep_logits=keep_logits,
+            arrival_time=time.monotonic(),
+        )
+        for index in range(params.best_of):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed + index)
+            seq_id = next(self._seq_ids)
+            request.seqs.append(Sequence(seq_id, index, request, list(ids), len(ids), seq_id, generator))
+        return request
+
+    def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The request's adapter, read and checked now: a bad one fails this request only."""
+        if lora_request is None:
+            return None
+        if self.adapters is None:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+        return self.adapters.get(lora_request)
+
+    def _check(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        max_model_len = self.config.max_model_len
+        if len(ids) > max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer=... or use stop_token_ids")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        if params.best_of > max_num_seqs:
+            raise ValueError(
+                f"best_of must be <= max_num_seqs={max_num_seqs} (its samples run together), got {params.best_of}"
+            )

@@ -1,0 +1,127 @@
+"""From sampled tokens to what the user sees: logprobs, incremental text, stop strings, ``RequestOutput``.
+
+The scheduler has already appended each sequence's tokens and applied stop tokens and lengths; text is needed for
+stop strings, so they are found here, and the engine tells the scheduler where each such sequence ends.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from paged_backend.core.scheduler_output import SequenceUpdate
+from paged_backend.core.sequence import Request, Sequence, SequenceStatus
+from paged_backend.engine.detokenizer import (
+    Tokenizer,
+    detokenize_incrementally,
+    find_stop_string,
+    init_offsets,
+    visible_text,
+)
+from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass(frozen=True)
+class StopStringHit:
+    """A sequence whose text reached a stop string: it keeps its first ``num_tokens`` token ids."""
+
+    seq: Sequence
+    stop: str
+    num_tokens: int
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.num_generated_tokens = 0
+
+    def add_request(self, request: Request) -> None:
+        for seq in request.seqs:
+            seq.logprobs = [] if request.params.logprobs is not None else None
+            seq.logits = [] if request.keep_logits else None
+            init_offsets(seq)
+        self.requests[request.request_id] = request
+
+    def process_tokens(self, updates: list[SequenceUpdate]) -> list[StopStringHit]:
+        """Take each update's tokens in order: logprobs, kept logits, text; stop at a stop string."""
+        hits = [self._process(update) for update in updates]
+        return [hit for hit in hits if hit is not None]
+
+    def _process(self, update: SequenceUpdate) -> StopStringHit | None:
+        seq, params = update.seq, update.seq.params
+        first = len(seq.token_ids) - len(update.new_token_ids)  # index of the first new token
+        last = len(update.new_token_ids) - 1
+        for j, logprob in enumerate(update.logprobs):
+            seq.cumulative_logprob += logprob
+            self.num_generated_tokens += 1
+            if seq.logprobs is not None and update.top_logprobs is not None:
+                seq.logprobs.append(
+                    {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in update.top_logprobs}
+                )
+            if seq.logits is not None and update.logits is not None:
+                seq.logits.append(update.logits)
+            # The scheduler finishes a sequence as "stopped" only on a stop token, always its last new token.
+            stop_token = j == last and seq.status is SequenceStatus.FINISHED_STOPPED
+            if self.tokenizer is None or (stop_token and not params.include_stop_str_in_output):
+                continue
+            delta = detokenize_incrementally(self.tokenizer, seq, first + j + 1)
+            seq.output_text += delta
+            if stop_token or not params.stop or not delta or first + j + 1 - seq.num_prompt_tokens < params.min_tokens:
+                continue
+            hit = find_stop_string(seq.output_text, len(delta), params.stop)
+            if hit is not None:
+                start, stop = hit
+                seq.output_text = seq.output_text[: start + len(stop) if params.include_stop_str_in_output else start]
+                return StopStringHit(seq, stop, first + j + 1)
+        return None
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def make_outputs(self, updates: list[SequenceUpdate], finished_only: bool) -> list[RequestOutput]:
+        """Cumulative outputs of the requests that advanced (with ``finished_only``, of those that finished)."""
+        advanced = {update.seq.request.request_id: update.seq.request for update in updates}
+        now = time.monotonic()
+        outputs = []
+        for request in advanced.values():
+            if request.first_token_time is None:
+                request.first_token_time = now
+            finished = request.finished
+            if finished:
+                self.requests.pop(request.request_id, None)
+            if finished or (request.params.best_of == request.params.n and not finished_only):
+                outputs.append(make_request_output(request))
+        return outputs
+
+
+def make_request_output(request: Request) -> RequestOutput:
+    params = request.params
+    seqs = request.seqs
+    if params.best_of > params.n:  # only reported once finished: keep the n best, best first
+        seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
+    outputs = [
+        CompletionOutput(
+            index=i,
+            text=visible_text(seq),
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=float(seq.cumulative_logprob),
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            logits=list(seq.logits) if seq.logits is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        for i, seq in enumerate(seqs)
+    ]
+    metrics = {"arrival_time": request.arrival_time}
+    if request.first_token_time is not None:
+        metrics["first_token_time"] = request.first_token_time
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=list(request.prompt_token_ids),
+        outputs=outputs,
+        finished=request.finished,
+        lora_request=request.lora_request,
+        metrics=metrics,
+    )

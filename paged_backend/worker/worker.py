@@ -1,0 +1,103 @@
+"""One device's share of the engine: the model, its LoRA slots, the KV cache and the model runner.
+
+The engine reaches the device side only through ``Executor``: a single-device ``Worker`` is one, and so is the
+tensor-parallel ``TPExecutor`` (``distributed/tp_executor.py``), whose every rank holds a ``Worker``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from paged_backend.config import EngineConfig
+from paged_backend.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from paged_backend.distributed.tp_plan import head_layout
+from paged_backend.lora.manager import LoRAManager, lora_slot_tokens
+from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
+from paged_backend.worker.model_runner import ModelRunner
+from paged_backend.worker.profiler import gpu_blocks_that_fit
+
+
+class Executor(Protocol):
+    """What the engine asks of the device side: LoRA slots, the KV cache's size and allocation, steps, the end."""
+
+    model: PreTrainedModel  # rank 0's
+    device: torch.device
+    lora_manager: LoRAManager | None  # rank 0's: it reads a request's adapter when the request is added
+
+    def init_lora(self, config: EngineConfig) -> None: ...
+
+    def kv_cache_spec(self) -> KVCacheSpec: ...
+
+    def profile_num_gpu_blocks(self, config: EngineConfig, block_bytes: int) -> int: ...
+
+    def initialize_cache(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class Worker:
+    def __init__(self, model: PreTrainedModel, device: torch.device, world_size: int = 1) -> None:
+        self.model = model
+        self.device = device
+        self.world_size = world_size
+        self.lora_manager: LoRAManager | None = None
+        self._model_runner: ModelRunner | None = None
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        if self._model_runner is None:
+            raise RuntimeError("the KV cache is not initialized yet: call initialize_cache first")
+        return self._model_runner
+
+    def init_lora(self, config: EngineConfig) -> None:
+        """LoRA slots, made before the KV cache is sized so that their memory counts."""
+        if config.lora_config.enable_lora and self.lora_manager is None:
+            tokens = lora_slot_tokens(config)
+            self.lora_manager = LoRAManager(self.model, config.lora_config, self.device, self.model.dtype, tokens)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """This device's KV geometry: under tensor parallelism, its share of the KV heads."""
+        spec = KVCacheSpec.from_config(self.model.config, self.model.dtype)
+        if self.world_size == 1:
+            return spec
+        local = head_layout(self.model.config.get_text_config(), self.world_size).local_kv_heads
+        return dataclasses.replace(spec, num_kv_heads=local)
+
+    def profile_num_gpu_blocks(self, config: EngineConfig, block_bytes: int) -> int:
+        """KV blocks that fit beside the weights and the activation peak (with every token's LoRA delta)."""
+        lora = self.lora_manager
+        if lora is not None:
+            lora.profile_step()
+        try:
+            return gpu_blocks_that_fit(self.model, config, self.device, block_bytes)
+        finally:
+            if lora is not None:
+                lora.clear_step()
+
+    def initialize_cache(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        cache_engine = CacheEngine(self.kv_cache_spec(), num_gpu_blocks, config.block_size, self.device, num_cpu_blocks)
+        self._model_runner = ModelRunner(
+            self.model,
+            cache_engine,
+            self.device,
+            enforce_eager=config.device_config.enforce_eager,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            num_scheduler_steps=config.scheduler_config.num_scheduler_steps,
+            lora_manager=self.lora_manager,
+            seed=config.model_config.seed,
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Take LoRA's hooks off the model: it may be the user's and outlive the engine."""
+        if self.lora_manager is not None:
+            self.lora_manager.close()
