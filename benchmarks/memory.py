@@ -55,7 +55,7 @@ def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams, tag: str, 
     while engine.has_unfinished_requests():
         for out in engine.step(finished_only=True):
             done[out.request_id] = out
-        peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
+        peak_blocks = max(peak_blocks, engine.scheduler.block_manager.num_used_blocks)
         if sample_waste:
             peak_waste = max(peak_waste, engine.stats()["kv_waste_fraction"])
     seconds = time.perf_counter() - start

@@ -136,9 +136,7 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     seeded = SamplingParams(temperature=1.0, seed=7)
     alone = Sampler(torch.device("cpu"), seed=0)(logits.clone(), _seqs([seeded]))
     other = SamplingParams(temperature=1.0)
-    mixed = Sampler(torch.device("cpu"), seed=1)(
-        torch.cat([torch.randn(2, 50), logits]), _seqs([other, other, seeded])
-    )
+    mixed = Sampler(torch.device("cpu"), seed=1)(torch.cat([torch.randn(2, 50), logits]), _seqs([other, other, seeded]))
     assert mixed[2].token_id == alone[0].token_id
 
 

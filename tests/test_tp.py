@@ -226,7 +226,7 @@ def test_ray_executor_on_a_local_ray_instance(checkpoints) -> None:
         try:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8))
             assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(model, p, 8) for p in prompts]
-            (worker,) = llm.llm_engine.tp_group.processes
+            (worker,) = llm.llm_engine.executor.group.processes
             assert worker.is_alive()
         finally:
             llm.llm_engine.shutdown()

@@ -91,7 +91,7 @@ def run_paged(llm: Any, prompts: list[str], max_tokens: int) -> SideResult:
             for output in engine.step(finished_only=True):
                 finished[output.request_id] = list(output.outputs[0].token_ids)
                 bar.update(1)
-            used = engine.block_manager.num_used_blocks
+            used = engine.scheduler.block_manager.num_used_blocks
             if used > peak_blocks:  # the waste walks every block table: only at a new peak, off most steps' clock
                 peak_blocks, waste = used, engine.stats()["kv_waste_fraction"]
     seconds = time.perf_counter() - start

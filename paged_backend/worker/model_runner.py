@@ -37,7 +37,10 @@ from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, 
 logger = logging.getLogger(__name__)
 
 # Compiled once on this batch: every dimension above 1 (a size-1 dimension would be specialised on).
-_WARMUP = dict(q_lens=[4, 2, 1], context_lens=[4, 2, 1], logits_indices=[3, 6], width=5)
+_WARMUP_Q_LENS = [4, 2, 1]
+_WARMUP_CONTEXT_LENS = [4, 2, 1]
+_WARMUP_LOGITS_INDICES = [3, 6]
+_WARMUP_WIDTH = 5
 
 
 class ModelRunner:
@@ -115,16 +118,16 @@ class ModelRunner:
 
     @staticmethod
     def _warmup_inputs() -> StepInputs:
-        q_lens = _WARMUP["q_lens"]
+        q_lens = _WARMUP_Q_LENS
         num_tokens = sum(q_lens)
         return StepInputs(
             input_ids=torch.zeros(num_tokens, dtype=torch.long),
             positions=torch.cat([torch.arange(n) for n in q_lens]),
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long),  # writes nothing
-            block_tables=torch.zeros(len(q_lens), _WARMUP["width"], dtype=torch.int32),
+            block_tables=torch.zeros(len(q_lens), _WARMUP_WIDTH, dtype=torch.int32),
             cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
-            context_lens=torch.tensor(_WARMUP["context_lens"]),
-            logits_indices=torch.tensor(_WARMUP["logits_indices"]),
+            context_lens=torch.tensor(_WARMUP_CONTEXT_LENS),
+            logits_indices=torch.tensor(_WARMUP_LOGITS_INDICES),
         )
 
     def _compiled(self) -> contextlib.AbstractContextManager[object]:

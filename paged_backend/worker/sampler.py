@@ -119,7 +119,7 @@ class Sampler:
         logits = logits.float()
         n, vocab = logits.shape
         params = [s.params for s in seqs]
-        f32 = dict(dtype=torch.float32, device=logits.device)
+        dev = logits.device
         barred = [
             i
             for i, (seq, p) in enumerate(zip(seqs, params))
@@ -133,9 +133,9 @@ class Sampler:
                 logits,
                 [s.token_ids[: s.num_prompt_tokens] if p.repetition_penalty != 1 else [] for s, p in zip(seqs, params)],
                 [s.output_token_ids for s in seqs],
-                torch.tensor([p.presence_penalty for p in params], **f32),
-                torch.tensor([p.frequency_penalty for p in params], **f32),
-                torch.tensor([p.repetition_penalty for p in params], **f32),
+                torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev),
             )
         for i in barred:
             logits[i, [t for t in seqs[i].request.stop_token_ids if t < vocab]] = float("-inf")
@@ -143,10 +143,10 @@ class Sampler:
         # Greedy rows: temperature 1 and no filtering, so their logprobs are the model's own distribution.
         logprobs = sampling_logprobs(
             logits,
-            torch.tensor([0.0 if p.greedy else p.temperature for p in params], **f32),
+            torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=dev),
             torch.tensor([-1 if p.greedy else p.top_k for p in params], dtype=torch.long, device=logits.device),
-            torch.tensor([1.0 if p.greedy else p.top_p for p in params], **f32),
-            torch.tensor([0.0 if p.greedy else p.min_p for p in params], **f32),
+            torch.tensor([1.0 if p.greedy else p.top_p for p in params], dtype=torch.float32, device=dev),
+            torch.tensor([0.0 if p.greedy else p.min_p for p in params], dtype=torch.float32, device=dev),
             filters=(
                 any(p.min_p > 0 for p in params if not p.greedy),
                 any(p.top_k > 0 for p in params if not p.greedy),
@@ -156,10 +156,11 @@ class Sampler:
         tokens = logprobs.argmax(dim=-1)  # greedy rows; random rows are overwritten below
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            q = torch.empty(len(random_rows), vocab, **f32)
+            q = torch.empty(len(random_rows), vocab, dtype=torch.float32, device=dev)
             unseeded = [j for j, i in enumerate(random_rows) if seqs[i].generator is None]
             if unseeded:
-                q[unseeded] = torch.empty(len(unseeded), vocab, **f32).exponential_(generator=self.generator)
+                draws = torch.empty(len(unseeded), vocab, dtype=torch.float32, device=dev)
+                q[unseeded] = draws.exponential_(generator=self.generator)
             for j, i in enumerate(random_rows):
                 if seqs[i].generator is not None:
                     q[j].exponential_(generator=seqs[i].generator)

@@ -40,14 +40,16 @@ class StepInputs:
         return self.num_tokens == self.num_seqs
 
     def to(self, device: torch.device) -> DeviceInputs:
-        to = dict(device=device, non_blocking=True)
+        def to(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(device, non_blocking=True)
+
         metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping.to(**to),
-            block_tables=self.block_tables.to(**to),
-            cu_seqlens_q=self.cu_seqlens_q.to(**to),
-            context_lens=self.context_lens.to(**to),
+            slot_mapping=to(self.slot_mapping),
+            block_tables=to(self.block_tables),
+            cu_seqlens_q=to(self.cu_seqlens_q),
+            context_lens=to(self.context_lens),
         )
-        return DeviceInputs(self.input_ids.to(**to), self.positions.to(**to), metadata, self.logits_indices.to(**to))
+        return DeviceInputs(to(self.input_ids), to(self.positions), metadata, to(self.logits_indices))
 
 
 @dataclass
