@@ -108,9 +108,19 @@ def timed(fn) -> tuple[Any, float]:
 
 
 # ---------------------------------------------------------------------------------------------------- backends
+class PrefixCacheHitError(RuntimeError):
+    """A timed run reused KV of an earlier run: its figure would not be the workload's."""
+
+
 def run_paged(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    """Timed ``generate``; refuses (raises) when any prompt token was served from the prefix cache, so that no
+    figure can come from prompts a warm-up or an earlier repetition already ran."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    cached = llm.stats().get("num_prompt_tokens_cached", 0)
     outs, seconds = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    hits = llm.stats().get("num_prompt_tokens_cached", 0) - cached
+    if hits:
+        raise PrefixCacheHitError(f"{hits} prompt tokens came from the prefix cache: use prompts no run has seen")
     return [list(o.outputs[0].token_ids) for o in outs], seconds
 
 
@@ -190,8 +200,8 @@ def measure_ttft(llm: LLM, model, vocab: int, repeats: int = 5) -> dict[str, flo
     ids = torch.tensor([prompt], device="cuda")
     model(ids)  # warm-up
     hf = [timed(lambda: model(ids, use_cache=False))[1] for _ in range(repeats)]
-    run_paged(llm, [prompt], 1)
-    paged = [run_paged(llm, [prompt], 1)[1] for _ in range(repeats)]
+    run_paged(llm, [one_prompt(vocab, 1024, seed=6)], 1)  # warm-up
+    paged = [run_paged(llm, [one_prompt(vocab, 1024, seed=200 + i)], 1)[1] for i in range(repeats)]
     return {"paged": 1e3 * statistics.median(paged), "hf_forward": 1e3 * statistics.median(hf)}
 
 
@@ -390,6 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--num-scheduler-steps", type=int, default=None, help="paged engine's decode steps per round (default: its own)"
     )
     parser.add_argument("--skip-check", action="store_true", help="skip the greedy agreement check")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure, each on its own prompts")
     parser.add_argument("--profile", type=Path, default=None, help="write a torch.profiler table here")
     parser.add_argument("--breakdown", action="store_true", help="time the parts of a step (W1 and W2 shapes)")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
@@ -416,6 +427,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     prompts_for = {"w1": w1_prompts(vocab, args.num_prompts), "w2": [one_prompt(vocab, 128, seed=1)]}
 
+    def fresh_prompts(workload: str, repetition: int) -> list[list[int]]:
+        """A repetition's own prompts, drawn like the workload's (seeds 100+: no warm-up or other run uses them)."""
+        if workload == "w1":
+            return w1_prompts(vocab, args.num_prompts, seed=100 + repetition)
+        return [one_prompt(vocab, 128, seed=100 + repetition)]
+
     def measure(workload: str, backend: str, run) -> None:
         prompts = prompts_for[workload]
         if backend == "hf_static":
@@ -425,23 +442,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run([one_prompt(vocab, 128, seed=2)], args.max_tokens)  # warm-up for the single stream
         else:  # warm-up: one-time kernel compiles and allocator growth stay untimed
             run(w1_prompts(vocab, HF_BATCH, seed=1), 8)
-        try:
-            outputs, seconds = run(prompts, args.max_tokens)
-        except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
-            logger.exception("%s on %s failed", backend, workload)
-            results.setdefault(workload, {})[backend] = None
-            results.setdefault("errors", {})[f"{workload}/{backend}"] = f"{type(exc).__name__}: {exc}"
-            return
-        results.setdefault(workload, {})[backend] = tokens_per_second(outputs, seconds)
+        runs = []
+        for repetition in range(args.repeats):
+            # Each repetition's prompts are new to the engine (no prefix-cache hits on a previous repetition's).
+            prompts = prompts_for[workload] if repetition == 0 else fresh_prompts(workload, repetition)
+            try:
+                outputs, seconds = run(prompts, args.max_tokens)
+            except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
+                logger.exception("%s on %s failed", backend, workload)
+                results.setdefault(workload, {})[backend] = None
+                results.setdefault("errors", {})[f"{workload}/{backend}"] = f"{type(exc).__name__}: {exc}"
+                return
+            runs.append(tokens_per_second(outputs, seconds))
+            logger.info(
+                "%s %s: %.1f tok/s (%d tokens in %.2f s)", workload, backend, runs[-1], sum(map(len, outputs)), seconds
+            )
+        results.setdefault(workload, {})[backend] = statistics.median(runs)
+        results[workload][f"{backend}_runs"] = runs
         save()
-        logger.info(
-            "%s %s: %.1f tok/s (%d tokens in %.2f s)",
-            workload,
-            backend,
-            results[workload][backend],
-            sum(map(len, outputs)),
-            seconds,
-        )
 
     # The paged engine first, then it is released: its KV cache takes most of the GPU, which HF needs back.
     if "paged" in backends:

@@ -187,6 +187,7 @@ class LLMEngine:
             "num_chunked_prefill_steps": scheduler.num_chunked_prefill_steps,
             "num_cached_blocks": bm.num_cached_blocks,
             "prefix_cache_hit_rate": scheduler.prefix_cache_hit_rate,
+            "num_prompt_tokens_cached": scheduler.num_prompt_tokens_cached,
             "kv_waste_fraction": bm.kv_waste_fraction(in_cache),
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
