@@ -120,7 +120,7 @@ def check(
                     "prompts": len(prompts),
                     "preemptions": stats["num_preemptions"],
                     "swap_outs": stats["num_swapped_out"],
-                    "all_reduce": "symm_mem" if llm.llm_engine.model.tp_all_reduce.buffer is not None else "nccl",
+                    "all_reduce": "symm_mem" if llm.llm_engine.executor.all_reduce.buffer is not None else "nccl",
                 }
             )
             logger.info("check %s", rows[-1])
@@ -218,7 +218,7 @@ def w1(
         results[f"paged_{name}"] = tokens_per_second(outs, seconds)
         results[f"paged_{name}_preemptions"] = llm.stats()["num_preemptions"]
         if tp > 1:
-            results[f"paged_{name}_symm_mem_all_reduce"] = llm.llm_engine.model.tp_all_reduce.buffer is not None
+            results[f"paged_{name}_symm_mem_all_reduce"] = llm.llm_engine.executor.all_reduce.buffer is not None
         tokens[name] = outs
         if keep_tokens and name in ("tp2", "tp2_nccl"):  # for the parent process to compare (popped there)
             results[f"tokens_{name}"] = outs

@@ -73,6 +73,20 @@ class SamplingParams:
         if explicit_best_of and self.best_of > 1 and self.greedy:
             raise ValueError(f"best_of must be 1 when temperature is 0 (greedy), got best_of={self.best_of}")
 
+    # What validation resolved the fields to (the constructor also takes None or a single string for them).
+    @property
+    def num_samples(self) -> int:
+        """``best_of``, which defaults to ``n``."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def stop_token_id_list(self) -> list[int]:
+        return list(self.stop_token_ids or [])
+
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS

@@ -105,8 +105,14 @@ class BlockManager:
             if block_id is None:
                 break
             found.append(block_id)
-            parent = self.blocks[block_id].prefix_id
+            parent = self._prefix_id(block_id)
         return found
+
+    def _prefix_id(self, block_id: int) -> int:
+        prefix_id = self.blocks[block_id].prefix_id
+        if prefix_id is None:
+            raise RuntimeError(f"block {block_id} holds no cached prefix")
+        return prefix_id
 
     def num_blocks_to_admit(self, num_tokens: int, cached: list[int]) -> int:
         """Free blocks that admitting a sequence of ``num_tokens`` tokens, reusing ``cached``, takes from the
@@ -124,7 +130,7 @@ class BlockManager:
                 del self.evictable[block_id]
             block.ref_count += 1
         self.block_tables[seq_id] = list(cached)
-        self.prefix_ids_of[seq_id] = [self.blocks[b].prefix_id for b in cached]
+        self.prefix_ids_of[seq_id] = [self._prefix_id(b) for b in cached]
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, lora_id: int = 0) -> None:
         """Register the sequence's blocks that its computed tokens have filled since the last call. A block
@@ -141,7 +147,7 @@ class BlockManager:
             if existing is None and block.prefix_id is None:
                 block.prefix_id, block.key = next(self._next_prefix_id), key
                 self.cached_blocks[key] = block.block_id
-            ids.append(block.prefix_id)
+            ids.append(self._prefix_id(block.block_id))
 
     # ------------------------------------------------------------------ allocation
     def _first_written_block(self, num_computed_tokens: int) -> int:
@@ -272,7 +278,8 @@ class BlockManager:
         else:  # evict the least recently used cached block
             block_id, _ = self.evictable.popitem(last=False)
             block = self.blocks[block_id]
-            del self.cached_blocks[block.key]
+            if block.key is not None:  # always, for an evictable block
+                del self.cached_blocks[block.key]
             block.prefix_id = block.key = None
         block = self.blocks[block_id]
         assert block.ref_count == 0, f"block {block_id} on the free list has ref_count {block.ref_count}"

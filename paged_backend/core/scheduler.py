@@ -330,7 +330,7 @@ class Scheduler:
         params = seq.params
         num_output = seq.num_output_tokens
         if num_output >= params.min_tokens:
-            if token in params.stop_token_ids:
+            if token in params.stop_token_id_list:
                 seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
             if token in seq.request.eos_token_ids:

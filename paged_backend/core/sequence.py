@@ -118,4 +118,4 @@ class Request:
     @property
     def stop_token_ids(self) -> frozenset[int]:
         """Tokens that end a sample once it has ``min_tokens`` tokens (and are barred until then)."""
-        return self.eos_token_ids | frozenset(self.params.stop_token_ids)
+        return self.eos_token_ids | frozenset(self.params.stop_token_id_list)

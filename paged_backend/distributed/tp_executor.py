@@ -32,15 +32,16 @@ logger = logging.getLogger(__name__)
 _MAX_CUSTOM_ALL_REDUCE_BYTES = 128 * 2**20
 
 
-def load_rank(config: EngineConfig, model_path: str, rank: int, device: torch.device) -> PreTrainedModel:
-    """Rank ``rank``'s shard with its all-reduce set up (collective: every rank calls this at the same point)."""
+def load_rank(
+    config: EngineConfig, model_path: str, rank: int, device: torch.device
+) -> tuple[PreTrainedModel, TPAllReduce]:
+    """Rank ``rank``'s shard and its all-reduce, set up (collective: every rank calls this at the same point)."""
     all_reduce = TPAllReduce(use_custom=not config.parallel_config.disable_custom_all_reduce)
     model = load_shard(config, model_path, rank, device, all_reduce)
     hidden = model.config.get_text_config().hidden_size
     max_numel = min(config.max_tokens_per_forward * hidden, _MAX_CUSTOM_ALL_REDUCE_BYTES // model.dtype.itemsize)
     all_reduce.setup(device, model.dtype, max_numel)
-    model.tp_all_reduce = all_reduce  # which implementation runs: for logs and benchmarks
-    return model
+    return model, all_reduce
 
 
 class _RankWorker:
@@ -70,10 +71,10 @@ def _worker_main(
     device = tp_device(config, rank)
     control = init_groups(init_method, rank, world_size, device)
     messages = Messages(control, None if pipe is None else [pipe])
-    model = None
+    all_reduce: TPAllReduce | None = None
     failed = False
     try:
-        model = load_rank(config, model_path, rank, device)
+        model, all_reduce = load_rank(config, model_path, rank, device)
         worker = _RankWorker(Worker(model, device, world_size), control)
         while True:
             method, args = messages.receive()
@@ -88,8 +89,8 @@ def _worker_main(
         failed = True
         raise
     finally:
-        if model is not None and not failed:
-            model.tp_all_reduce.close()
+        if all_reduce is not None and not failed:
+            all_reduce.close()
         if failed:
             dist.distributed_c10d._abort_process_group()
         else:
@@ -99,8 +100,9 @@ def _worker_main(
 class TPExecutor:
     """The engine's executor over a tensor-parallel group (see the module docstring)."""
 
-    def __init__(self, group: TPGroup, driver_worker: Worker) -> None:
+    def __init__(self, group: TPGroup, driver_worker: Worker, all_reduce: TPAllReduce) -> None:
         self.group = group
+        self.all_reduce = all_reduce  # rank 0's: which implementation runs, for logs and benchmarks
         self.driver_worker = driver_worker
         self.model = driver_worker.model
         self.device = driver_worker.device
@@ -111,9 +113,9 @@ class TPExecutor:
         """Start the workers; each loads its shard while rank 0 loads its own."""
         check_tp_support(config, model_path)  # before any process starts
         group = TPGroup.start(config, model_path, _worker_main)
-        model = load_rank(config, model_path, 0, group.device)
-        group.all_reduces.append(model.tp_all_reduce)
-        return cls(group, Worker(model, group.device, group.world_size))
+        model, all_reduce = load_rank(config, model_path, 0, group.device)
+        group.all_reduces.append(all_reduce)
+        return cls(group, Worker(model, group.device, group.world_size), all_reduce)
 
     def init_lora(self, config: EngineConfig) -> None:
         self.group.send("init_lora", config)

@@ -11,12 +11,11 @@ would wait out its timeout), and the workers never outlive the group, the engine
 from __future__ import annotations
 
 import logging
-import multiprocessing.process
 import pickle
 import socket
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -36,6 +35,22 @@ WorkerMain = Callable[..., None]
 
 class Closable(Protocol):
     def close(self) -> None: ...
+
+
+class WorkerProcess(Protocol):
+    """A worker rank as rank 0 watches it: a local process, or a Ray task behind the same methods."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def exitcode(self) -> int | str | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 def _free_port() -> int:
@@ -115,7 +130,7 @@ class TPGroup:
     def __init__(
         self,
         world_size: int,
-        processes: list[multiprocessing.process.BaseProcess],
+        processes: Sequence[WorkerProcess],
         device: torch.device,
         control: Any,
         messages: Messages,
@@ -142,18 +157,20 @@ class TPGroup:
             raise RuntimeError("a torch.distributed process group is already initialized in this process")
         world_size = config.parallel_config.tensor_parallel_size
         device = tp_device(config, 0)
-        if config.parallel_config.distributed_executor_backend == "ray":
-            host, workers = _start_ray_workers(config, model_path, world_size, device, worker_main)
-        else:
-            host = "127.0.0.1"
-            workers = []
-        init_method = f"tcp://{host}:{_free_port()}"
+        workers: Sequence[WorkerProcess]
         pipes = None
-        if not workers:
+        if config.parallel_config.distributed_executor_backend == "ray":
+            host, ray_workers = _start_ray_workers(config, model_path, world_size, device, worker_main)
+            init_method = f"tcp://{host}:{_free_port()}"
+            for worker in ray_workers:
+                worker.start(init_method)
+            workers = ray_workers
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
             context = mp.get_context("spawn")
             ends = [context.Pipe(duplex=False) for _ in range(1, world_size)]  # (worker's end, rank 0's end)
             pipes = [send for _, send in ends]
-            workers = [
+            processes = [
                 context.Process(
                     target=worker_main,
                     args=(rank, world_size, init_method, config, model_path, receive),
@@ -162,13 +179,11 @@ class TPGroup:
                 )
                 for rank, (receive, _) in zip(range(1, world_size), ends)
             ]
-            for process in workers:
+            for process in processes:
                 process.start()
             for receive, _ in ends:
                 receive.close()  # the worker holds it now
-        else:
-            for worker in workers:
-                worker.start(init_method)
+            workers = processes
         control = init_groups(init_method, 0, world_size, device)
         backend = config.parallel_config.distributed_executor_backend
         logger.info(
@@ -190,13 +205,13 @@ class TPGroup:
         self._finalizer()
 
 
-def _check_alive(processes: list[Any]) -> None:
+def _check_alive(processes: Sequence[WorkerProcess]) -> None:
     for process in processes:
         if not process.is_alive():
             raise RuntimeError(f"tensor-parallel worker {process.name} died (exit code {process.exitcode})")
 
 
-def _watch(processes: list[Any], stop: threading.Event) -> None:
+def _watch(processes: Sequence[WorkerProcess], stop: threading.Event) -> None:
     while not stop.wait(1.0):
         try:
             _check_alive(processes)
@@ -208,7 +223,9 @@ def _watch(processes: list[Any], stop: threading.Event) -> None:
             return
 
 
-def _shutdown(processes: list[Any], messages: Messages, stop: threading.Event, all_reduces: list[Closable]) -> None:
+def _shutdown(
+    processes: Sequence[WorkerProcess], messages: Messages, stop: threading.Event, all_reduces: list[Closable]
+) -> None:
     """Tell the workers to stop, wait for them (killing any that hang or are half dead), drop rank 0's registered
     all-reduce buffer, leave the group."""
     stop.set()
@@ -251,7 +268,8 @@ class RayWorker:
 
         num_gpus = 1 if self.device.type == "cuda" else 0
         task = ray.remote(num_cpus=0, num_gpus=num_gpus)(self.worker_main).options(name=self.name)
-        self.ref = task.remote(self.rank, self.world_size, init_method, self.config, self.model_path)
+        args = (self.rank, self.world_size, init_method, self.config, self.model_path)
+        self.ref = task.remote(*args)  # type: ignore[call-arg]  # ray's stubs do not see the function's arguments
 
     @property
     def exitcode(self) -> str:

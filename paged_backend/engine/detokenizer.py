@@ -70,5 +70,5 @@ def visible_text(seq: Sequence) -> str:
     """Text that is safe to show now: all of it once finished, else without a possible stop-string start."""
     if seq.status.finished or not seq.params.stop:
         return seq.output_text
-    held = held_back_chars(seq.output_text, seq.params.stop)
+    held = held_back_chars(seq.output_text, seq.params.stop_strings)
     return seq.output_text[: len(seq.output_text) - held]

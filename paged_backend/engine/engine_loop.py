@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -140,7 +141,7 @@ class EngineLoop:
         self._check_room(self.num_waiting, len(requests))  # answers at once, even while a long step runs
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
-        sinks = [Sink(lambda item, q=q: _post(loop, q.put_nowait, item), stream) for q in queues]
+        sinks = [Sink(functools.partial(_post, loop, q.put_nowait), stream) for q in queues]
         try:
             await self.call(self._adder(requests, params, sinks, add_kwargs))
         except asyncio.CancelledError:

@@ -94,7 +94,7 @@ class InputProcessor:
             keep_logits=keep_logits,
             arrival_time=time.monotonic(),
         )
-        for index in range(params.best_of):
+        for index in range(params.num_samples):
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)
@@ -124,11 +124,11 @@ class InputProcessor:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_model_len}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=... or use stop_token_ids")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        bad = [t for t in params.stop_token_id_list if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         max_num_seqs = self.config.scheduler_config.max_num_seqs
-        if params.best_of > max_num_seqs:
+        if params.num_samples > max_num_seqs:
             raise ValueError(
                 f"best_of must be <= max_num_seqs={max_num_seqs} (its samples run together), got {params.best_of}"
             )

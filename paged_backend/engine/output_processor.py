@@ -69,7 +69,7 @@ class OutputProcessor:
             seq.output_text += delta
             if stop_token or not params.stop or not delta or first + j + 1 - seq.num_prompt_tokens < params.min_tokens:
                 continue
-            hit = find_stop_string(seq.output_text, len(delta), params.stop)
+            hit = find_stop_string(seq.output_text, len(delta), params.stop_strings)
             if hit is not None:
                 start, stop = hit
                 seq.output_text = seq.output_text[: start + len(stop) if params.include_stop_str_in_output else start]
@@ -90,7 +90,7 @@ class OutputProcessor:
             finished = request.finished
             if finished:
                 self.requests.pop(request.request_id, None)
-            if finished or (request.params.best_of == request.params.n and not finished_only):
+            if finished or (request.params.num_samples == request.params.n and not finished_only):
                 outputs.append(make_request_output(request))
         return outputs
 
@@ -98,7 +98,7 @@ class OutputProcessor:
 def make_request_output(request: Request) -> RequestOutput:
     params = request.params
     seqs = request.seqs
-    if params.best_of > params.n:  # only reported once finished: keep the n best, best first
+    if params.num_samples > params.n:  # only reported once finished: keep the n best, best first
         seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
     outputs = [
         CompletionOutput(

@@ -170,15 +170,14 @@ class Sampler:
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
         token_list, chosen_list = to_host(tokens, chosen)
         results = [SampleResult(t, lp) for t, lp in zip(token_list, chosen_list)]
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            k = max(params[i].logprobs for i in want)
-            top_vals, top_ids = logprobs[want].topk(max(k, 1), dim=-1)  # [W, k]
+        wanted = {i: p.logprobs for i, p in enumerate(params) if p.logprobs is not None}  # row -> its k
+        if wanted:
+            want = list(wanted)
+            top_vals, top_ids = logprobs[want].topk(max(1, *wanted.values()), dim=-1)  # [W, k]
             ranks = (logprobs[want] > chosen[want][:, None]).sum(-1) + 1  # [W]
-            top_vals, top_ids, ranks = top_vals.tolist(), top_ids.tolist(), ranks.tolist()
-            for j, i in enumerate(want):
-                kk = params[i].logprobs
-                entries = [(token_list[i], chosen_list[i], ranks[j])]
-                entries += [(tid, val, r + 1) for r, (tid, val) in enumerate(zip(top_ids[j][:kk], top_vals[j][:kk]))]
+            vals, ids, rank_list = top_vals.tolist(), top_ids.tolist(), ranks.tolist()
+            for j, (i, k) in enumerate(wanted.items()):
+                entries = [(token_list[i], chosen_list[i], int(rank_list[j]))]
+                entries += [(tid, val, r + 1) for r, (tid, val) in enumerate(zip(ids[j][:k], vals[j][:k]))]
                 results[i].top_logprobs = entries
         return results
