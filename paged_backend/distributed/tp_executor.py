@@ -29,6 +29,7 @@ from paged_backend.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
+# Bytes of the largest hidden states one forward all-reduces through symmetric memory; larger ones use NCCL.
 _MAX_CUSTOM_ALL_REDUCE_BYTES = 128 * 2**20
 
 

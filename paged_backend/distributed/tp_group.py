@@ -3,8 +3,7 @@
 ``TPGroup.start`` spawns the workers on free local ports (or as Ray tasks) and joins them in one process group:
 NCCL on GPUs (rank r on ``cuda:r``), gloo on CPUs, for the forward's all-reduces (``all_reduce.py``), and beside
 it a gloo group for small collectives. Rank 0 talks to the workers through ``Messages``: a pipe to each local
-worker (tens of µs a message), or for Ray tasks, which may run on other machines, a broadcast over the gloo
-control group. A worker that dies is noticed (on GPUs by a watcher thread that aborts the group, since NCCL
+worker, or for Ray tasks, which may run on other machines, a broadcast over the gloo control group. A worker that dies is noticed (on GPUs by a watcher thread that aborts the group, since NCCL
 would wait out its timeout), and the workers never outlive the group, the engine or the interpreter.
 """
 
@@ -59,10 +58,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Bytes of the largest hidden states one forward all-reduces through symmetric memory; larger ones use NCCL.
 class Messages:
-    """Rank 0's calls to the workers: a pipe to each local worker (tens of µs a message), or for Ray tasks, which
-    may run on other machines, a broadcast over the gloo control group (~2 ms: two collectives and pickling)."""
+    """Rank 0's calls to the workers: a pipe to each local worker, or for Ray tasks, which may run on other
+    machines, a broadcast over the gloo control group (two collectives and pickling: far slower than a pipe)."""
 
     def __init__(self, control: Any, pipes: list[Any] | None) -> None:
         self.control, self.pipes = control, pipes

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from paged_backend.kernels.ops import paged_attention, paged_attention_op, write_kv_cache, write_kv_cache_op
 
@@ -107,13 +107,15 @@ class PagedAttentionSwitch:
 
     def __init__(self, model: PreTrainedModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
-        self.configs = list({id(c): c for c in configs if hasattr(c, "_attn_implementation_internal")}.values())
-        self.layer_caches = [
-            (m, kv_caches[m.layer_idx])
-            for m in model.modules()
-            if isinstance(getattr(m, "layer_idx", None), int) and 0 <= m.layer_idx < len(kv_caches)
-        ]
-        self.previous: list[Any] = []
+        self.configs: list[PretrainedConfig] = list(
+            {id(c): c for c in configs if isinstance(c, PretrainedConfig)}.values()
+        )
+        self.layer_caches: list[tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]] = []
+        for m in model.modules():
+            layer_idx = getattr(m, "layer_idx", None)
+            if isinstance(layer_idx, int) and 0 <= layer_idx < len(kv_caches):
+                self.layer_caches.append((m, kv_caches[layer_idx]))
+        self.previous: list[str | None] = []
         self.depth = 0
 
     def __enter__(self) -> None:

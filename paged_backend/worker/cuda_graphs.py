@@ -25,8 +25,8 @@ ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tenso
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Buckets 1, 2, 4, 8, then multiples of 16, up to the first that holds ``max_num_seqs``. The bucket of 1 costs
     a second compiled graph (dynamo specialises a dimension of size 1), made at capture; without it a lone
-    sequence (one chat) decodes padded to two rows, and kernels whose cost grows with rows pay for the padding
-    (the AWQ GEMV: about 80 µs a layer of the 8B shape at two rows, 65 at one)."""
+    sequence (one chat) decodes padded to two rows, and kernels whose cost grows with rows (the AWQ GEMV) pay for
+    the padding."""
     sizes = [1, 2, 4, 8] + list(range(16, max(max_num_seqs, 16) + 16, 16))
     return [s for s in sizes if s < max_num_seqs] + [next(s for s in sizes if s >= max_num_seqs)]
 
