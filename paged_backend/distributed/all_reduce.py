@@ -1,10 +1,10 @@
-"""The sum over ranks after each rowwise layer: NCCL (gloo on CPUs) through ``torch.distributed``, or on GPUs
-PyTorch's symmetric-memory two-shot all-reduce.
+"""The sum over ranks after each rowwise layer: NCCL (gloo on CPUs) through ``torch.distributed``, or on GPUs PyTorch's
+symmetric-memory two-shot all-reduce.
 
-A decode step sends two all-reduces a layer, each small: there NCCL's fixed cost dominates, and symmetric
-memory's two-shot kernel (each rank sums its half of every peer's buffer, read over NVLink, then gathers the
-other half) is several times faster inside a CUDA graph, and faster on large prefill tensors too
-(``benchmarks/allreduce.py``; figures in docs/benchmarks.md). It needs buffers every rank has registered with the others (``symm_mem.empty`` +
+A decode step sends two all-reduces a layer, each small: there NCCL's fixed cost dominates, and symmetric memory's
+two-shot kernel (each rank sums its half of every peer's buffer, read over NVLink, then gathers the other half) is
+several times faster inside a CUDA graph, and faster on large prefill tensors too (``benchmarks/allreduce.py``;
+figures in docs/benchmarks.md). It needs buffers every rank has registered with the others (``symm_mem.empty`` +
 ``rendezvous``): the input is copied into one, and the sum lands in a fresh tensor. It uses no NVLink multicast.
 vLLM's ``disable_custom_all_reduce=True`` keeps NCCL.
 """

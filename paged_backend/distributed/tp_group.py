@@ -1,10 +1,11 @@
 """A tensor-parallel process group: rank 0 (the engine's process) and ``tensor_parallel_size - 1`` workers.
 
-``TPGroup.start`` spawns the workers on free local ports (or as Ray tasks) and joins them in one process group:
-NCCL on GPUs (rank r on ``cuda:r``), gloo on CPUs, for the forward's all-reduces (``all_reduce.py``), and beside
-it a gloo group for small collectives. Rank 0 talks to the workers through ``Messages``: a pipe to each local
-worker, or for Ray tasks, which may run on other machines, a broadcast over the gloo control group. A worker that dies is noticed (on GPUs by a watcher thread that aborts the group, since NCCL
-would wait out its timeout), and the workers never outlive the group, the engine or the interpreter.
+``TPGroup.start`` spawns the workers on free local ports (or as Ray tasks) and joins them in one process group: NCCL
+on GPUs (rank r on ``cuda:r``), gloo on CPUs, for the forward's all-reduces (``all_reduce.py``), and beside it a
+gloo group for small collectives. Rank 0 talks to the workers through ``Messages``: a pipe to each local worker, or
+for Ray tasks, which may run on other machines, a broadcast over the gloo control group. A worker that dies is
+noticed (on GPUs by a watcher thread that aborts the group, since NCCL would wait out its timeout), and the workers
+never outlive the group, the engine or the interpreter.
 """
 
 from __future__ import annotations
