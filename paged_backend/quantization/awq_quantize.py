@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from paged_backend.model_structure import find_decoder_layers
 from paged_backend.quantization.awq import AWQConfig, convertible_linears
 from paged_backend.quantization.awq_format import pack, quantize_rtn
 
@@ -139,8 +140,6 @@ def apply_awq(
     model: nn.Module, batches: list[torch.Tensor], group_size: int, clip: bool = True, scale: bool = True
 ) -> None:
     """Scale and clip every decoder layer's linears in place (float weights: quantization comes after)."""
-    from paged_backend.worker.compile import find_decoder_layers
-
     model_type = model.config.get_text_config().model_type
     if model_type not in SUPPORTED:
         raise NotImplementedError(f"AWQ quantization supports {list(SUPPORTED)}, not model_type={model_type!r}")

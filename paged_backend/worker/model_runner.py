@@ -26,8 +26,9 @@ from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.engine.sequence import Sequence
 from paged_backend.kernels.greedy import greedy_tokens
+from paged_backend.model_structure import find_decoder_layers
 from paged_backend.worker.cache_engine import CacheEngine
-from paged_backend.worker.compile import RegionalCompile, find_decoder_layers
+from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs, pad_step_inputs
