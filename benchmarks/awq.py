@@ -37,8 +37,8 @@ from benchmarks.throughput import (  # noqa: E402
 from paged_backend import LLM  # noqa: E402
 from paged_backend.dummy_loader import dummy_model  # noqa: E402
 from paged_backend.kernels.awq_gemm import awq_gemm, awq_gemm_torch  # noqa: E402
-from paged_backend.quantization.awq_format import pack_linear  # noqa: E402
 from paged_backend.quantization.awq_quantize import write_checkpoint  # noqa: E402
+from paged_backend.quantization.rtn import pack_linear  # noqa: E402
 
 logger = logging.getLogger("benchmarks.awq")
 

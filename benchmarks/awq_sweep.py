@@ -23,6 +23,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from paged_backend.kernels.awq_format import dequantize  # noqa: E402
 from paged_backend.kernels.awq_gemm import (  # noqa: E402
     FUSED_MAX_M,
     awq_dequantize_triton,
@@ -30,7 +31,7 @@ from paged_backend.kernels.awq_gemm import (  # noqa: E402
     awq_gemm_torch,
     awq_gemm_triton,
 )
-from paged_backend.quantization.awq_format import dequantize, pack_linear  # noqa: E402
+from paged_backend.quantization.rtn import pack_linear  # noqa: E402
 
 logger = logging.getLogger("benchmarks.awq_sweep")
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)

@@ -14,11 +14,12 @@ from torch import nn
 from paged_backend import LLM, SamplingParams
 from paged_backend.demo import CORPUS, build_tiny_model
 from paged_backend.kernels.arrival import arrival_counters
+from paged_backend.kernels.awq_format import AWQ_ORDER, dequantize, pack, unpack
 from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton
 from paged_backend.quantization import awq
 from paged_backend.quantization.awq import AWQLinear, dequantized_copy
-from paged_backend.quantization.awq_format import AWQ_ORDER, dequantize, pack, pack_linear, unpack
 from paged_backend.quantization.awq_quantize import apply_awq, calibration_batches, write_checkpoint
+from paged_backend.quantization.rtn import pack_linear
 from tests.conftest import capturing_backend, hf_greedy, ragged_prompts, tp2
 
 GROUP = 32

@@ -14,7 +14,7 @@ import torch
 
 from paged_backend.kernels import num_sms, tl, triton
 from paged_backend.kernels.arrival import arrival_counters
-from paged_backend.quantization.awq_format import dequantize
+from paged_backend.kernels.awq_format import dequantize
 
 # Rows up to which the fused kernel runs; above, dequantize + cuBLAS (faster at 256 rows on an H200).
 FUSED_MAX_M = 128

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paged_backend.kernels.awq_format import PACK
 from paged_backend.model_loader import checkpoint_files
-from paged_backend.quantization.awq_format import PACK
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def dequantized_copy(model: nn.Module, folder: str) -> nn.Module:
 
     from safetensors.torch import load_file
 
-    from paged_backend.quantization.awq_format import dequantize
+    from paged_backend.kernels.awq_format import dequantize
 
     with open(os.path.join(folder, "config.json")) as f:
         awq = AWQConfig.from_hf(json.load(f)["quantization_config"])

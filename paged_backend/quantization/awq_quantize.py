@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from paged_backend.model_structure import find_decoder_layers
 from paged_backend.quantization.awq import AWQConfig, convertible_linears
-from paged_backend.quantization.awq_format import pack, quantize_rtn
+from paged_backend.quantization.rtn import pack_linear, quantize_rtn
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +194,10 @@ def write_checkpoint(
     linears = convertible_linears(model, awq)
     tensors: dict[str, torch.Tensor] = {}
     for name, linear in tqdm(linears.items(), desc="packing", unit="linear"):
-        q, z, s = quantize_rtn(linear.weight, group_size)
-        tensors[f"{name}.qweight"] = pack(q).cpu()
-        tensors[f"{name}.qzeros"] = pack(z).cpu()
-        tensors[f"{name}.scales"] = s.cpu()
+        qweight, qzeros, scales = pack_linear(linear.weight, group_size)
+        tensors[f"{name}.qweight"] = qweight.cpu()
+        tensors[f"{name}.qzeros"] = qzeros.cpu()
+        tensors[f"{name}.scales"] = scales.cpu()
         if linear.bias is not None:
             tensors[f"{name}.bias"] = linear.bias.detach().half().cpu()
     quantized = {f"{name}.{attr}" for name in linears for attr in ("weight", "bias")}
