@@ -35,8 +35,8 @@ from benchmarks.throughput import (  # noqa: E402
     write_json,
 )
 from paged_backend import LLM  # noqa: E402
-from paged_backend.dummy_loader import dummy_model  # noqa: E402
 from paged_backend.kernels.awq_gemm import awq_gemm, awq_gemm_torch  # noqa: E402
+from paged_backend.model_loader.dummy import dummy_model  # noqa: E402
 from paged_backend.quantization.awq_quantize import write_checkpoint  # noqa: E402
 from paged_backend.quantization.rtn import pack_linear  # noqa: E402
 

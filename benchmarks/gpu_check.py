@@ -136,8 +136,8 @@ def awq_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     kernels run: the GEMV at one row, the ``tl.dot`` kernel up to 128 rows, dequantize + cuBLAS above."""
     import tempfile
 
-    from paged_backend.quantization.awq import dequantized_copy
     from paged_backend.quantization.awq_quantize import write_checkpoint
+    from tests.fixtures.awq import dequantized_copy
 
     model = build_tiny_model("llama", vocab_size=len(tokenizer))
     rows = []

@@ -36,7 +36,7 @@ from benchmarks.throughput import (  # noqa: E402
 )
 from paged_backend import LLM, LoRARequest, SamplingParams  # noqa: E402
 from paged_backend.demo import TINY_CONFIGS  # noqa: E402
-from paged_backend.dummy_loader import dummy_model  # noqa: E402
+from paged_backend.model_loader.dummy import dummy_model  # noqa: E402
 
 logger = logging.getLogger("benchmarks.lora")
 

@@ -48,7 +48,7 @@ from benchmarks.throughput import (  # noqa: E402
 )
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
-from paged_backend.dummy_loader import materialize, meta_model  # noqa: E402
+from paged_backend.model_loader.dummy import materialize, meta_model  # noqa: E402
 
 logger = logging.getLogger("benchmarks.tp")
 

@@ -33,8 +33,8 @@ import torch.multiprocessing as mp
 
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.all_reduce import TPAllReduce
-from paged_backend.distributed.shard_loader import load_shard
-from paged_backend.distributed.tp_plan import head_layout
+from paged_backend.model_loader.sharded import load_shard
+from paged_backend.model_loader.tp_plan import head_layout
 from paged_backend.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)

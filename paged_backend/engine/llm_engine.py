@@ -24,7 +24,6 @@ from paged_backend.attention import check_model_supported
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import Scheduler, SchedulerOutput
-from paged_backend.distributed.shard_loader import check_tp_support
 from paged_backend.distributed.tp_runner import TPGroup, TPModelRunner, local_kv_spec
 from paged_backend.engine.detokenizer import (
     detokenize_incrementally,
@@ -36,6 +35,7 @@ from paged_backend.engine.sequence import Request, Sequence, SequenceStatus
 from paged_backend.lora.manager import LoRAManager, lora_slot_tokens
 from paged_backend.lora.request import LoRARequest
 from paged_backend.model_loader import load_model, load_tokenizer, model_max_length
+from paged_backend.model_loader.sharded import check_tp_support
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_backend.sampler import Sampler, SampleResult, to_host
 from paged_backend.sampling_params import SamplingParams
