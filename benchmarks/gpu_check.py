@@ -13,11 +13,16 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import sys
+from pathlib import Path
 
 import torch
 
-from paged_backend import LLM, SamplingParams
-from paged_backend.demo import TINY_CONFIGS, build_tiny_model, build_tiny_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.fixtures
+
+from paged_backend import LLM, SamplingParams  # noqa: E402
+from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
+from tests.fixtures.tiny_models import TINY_CONFIGS, build_tiny_model  # noqa: E402
 
 logger = logging.getLogger("gpu_check")
 

@@ -35,8 +35,8 @@ from benchmarks.throughput import (  # noqa: E402
     write_json,
 )
 from paged_backend import LLM, LoRARequest, SamplingParams  # noqa: E402
-from paged_backend.demo import TINY_CONFIGS  # noqa: E402
 from paged_backend.model_loader.dummy import dummy_model  # noqa: E402
+from tests.fixtures.tiny_models import TINY_CONFIGS  # noqa: E402
 
 logger = logging.getLogger("benchmarks.lora")
 

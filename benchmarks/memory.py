@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.throughput import HF_BATCH, build_model, release_engine, timed, versions, w1_prompts
 from paged_backend import LLM, SamplingParams
-from paged_backend.demo import build_tiny_model
+from tests.fixtures.tiny_models import build_tiny_model
 
 logger = logging.getLogger("benchmarks.memory")
 

@@ -66,7 +66,7 @@ def word_tokenizer(vocab_size: int):
 def save_checkpoint(directory: Path, tiny: bool) -> int:
     """Save the benchmark model and its word tokenizer; returns the vocabulary size."""
     if tiny:
-        from paged_backend.demo import build_tiny_model
+        from tests.fixtures.tiny_models import build_tiny_model
 
         model = build_tiny_model("llama", vocab_size=512)
         model.config.eos_token_id = model.generation_config.eos_token_id = None

@@ -47,8 +47,9 @@ from benchmarks.throughput import (  # noqa: E402
     write_json,
 )
 from paged_backend import LLM, SamplingParams  # noqa: E402
-from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
 from paged_backend.model_loader.dummy import materialize, meta_model  # noqa: E402
+from tests.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
 logger = logging.getLogger("benchmarks.tp")
 

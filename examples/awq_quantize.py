@@ -12,7 +12,7 @@ import tempfile
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.demo import CORPUS, model_or_demo
+from paged_backend.demo_checkpoint import CORPUS, model_or_demo
 from paged_backend.quantization.awq_quantize import quantize
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")

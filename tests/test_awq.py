@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.demo import CORPUS, build_tiny_model
+from paged_backend.demo_checkpoint import CORPUS
 from paged_backend.kernels.arrival import arrival_counters
 from paged_backend.kernels.awq_format import AWQ_ORDER, dequantize, pack, unpack
 from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton
@@ -21,6 +21,7 @@ from paged_backend.quantization.awq_quantize import apply_awq, calibration_batch
 from paged_backend.quantization.rtn import pack_linear
 from tests.conftest import capturing_backend, hf_greedy, ragged_prompts, tp2
 from tests.fixtures.awq import dequantized_copy
+from tests.fixtures.tiny_models import build_tiny_model
 
 GROUP = 32
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel: on the GPU, else interpreted

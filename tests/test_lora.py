@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from paged_backend import LLM, LoRARequest, SamplingParams
-from paged_backend.demo import build_tiny_model
 from tests.conftest import assert_idle, capturing_backend, hf_greedy, ragged_prompts, tp2
+from tests.fixtures.tiny_models import build_tiny_model
 
 peft = pytest.importorskip("peft")
 

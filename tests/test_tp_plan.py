@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from paged_backend.demo import build_tiny_model
 from paged_backend.model_loader.tp_plan import head_layout, shard_model, tp_plan
+from tests.fixtures.tiny_models import build_tiny_model
 
 
 class ThreadAllReduce:
