@@ -16,7 +16,8 @@ from paged_backend.kernels import num_sms, tl, triton
 from paged_backend.kernels.arrival import arrival_counters
 from paged_backend.kernels.awq_format import dequantize
 
-# Rows up to which the fused kernel runs; above, dequantize + cuBLAS (faster at 256 rows on an H200).
+# Rows up to which the fused kernel runs; above, dequantize + cuBLAS, where the GEMM's compute outweighs the extra
+# pass over the weights.
 FUSED_MAX_M = 128
 # Rows up to which the GEMV kernel (no tl.dot) runs, all rows in one program: decode at batch 1, padded to 2 by the
 # CUDA graph buckets (``worker/cuda_graphs.py``), and 4.
@@ -181,7 +182,7 @@ if triton is not None:
     def _nibble_floats(packed, magic, J: tl.constexpr):
         """Column ``J`` of each int32 pack as the fp32 ``2**23 + q * 2**B`` (exact; B from ``_nibble_scale``):
         the nibble masked in place and OR-ed with 2**23's exponent bits is that float, so no int-to-float
-        conversion runs (a quarter-rate instruction: it bounded the GEMV before). Nibbles above bit 19 are first
+        conversion runs (a quarter-rate instruction, which would bound the GEMV). Nibbles above bit 19 are first
         shifted down 12 bits, so that ``q * 2**B`` fits the 23-bit mantissa."""
         POS: tl.constexpr = (J // 2) * 4 + (J % 2) * 16  # AWQ_SHIFTS[J]
         PRE: tl.constexpr = 12 if POS >= 20 else 0
@@ -209,7 +210,7 @@ if triton is not None:
         K,
         k_per_split,  # a multiple of GROUP_SIZE
         magic,  # 0x4B000000, the bits of 2.0**23: an argument, so that it stays in a register and each nibble's
-        # mask is the AND-OR's one immediate (as two immediates, every mask was moved into a register first)
+        # mask is the AND-OR's one immediate (with two immediates, ptxas moves every mask into a register first)
         ROW_PACKS: tl.constexpr,  # row stride of qweight and qzeros (see ``_row_packs``): a constant, so that the
         # unrolled loads below address by immediate offsets
         BLOCK_M: tl.constexpr,  # rows of x per program, each weight made once for all of them
@@ -223,9 +224,8 @@ if triton is not None:
         tensors of the loaded tile's own shape, so nothing moves between threads until the end. A weight costs an
         AND-OR, a subtract (of the zero, made the same way, which also cancels the 2**23) and a multiply-add per
         row; each thread sums its own rows, and per group ``acc += s * sum_k x_k (q_kn - z_n)``: tile-shaped
-        accumulators, reduced once. With one pack per thread (tiles of 32 x num_warps packs) a program needs ~56
-        registers at one row, so many warps are resident and keep loads in flight: 2.2 TB/s on gate/up at one
-        row (the kernel before these changes: 1.2)."""
+        accumulators, reduced once. With one pack per thread (tiles of 32 x num_warps packs) a program needs few
+        registers, so many warps are resident and keep loads in flight."""
         pid_m = tl.program_id(0)  # fastest: the programs reading one weight tile run together and share it in L2
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -323,12 +323,12 @@ def _split_k(tiles: int, k: int, block_k: int, programs: int) -> int:
 
 
 def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. From
-    ``benchmarks/awq_sweep.py`` on an H200 (8B shape, kernels replayed from CUDA graphs): up to 4 rows the GEMV
-    kernel, all rows in one program, 256 columns by 4 rows a tile, K split up to 16 ways while programs stay
-    under 6 per SM (``--cold``, one row: 16 ways on q/k/v, o and down, 8 on gate/up; since the last program adds
-    the parts, a deeper split costs little); at 16 rows 16 x 64 x 64 tiles split 4 ways on gate/up; at 64 rows
-    64 x 128 tiles, split when there are few (down). Many programs per SM, so that enough loads are in flight."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. A decode step reads
+    each weight once, so the launch aims at many programs per SM, which keep enough loads in flight: up to
+    ``GEMV_MAX_M`` rows the GEMV kernel, all rows in one program (each weight made once for all of them), 256
+    columns by 4 rows a tile, K split up to 16 ways while programs stay under 6 per SM (the last program adds the
+    parts, so a deeper split costs little); up to 16 rows 16 x 64 ``tl.dot`` tiles, above that 64 x 128, split
+    where tiles are few. ``benchmarks/awq_sweep.py`` times the alternatives (docs/benchmarks.md)."""
     if m <= GEMV_MAX_M:  # one pack per thread of 4 warps: few registers, so many warps keep loads in flight
         split_k = _split_k(triton.cdiv(n, 256), k, group_size // 4, 6 * sms)  # parts of one group or more
         return triton.next_power_of_2(m), 256, 4, split_k
@@ -346,11 +346,11 @@ def awq_gemm_triton(
     qzeros: torch.Tensor,  # [K / G, N / 8] int32
     scales: torch.Tensor,  # [K / G, N]
     launch: tuple[int, int, int, int] | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
 ) -> torch.Tensor:  # [M, N]
-    """The fused GEMM; ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K). BLOCK_M below ``DOT_MIN_M`` picks the
-    GEMV kernel (BLOCK_M rows per program; BLOCK_K rows of weights per load; K split in whole groups)."""
+    """The fused GEMM. ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K), by default ``_launch_shape``'s for this
+    GPU; the shape decides which kernel runs, so a given one runs either kernel at any size: BLOCK_M below
+    ``DOT_MIN_M`` is the GEMV (BLOCK_M rows per program; BLOCK_K rows of weights per load; K split in whole
+    groups), else the ``tl.dot`` kernel."""
     m, k = x.shape
     n = scales.shape[1]
     group_size = k // scales.shape[0]
@@ -368,7 +368,7 @@ def awq_gemm_triton(
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     row_packs = _row_packs(qweight, qzeros, scales)
     tensors = (x.contiguous(), qweight, qzeros, scales, out, partial, arrival_counters(x.device, grid[0] * grid[1]))
-    tuning = dict(num_warps=num_warps, num_stages=num_stages)
+    tuning = dict(num_warps=4, num_stages=3)  # the GEMV's 256 x 4 tiles: one pack a thread
     if gemv:
         _awq_gemv_kernel[grid](
             *tensors,
