@@ -100,8 +100,8 @@ def kernel(rows: tuple[int, ...] = (1, 2, 4, 16, 64, 256)) -> list[dict[str, Any
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
+    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (the workload: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
     parser.add_argument("--skip-kernel", action="store_true", help="skip the kernel table")
     parser.add_argument("--profile", action="store_true", help="W2: each engine's GPU kernels per step")
