@@ -35,10 +35,10 @@ from benchmarks.throughput import (  # noqa: E402
     write_json,
 )
 from paged_backend import LLM  # noqa: E402
-from paged_backend.dummy_loader import dummy_model  # noqa: E402
 from paged_backend.kernels.awq_gemm import awq_gemm, awq_gemm_torch  # noqa: E402
-from paged_backend.quantization.awq_format import pack_linear  # noqa: E402
+from paged_backend.model_loader.dummy import dummy_model  # noqa: E402
 from paged_backend.quantization.awq_quantize import write_checkpoint  # noqa: E402
+from paged_backend.quantization.rtn import pack_linear  # noqa: E402
 
 logger = logging.getLogger("benchmarks.awq")
 
@@ -100,8 +100,8 @@ def kernel(rows: tuple[int, ...] = (1, 2, 4, 16, 64, 256)) -> list[dict[str, Any
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
+    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (the workload: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
     parser.add_argument("--skip-kernel", action="store_true", help="skip the kernel table")
     parser.add_argument("--profile", action="store_true", help="W2: each engine's GPU kernels per step")

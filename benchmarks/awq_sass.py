@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged_backend.kernels.awq_gemm import _awq_gemv_kernel  # noqa: E402
+from paged_backend.kernels.awq_gemv import awq_gemv_kernel  # noqa: E402
 
 logger = logging.getLogger("benchmarks.awq_sass")
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -35,7 +35,7 @@ def compile_gemv(constants: dict[str, int | bool], num_warps: int = 4) -> bytes:
     pointers |= {"out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32"}
     scalars = dict.fromkeys(("M", "n_packs", "K", "k_per_split", "magic"), "i32")
     signature = pointers | scalars | dict.fromkeys(constants, "constexpr")
-    source = triton.compiler.ASTSource(fn=_awq_gemv_kernel, signature=signature, constexprs=constants)
+    source = triton.compiler.ASTSource(fn=awq_gemv_kernel, signature=signature, constexprs=constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     return kernel.asm["cubin"]
 

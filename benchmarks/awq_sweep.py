@@ -1,9 +1,10 @@
 """Launch shapes of the fused AWQ int4 GEMMs on one GPU: for the 8B shape's fused q/k/v, o, gate/up and down
-projections at 1, 4, 64 and 256 rows (``--rows``), every (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) of a small
-grid (BLOCK_M below 16: the GEMV kernel), fastest first, beside the bf16 GEMM (cuBLAS) on the same shape and the
-heuristic's own choice; at 256 rows also the whole-weight dequantize of the large-batch path, torch twin against
-Triton. Bandwidth counts the packed weights, zeros and scales read once. What ``kernels/awq_gemm.py``'s
-``_launch_shape`` picks from. ``--cold`` times over enough copies of the weights that none stays in L2.
+projections at 1, 4, 64 and 256 rows (``--rows``), every launch shape (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) of a
+small grid (BLOCK_M below 16: the GEMV kernel; 4 warps, as the library launches), fastest first, beside the bf16
+GEMM (cuBLAS) on the same shape and the heuristic's own choice; at 256 rows also the whole-weight dequantize of the
+large-batch path, torch twin against Triton. Bandwidth counts the packed weights, zeros and scales read once. What
+``kernels/awq_gemm.py``'s ``_launch_shape`` picks from. ``--cold`` times over enough copies of the weights that
+none stays in L2.
 
     python benchmarks/awq_sweep.py
 """
@@ -23,6 +24,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from paged_backend.kernels.awq_format import dequantize  # noqa: E402
 from paged_backend.kernels.awq_gemm import (  # noqa: E402
     FUSED_MAX_M,
     awq_dequantize_triton,
@@ -30,24 +32,24 @@ from paged_backend.kernels.awq_gemm import (  # noqa: E402
     awq_gemm_torch,
     awq_gemm_triton,
 )
-from paged_backend.quantization.awq_format import dequantize, pack_linear  # noqa: E402
+from paged_backend.quantization.rtn import pack_linear  # noqa: E402
 
 logger = logging.getLogger("benchmarks.awq_sweep")
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
 
 
-def grid(m: int) -> Iterable[tuple[int, int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps) to try. BLOCK_M below 16 is the GEMV kernel: all rows in one
-    program, or one row a program (BLOCK_M 1); its tiles hold one, two or four packs a thread (BLOCK_N / 8 x
-    BLOCK_K packs over 32 x warps threads)."""
+def grid(m: int) -> Iterable[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) to try. BLOCK_M below 16 is the GEMV kernel: all rows in one program,
+    or one row a program (BLOCK_M 1); its tiles hold one, two or four packs a thread (BLOCK_N / 8 x BLOCK_K packs
+    over the 128 threads of 4 warps)."""
     if m <= 4:  # the GEMV only: the tl.dot kernel never came near it at these rows
-        tiles = ((64, 16, 4), (128, 8, 4), (256, 4, 4), (256, 8, 8), (512, 4, 8), (256, 8, 4), (256, 16, 4))
+        tiles = ((64, 16), (128, 8), (256, 4), (256, 8), (256, 16))
         splits = (4, 8, 16, 32)
         rows = sorted({1, triton.next_power_of_2(m)})
-        return ((bm, bn, bk, split_k, warps) for bm, (bn, bk, warps), split_k in itertools.product(rows, tiles, splits))
+        return ((bm, bn, bk, split_k) for bm, (bn, bk), split_k in itertools.product(rows, tiles, splits))
     if m <= 16:
-        return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4), (4,))
-    return itertools.product((64, 128, 256), (64, 128), (64, 128), (1,), (4, 8))  # 256: each weight made once
+        return itertools.product((16,), (64, 128, 256), (64, 128), (1, 4))
+    return itertools.product((64, 128, 256), (64, 128), (64, 128), (1,))  # 256: each weight made once
 
 
 def bench_us(fn: Callable[[], object], rep: int = 50, graph: bool = True) -> float:
@@ -104,16 +106,15 @@ def sweep(name: str, k: int, n: int, m: int, sweep_grid: bool = True, cold: bool
         error,
     )
     rows = []
-    for bm, bn, bk, split_k, warps in grid(m) if sweep_grid else ():
-        launch = (bm, bn, bk, split_k)
+    for launch in grid(m) if sweep_grid else ():
         try:
-            us = per_call_us(lambda *w, launch=launch, warps=warps: awq_gemm_triton(x, *w, launch, warps), packed, 20)
+            us = per_call_us(lambda *w, launch=launch: awq_gemm_triton(x, *w, launch), packed, 20)
         except Exception as exc:  # noqa: BLE001 - a shape the compiler refuses is skipped
-            logger.info("  %s warps=%d: %s", launch, warps, type(exc).__name__)
+            logger.info("  %s: %s", launch, type(exc).__name__)
             continue
-        rows.append((us, launch, warps))
-    for us, launch, warps in sorted(rows)[:4]:
-        logger.info("  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s warps=%d", us, read / us / 1e6, launch, warps)
+        rows.append((us, launch))
+    for us, launch in sorted(rows)[:4]:
+        logger.info("  %.1f us (%.2f TB/s) BM, BN, BK, SPLIT_K=%s", us, read / us / 1e6, launch)
 
 
 def main() -> None:

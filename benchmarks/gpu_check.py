@@ -13,11 +13,16 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import sys
+from pathlib import Path
 
 import torch
 
-from paged_backend import LLM, SamplingParams
-from paged_backend.demo import TINY_CONFIGS, build_tiny_model, build_tiny_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.fixtures
+
+from paged_backend import LLM, SamplingParams  # noqa: E402
+from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
+from tests.fixtures.tiny_models import TINY_CONFIGS, build_tiny_model  # noqa: E402
 
 logger = logging.getLogger("gpu_check")
 
@@ -136,8 +141,8 @@ def awq_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     kernels run: the GEMV at one row, the ``tl.dot`` kernel up to 128 rows, dequantize + cuBLAS above."""
     import tempfile
 
-    from paged_backend.quantization.awq import dequantized_copy
     from paged_backend.quantization.awq_quantize import write_checkpoint
+    from tests.fixtures.awq import dequantized_copy
 
     model = build_tiny_model("llama", vocab_size=len(tokenizer))
     rows = []

@@ -9,12 +9,16 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from paged_backend import LLM, SamplingParams
-from paged_backend.demo import build_tiny_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: tests.fixtures
+
+from paged_backend import LLM, SamplingParams  # noqa: E402
+from tests.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
 logger = logging.getLogger("benchmarks.host_overhead")
 

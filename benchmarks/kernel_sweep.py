@@ -3,10 +3,13 @@
 1. Decode attention: achieved KV bandwidth of the Triton kernel at W1's decode shape (256 sequences, contexts
    64..1,280, Llama-3-8B heads, bf16) and W2's (one sequence), over a sweep of tile sizes and launch settings.
    W2's decode attention over the shortest context slice a program takes; prefill attention over tile sizes.
+   The library's launcher takes no such settings (it picks its own: ``_tiles`` and ``MIN_SPLIT_TOKENS`` in
+   ``kernels/paged_attention.py``), so ``launch`` below is this script's copy of it with every setting exposed:
+   keep the two in step when the kernel's arguments change.
 2. The decode step's GEMMs at 1, 2, 4 and 256 rows (cuBLAS through ``F.linear``): whether a batch of one is
    worth its own CUDA graph, and the weight-read floor.
 
-Run: ``python benchmarks/kernel_sweep.py`` on a CUDA machine.
+W1 and W2 are the workloads of docs/benchmarks.md. Run: ``python benchmarks/kernel_sweep.py`` on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ import random
 import torch
 import torch.nn.functional as F
 
-from paged_backend.kernels.paged_attention import paged_attention_triton
+from paged_backend.kernels.arrival import arrival_counters
+from paged_backend.kernels.paged_attention import (
+    MIN_SPLIT_TOKENS,
+    _next_pow2,
+    _paged_attention_kernel,
+    _tiles,
+    choose_num_splits,
+)
 
 logger = logging.getLogger("kernel_sweep")
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -53,6 +63,52 @@ def graph_ms(fn, repeats: int = 10) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def launch(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    rows: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
+) -> torch.Tensor:
+    """``paged_attention_triton`` (no window, no softcap) with its launch settings given: the library's choice for
+    each one left None."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
+    g_pad = _next_pow2(num_heads // num_kv_heads)
+    block_q, default_n, tuning = _tiles(num_tokens == num_seqs, g_pad, _next_pow2(head_dim))
+    block_q = max(1, rows // g_pad) if rows is not None else block_q
+    tuning |= {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    num_splits = choose_num_splits(num_seqs, num_tokens, num_kv_heads, query.device)
+    out = torch.empty_like(query)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    if num_splits > 1:
+        target = torch.empty((num_splits, *query.shape), dtype=torch.float32, device=query.device)
+        lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
+        strides = (target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1))
+    else:
+        target, lse = out, out
+        strides = (0, out.stride(0), out.stride(1), 0, 0)
+    _paged_attention_kernel[grid](
+        target, lse, out, arrival_counters(query.device, grid[0] * grid[1]),
+        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+        num_seqs, float(scale), 0.0, 0,
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), *strides, out.stride(0), out.stride(1),
+        QUERIES_PER_KV=num_heads // num_kv_heads, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        DIM_PAD=_next_pow2(head_dim), BLOCK_N=block_n or default_n, BLOCK_SIZE=k_cache.shape[1],
+        NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), MIN_SPLIT=min_split_tokens,
+        USE_WINDOW=False, USE_SOFTCAP=False, IEEE=query.dtype == torch.float32, **tuning,
+    )  # fmt: skip
+    return out
+
+
 def decode_batch(context_lens: list[int]) -> dict:
     blocks = [-(-c // BLOCK_SIZE) for c in context_lens]
     order = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
@@ -83,18 +139,18 @@ def attention_sweep() -> None:
         gbytes = sum(ctx) * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9
         rows = []
         for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
-            launch = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+            settings = dict(block_n=block_n, num_warps=warps, num_stages=stages)
             try:
-                ms = gpu_ms(lambda: paged_attention_triton(**batch, scale=0.088, launch=launch))  # noqa: B023
+                ms = gpu_ms(lambda: launch(**batch, scale=0.088, **settings))  # noqa: B023
             except Exception as exc:  # noqa: BLE001 - out of shared memory etc.
-                logger.info("%s %s failed: %s", name, launch, type(exc).__name__)
+                logger.info("%s %s failed: %s", name, settings, type(exc).__name__)
                 continue
-            rows.append((ms, launch))
+            rows.append((ms, settings))
         rows.sort(key=lambda r: r[0])
-        default = gpu_ms(lambda: paged_attention_triton(**batch, scale=0.088))  # noqa: B023
+        default = gpu_ms(lambda: launch(**batch, scale=0.088))  # noqa: B023
         logger.info("%s: %.3f GB of KV; default %.3f ms (%.0f GB/s)", name, gbytes, default, gbytes / default * 1e3)
-        for ms, launch in rows[:5]:
-            logger.info("   %.3f ms (%.0f GB/s) %s", ms, gbytes / ms * 1e3, launch)
+        for ms, settings in rows[:5]:
+            logger.info("   %.3f ms (%.0f GB/s) %s", ms, gbytes / ms * 1e3, settings)
 
 
 def min_split_sweep() -> None:
@@ -104,7 +160,7 @@ def min_split_sweep() -> None:
         batch = decode_batch([ctx, 1])  # the engine pads one sequence to the 2-row graph bucket
         row = []
         for min_split in (16, 32, 64, 128, 256):
-            ms = graph_ms(lambda m=min_split: paged_attention_triton(**batch, scale=0.088, min_split_tokens=m))  # noqa: B023
+            ms = graph_ms(lambda m=min_split: launch(**batch, scale=0.088, min_split_tokens=m))  # noqa: B023
             row.append(f"{min_split}: {1e3 * ms:.1f} us")
         logger.info("w2 attention, context %d, by min split tokens: %s", ctx, ", ".join(row))
 
@@ -118,18 +174,18 @@ def prefill_sweep() -> None:
     tflop = sum(2 * 2 * n * n / 2 * HEAD_DIM * HEADS for n in lens) / 1e12
     rows = []
     for q_rows, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
-        launch = dict(rows=q_rows, block_n=block_n, num_warps=warps, num_stages=stages)
+        settings = dict(rows=q_rows, block_n=block_n, num_warps=warps, num_stages=stages)
         try:
-            ms = gpu_ms(lambda: paged_attention_triton(**batch, scale=0.088, launch=launch))  # noqa: B023
+            ms = gpu_ms(lambda: launch(**batch, scale=0.088, **settings))  # noqa: B023
         except Exception as exc:  # noqa: BLE001 - out of shared memory etc.
-            logger.info("prefill %s failed: %s", launch, type(exc).__name__)
+            logger.info("prefill %s failed: %s", settings, type(exc).__name__)
             continue
-        rows.append((ms, launch))
+        rows.append((ms, settings))
     rows.sort(key=lambda r: r[0])
-    default = gpu_ms(lambda: paged_attention_triton(**batch, scale=0.088))
+    default = gpu_ms(lambda: launch(**batch, scale=0.088))
     logger.info("prefill 8 x 1024: default %.3f ms (%.0f TFLOP/s)", default, tflop / default * 1e3)
-    for ms, launch in rows[:6]:
-        logger.info("   %.3f ms (%.0f TFLOP/s) %s", ms, tflop / ms * 1e3, launch)
+    for ms, settings in rows[:6]:
+        logger.info("   %.3f ms (%.0f TFLOP/s) %s", ms, tflop / ms * 1e3, settings)
 
 
 def gemm_floor() -> None:

@@ -35,8 +35,8 @@ from benchmarks.throughput import (  # noqa: E402
     write_json,
 )
 from paged_backend import LLM, LoRARequest, SamplingParams  # noqa: E402
-from paged_backend.demo import TINY_CONFIGS  # noqa: E402
-from paged_backend.dummy_loader import dummy_model  # noqa: E402
+from paged_backend.model_loader.dummy import dummy_model  # noqa: E402
+from tests.fixtures.tiny_models import TINY_CONFIGS  # noqa: E402
 
 logger = logging.getLogger("benchmarks.lora")
 
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
+    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (the workload: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama shape (runs on a CPU)")
     parser.add_argument("--json", type=Path, default=None, help="write results here")

@@ -1,4 +1,4 @@
-"""Memory features on DESIGN.md's benchmark model: prefix caching, KV waste, samples that share a prefill.
+"""Memory features on the benchmark model of docs/benchmarks.md: prefix caching, KV waste, samples that share a prefill.
 
 prefix   64 requests, each one 2,000-token system prompt + its own 50-token question, 64 new tokens each,
          submitted at once after one request has put the system prompt in the cache (a server's steady
@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.throughput import HF_BATCH, build_model, release_engine, timed, versions, w1_prompts
 from paged_backend import LLM, SamplingParams
-from paged_backend.demo import build_tiny_model
+from tests.fixtures.tiny_models import build_tiny_model
 
 logger = logging.getLogger("benchmarks.memory")
 

@@ -3,10 +3,10 @@
 Servers, each a subprocess loading the same saved checkpoint:
   paged     ``python -m paged_backend.entrypoints.openai.api_server`` (this library)
   hf_serve  ``transformers serve --continuous-batching`` (when the installed transformers has it)
-Checkpoint: DESIGN.md's benchmark model (Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no EOS), saved
-once with ``save_pretrained``, plus a word-level tokenizer whose token i is the word ``t{i}``: a prompt's text
-encodes to exactly W1's token ids in either server, and every generated token decodes to one word, so output
-tokens are counted as words. Its chat template passes the user message through unchanged.
+Checkpoint: the benchmark model of docs/benchmarks.md (Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no
+EOS), saved once with ``save_pretrained``, plus a word-level tokenizer whose token i is the word ``t{i}``: a
+prompt's text encodes to exactly W1's token ids in either server, and every generated token decodes to one word, so
+output tokens are counted as words. Its chat template passes the user message through unchanged.
 Requests: the first ``--num-prompts`` of W1's prompts (lengths uniform in [64, 1024], random.Random(0)) at the first
 rate, and as many drawn the same way with other seeds at the warm-up and each later rate (the paged server caches
 prefixes: repeating a prompt set would serve its prefill from the cache), as streamed ``/v1/chat/completions`` with
@@ -66,7 +66,7 @@ def word_tokenizer(vocab_size: int):
 def save_checkpoint(directory: Path, tiny: bool) -> int:
     """Save the benchmark model and its word tokenizer; returns the vocabulary size."""
     if tiny:
-        from paged_backend.demo import build_tiny_model
+        from tests.fixtures.tiny_models import build_tiny_model
 
         model = build_tiny_model("llama", vocab_size=512)
         model.config.eos_token_id = model.generation_config.eos_token_id = None

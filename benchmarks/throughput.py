@@ -1,4 +1,4 @@
-"""Throughput and latency of the paged engine beside Hugging Face, on DESIGN.md's benchmark model.
+"""Throughput and latency of the paged engine beside Hugging Face, on the benchmark model of docs/benchmarks.md.
 
 Model: Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no EOS (fixed lengths). Workloads:
   w1    256 prompts, lengths uniform in [64, 1024] (random.Random(0)), 256 new tokens each, greedy
@@ -392,9 +392,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="paged,hf,hf_cb,hf_static",
         help="comma list of paged, hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
     )
-    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
-    parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try (DESIGN: 32)")
+    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (the workload: 256)")
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try (the model: 32)")
     parser.add_argument("--enforce-eager", action="store_true", help="paged engine without compile / CUDA graphs")
     parser.add_argument(
         "--num-scheduler-steps", type=int, default=None, help="paged engine's decode steps per round (default: its own)"
@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for backend in [b for b in backends if b not in ("paged", "hf_patched")]:
         for workload in ("w1", "w2"):
-            if workload in workloads and not (backend == "hf_static" and workload == "w1"):  # DESIGN: W2 only
+            if workload in workloads and not (backend == "hf_static" and workload == "w1"):  # W2 only
                 measure(workload, backend, runners[backend])
     save()
     if args.plot is not None:

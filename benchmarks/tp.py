@@ -3,7 +3,7 @@
 Parts (``--parts``, all by default):
   check    tiny fp32 Llama and Qwen2 (Qwen3: one KV head, replicated) at TP=2 with chunked prefill and
            preemption, eager and compiled + CUDA graphs: greedy output == HF ``generate`` on one GPU
-  w1       DESIGN.md's W1 on the Llama-3-8B shape: paged TP=1 and TP=2, beside HF ``generate`` (batches of 64,
+  w1       W1 (docs/benchmarks.md) on the Llama-3-8B shape: paged TP=1 and TP=2, beside HF ``generate`` (batches of 64,
            one GPU) on the first 64 prompts
   kill     a worker killed inside a step (tiny Llama, TP=2): seconds until rank 0 raises
   w2_70b   W2 (one 128-token prompt, 256 new tokens) on a Llama-3-70B shape (80 layers, hidden 8192, 64 heads,
@@ -47,8 +47,9 @@ from benchmarks.throughput import (  # noqa: E402
     write_json,
 )
 from paged_backend import LLM, SamplingParams  # noqa: E402
-from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
-from paged_backend.dummy_loader import materialize, meta_model  # noqa: E402
+from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
+from paged_backend.model_loader.dummy import materialize, meta_model  # noqa: E402
+from tests.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
 logger = logging.getLogger("benchmarks.tp")
 
@@ -440,8 +441,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="hf,tp1,tp2",
         help="comma list of hf, tp1, tp2, tp2_nccl (TP=2 without symmetric memory)",
     )
-    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (DESIGN: 256)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (DESIGN: 256)")
+    parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (the workload: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
     parser.add_argument("--check-archs", default="llama,qwen2,qwen3", help="check: comma list of llama, qwen2, qwen3")
     parser.add_argument("--check-modes", default="eager,compiled", help="check: comma list of eager, compiled")

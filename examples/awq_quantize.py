@@ -12,8 +12,8 @@ import tempfile
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.demo import CORPUS, model_or_demo
-from paged_backend.quantization import awq
+from paged_backend.demo_checkpoint import CORPUS, model_or_demo
+from paged_backend.quantization.awq_quantize import quantize
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 logger = logging.getLogger("example")
@@ -27,7 +27,7 @@ path = model_or_demo(args.model)
 tokenizer = AutoTokenizer.from_pretrained(path)
 model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
 output = args.output or tempfile.mkdtemp(prefix="awq-")
-awq.quantize(model, tokenizer, output, calib_texts=CORPUS, group_size=128)
+quantize(model, tokenizer, output, calib_texts=CORPUS, group_size=128)
 
 llm = LLM(output)  # quantization="awq" is read from the checkpoint's config.json
 for out in llm.generate(["The paged KV cache", "Hello, my name is"], SamplingParams(temperature=0, max_tokens=16)):

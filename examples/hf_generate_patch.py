@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import paged_backend
-from paged_backend.demo import model_or_demo
+from paged_backend.demo_checkpoint import model_or_demo
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 logger = logging.getLogger("example")

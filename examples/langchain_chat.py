@@ -12,7 +12,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 
 from paged_backend import LLM
-from paged_backend.demo import model_or_demo
+from paged_backend.demo_checkpoint import model_or_demo
 from paged_backend.integrations.langchain import ChatPagedBackend, PagedBackendLLM
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -14,7 +14,7 @@ from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.embeddings import MockEmbedding
 
 from paged_backend import LLM
-from paged_backend.demo import model_or_demo
+from paged_backend.demo_checkpoint import model_or_demo
 from paged_backend.integrations.llama_index import PagedBackendLLM
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -13,7 +13,7 @@ import tempfile
 import torch
 
 from paged_backend import LLM, LoRARequest, SamplingParams
-from paged_backend.demo import model_or_demo
+from paged_backend.demo_checkpoint import model_or_demo
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 logger = logging.getLogger("example")

@@ -8,7 +8,7 @@ import argparse
 import logging
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.demo import model_or_demo
+from paged_backend.demo_checkpoint import model_or_demo
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 logger = logging.getLogger("example")

@@ -15,7 +15,7 @@ import time
 import httpx
 from openai import OpenAI
 
-from paged_backend.demo import model_or_demo
+from paged_backend.demo_checkpoint import model_or_demo
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 logger = logging.getLogger("example")

@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on CPU; this must be set before any kernel is decorated.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from paged_backend.demo import build_tiny_model, build_tiny_tokenizer
+from paged_backend.demo_checkpoint import build_tiny_tokenizer
+from tests.fixtures.tiny_models import build_tiny_model
 
 EOS = 2
 # TP=2 engines run on two CPU processes (gloo) without CUDA and on two GPUs with it: a one-GPU machine cannot

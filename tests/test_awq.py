@@ -12,14 +12,16 @@ import torch
 from torch import nn
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.demo import CORPUS, build_tiny_model
+from paged_backend.demo_checkpoint import CORPUS
 from paged_backend.kernels.arrival import arrival_counters
+from paged_backend.kernels.awq_format import AWQ_ORDER, dequantize, pack, unpack
 from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton
-from paged_backend.quantization import awq
-from paged_backend.quantization.awq import AWQLinear, dequantized_copy
-from paged_backend.quantization.awq_format import AWQ_ORDER, dequantize, pack, pack_linear, unpack
-from paged_backend.quantization.awq_quantize import apply_awq, calibration_batches, write_checkpoint
+from paged_backend.quantization.awq import AWQLinear
+from paged_backend.quantization.awq_quantize import apply_awq, calibration_batches, quantize, write_checkpoint
+from paged_backend.quantization.rtn import pack_linear
 from tests.conftest import capturing_backend, hf_greedy, ragged_prompts, tp2
+from tests.fixtures.awq import dequantized_copy
+from tests.fixtures.tiny_models import build_tiny_model
 
 GROUP = 32
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel: on the GPU, else interpreted
@@ -248,7 +250,7 @@ def logits_error(model: nn.Module, candidate: nn.Module, batches: list[torch.Ten
 def test_awq_beats_round_to_nearest_on_held_out_text(tokenizer, tmp_path) -> None:
     model = outlier_model(tokenizer)
     calib, held_out = CORPUS[: len(CORPUS) // 2], CORPUS[len(CORPUS) // 2 :]
-    awq.quantize(model, tokenizer, str(tmp_path / "awq"), calib_texts=calib, group_size=GROUP, seq_len=64)
+    quantize(model, tokenizer, str(tmp_path / "awq"), calib_texts=calib, group_size=GROUP, seq_len=64)
     write_checkpoint(model, str(tmp_path / "rtn"), GROUP, tokenizer)  # plain round to nearest
     batches = calibration_batches(tokenizer, held_out, 64, torch.device("cpu"))
     awq_error = logits_error(model, dequantized_copy(model, tmp_path / "awq"), batches)
@@ -293,7 +295,7 @@ def test_tp2_on_an_awq_checkpoint_equals_hf_on_the_dequantized_model(awq_checkpo
 
 
 def test_tp_refuses_awq_groups_split_across_ranks() -> None:
-    from paged_backend.distributed.tp_plan import head_layout, shard_linear
+    from paged_backend.model_loader.tp_plan import head_layout, shard_linear
 
     layer = AWQLinear(64, 16, GROUP, bias=False)
     with pytest.raises(ValueError, match=r"o_proj: each rank's 16 inputs must be whole AWQ groups of 32"):

@@ -119,7 +119,7 @@ class AWQBlock(nn.Module):
 
     def __init__(self) -> None:
         from paged_backend.quantization.awq import AWQLinear
-        from paged_backend.quantization.awq_format import pack_linear
+        from paged_backend.quantization.rtn import pack_linear
 
         super().__init__()
         layers = []

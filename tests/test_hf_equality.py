@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.demo import TINY_CONFIGS
 from tests.conftest import EOS, assert_idle, hf_greedy, ragged_prompts, tiny_model
+from tests.fixtures.tiny_models import TINY_CONFIGS
 
 ARCHS = sorted(TINY_CONFIGS)
 MAX_TOKENS = [5, 12, 9, 16, 3, 10, 7, 14]

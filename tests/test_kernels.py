@@ -102,16 +102,16 @@ def test_sliding_window_and_softcap(dtype: torch.dtype, sliding_window: int | No
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_splits", "sliding_window"), [(1, None), (3, 50), (8, None), (8, 50)])
+@pytest.mark.parametrize(("num_splits", "sliding_window"), [(1, None), (3, 300), (8, None), (8, 300)])
 def test_split_kv_decode(dtype: torch.dtype, num_splits: int, sliding_window: int | None) -> None:
-    """Decode-only batch with contexts from 1 token to many slices of 16-token tiles; some slices are empty, so
-    the reduce must give them no weight, and a window far from the start moves the first slice. A padding row of
-    a CUDA-graph bucket (context 0) comes out as zeros, not NaN."""
+    """Decode-only batch with contexts from 1 token to six slices of 128 tokens; with 8 splits some slices are
+    empty, so the merge must give them no weight; a context within one slice is written by that slice alone; and a
+    window far from the start moves the first slice. A padding row of a CUDA-graph bucket (context 0) comes out
+    as zeros, not NaN."""
     prefix = [0, 700, 31, 0]
     batch = make_batch([1] * len(prefix), prefix, 8, 2, 64, dtype, 16, seed=num_splits)
     batch["context_lens"][-1] = 0  # the padding row
-    kwargs = dict(num_splits=num_splits, min_split_tokens=16, launch={"block_n": 16})
-    out = check_attention(batch, dtype, sliding_window=sliding_window, **kwargs)
+    out = check_attention(batch, dtype, sliding_window=sliding_window, num_splits=num_splits)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
     assert not arrival_counters(DEVICE).any()  # the merging programs left the counters at zero
 

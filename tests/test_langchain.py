@@ -21,9 +21,10 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa:
 from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 
 from paged_backend import LLM, SamplingParams  # noqa: E402
-from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
 from paged_backend.integrations.langchain import ChatPagedBackend, PagedBackendLLM  # noqa: E402
 from tests.conftest import peak_in_flight, save_tiny_checkpoint  # noqa: E402
+from tests.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
 
 @functools.cache

@@ -16,9 +16,10 @@ from llama_index.core.embeddings import MockEmbedding  # noqa: E402
 from llama_index.core.llms import ChatMessage, ImageBlock, TextBlock  # noqa: E402
 
 from paged_backend import LLM, SamplingParams  # noqa: E402
-from paged_backend.demo import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
 from paged_backend.integrations.llama_index import PagedBackendLLM  # noqa: E402
 from tests.conftest import peak_in_flight, save_tiny_checkpoint  # noqa: E402
+from tests.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
 
 @functools.cache

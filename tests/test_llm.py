@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from paged_backend import LLM, LLMEngine, SamplingParams
-from paged_backend.demo import build_tiny_model
 from tests.conftest import EOS, assert_idle, hf_greedy, tiny_model
+from tests.fixtures.tiny_models import build_tiny_model
 
 PROMPT = [1, 40, 41, 42, 43, 44]
 

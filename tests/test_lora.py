@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from paged_backend import LLM, LoRARequest, SamplingParams
-from paged_backend.demo import build_tiny_model
 from tests.conftest import assert_idle, capturing_backend, hf_greedy, ragged_prompts, tp2
+from tests.fixtures.tiny_models import build_tiny_model
 
 peft = pytest.importorskip("peft")
 
@@ -128,8 +128,8 @@ def test_lora_layers_compile_into_one_graph(lora_setup) -> None:
 def test_adapters_on_an_awq_model(lora_setup, tokenizer, tmp_path) -> None:
     """On an AWQ checkpoint each adapter adds its delta to the quantized layers' output: greedy output equals HF
     generate on the dequantized model with the adapter merged in."""
-    from paged_backend.quantization.awq import dequantized_copy
     from paged_backend.quantization.awq_quantize import write_checkpoint
+    from tests.fixtures.awq import dequantized_copy
     from tests.test_awq import GROUP
 
     path, base, adapters = lora_setup

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.demo import build_tiny_model
 from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tp2
+from tests.fixtures.tiny_models import build_tiny_model
 
 pytestmark = tp2
 ENGINE = dict(block_size=4, max_model_len=128)

@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from paged_backend.demo import build_tiny_model
-from paged_backend.distributed.tp_plan import head_layout, shard_model, tp_plan
+from paged_backend.model_loader.tp_plan import head_layout, shard_model, tp_plan
+from tests.fixtures.tiny_models import build_tiny_model
 
 
 class ThreadAllReduce:
@@ -88,7 +88,7 @@ def test_a_rank_reads_only_its_slices_of_a_checkpoint(arch: str, tmp_path, monke
     """A local safetensors checkpoint is read slice by slice (never loaded whole): each rank's tensors equal
     those of the full model cut by shard_model, rowwise biases on rank 0 only."""
     from paged_backend.config import EngineConfig
-    from paged_backend.distributed import shard_loader
+    from paged_backend.model_loader import sharded
 
     model = build_tiny_model(arch)
     model.save_pretrained(tmp_path)
@@ -97,9 +97,9 @@ def test_a_rank_reads_only_its_slices_of_a_checkpoint(arch: str, tmp_path, monke
     def no_whole_load(*args, **kwargs):
         raise AssertionError("the checkpoint was loaded whole")
 
-    monkeypatch.setattr(shard_loader, "load_model", no_whole_load)
+    monkeypatch.setattr(sharded, "load_model", no_whole_load)
     for rank in range(2):
-        shard = shard_loader.load_shard(config, str(tmp_path), rank, torch.device("cpu"), all_reduce=None)
+        shard = sharded.load_shard(config, str(tmp_path), rank, torch.device("cpu"), all_reduce=None)
         expected = copy.deepcopy(model)
         shard_model(expected, rank, 2, None)
         got = dict(shard.named_parameters())

@@ -21,9 +21,9 @@ from transformers import PreTrainedModel
 from paged_backend.config import EngineConfig
 from paged_backend.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from paged_backend.distributed.all_reduce import TPAllReduce
-from paged_backend.distributed.shard_loader import check_tp_support, load_shard
 from paged_backend.distributed.tp_group import Messages, TPGroup, init_groups, min_over_ranks, tp_device
 from paged_backend.lora.manager import LoRAManager
+from paged_backend.model_loader.sharded import check_tp_support, load_shard
 from paged_backend.worker.cache_engine import KVCacheSpec
 from paged_backend.worker.worker import Worker
 

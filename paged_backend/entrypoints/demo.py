@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from paged_backend.demo import CORPUS, default_cache_dir, demo_checkpoint
+from paged_backend.demo_checkpoint import CORPUS, default_cache_dir, demo_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ import torch
 
 from paged_backend.kernels import num_sms, tl, triton
 from paged_backend.kernels.arrival import arrival_counters
-from paged_backend.quantization.awq_format import dequantize
+from paged_backend.kernels.awq_format import dequantize
 
-# Rows up to which the fused kernel runs; above, dequantize + cuBLAS (faster at 256 rows on an H200).
+# Rows up to which the fused kernel runs; above, dequantize + cuBLAS, where the GEMM's compute outweighs the extra
+# pass over the weights.
 FUSED_MAX_M = 128
 # Rows up to which the GEMV kernel (no tl.dot) runs, all rows in one program: decode at batch 1, padded to 2 by the
 # CUDA graph buckets (``worker/cuda_graphs.py``), and 4.
@@ -36,6 +37,7 @@ def awq_gemm_torch(
 
 if triton is not None:
     from paged_backend.kernels.arrival import add_parts, last_to_arrive
+    from paged_backend.kernels.awq_gemv import awq_gemv_kernel
 
     @triton.jit
     def _dequantize_tile(
@@ -54,7 +56,7 @@ if triton is not None:
         """The ``[BK, BN]`` weight tile ``(q - z) * s`` of rows ``offs_k`` and the ``pid_n``-th block of columns.
         Each int32 pack is read once (contiguous rows of packs), then repeated for its eight columns in
         registers; column j of a pack sits at bit 4 * position-of-j in AWQ's order [0, 2, 4, 6, 1, 3, 5, 7]. As
-        in ``_nibble_floats``, q and z become floats ``2**23 + q * 2**B`` by an AND-OR, with no int-to-float
+        in ``awq_gemv._nibble_floats``, q and z become floats ``2**23 + q * 2**B`` by an AND-OR, with no int-to-float
         conversion, and the scale times ``2**-B`` undoes the nibble's place."""
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_pack = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
@@ -177,124 +179,6 @@ if triton is not None:
         else:
             tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _nibble_floats(packed, magic, J: tl.constexpr):
-        """Column ``J`` of each int32 pack as the fp32 ``2**23 + q * 2**B`` (exact; B from ``_nibble_scale``):
-        the nibble masked in place and OR-ed with 2**23's exponent bits is that float, so no int-to-float
-        conversion runs (a quarter-rate instruction: it bounded the GEMV before). Nibbles above bit 19 are first
-        shifted down 12 bits, so that ``q * 2**B`` fits the 23-bit mantissa."""
-        POS: tl.constexpr = (J // 2) * 4 + (J % 2) * 16  # AWQ_SHIFTS[J]
-        PRE: tl.constexpr = 12 if POS >= 20 else 0
-        return (((packed >> PRE) & (0xF << (POS - PRE))) | magic).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _nibble_scale(scale_row, offs_pack, mask_pack, J: tl.constexpr):
-        """Column ``J``'s scales times ``2**-B``, which undoes the place of its nibble in ``_nibble_floats``."""
-        POS: tl.constexpr = (J // 2) * 4 + (J % 2) * 16
-        B: tl.constexpr = POS - (12 if POS >= 20 else 0)
-        s = tl.load(scale_row + offs_pack * 8 + J, mask=mask_pack, other=0.0).to(tl.float32)
-        return s * (1.0 / (1 << B))
-
-    @triton.jit
-    def _awq_gemv_kernel(
-        x_ptr,  # [M, K]
-        qweight_ptr,  # [K, N / 8] int32
-        qzeros_ptr,  # [K / G, N / 8] int32
-        scales_ptr,  # [K / G, N]
-        out_ptr,  # [M, N] in x's dtype
-        partial_ptr,  # [SPLIT_K, M, N] fp32 when K is split (programs along axis 2)
-        counters_ptr,  # [tiles] int32 zeros (``kernels/arrival.py``)
-        M,
-        n_packs,  # N / 8
-        K,
-        k_per_split,  # a multiple of GROUP_SIZE
-        magic,  # 0x4B000000, the bits of 2.0**23: an argument, so that it stays in a register and each nibble's
-        # mask is the AND-OR's one immediate (as two immediates, every mask was moved into a register first)
-        ROW_PACKS: tl.constexpr,  # row stride of qweight and qzeros (see ``_row_packs``): a constant, so that the
-        # unrolled loads below address by immediate offsets
-        BLOCK_M: tl.constexpr,  # rows of x per program, each weight made once for all of them
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,  # rows per load; divides GROUP_SIZE
-        GROUP_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr,  # K split: fp32 parts, the last program of a tile adds them
-    ):
-        """A few rows of x (all in one program) against a block of columns, with no ``tl.dot`` (its 16-row
-        minimum wastes most of the math at decode's one or two rows). The eight columns of each pack are eight
-        tensors of the loaded tile's own shape, so nothing moves between threads until the end. A weight costs an
-        AND-OR, a subtract (of the zero, made the same way, which also cancels the 2**23) and a multiply-add per
-        row; each thread sums its own rows, and per group ``acc += s * sum_k x_k (q_kn - z_n)``: tile-shaped
-        accumulators, reduced once. With one pack per thread (tiles of 32 x num_warps packs) a program needs ~56
-        registers at one row, so many warps are resident and keep loads in flight: 2.2 TB/s on gate/up at one
-        row (the kernel before these changes: 1.2)."""
-        pid_m = tl.program_id(0)  # fastest: the programs reading one weight tile run together and share it in L2
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        N = n_packs * 8
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        offs_pack = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-        mask_pack = offs_pack < n_packs  # an argument (divisible by 16): the mask is constant over vectors
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-        acc0 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N // 8), dtype=tl.float32)
-        acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
-        for k0 in range(k_start, k_end, GROUP_SIZE):
-            group = k0 // GROUP_SIZE
-            zeros = tl.load(qzeros_ptr + group * ROW_PACKS + offs_pack, mask=mask_pack, other=0)  # [BN / 8]
-            z0, z1 = _nibble_floats(zeros, magic, 0)[None, :], _nibble_floats(zeros, magic, 1)[None, :]
-            z2, z3 = _nibble_floats(zeros, magic, 2)[None, :], _nibble_floats(zeros, magic, 3)[None, :]
-            z4, z5 = _nibble_floats(zeros, magic, 4)[None, :], _nibble_floats(zeros, magic, 5)[None, :]
-            z6, z7 = _nibble_floats(zeros, magic, 6)[None, :], _nibble_floats(zeros, magic, 7)[None, :]
-            part0 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N // 8), dtype=tl.float32)
-            part1, part2, part3, part4, part5, part6, part7 = part0, part0, part0, part0, part0, part0, part0
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]  # [BM, BK]
-            w_ptrs = qweight_ptr + offs_k[:, None] * ROW_PACKS + offs_pack[None, :]  # [BK, BN / 8]
-            for r in tl.static_range(GROUP_SIZE // BLOCK_K):
-                x = tl.load(x_ptrs + r * BLOCK_K, mask=mask_m[:, None], other=0.0).to(tl.float32)[:, :, None]
-                packed = tl.load(w_ptrs + r * BLOCK_K * ROW_PACKS, mask=mask_pack[None, :], other=0)  # [BK, BN / 8]
-                # each weight is made once and used for the BM rows of x: [BK, BN / 8] -> [1, BK, BN / 8]
-                part0 += x * (_nibble_floats(packed, magic, 0) - z0)[None, :, :]
-                part1 += x * (_nibble_floats(packed, magic, 1) - z1)[None, :, :]
-                part2 += x * (_nibble_floats(packed, magic, 2) - z2)[None, :, :]
-                part3 += x * (_nibble_floats(packed, magic, 3) - z3)[None, :, :]
-                part4 += x * (_nibble_floats(packed, magic, 4) - z4)[None, :, :]
-                part5 += x * (_nibble_floats(packed, magic, 5) - z5)[None, :, :]
-                part6 += x * (_nibble_floats(packed, magic, 6) - z6)[None, :, :]
-                part7 += x * (_nibble_floats(packed, magic, 7) - z7)[None, :, :]
-            scale_row = scales_ptr + group * ROW_PACKS * 8
-            acc0 += part0 * _nibble_scale(scale_row, offs_pack, mask_pack, 0)[None, None, :]
-            acc1 += part1 * _nibble_scale(scale_row, offs_pack, mask_pack, 1)[None, None, :]
-            acc2 += part2 * _nibble_scale(scale_row, offs_pack, mask_pack, 2)[None, None, :]
-            acc3 += part3 * _nibble_scale(scale_row, offs_pack, mask_pack, 3)[None, None, :]
-            acc4 += part4 * _nibble_scale(scale_row, offs_pack, mask_pack, 4)[None, None, :]
-            acc5 += part5 * _nibble_scale(scale_row, offs_pack, mask_pack, 5)[None, None, :]
-            acc6 += part6 * _nibble_scale(scale_row, offs_pack, mask_pack, 6)[None, None, :]
-            acc7 += part7 * _nibble_scale(scale_row, offs_pack, mask_pack, 7)[None, None, :]
-        # [BM, BN / 8]: column 0 of each pack
-        if SPLIT:
-            out = partial_ptr + pid_k * M * N + offs_m[:, None] * N + offs_pack[None, :] * 8
-            dtype = tl.float32
-        else:
-            out = out_ptr + offs_m[:, None] * N + offs_pack[None, :] * 8
-            dtype = out_ptr.dtype.element_ty
-        mask = mask_m[:, None] & mask_pack[None, :]
-        tl.store(out + 0, tl.sum(acc0, axis=1).to(dtype), mask=mask)
-        tl.store(out + 1, tl.sum(acc1, axis=1).to(dtype), mask=mask)
-        tl.store(out + 2, tl.sum(acc2, axis=1).to(dtype), mask=mask)
-        tl.store(out + 3, tl.sum(acc3, axis=1).to(dtype), mask=mask)
-        tl.store(out + 4, tl.sum(acc4, axis=1).to(dtype), mask=mask)
-        tl.store(out + 5, tl.sum(acc5, axis=1).to(dtype), mask=mask)
-        tl.store(out + 6, tl.sum(acc6, axis=1).to(dtype), mask=mask)
-        tl.store(out + 7, tl.sum(acc7, axis=1).to(dtype), mask=mask)
-        if SPLIT:
-            if last_to_arrive(counters_ptr + pid_m * tl.num_programs(1) + pid_n, tl.num_programs(2)):
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                tile_mask = mask_m[:, None] & (offs_n < N)[None, :]
-                total = add_parts(partial_ptr, offs_m, offs_n, tile_mask, M, N, tl.num_programs(2), BLOCK_M, BLOCK_N)
-                tile = out_ptr + offs_m[:, None] * N + offs_n[None, :]
-                tl.store(tile, total.to(out_ptr.dtype.element_ty), mask=tile_mask)
-
 
 def _row_packs(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> int:
     """The kernels' row stride: rows contiguous, and one stride for all three tensors, as for whole tensors or for
@@ -323,12 +207,12 @@ def _split_k(tiles: int, k: int, block_k: int, programs: int) -> int:
 
 
 def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. From
-    ``benchmarks/awq_sweep.py`` on an H200 (8B shape, kernels replayed from CUDA graphs): up to 4 rows the GEMV
-    kernel, all rows in one program, 256 columns by 4 rows a tile, K split up to 16 ways while programs stay
-    under 6 per SM (``--cold``, one row: 16 ways on q/k/v, o and down, 8 on gate/up; since the last program adds
-    the parts, a deeper split costs little); at 16 rows 16 x 64 x 64 tiles split 4 ways on gate/up; at 64 rows
-    64 x 128 tiles, split when there are few (down). Many programs per SM, so that enough loads are in flight."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. A decode step reads
+    each weight once, so the launch aims at many programs per SM, which keep enough loads in flight: up to
+    ``GEMV_MAX_M`` rows the GEMV kernel, all rows in one program (each weight made once for all of them), 256
+    columns by 4 rows a tile, K split up to 16 ways while programs stay under 6 per SM (the last program adds the
+    parts, so a deeper split costs little); up to 16 rows 16 x 64 ``tl.dot`` tiles, above that 64 x 128, split
+    where tiles are few. ``benchmarks/awq_sweep.py`` times the alternatives (docs/benchmarks.md)."""
     if m <= GEMV_MAX_M:  # one pack per thread of 4 warps: few registers, so many warps keep loads in flight
         split_k = _split_k(triton.cdiv(n, 256), k, group_size // 4, 6 * sms)  # parts of one group or more
         return triton.next_power_of_2(m), 256, 4, split_k
@@ -346,11 +230,11 @@ def awq_gemm_triton(
     qzeros: torch.Tensor,  # [K / G, N / 8] int32
     scales: torch.Tensor,  # [K / G, N]
     launch: tuple[int, int, int, int] | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
 ) -> torch.Tensor:  # [M, N]
-    """The fused GEMM; ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K). BLOCK_M below ``DOT_MIN_M`` picks the
-    GEMV kernel (BLOCK_M rows per program; BLOCK_K rows of weights per load; K split in whole groups)."""
+    """The fused GEMM. ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K), by default ``_launch_shape``'s for this
+    GPU; the shape decides which kernel runs, so a given one runs either kernel at any size: BLOCK_M below
+    ``DOT_MIN_M`` is the GEMV (BLOCK_M rows per program; BLOCK_K rows of weights per load; K split in whole
+    groups), else the ``tl.dot`` kernel."""
     m, k = x.shape
     n = scales.shape[1]
     group_size = k // scales.shape[0]
@@ -368,9 +252,9 @@ def awq_gemm_triton(
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     row_packs = _row_packs(qweight, qzeros, scales)
     tensors = (x.contiguous(), qweight, qzeros, scales, out, partial, arrival_counters(x.device, grid[0] * grid[1]))
-    tuning = dict(num_warps=num_warps, num_stages=num_stages)
+    tuning = dict(num_warps=4, num_stages=3)  # the GEMV's 256 x 4 tiles: one pack a thread
     if gemv:
-        _awq_gemv_kernel[grid](
+        awq_gemv_kernel[grid](
             *tensors,
             m,
             n // 8,

@@ -1,9 +1,9 @@
 """Greedy decoding's token and its log-probability, ``argmax(logits)`` and ``logits[argmax] - logsumexp(logits)``
-per row. The torch twin upcasts the whole ``[N, V]`` logits to fp32 and makes four passes over them (about 0.5 ms
-a decode step at 256 rows of a 128k vocabulary on an H200); the Triton kernel reads each row once in its own
+per row. The torch twin upcasts the whole ``[N, V]`` logits to fp32 and makes four passes over them, which at a
+large batch and vocabulary is a visible part of a decode step; the Triton kernel reads each row once in its own
 dtype, keeping a running maximum, its first index and an online sum of exponentials. When rows are few (decode of
-one sequence), each row is cut into slices read by programs of their own, merged by the last to finish: a lone
-row of 128k logits took 63 µs in one program.
+one sequence), one program per row would leave most of the GPU idle while it walks a long row, so each row is cut
+into slices read by programs of their own, merged by the last to finish.
 """
 
 from __future__ import annotations

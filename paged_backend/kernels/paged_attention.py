@@ -319,6 +319,17 @@ def choose_num_splits(num_seqs: int, num_tokens: int, num_kv_heads: int, device:
     return max(1, min(MAX_SPLITS, _next_pow2(-(-target // programs))))
 
 
+def _tiles(decode: bool, g_pad: int, dim_pad: int) -> tuple[int, int, dict[str, int]]:
+    """(BLOCK_Q, BLOCK_N, launch options). A tile holds BLOCK_Q tokens x ``g_pad`` grouped heads of queries.
+    Decode has one query a sequence, so its tiles take the 16 rows ``tl.dot`` needs at least and long key tiles,
+    streaming the cache; prefill tiles hold 64 rows, each key tile reused by all of them. 256-wide heads take short
+    key tiles, so that K and V fit in shared memory. ``benchmarks/kernel_sweep.py`` times the alternatives."""
+    rows, block_n, tuning = (16, 128, {"num_warps": 4, "num_stages": 3}) if decode else (64, 64, {})
+    if dim_pad >= 256:
+        block_n = 32
+    return max(1, rows // g_pad), block_n, tuning
+
+
 def paged_attention_triton(
     query: torch.Tensor,  # [T, H, D], last dim contiguous
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous
@@ -330,12 +341,11 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     softcap: float | None = None,
     num_splits: int | None = None,
-    min_split_tokens: int = MIN_SPLIT_TOKENS,
     out: torch.Tensor | None = None,  # [T, H, D], written in place when given
-    launch: dict[str, int] | None = None,  # overrides of rows / block_n / num_warps / num_stages, for sweeps
 ) -> torch.Tensor:  # [T, H, D]
     """Triton twin of :func:`paged_attention_torch`; no host synchronisation, grid fixed by (T, B).
-    ``num_splits`` defaults to :func:`choose_num_splits`."""
+    ``num_splits`` (slices of the context, decode only) defaults to :func:`choose_num_splits`, which splits only on
+    a GPU that the batch leaves idle; a given number splits anywhere."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -350,18 +360,7 @@ def paged_attention_triton(
         num_splits = choose_num_splits(num_seqs, num_tokens, num_kv_heads, query.device)
     g_pad = _next_pow2(queries_per_kv)
     dim_pad = _next_pow2(head_dim)
-    # Launch settings from benchmarks/kernel_sweep.py on an H200 (decode at W1's shape: 3.7 TB/s of KV). ``rows``
-    # is a tile's query rows (tokens x grouped heads): decode tiles take the minimum of 16 rows tl.dot needs.
-    if num_tokens == num_seqs:
-        defaults = {"rows": 16, "block_n": 128, "num_warps": 4, "num_stages": 3}
-    else:
-        defaults = {"rows": 64, "block_n": 64}
-    if dim_pad >= 256:
-        defaults["block_n"] = 32
-    launch = {**defaults, **(launch or {})}
-    block_q = max(1, launch["rows"] // g_pad)
-    block_n = launch["block_n"]
-    tuning = {k: launch[k] for k in ("num_warps", "num_stages") if k in launch}
+    block_q, block_n, tuning = _tiles(num_tokens == num_seqs, g_pad, dim_pad)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     if num_splits > 1:
         partial = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
@@ -408,7 +407,7 @@ def paged_attention_triton(
         BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits,
         SPLITS_PAD=_next_pow2(num_splits),
-        MIN_SPLIT=min_split_tokens,
+        MIN_SPLIT=MIN_SPLIT_TOKENS,
         USE_WINDOW=bool(sliding_window),
         USE_SOFTCAP=bool(softcap),
         IEEE=query.dtype == torch.float32,

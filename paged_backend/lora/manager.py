@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from paged_backend.config import EngineConfig, LoRAConfig
-from paged_backend.distributed.tp_plan import TPShard
 from paged_backend.kernels.lora import lora_delta_op
 from paged_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from paged_backend.lora.request import LoRARequest
+from paged_backend.model_loader.tp_plan import TPShard
 
 logger = logging.getLogger(__name__)
 

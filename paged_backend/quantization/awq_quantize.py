@@ -19,14 +19,15 @@ import copy
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from paged_backend.model_structure import find_decoder_layers
 from paged_backend.quantization.awq import AWQConfig, convertible_linears
-from paged_backend.quantization.awq_format import pack, quantize_rtn
+from paged_backend.quantization.rtn import pack_linear, quantize_rtn
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ def _layer_groups(layer: nn.Module) -> list[tuple[nn.Module, list[str]]]:
 
 
 @torch.no_grad()
-def _record_inputs(model: nn.Module, layer: nn.Module, names: list[str], batches: list[torch.Tensor]) -> dict:
+def _record_inputs(
+    model: PreTrainedModel, layer: nn.Module, names: list[str], batches: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Each named linear's inputs ``[n, K]`` over the calibration batches (the model as it is now)."""
     inputs: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     hooks = [
@@ -136,11 +139,9 @@ def _fold_inverse(prev: nn.Module, scales: torch.Tensor) -> None:
 
 @torch.no_grad()
 def apply_awq(
-    model: nn.Module, batches: list[torch.Tensor], group_size: int, clip: bool = True, scale: bool = True
+    model: PreTrainedModel, batches: list[torch.Tensor], group_size: int, clip: bool = True, scale: bool = True
 ) -> None:
     """Scale and clip every decoder layer's linears in place (float weights: quantization comes after)."""
-    from paged_backend.worker.compile import find_decoder_layers
-
     model_type = model.config.get_text_config().model_type
     if model_type not in SUPPORTED:
         raise NotImplementedError(f"AWQ quantization supports {list(SUPPORTED)}, not model_type={model_type!r}")
@@ -169,7 +170,9 @@ def apply_awq(
                 w.copy_(w.float().clamp(-max_val, max_val).to(w.dtype))
 
 
-def calibration_batches(tokenizer: Any, texts: Sequence[str], seq_len: int, device: torch.device) -> list[torch.Tensor]:
+def calibration_batches(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], seq_len: int, device: torch.device
+) -> list[torch.Tensor]:
     """The texts' tokens, concatenated and cut into ``[1, seq_len]`` rows."""
     ids: list[int] = []
     for text in texts:
@@ -181,10 +184,10 @@ def calibration_batches(tokenizer: Any, texts: Sequence[str], seq_len: int, devi
 
 
 def write_checkpoint(
-    model: nn.Module,
+    model: PreTrainedModel,
     output_dir: str,
     group_size: int,
-    tokenizer: Any = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     modules_to_not_convert: Sequence[str] = (),
 ) -> None:
     """Quantize the convertible linears to 4 bits (round to nearest) and save the AWQ checkpoint: safetensors with
@@ -195,10 +198,10 @@ def write_checkpoint(
     linears = convertible_linears(model, awq)
     tensors: dict[str, torch.Tensor] = {}
     for name, linear in tqdm(linears.items(), desc="packing", unit="linear"):
-        q, z, s = quantize_rtn(linear.weight, group_size)
-        tensors[f"{name}.qweight"] = pack(q).cpu()
-        tensors[f"{name}.qzeros"] = pack(z).cpu()
-        tensors[f"{name}.scales"] = s.cpu()
+        qweight, qzeros, scales = pack_linear(linear.weight, group_size)
+        tensors[f"{name}.qweight"] = qweight.cpu()
+        tensors[f"{name}.qzeros"] = qzeros.cpu()
+        tensors[f"{name}.scales"] = scales.cpu()
         if linear.bias is not None:
             tensors[f"{name}.bias"] = linear.bias.detach().half().cpu()
     quantized = {f"{name}.{attr}" for name in linears for attr in ("weight", "bias")}
@@ -222,8 +225,8 @@ def write_checkpoint(
 
 
 def quantize(
-    model: nn.Module,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     output_dir: str,
     calib_texts: Sequence[str],
     w_bit: int = 4,

@@ -23,25 +23,6 @@ from torch import nn
 from paged_backend.worker.fuse_linears import fuse_sibling_linears
 
 
-def find_decoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The longest ``ModuleList`` of one class whose members each hold a module with an int ``layer_idx``."""
-
-    def has_layer_idx(module: nn.Module) -> bool:
-        return any(isinstance(getattr(m, "layer_idx", None), int) for m in module.modules())
-
-    best = None
-    for module in model.modules():
-        if (
-            isinstance(module, nn.ModuleList)
-            and len(module) > 0
-            and len({type(m) for m in module}) == 1
-            and all(has_layer_idx(m) for m in module)
-            and (best is None or len(module) > len(best))
-        ):
-            best = module
-    return best
-
-
 def _fresh_copy(fn: types.FunctionType) -> types.FunctionType:
     """The same function over a new code object. Dynamo keeps its compiled code, and its limit of 8 graphs, per
     code object, and transformers gives every decoder layer class one shared ``forward`` wrapper: without a copy,

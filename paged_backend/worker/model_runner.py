@@ -26,9 +26,10 @@ from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatc
 from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.kernels.greedy import greedy_tokens
 from paged_backend.lora.manager import LoRAManager
+from paged_backend.model_structure import find_decoder_layers
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.worker.cache_engine import CacheEngine
-from paged_backend.worker.compile import RegionalCompile, find_decoder_layers
+from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.sampler import Sampler, to_host

@@ -14,8 +14,8 @@ from transformers import PreTrainedModel
 
 from paged_backend.config import EngineConfig
 from paged_backend.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from paged_backend.distributed.tp_plan import head_layout
 from paged_backend.lora.manager import LoRAManager, lora_slot_tokens
+from paged_backend.model_loader.tp_plan import head_layout
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.profiler import gpu_blocks_that_fit

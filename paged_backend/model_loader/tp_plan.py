@@ -11,13 +11,24 @@ query heads read, the documented fallback of vLLM.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
+
+from paged_backend.quantization.awq import AWQLinear
 
 STYLES = ("colwise", "rowwise")
+
+
+class AllReduce(Protocol):
+    """The sum of a rowwise layer's partial output over the ranks, hooked on the layer's output: in place
+    (returning None) or as a returned tensor. The process group that provides it (``paged_backend.distributed``)
+    is the caller's: the loader only hooks it on, so it depends on no process group."""
+
+    def __call__(self, x: torch.Tensor, /) -> torch.Tensor | None: ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,7 @@ class TPShard:
     full_features: int  # the cut dimension's size on one device
 
 
-def head_layout(config, world_size: int) -> HeadLayout:
+def head_layout(config: PretrainedConfig, world_size: int) -> HeadLayout:
     """Validate that the model splits over ``world_size`` ranks, naming what does not divide."""
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
@@ -94,8 +105,6 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
             "available for this architecture"
         )
     prefix = getattr(model, "base_model_prefix", "")
-    from paged_backend.quantization.awq import AWQLinear
-
     resolved: dict[str, str] = {}
     for name, module in model.named_modules():
         if not isinstance(module, (nn.Linear, AWQLinear)):
@@ -136,14 +145,12 @@ def shard_linear(
     style: str,
     layout: HeadLayout,
     rank: int,
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+    all_reduce: AllReduce | None,
 ) -> None:
     """Cut one planned linear (``colwise`` or ``rowwise``; an ``nn.Linear`` or an ``AWQLinear``) in place down to
     rank ``rank``'s slice. AWQ's packed tensors are cut on whole packs of eight outputs and whole groups of inputs.
     A rowwise bias is added once, on rank 0; ``all_reduce`` (sum over ranks, in place or returned) is hooked on a
     rowwise layer's output, None leaves the partial sums to the caller (a single-process check)."""
-    from paged_backend.quantization.awq import AWQLinear
-
     awq = isinstance(linear, AWQLinear)
     if style == "colwise":
         start, stop = _output_range(name, linear.out_features, layout, rank)
@@ -194,9 +201,7 @@ def set_local_heads(model: nn.Module, layout: HeadLayout) -> None:
                 setattr(module, attr, value)
 
 
-def shard_model(
-    model: nn.Module, rank: int, world_size: int, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
-) -> None:
+def shard_model(model: nn.Module, rank: int, world_size: int, all_reduce: AllReduce | None) -> None:
     """Cut a whole loaded ``model`` in place down to rank ``rank``'s slices (see ``shard_linear``)."""
     layout = head_layout(model.config, world_size)
     if not 0 <= rank < world_size:

@@ -4,6 +4,9 @@ dimension, per-group scales and zero points, ``W = (q - z) * s`` and ``y = x @ W
     qweight  int32 [in, out / 8]      nibble i (bits 4i..4i+3) of column c holds output 8c + AWQ_ORDER[i]
     qzeros   int32 [in / G, out / 8]  the same packing, zero points stored raw (no GPTQ-style -1)
     scales   fp16  [in / G, out]
+
+The kernels (``awq_gemm.py``) unpack this layout in registers and ``dequantize`` is their torch twin, so the
+layout lives beside them; the quantizer and the checkpoint loader import it from here.
 """
 
 from __future__ import annotations
@@ -46,27 +49,3 @@ def dequantize(
     z = unpack(qzeros).repeat_interleave(group_size, dim=0)  # [K, N]
     s = scales.to(dtype or scales.dtype).repeat_interleave(group_size, dim=0)  # [K, N]
     return (q - z).to(s.dtype) * s
-
-
-def quantize_rtn(
-    weight: torch.Tensor,
-    group_size: int,  # [N, K] (nn.Linear's layout)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round to nearest with a zero point per group of ``group_size`` inputs, as AutoAWQ does: returns the int
-    values ``q`` [K, N], zero points ``z`` [K / G, N] and fp16 scales ``s`` [K / G, N] (unpacked)."""
-    out_features, in_features = weight.shape
-    if in_features % group_size:
-        raise ValueError(f"group_size={group_size} must divide in_features={in_features}")
-    w = weight.detach().float().t().reshape(in_features // group_size, group_size, out_features)  # [K/G, G, N]
-    w_max, w_min = w.amax(dim=1), w.amin(dim=1)  # [K/G, N]
-    scales = ((w_max - w_min).clamp(min=1e-5) / MAX_INT).half()
-    s = scales.float()
-    zeros = (-torch.round(w_min / s)).clamp(0, MAX_INT)
-    q = (torch.round(w / s[:, None]) + zeros[:, None]).clamp(0, MAX_INT)  # [K/G, G, N]
-    return q.reshape(in_features, out_features).to(torch.int32), zeros.to(torch.int32), scales
-
-
-def pack_linear(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_rtn`` in the packed checkpoint layout: (qweight, qzeros, scales)."""
-    q, z, s = quantize_rtn(weight, group_size)
-    return pack(q), pack(z), s

@@ -4,7 +4,7 @@ The model is built on the meta device, each module is made on the rank's device 
 then filled: from a local safetensors checkpoint, reading only the rank's slice of each planned linear (so neither
 CPU memory nor a device ever holds more than one tensor beyond the rank's share: a 70B model over two GPUs loads
 on a host with less memory than the checkpoint), or with ``load_format="dummy"`` by the architecture's own random
-init (``dummy_loader.py``). Checkpoints that cannot be read that way (a hub id, AWQ's packed tensors, names that
+init (``dummy.py``). Checkpoints that cannot be read that way (a hub id, AWQ's packed tensors, names that
 differ from the model's) load whole on the CPU, are cut there and then moved.
 """
 
@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from paged_backend.config import EngineConfig
-from paged_backend.distributed.tp_plan import head_layout, set_local_heads, shard_linear, shard_model, tp_plan
-from paged_backend.dummy_loader import materialize, meta_model
-from paged_backend.model_loader import checkpoint_dtype, checkpoint_files, load_hf_config, load_model, quantization
+from paged_backend.model_loader import load_model
+from paged_backend.model_loader.dummy import materialize, meta_model
+from paged_backend.model_loader.hf import checkpoint_dtype, checkpoint_files, checkpoint_quantization, load_hf_config
+from paged_backend.model_loader.tp_plan import (
+    AllReduce,
+    head_layout,
+    set_local_heads,
+    shard_linear,
+    shard_model,
+    tp_plan,
+)
 
 logger = logging.getLogger(__name__)
-
-AllReduce = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 def check_tp_support(config: EngineConfig, name: str) -> None:
@@ -36,9 +41,10 @@ def check_tp_support(config: EngineConfig, name: str) -> None:
 
 
 def load_shard(
-    config: EngineConfig, name: str, rank: int, device: torch.device, all_reduce: AllReduce
+    config: EngineConfig, name: str, rank: int, device: torch.device, all_reduce: AllReduce | None
 ) -> PreTrainedModel:
-    """Rank ``rank``'s shard of the model at ``name`` on ``device``; rowwise layers all-reduce their outputs."""
+    """Rank ``rank``'s shard of the model at ``name`` on ``device``; rowwise layers all-reduce their outputs
+    through ``all_reduce`` (None: left as partial sums, for a check in one process)."""
     world_size = config.parallel_config.tensor_parallel_size
     hf_config = load_hf_config(config, name)
     dummy = config.model_config.load_format == "dummy"
@@ -64,10 +70,10 @@ def load_shard(
     return model
 
 
-def _sliceable_files(config: EngineConfig, hf_config: Any, name: str) -> list[str] | None:
+def _sliceable_files(config: EngineConfig, hf_config: PretrainedConfig, name: str) -> list[str] | None:
     """The safetensors files of a local, unquantized checkpoint folder; None where the whole model must load
     (a hub id, another format, AWQ's packed tensors)."""
-    if not os.path.isdir(name) or quantization(config, hf_config, name) is not None:
+    if not os.path.isdir(name) or checkpoint_quantization(config, hf_config, name) is not None:
         return None
     try:
         return checkpoint_files(name)

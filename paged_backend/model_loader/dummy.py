@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 
 @contextlib.contextmanager
@@ -36,7 +36,7 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def meta_model(hf_config: object, dtype: torch.dtype, trust_remote_code: bool = False) -> PreTrainedModel:
+def meta_model(hf_config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool = False) -> PreTrainedModel:
     """The architecture of ``hf_config`` with every parameter on the meta device."""
     with parameters_on_meta():
         return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -81,7 +81,11 @@ def materialize(
 
 
 def dummy_model(
-    hf_config: object, dtype: torch.dtype, device: torch.device, seed: int, trust_remote_code: bool = False
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """The model of ``hf_config`` on ``device`` in ``dtype`` with the architecture's own random init."""
     return materialize(meta_model(hf_config, dtype, trust_remote_code), device, seed)

@@ -1,14 +1,23 @@
-"""Load (or adopt) the user's HF model and tokenizer, on the right device and dtype."""
+"""Hugging Face checkpoints and the user's own objects: device and dtype, the checkpoint's config, a plain
+``from_pretrained`` load, a model or tokenizer passed in, and what the checkpoint says about itself
+(quantization, context length)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from paged_backend.config import EngineConfig
 
@@ -21,6 +30,14 @@ _DTYPES = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+_Loaded = TypeVar("_Loaded", covariant=True)
+
+
+class _Pretrained(Protocol[_Loaded]):
+    """A transformers ``Auto*`` class: anything that loads from a folder or a hub id."""
+
+    def from_pretrained(self, name: str, /, **kwargs: Any) -> _Loaded: ...
 
 
 def resolve_device(config: EngineConfig, model: PreTrainedModel | None) -> torch.device:
@@ -46,7 +63,7 @@ def resolve_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype | None, de
     return dtype
 
 
-def _from_pretrained(loader: Any, name: str, **kwargs: Any) -> Any:
+def _from_pretrained(loader: _Pretrained[_Loaded], name: str, **kwargs: Any) -> _Loaded:
     """Prefer the local copy (a folder, or a hub id already in the cache) so nothing downloads needlessly."""
     if os.path.isdir(name):
         return loader.from_pretrained(name, **kwargs)
@@ -69,11 +86,11 @@ def checkpoint_files(folder: str) -> list[str]:
     return [single]
 
 
-def load_hf_config(config: EngineConfig, name: str) -> Any:
+def load_hf_config(config: EngineConfig, name: str) -> PretrainedConfig:
     return _from_pretrained(AutoConfig, name, trust_remote_code=config.model_config.trust_remote_code)
 
 
-def quantization(config: EngineConfig, hf_config: Any, name: str) -> str | None:
+def checkpoint_quantization(config: EngineConfig, hf_config: PretrainedConfig, name: str) -> str | None:
     """``awq`` when asked for or when the checkpoint's ``quantization_config`` says so; None otherwise."""
     qc = getattr(hf_config, "quantization_config", None)
     method = None
@@ -90,7 +107,7 @@ def quantization(config: EngineConfig, hf_config: Any, name: str) -> str | None:
     return "awq" if method == "awq" else None
 
 
-def checkpoint_dtype(config: EngineConfig, hf_config: Any, device: torch.device) -> torch.dtype:
+def checkpoint_dtype(config: EngineConfig, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
     """The dtype to run in: the configured one, else the checkpoint's (see ``resolve_dtype``)."""
     stored = getattr(hf_config, "dtype", None)
     if isinstance(stored, str):
@@ -98,57 +115,43 @@ def checkpoint_dtype(config: EngineConfig, hf_config: Any, device: torch.device)
     return resolve_dtype(config, stored, device)
 
 
-def load_model(
-    config: EngineConfig, model: str | PreTrainedModel, device: torch.device | None = None, keep_on_cpu: bool = False
+def adopt_model(
+    config: EngineConfig, model: PreTrainedModel, device: torch.device | None
 ) -> tuple[PreTrainedModel, torch.device]:
-    """Return the model in eval mode on its device (``device``, else resolved from the config). A model object is
-    adopted as is (no second copy); only an explicit ``dtype`` different from its own converts it in place. A path
-    or hub id loads its checkpoint, or with ``load_format="dummy"`` only its config, with random weights.
-    ``keep_on_cpu`` leaves a loaded checkpoint on the CPU, in the dtype it will run in on ``device``."""
-    if isinstance(model, PreTrainedModel):
-        if config.model_config.quantization is not None:
-            raise ValueError(
-                f"quantization={config.model_config.quantization!r} loads a quantized checkpoint: pass model as a "
-                "path or hub id, not a loaded model"
-            )
-        if config.model_config.load_format != "auto":
-            raise ValueError(
-                f"load_format={config.model_config.load_format!r} needs model as a path or hub id, not a loaded model"
-            )
-        device = device or resolve_device(config, model)
-        if config.model_config.dtype != "auto" and model.dtype != _DTYPES[config.model_config.dtype]:
-            logger.info("converting the model from %s to %s in place", model.dtype, config.model_config.dtype)
-            model.to(_DTYPES[config.model_config.dtype])
-        if next(model.parameters()).device != device:
-            model.to(device)
-        return model.eval(), device
-    if not isinstance(model, str):
+    """The user's model object as is (no second copy), in eval mode on ``device`` (else its own); only an explicit
+    ``dtype`` different from its own converts it, in place."""
+    if config.model_config.quantization is not None:
         raise ValueError(
-            f"model must be a path, a hub id or a transformers PreTrainedModel, got {type(model).__name__}"
+            f"quantization={config.model_config.quantization!r} loads a quantized checkpoint: pass model as a "
+            "path or hub id, not a loaded model"
         )
-    device = device or resolve_device(config, None)
-    hf_config = load_hf_config(config, model)
-    dtype = checkpoint_dtype(config, hf_config, device)
-    if quantization(config, hf_config, model) == "awq":
-        from paged_backend.quantization.awq import load_awq_model
+    if config.model_config.load_format != "auto":
+        raise ValueError(
+            f"load_format={config.model_config.load_format!r} needs model as a path or hub id, not a loaded model"
+        )
+    device = device or resolve_device(config, model)
+    if config.model_config.dtype != "auto" and model.dtype != _DTYPES[config.model_config.dtype]:
+        logger.info("converting the model from %s to %s in place", model.dtype, config.model_config.dtype)
+        model.to(_DTYPES[config.model_config.dtype])
+    if next(model.parameters()).device != device:
+        model.to(device)
+    return model.eval(), device
 
-        if config.model_config.load_format == "dummy":
-            raise ValueError("load_format='dummy' does not make AWQ weights: quantize a model with awq.quantize")
-        awq_device = torch.device("cpu") if keep_on_cpu else device
-        trust = config.model_config.trust_remote_code
-        return load_awq_model(hf_config, model, dtype, awq_device, trust), device
-    if config.model_config.load_format == "dummy":
-        from paged_backend.dummy_loader import dummy_model
 
-        seed = config.model_config.seed
-        return dummy_model(hf_config, dtype, device, seed, config.model_config.trust_remote_code), device
+def load_pretrained(
+    config: EngineConfig, name: str, dtype: torch.dtype, device: torch.device, keep_on_cpu: bool = False
+) -> PreTrainedModel:
+    """The checkpoint at ``name`` through transformers, in ``dtype``, on ``device`` (``keep_on_cpu``: left where
+    transformers loads it, for a caller that cuts it first)."""
     loaded = _from_pretrained(
-        AutoModelForCausalLM, model, dtype=dtype, trust_remote_code=config.model_config.trust_remote_code
+        AutoModelForCausalLM, name, dtype=dtype, trust_remote_code=config.model_config.trust_remote_code
     )
-    return (loaded if keep_on_cpu else loaded.to(device)).eval(), device
+    return (loaded if keep_on_cpu else loaded.to(device)).eval()
 
 
-def load_tokenizer(config: EngineConfig, model: str | PreTrainedModel, tokenizer: Any) -> Any:
+def load_tokenizer(
+    config: EngineConfig, model: str | PreTrainedModel, tokenizer: str | PreTrainedTokenizerBase | None
+) -> PreTrainedTokenizerBase | None:
     """A tokenizer object is used as is; a name loads; with neither, try the model's own folder. With
     ``skip_tokenizer_init`` there is none."""
     if config.model_config.skip_tokenizer_init:
@@ -166,6 +169,7 @@ def load_tokenizer(config: EngineConfig, model: str | PreTrainedModel, tokenizer
 
 
 def model_max_length(model: PreTrainedModel) -> int | None:
+    """The context length the model's config declares, under whichever name its architecture uses."""
     cfg = model.config.get_text_config()
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(cfg, attr, None)

@@ -1,0 +1,59 @@
+"""Loading the model and tokenizer an engine runs: one dispatcher over where the weights come from.
+
+``load_model`` picks the source: the user's model object (``hf.py``, adopted as is), an AWQ checkpoint
+(``awq.py``), random weights from the config alone (``dummy.py``), or any other checkpoint through transformers
+(``hf.py``). One tensor-parallel rank's slice of a model is ``sharded.load_shard``, which cuts by ``tp_plan.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from paged_backend.config import EngineConfig
+from paged_backend.model_loader.awq import load_awq_model
+from paged_backend.model_loader.dummy import dummy_model
+from paged_backend.model_loader.hf import (
+    adopt_model,
+    checkpoint_dtype,
+    checkpoint_quantization,
+    load_hf_config,
+    load_pretrained,
+    load_tokenizer,
+    model_max_length,
+    resolve_device,
+)
+
+__all__ = ["load_model", "load_tokenizer", "model_max_length"]
+
+
+def load_model(
+    config: EngineConfig, model: str | PreTrainedModel, device: torch.device | None = None, keep_on_cpu: bool = False
+) -> tuple[PreTrainedModel, torch.device]:
+    """Return the model in eval mode on its device (``device``, else resolved from the config). A model object is
+    adopted as is (no second copy); only an explicit ``dtype`` different from its own converts it in place. A path
+    or hub id loads its checkpoint (AWQ when its config says so), or with ``load_format="dummy"`` only its config,
+    with random weights. ``keep_on_cpu`` leaves a loaded checkpoint on the CPU, in the dtype it will run in on
+    ``device``, for a caller that cuts it before moving it."""
+    if isinstance(model, PreTrainedModel):
+        return adopt_model(config, model, device)
+    if not isinstance(model, str):
+        raise ValueError(
+            f"model must be a path, a hub id or a transformers PreTrainedModel, got {type(model).__name__}"
+        )
+    device = device or resolve_device(config, None)
+    hf_config = load_hf_config(config, model)
+    dtype = checkpoint_dtype(config, hf_config, device)
+    dummy = config.model_config.load_format == "dummy"
+    trust = config.model_config.trust_remote_code
+    if checkpoint_quantization(config, hf_config, model) == "awq":
+        if dummy:
+            raise ValueError(
+                "load_format='dummy' does not make AWQ weights: quantize a model with "
+                "paged_backend.quantization.awq_quantize.quantize"
+            )
+        awq_device = torch.device("cpu") if keep_on_cpu else device
+        return load_awq_model(hf_config, model, dtype, awq_device, trust), device
+    if dummy:
+        return dummy_model(hf_config, dtype, device, config.model_config.seed, trust), device
+    return load_pretrained(config, model, dtype, device, keep_on_cpu), device
