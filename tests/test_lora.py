@@ -1,5 +1,5 @@
-"""Multi-LoRA: a batch mixing the base model and three PEFT adapters with two device slots gives, request by
-request, HF ``generate`` on that adapter's PEFT-merged model; adapters rotate through the slots, leave and come
+"""Multi-LoRA: a batch mixing the base model and three PEFT adapters with two device LoRA indices gives, request by
+request, HF ``generate`` on that adapter's PEFT-merged model; adapters rotate through the indices, leave and come
 back to the CPU cache; bad adapters fail their own request only."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def generate_mixed(llm: LLM, lora_setup, prompts: list[list[int]], max_tokens: i
     return by_name
 
 
-def test_mixed_batch_with_rotating_slots_equals_each_merged_model(lora_setup) -> None:
+def test_mixed_batch_with_rotating_lora_indices_equals_each_merged_model(lora_setup) -> None:
     llm = LLM(lora_setup[0], num_kv_blocks=64, **ENGINE)
     manager = llm.llm_engine.lora_manager
     distinct_per_step: list[int] = []
@@ -86,10 +86,10 @@ def test_mixed_batch_with_rotating_slots_equals_each_merged_model(lora_setup) ->
 
     manager.set_step = recording
     outputs_by_adapter = generate_mixed(llm, lora_setup, ragged_prompts(4)[:3], 12)
-    assert max(len(names) for names in distinct_per_step) == 2  # two slots, used together, never more
+    assert max(len(names) for names in distinct_per_step) == 2  # two LoRA indices, used together, never more
     first_both = next(i for i, names in enumerate(distinct_per_step) if names == {"attn", "mlp"})
     first_all = next(i for i, names in enumerate(distinct_per_step) if "all" in names)
-    assert first_all > first_both  # the third adapter waited for a slot, then took one of theirs
+    assert first_all > first_both  # the third adapter waited for a LoRA index, then took one of theirs
     assert len({tuple(v) for v in outputs_by_adapter.values()}) == 4  # each adapter changes the output
     assert_idle(llm)
 
@@ -97,12 +97,13 @@ def test_mixed_batch_with_rotating_slots_equals_each_merged_model(lora_setup) ->
 @tp2
 def test_tensor_parallel_adapters_are_cut_like_their_layers(lora_setup) -> None:
     """TP=2 (two processes, gloo): each rank holds its slice of every A or B, rowwise deltas are summed with the
-    layer's output, and the worker repeats rank 0's slot placements, as two slots rotate through three adapters."""
+    layer's output, and the worker places adapters exactly as rank 0 does, as two LoRA indices rotate through three
+    adapters."""
     llm = LLM(lora_setup[0], tensor_parallel_size=2, num_kv_blocks=64, **ENGINE)
     try:
         generate_mixed(llm, lora_setup, ragged_prompts(4)[:2], 10)
         manager = llm.llm_engine.lora_manager
-        assert manager.num_slot_loads >= 3  # the third adapter took a slot another had held
+        assert manager.num_activations >= 3  # the third adapter took an index another had held
         shard = manager.shards["model.layers.0.self_attn.o_proj"]
         assert shard.style == "rowwise" and manager.lora_a["model.layers.0.self_attn.o_proj"].shape[2] == shard.stop
         assert_idle(llm)
@@ -240,27 +241,28 @@ def test_server_serves_each_adapter_as_a_model(lora_setup) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_tokens", [7, 70])
 def test_triton_kernels_equal_their_twin(dtype: torch.dtype, num_tokens: int) -> None:
-    """Tiled shrink + expand against the grouped torch twin: tokens of three slots and of none. With 70 tokens (two
-    blocks of 64) each block lacks a slot the other uses, so the kernels' skipping of absent slots is exercised."""
+    """Tiled shrink + expand against the grouped torch twin: tokens of three LoRA indices and of none. With 70
+    tokens (two blocks of 64) each block lacks an index the other uses, so the kernels' skipping of absent indices
+    is exercised."""
     from paged_backend.kernels.lora import lora_delta_torch, lora_delta_triton
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else Triton's interpreter
     torch.manual_seed(0)
     x = torch.randn(num_tokens, 72, dtype=dtype, device=device)
-    a = torch.randn(3, 8, 72, dtype=dtype, device=device) * 0.1  # rank 8, zero-padded slots are fine too
+    a = torch.randn(3, 8, 72, dtype=dtype, device=device) * 0.1  # rank 8, zero-padded indices are fine too
     b = torch.randn(3, 80, 8, dtype=dtype, device=device) * 0.1
     pattern = [-1, 0, 1, 0, 2, -1, 1] if num_tokens == 7 else [-1, 0, 1, 0] * 16 + [2, -1, 2, 2, -1, 2]
-    slots = torch.tensor(pattern, device=device)
-    expected = lora_delta_torch(x.float(), a.float(), b.float(), slots)
-    got = lora_delta_triton(x, a, b, slots)
+    indices = torch.tensor(pattern, device=device)
+    expected = lora_delta_torch(x.float(), a.float(), b.float(), indices)
+    got = lora_delta_triton(x, a, b, indices)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
     assert torch.equal(got[0], torch.zeros_like(got[0]))  # no adapter: no delta
     from paged_backend.kernels.lora import lora_delta_op
 
-    torch.library.opcheck(lora_delta_op, (x, a, b, slots))  # the op compiled layers call: schema, fake, dispatch
-    with pytest.raises(ValueError, match=f"token_slots holds 6 slots for {num_tokens} tokens"):
-        lora_delta_op(x, a, b, slots[:6])
+    torch.library.opcheck(lora_delta_op, (x, a, b, indices))  # the op compiled layers call: schema, fake, dispatch
+    with pytest.raises(ValueError, match=f"token_lora_indices holds 6 entries for {num_tokens} tokens"):
+        lora_delta_op(x, a, b, indices[:6])
 
 
 def test_an_id_names_one_adapter_and_admitted_adapters_need_no_disk(lora_setup, tmp_path) -> None:
@@ -296,7 +298,7 @@ def test_shutdown_takes_the_hooks_off_the_users_model(tokenizer) -> None:
     buffers = {name for name, _ in model.named_buffers()}
     llm.llm_engine.shutdown()
     assert not model.model.layers[0].self_attn.q_proj._forward_hooks
-    assert {name for name, _ in model.named_buffers()} < buffers  # the slot buffers left with the hooks
+    assert {name for name, _ in model.named_buffers()} < buffers  # the LoRA buffers left with the hooks
     assert not any("lora" in name for name, _ in model.named_buffers())
     plain = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, block_size=4, max_model_len=64)
     prompt = ragged_prompts(4)[0]

@@ -59,7 +59,7 @@ class _Plan:
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_num_seqs = config.scheduler_config.max_num_seqs
-        # At most this many distinct adapters among running sequences, so any step's fit the device's LoRA slots.
+        # At most this many distinct adapters among running sequences, so any step's fit the device's LoRA indices.
         self.max_loras = config.lora_config.max_loras if config.lora_config.enable_lora else None
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -178,7 +178,7 @@ class Scheduler:
         bm = self.block_manager
         to_fork = sum(len(s.request.unforked) for s in self.running if s.request.unforked)
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            # FIFO, except that a request whose adapter has no slot left waits for one while later requests
+            # FIFO, except that a request whose adapter finds no LoRA index free waits for one while later requests
             # (base model, or adapters already running) go ahead.
             index = next((i for i, s in enumerate(self.waiting) if self._lora_fits(s)), None)
             if index is None:

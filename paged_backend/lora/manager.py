@@ -1,18 +1,19 @@
-"""Multi-LoRA: adapters loaded on first use into a CPU cache, and the ones a step needs placed in ``max_loras``
-device slots that every LoRA-able layer reads.
+"""Multi-LoRA: adapters loaded on first use into a CPU cache, and the ones a step needs copied to ``max_loras``
+device LoRA indices (vLLM's punica layout: each index holds one adapter's A and B) that every LoRA-able layer
+reads.
 
 Each LoRA-able base layer (``TARGET_MODULES``) keeps its own weights and gets a forward hook that adds, per token,
-the delta of that token's slot (``kernels/lora.py``); slot tensors are zero-padded to ``max_lora_rank``. Every
-tensor the hook reads stays in place (slots are filled by copying, each step's token slots are written into one
-buffer, -1 where no adapter applies), and the hook always runs: a compiled layer and a captured CUDA graph read
-whatever the current step put there. The
-scheduler never runs more distinct adapters in one step than there are slots, so placing a step's adapters only
-ever evicts slots it does not use (least recently used first).
+the delta of the adapter at that token's LoRA index (``kernels/lora.py``); each index's tensors are zero-padded to
+``max_lora_rank``. Every tensor the hook reads stays in place (indices are filled by copying, each step's token
+indices are written into one buffer, -1 where no adapter applies), and the hook always runs: a compiled layer and
+a captured CUDA graph read whatever the current step put there. The scheduler never runs more distinct adapters in
+one step than there are indices, so placing a step's adapters only ever evicts indices it does not use (least
+recently used first).
 
 Under tensor parallelism every rank has a manager for its shard: A and B are cut like the layer they modify (a
 colwise layer keeps B's rows of its outputs, a rowwise one A's columns of its inputs, whose partial deltas the
-layer's all-reduce then sums, so the hook runs before it). Every rank places the same adapters in the same slots:
-placement depends only on the sequence of steps and their adapters, which every rank receives.
+layer's all-reduce then sums, so the hook runs before it). Every rank places the same adapters at the same
+indices: placement depends only on the sequence of steps and their adapters, which every rank receives.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def _full_in_out(local: tuple[int, int], shard: TPShard | None) -> tuple[int, in
     return (local[0], shard.full_features) if shard.style == "colwise" else (shard.full_features, local[1])
 
 
-def lora_slot_tokens(config: EngineConfig) -> int:
-    """Token slots to hold: the most tokens one forward carries, plus a compiled step's padding."""
+def max_lora_tokens(config: EngineConfig) -> int:
+    """Token entries to hold: the most tokens one forward carries, plus a compiled step's padding."""
     return config.max_tokens_per_forward + 8
 
 
@@ -72,7 +73,7 @@ class LoRAManager:
         self.hooks: list[Any] = []  # removed by close(): the model may be the user's and outlive the engine
         self.lora_a: dict[str, torch.Tensor] = {}  # [S, R, in]
         self.lora_b: dict[str, torch.Tensor] = {}  # [S, out, R]
-        slots, rank = config.max_loras, config.max_lora_rank
+        indices, rank = config.max_loras, config.max_lora_rank
         for name, module in model.named_modules():
             shape = _in_out(module) if name.rpartition(".")[2] in TARGET_MODULES else None
             if shape is None:
@@ -81,8 +82,8 @@ class LoRAManager:
             if shard is not None:
                 self.shards[name] = shard
             self.shapes[name] = _full_in_out(shape, shard)
-            self.lora_a[name] = torch.zeros(slots, rank, shape[0], dtype=dtype, device=device)
-            self.lora_b[name] = torch.zeros(slots, shape[1], rank, dtype=dtype, device=device)
+            self.lora_a[name] = torch.zeros(indices, rank, shape[0], dtype=dtype, device=device)
+            self.lora_b[name] = torch.zeros(indices, shape[1], rank, dtype=dtype, device=device)
             # Buffers of the layer itself, read by one hook shared by all: a compiled decoder layer then takes them
             # as inputs, like its weights, and one graph serves every layer.
             module.register_buffer(_LORA_A, self.lora_a[name], persistent=False)
@@ -94,27 +95,27 @@ class LoRAManager:
             raise ValueError(f"enable_lora: {type(model).__name__} has no layer named one of {list(TARGET_MODULES)}")
         self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, LRU order
         self.known: dict[int, tuple[str, str]] = {}  # lora_int_id -> (name, path), for the engine's lifetime
-        self.slot_ids: list[int | None] = [None] * slots  # lora_int_id in each slot
-        self.slot_used: list[int] = [0] * slots  # last step that used each slot
-        # [max_num_tokens] this step's slot per token, -1 = base model (and every row past the step's tokens)
-        self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.long, device=device)
+        self.index_to_lora_id: list[int | None] = [None] * indices  # lora_int_id in each index
+        self.index_last_used: list[int] = [0] * indices  # last step that used each index
+        # [max_num_tokens] this step's index per token, -1 = base model (and every row past the step's tokens)
+        self.token_lora_indices = torch.full((max_num_tokens,), -1, dtype=torch.long, device=device)
         # Written on the host, copied without a sync: the previous copy has run by the time the engine (or, under
         # tensor parallelism, the previous step's all-reduces) read back the previous step.
         self._staging = torch.empty(max_num_tokens, dtype=torch.long, pin_memory=device.type == "cuda")
         self.num_loads = 0  # adapters read from disk
-        self.num_slot_loads = 0  # adapters copied into a device slot
+        self.num_activations = 0  # adapters copied into a device index
         self._steps = 0
 
     def _add_delta(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
         x = args[0].reshape(-1, args[0].shape[-1])  # [T, in]
-        slots = self.token_slots[: x.shape[0]]  # [T]
-        delta = lora_delta_op(x, getattr(module, _LORA_A), getattr(module, _LORA_B), slots)  # [T, out]
+        indices = self.token_lora_indices[: x.shape[0]]  # [T]
+        delta = lora_delta_op(x, getattr(module, _LORA_A), getattr(module, _LORA_B), indices)  # [T, out]
         return out + delta.view(out.shape)
 
     # ------------------------------------------------------------------ adapters
     def get(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter, from the CPU cache or read (and checked) from its folder; a bad adapter raises for this
-        request only. An id names one adapter (name and path) for the engine's lifetime: the slots and the prefix
+        request only. An id names one adapter (name and path) for the engine's lifetime: the indices and the prefix
         cache know adapters by id."""
         identity = (request.lora_name, request.lora_path)
         known = self.known.get(request.lora_int_id)
@@ -148,46 +149,46 @@ class LoRAManager:
         self.modules.clear()
 
     def set_step(self, adapters: Sequence[LoRAAdapter | None], num_tokens: Sequence[int]) -> None:
-        """Place this step's adapters in slots and set each token's slot (sequence i has ``num_tokens[i]``)."""
+        """Place this step's adapters in indices and set each token's index (sequence i has ``num_tokens[i]``)."""
         self._steps += 1
-        seq_slots = [-1 if a is None else self._slot_for(a) for a in adapters]
+        seq_indices = [-1 if a is None else self._index_for(a) for a in adapters]
         per_token = None
-        if any(s >= 0 for s in seq_slots):  # else a base-model step: every slot stays -1
-            per_token = np.repeat(np.asarray(seq_slots, dtype=np.int64), np.asarray(num_tokens, dtype=np.int64))
-        self._write_token_slots(per_token)
+        if any(s >= 0 for s in seq_indices):  # else a base-model step: every index stays -1
+            per_token = np.repeat(np.asarray(seq_indices, dtype=np.int64), np.asarray(num_tokens, dtype=np.int64))
+        self._write_token_lora_indices(per_token)
 
     def profile_step(self) -> None:
-        """Every token through slot 0 (zeros until filled): the memory profile's forward computes every delta."""
-        self.token_slots.fill_(0)
+        """Every token through index 0 (zeros until filled): the memory profile's forward computes every delta."""
+        self.token_lora_indices.fill_(0)
 
     def clear_step(self) -> None:
-        self.token_slots.fill_(-1)
+        self.token_lora_indices.fill_(-1)
 
-    def _write_token_slots(self, per_token: np.ndarray | None) -> None:
+    def _write_token_lora_indices(self, per_token: np.ndarray | None) -> None:
         full = self._staging.numpy()
         full.fill(-1)
         if per_token is not None:
             if per_token.shape[0] > full.shape[0]:
-                raise ValueError(f"{per_token.shape[0]} tokens in one step; LoRA slots hold {full.shape[0]}")
+                raise ValueError(f"{per_token.shape[0]} tokens in one step; LoRA indices hold {full.shape[0]}")
             full[: per_token.shape[0]] = per_token
-        self.token_slots.copy_(self._staging, non_blocking=True)
+        self.token_lora_indices.copy_(self._staging, non_blocking=True)
 
-    def _slot_for(self, adapter: LoRAAdapter) -> int:
-        if adapter.int_id in self.slot_ids:
-            slot = self.slot_ids.index(adapter.int_id)
+    def _index_for(self, adapter: LoRAAdapter) -> int:
+        if adapter.int_id in self.index_to_lora_id:
+            index = self.index_to_lora_id.index(adapter.int_id)
         else:
-            free = [i for i, used in enumerate(self.slot_used) if used < self._steps]  # not used by this step
+            free = [i for i, used in enumerate(self.index_last_used) if used < self._steps]  # not used by this step
             if not free:
                 raise RuntimeError(f"more than max_loras={self.config.max_loras} adapters in one step")
-            slot = min(free, key=lambda i: (self.slot_ids[i] is not None, self.slot_used[i]))
-            self._load_slot(slot, adapter)
-        self.slot_used[slot] = self._steps
-        return slot
+            index = min(free, key=lambda i: (self.index_to_lora_id[i] is not None, self.index_last_used[i]))
+            self._activate(index, adapter)
+        self.index_last_used[index] = self._steps
+        return index
 
     @torch.no_grad()
-    def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+    def _activate(self, index: int, adapter: LoRAAdapter) -> None:
         for name in self.shapes:
-            a, b = self.lora_a[name][slot], self.lora_b[name][slot]
+            a, b = self.lora_a[name][index], self.lora_b[name][index]
             a.zero_()
             b.zero_()
             if name in adapter.weights:
@@ -199,5 +200,5 @@ class LoRAManager:
                     wa = wa[:, shard.start : shard.stop]
                 a[: adapter.rank].copy_(wa)
                 b[:, : adapter.rank].copy_(wb)
-        self.slot_ids[slot] = adapter.int_id
-        self.num_slot_loads += 1
+        self.index_to_lora_id[index] = adapter.int_id
+        self.num_activations += 1

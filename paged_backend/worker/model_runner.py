@@ -171,7 +171,7 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _lora_step(self, batch: ScheduledBatch, tokens_per_seq: Sequence[int], seqs: list[Seq]) -> Iterator[None]:
-        """The step's adapters in the device's LoRA slots and each token's slot, for the forwards inside. Rank 0
+        """The step's adapters at the device's LoRA indices and each token's index, for the forwards inside. Rank 0
         has each request's adapter in hand; other ranks read theirs by request (cached after the first step) and
         place them alike: placement depends only on the order of steps and their adapters."""
         if self.lora_manager is None:

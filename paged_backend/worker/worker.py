@@ -1,4 +1,4 @@
-"""One device's share of the engine: the model, its LoRA slots, the KV cache and the model runner.
+"""One device's share of the engine: the model, its LoRA indices, the KV cache and the model runner.
 
 The engine reaches the device side only through ``Executor``: a single-device ``Worker`` is one, and so is the
 tensor-parallel ``TPExecutor`` (``distributed/tp_executor.py``), whose every rank holds a ``Worker``.
@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from paged_backend.config import EngineConfig
 from paged_backend.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from paged_backend.lora.manager import LoRAManager, lora_slot_tokens
+from paged_backend.lora.manager import LoRAManager, max_lora_tokens
 from paged_backend.model_loader.tp_plan import head_layout
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.model_runner import ModelRunner
@@ -22,7 +22,7 @@ from paged_backend.worker.profiler import gpu_blocks_that_fit
 
 
 class Executor(Protocol):
-    """What the engine asks of the device side: LoRA slots, the KV cache's size and allocation, steps, the end."""
+    """What the engine asks of the device side: LoRA indices, the KV cache's size and allocation, steps, the end."""
 
     model: PreTrainedModel  # rank 0's
     device: torch.device
@@ -56,9 +56,10 @@ class Worker:
         return self._model_runner
 
     def init_lora(self, config: EngineConfig) -> None:
-        """LoRA slots, made before the KV cache is sized so that their memory counts."""
+        """LoRA indices (device copies of up to max_loras adapters), made before the KV cache is sized so that their
+        memory counts."""
         if config.lora_config.enable_lora and self.lora_manager is None:
-            tokens = lora_slot_tokens(config)
+            tokens = max_lora_tokens(config)
             self.lora_manager = LoRAManager(self.model, config.lora_config, self.device, self.model.dtype, tokens)
 
     def kv_cache_spec(self) -> KVCacheSpec:
