@@ -312,34 +312,30 @@ class Scheduler:
         parent.request.unforked = []
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], in_round: bool) -> int:
-        """Append tokens in order until the sequence finishes; returns how many it took."""
-        taken = 0
-        for token in tokens:
-            if seq.status.finished:
-                break  # the rest of a round was computed for nothing
+        """Append tokens in order until the sequence finishes — on a stop token once it has ``min_tokens``
+        tokens, at ``max_tokens`` or at ``max_model_len`` — and return how many it took (the rest of a round was
+        computed for nothing). This runs for every sampled token: the checks are set up once a sequence."""
+        if seq.status.finished:
+            return 0
+        request, params = seq.request, seq.params
+        stop_ids, eos_ids = request.own_stop_token_ids, request.eos_token_ids
+        stops_from = seq.num_prompt_tokens + params.min_tokens  # the length from which a stop token stops
+        max_len = self.max_model_len
+        if params.max_tokens is not None:
+            max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
+        token_ids = seq.token_ids
+        for taken, token in enumerate(tokens, 1):
             if in_round:
                 seq.num_computed_tokens += 1  # the forward that sampled this token cached its input
-            seq.token_ids.append(token)
-            taken += 1
-            status = self._check_stop(seq, token)
-            if status is not None:
-                self.finish_seq(seq, status)
-        return taken
-
-    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        params = seq.params
-        num_output = seq.num_output_tokens
-        if num_output >= params.min_tokens:
-            if token in params.stop_token_id_list:
-                seq.stop_reason = token
-                return SequenceStatus.FINISHED_STOPPED
-            if token in seq.request.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED
-        if (params.max_tokens is not None and num_output >= params.max_tokens) or len(
-            seq.token_ids
-        ) >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
+            token_ids.append(token)
+            length = len(token_ids)
+            if length >= stops_from and (token in stop_ids or token in eos_ids):
+                self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, token if token in stop_ids else None)
+                return taken
+            if length >= max_len:
+                self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+                return taken
+        return len(tokens)
 
     def cache_full_blocks(self, seqs: list[Sequence]) -> None:
         """Offer the blocks that computed tokens have filled to the prefix cache. Most steps fill no block: the

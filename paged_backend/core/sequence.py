@@ -110,6 +110,10 @@ class Request:
     unforked: list[Sequence] = field(default_factory=list)  # samples waiting for the first one's prefill
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    own_stop_token_ids: frozenset[int] = field(init=False)  # the request's stop_token_ids, as a set
+
+    def __post_init__(self) -> None:
+        self.own_stop_token_ids = frozenset(self.params.stop_token_id_list)
 
     @property
     def finished(self) -> bool:
@@ -118,4 +122,4 @@ class Request:
     @property
     def stop_token_ids(self) -> frozenset[int]:
         """Tokens that end a sample once it has ``min_tokens`` tokens (and are barred until then)."""
-        return self.eos_token_ids | frozenset(self.params.stop_token_id_list)
+        return self.eos_token_ids | self.own_stop_token_ids

@@ -50,6 +50,11 @@ class OutputProcessor:
 
     def _process(self, update: SequenceUpdate) -> StopStringHit | None:
         seq, params = update.seq, update.seq.params
+        if self.tokenizer is None and seq.logprobs is None and seq.logits is None:  # nothing to show but tokens
+            for logprob in update.logprobs:
+                seq.cumulative_logprob += logprob
+            self.num_generated_tokens += len(update.logprobs)
+            return None
         first = len(seq.token_ids) - len(update.new_token_ids)  # index of the first new token
         last = len(update.new_token_ids) - 1
         for j, logprob in enumerate(update.logprobs):

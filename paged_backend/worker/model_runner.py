@@ -150,9 +150,10 @@ class ModelRunner:
                 if not seqs:
                     return ModelRunnerOutput()
                 token_rows, logprob_rows = to_host(tokens, logprobs)  # [K][B] each: one host read a round
-            return ModelRunnerOutput(
-                [[token_rows[k][i] for k in range(n)] for i, n in enumerate(batch.num_steps)],
-                [[logprob_rows[k][i] for k in range(n)] for i, n in enumerate(batch.num_steps)],
+            steps = batch.num_steps
+            return ModelRunnerOutput(  # row i's first num_steps[i] tokens
+                [list(row[:n]) for row, n in zip(zip(*token_rows), steps)],
+                [list(row[:n]) for row, n in zip(zip(*logprob_rows), steps)],
             )
         with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
             logits = self.run(inputs)
