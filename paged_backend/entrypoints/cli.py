@@ -1,6 +1,6 @@
 """``paged-backend`` command line: ``demo`` compares HF ``generate`` with the engine on one batch (an embedded
-model by default: no download, no GPU); ``serve MODEL``
-starts the OpenAI-compatible server with vLLM's flags."""
+model by default: no download, no GPU); ``serve MODEL`` (or ``serve --model MODEL``) starts the
+OpenAI-compatible server with vLLM's flags."""
 
 from __future__ import annotations
 
@@ -8,6 +8,30 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+
+# What the [server] extra installs (and what it pulls in that the server imports by name)
+SERVER_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client"})
+SERVE_PROG = "paged-backend serve"
+
+
+def serve(argv: list[str]) -> int:
+    """The flags first (so ``--help`` and a bad flag answer without the extra or a model), then the server's
+    imports: one missing is one line naming the extra to install, not an import traceback."""
+    from paged_backend.entrypoints.openai.cli_args import parse_args
+
+    args, engine_kwargs = parse_args(argv, prog=SERVE_PROG)
+    try:
+        import uvicorn  # noqa: F401 - the server imports it only after the model has loaded
+
+        from paged_backend.entrypoints.openai import api_server
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in SERVER_MODULES:
+            raise
+        raise SystemExit(
+            f"{SERVE_PROG}: {exc.name} is not installed; the server needs the [server] extra: "
+            "pip install 'paged-backend[server]'"
+        ) from None
+    return api_server.run(args, engine_kwargs, prog=SERVE_PROG)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,17 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--cache-dir", type=Path, default=None, help="where the demo checkpoint is built once")
     demo.add_argument("--num-kv-blocks", type=int, default=None, help="the engine's KV cache size in blocks")
     demo.add_argument("--block-size", type=int, default=16)
-    serve = sub.add_parser(
-        "serve", help="OpenAI-compatible server (vLLM's flags; needs the [server] extra)", add_help=False
-    )
-    serve.add_argument("model", help="model path or hub id")
-    serve.add_argument("flags", nargs=argparse.REMAINDER, help="vLLM's server flags; see serve MODEL --help")
+    # listed here for the top-level --help; its command line goes to serve() whole, before this parser
+    sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server: serve MODEL or serve --model MODEL, with vLLM's flags (see serve --help; "
+        "needs the [server] extra)",
+        add_help=False,
+    ).add_argument("flags", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        from paged_backend.entrypoints.openai.api_server import main as serve_main
-
-        serve_main(["--model", args.model, *args.flags], prog="paged-backend serve")
-        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if args.command == "demo":
         from paged_backend.entrypoints.demo import run_demo
