@@ -14,6 +14,16 @@ SERVER_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "pydantic", "prom
 SERVE_PROG = "paged-backend serve"
 
 
+def _at_least_one(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
 def serve(argv: list[str]) -> int:
     """The flags first (so ``--help`` and a bad flag answer without the extra or a model), then the server's
     imports: one missing is one line naming the extra to install, not an import traceback."""
@@ -39,9 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="one batch through HF generate and through the engine, side by side")
     demo.add_argument("--model", default=None, help="checkpoint path or hub id (default: the embedded demo Llama)")
-    demo.add_argument("--num-prompts", type=int, default=32)
-    demo.add_argument("--max-tokens", type=int, default=64, help="new tokens a prompt (greedy, EOS ignored)")
-    demo.add_argument("--batch-size", type=int, default=None, help="HF generate's batch (default: all prompts)")
+    demo.add_argument("--num-prompts", type=_at_least_one, default=32)
+    demo.add_argument("--max-tokens", type=_at_least_one, default=64, help="new tokens a prompt (greedy, EOS ignored)")
+    demo.add_argument(
+        "--batch-size", type=_at_least_one, default=None, help="HF generate's batch (default: all prompts)"
+    )
+    demo.add_argument(
+        "--repetitions",
+        type=_at_least_one,
+        default=3,
+        help="timed runs of each side after its warm-up; the table gives their median and spread (default 3)",
+    )
     demo.add_argument("--cache-dir", type=Path, default=None, help="where the demo checkpoint is built once")
     demo.add_argument("--num-kv-blocks", type=int, default=None, help="the engine's KV cache size in blocks")
     demo.add_argument("--block-size", type=int, default=16)
@@ -63,7 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         engine_args = {"block_size": args.block_size}
         if args.num_kv_blocks is not None:
             engine_args["num_kv_blocks"] = args.num_kv_blocks
-        run_demo(args.model, args.num_prompts, args.max_tokens, args.batch_size, args.cache_dir, **engine_args)
+        run_demo(
+            args.model,
+            args.num_prompts,
+            args.max_tokens,
+            args.batch_size,
+            args.cache_dir,
+            repetitions=args.repetitions,
+            **engine_args,
+        )
     return 0
 
 
