@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -75,21 +77,45 @@ def save_tiny_checkpoint(path) -> None:
 
 
 @contextlib.contextmanager
-def peak_in_flight(engine) -> Iterator[dict[str, int]]:
+def peak_in_flight(engine, hold_until: int | None = None, patience_s: float = 300.0) -> Iterator[dict[str, int]]:
     """Track the most requests queued or running at the start of any step (``["peak"]``): a batch whose inputs
-    all reached the engine before the first finished peaks at its size."""
+    all reached the engine before the first finished peaks at its size.
+
+    ``hold_until=n`` holds the engine's steps (a held step returns no outputs and runs nothing) until ``n``
+    requests have been added, so the peak does not depend on how soon the callers' threads or tasks get to run:
+    callers that send their requests together peak at ``n`` on any machine, however loaded, while callers that
+    each wait for the one before to finish never get past the first. ``patience_s`` only bounds that second
+    case (then the hold ends and the peak shows it); it is never what a passing run waits for."""
     peak = {"peak": 0}
-    step = engine.step
+    step, add_request = engine.step, engine.add_request
+    added = {"count": 0}
+    all_added = threading.Event()
+    held_since: list[float] = []
+
+    def counting_add_request(*args, **kwargs):
+        result = add_request(*args, **kwargs)
+        added["count"] += 1
+        if hold_until is not None and added["count"] >= hold_until:
+            all_added.set()
+        return result
 
     def counting_step(*args, **kwargs):
+        if hold_until is not None and not all_added.is_set():
+            if not held_since:
+                held_since.append(time.monotonic())
+            if time.monotonic() - held_since[0] < patience_s:
+                # Requests are added on this thread between steps: give the caller a moment, then let the loop
+                # run the adds queued meanwhile before it asks for the next step.
+                all_added.wait(0.01)
+                return []
         peak["peak"] = max(peak["peak"], len(engine.scheduler.running) + len(engine.scheduler.waiting))
         return step(*args, **kwargs)
 
-    engine.step = counting_step
+    engine.step, engine.add_request = counting_step, counting_add_request
     try:
         yield peak
     finally:
-        engine.step = step
+        engine.step, engine.add_request = step, add_request
 
 
 def capturing_backend(graphs: list):

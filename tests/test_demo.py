@@ -7,22 +7,53 @@ import pytest
 from transformers import AutoTokenizer
 
 from paged_backend.entrypoints.cli import main
-from paged_backend.entrypoints.demo import demo_prompts, run_demo
+from paged_backend.entrypoints.demo import WARMUP_TAG, SideResult, demo_prompts, repetition_tag, run_demo, verdict
 
 
 def test_demo_compares_hf_and_the_engine_on_one_batch(tmp_path) -> None:
-    result = run_demo(num_prompts=5, max_tokens=6, batch_size=2, cache_dir=tmp_path, block_size=4)
+    result = run_demo(num_prompts=5, max_tokens=6, batch_size=2, cache_dir=tmp_path, block_size=4, repetitions=2)
     hf, paged = result["hf"], result["paged"]
-    assert result["identical"] == 5 and hf.outputs == paged.outputs
+    assert result["identical"] == 10 and hf.outputs == paged.outputs  # 5 rows in each of 2 repetitions
     assert hf.output_tokens == paged.output_tokens == 30 and paged.preemptions == 0
+    assert len(hf.seconds) == len(paged.seconds) == 2 and hf.tokens_per_s_range[0] <= hf.tokens_per_s_range[1]
     # HF holds each batch of 2 at its longest prompt plus the new tokens (the last one is never cached)
-    lengths = [len(ids) for ids in AutoTokenizer.from_pretrained(result["model"])(demo_prompts(5))["input_ids"]]
-    batches = [lengths[i : i + 2] for i in range(0, 5, 2)]
-    peak = max(batches, key=lambda b: len(b) * (max(b) + 5))
+    tokenizer = AutoTokenizer.from_pretrained(result["model"])
+    peaks = []
+    for prompts in result["prompts"]:
+        lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
+        batches = [lengths[i : i + 2] for i in range(0, 5, 2)]
+        peaks.append(max(batches, key=lambda b: len(b) * (max(b) + 5)))
+    peak = max(peaks, key=lambda b: len(b) * (max(b) + 5))
     assert hf.kv_slots == len(peak) * (max(peak) + 5)
     assert hf.kv_waste == pytest.approx(1 - (sum(peak) + 5 * len(peak)) / hf.kv_slots)
-    # the engine's blocks hold at most all five sequences in whole blocks of 4
-    assert 0 < paged.kv_slots <= sum(-(-(n + 5) // 4) * 4 for n in lengths) and 0 <= paged.kv_waste < 1
+    # the engine's blocks hold at most all five sequences of one repetition in whole blocks of 4
+    most = max(sum(-(-(len(ids) + 5) // 4) * 4 for ids in tokenizer(p)["input_ids"]) for p in result["prompts"])
+    assert 0 < paged.kv_slots <= most and 0 <= paged.kv_waste < 1
+    assert result["verdict"].startswith("the engine is")
+
+
+def test_warm_up_and_repetitions_share_no_prefix_block(tokenizer) -> None:
+    """The engine's prefix cache must not serve a timed repetition from the warm-up or an earlier repetition:
+    each batch's prompts start with their own tag, so prompt i's first block differs from batch to batch."""
+    tags = [WARMUP_TAG] + [repetition_tag(r) for r in range(3)]
+    batches = [demo_prompts(8, tag) for tag in tags]
+    assert all(p == f"{tag} {q}" for tag, batch in zip(tags, batches) for p, q in zip(batch, demo_prompts(8)))
+    for i in range(8):
+        first_blocks = {tuple(tokenizer(batch[i]).input_ids[:4]) for batch in batches}  # the smallest block size
+        assert len(first_blocks) == len(batches)
+
+
+def test_the_verdict_says_plainly_when_the_engine_is_not_faster() -> None:
+    def side(*seconds: float) -> SideResult:
+        return SideResult(list(seconds), 100, 0, 0.0, None, [])
+
+    assert verdict(side(2.0, 2.1), side(1.0, 1.1), "cpu", True).startswith("the engine is faster: its slowest run")
+    mixed = verdict(side(1.0, 2.0, 3.0), side(0.5, 1.5, 4.0), "cpu", True)
+    assert mixed.startswith("the engine is not clearly faster here (ahead at the median, not in every run), because")
+    slower = verdict(side(1.0, 1.1), side(2.0, 2.1), "cpu", True)
+    assert slower.startswith("the engine is not faster here, because the model is tiny and runs on a CPU")
+    assert "the engine's gain shows on a GPU" in slower
+    assert "--model PATH" in verdict(side(1.0), side(2.0), "cuda", True)
 
 
 def test_demo_builds_its_checkpoint_once(tmp_path) -> None:
@@ -40,3 +71,11 @@ def test_demo_rejects_empty_runs(tmp_path) -> None:
         run_demo(num_prompts=0, cache_dir=tmp_path)
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         run_demo(batch_size=0, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="repetitions must be >= 1, got 0"):
+        run_demo(repetitions=0, cache_dir=tmp_path)
+
+
+def test_cli_rejects_a_repetition_count_below_one(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--repetitions", "0"])
+    assert exit_info.value.code == 2 and "--repetitions: must be >= 1, got 0" in capsys.readouterr().err

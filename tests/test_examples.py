@@ -41,8 +41,12 @@ def test_every_example_is_listed() -> None:
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
-def test_example_runs(script: Path, cache_dir: Path) -> None:
-    args = ["--port", str(free_port())] if script.stem == "openai_server" else []
+def test_example_runs(script: Path, cache_dir: Path, tmp_path: Path) -> None:
+    args: list[str] = []
+    if script.stem == "openai_server":
+        args = ["--port", str(free_port())]
+    elif script.stem == "awq_quantize":  # its default output, a folder it makes in /tmp, is left for the user
+        args = ["--output", str(tmp_path / "awq")]
     env = dict(os.environ, PAGED_BACKEND_CACHE=str(cache_dir), TOKENIZERS_PARALLELISM="false")
     run = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

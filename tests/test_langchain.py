@@ -140,14 +140,15 @@ def test_n_generations_and_one_engine_call_per_batch() -> None:
 
 def test_batch_inputs_are_in_flight_together() -> None:
     chat = ChatPagedBackend(backend=shared_llm(), temperature=0, max_tokens=20)
-    with peak_in_flight(shared_llm().llm_engine) as seen:
+    # steps wait for all ten requests: the peak cannot fall short because a thread started late
+    with peak_in_flight(shared_llm().llm_engine, hold_until=10) as seen:
         replies = chat.batch([f"question {i}" for i in range(10)])
     assert len(replies) == 10 and seen["peak"] == 10  # every input reached the engine before the first finished
 
     async def many() -> list:
         return await chat.abatch([f"question {i}" for i in range(10)])
 
-    with peak_in_flight(shared_llm().llm_engine) as seen:
+    with peak_in_flight(shared_llm().llm_engine, hold_until=10) as seen:
         assert [r.content for r in asyncio.run(many())] == [r.content for r in replies]
     assert seen["peak"] == 10
 

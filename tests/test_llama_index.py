@@ -124,7 +124,7 @@ def test_concurrent_async_calls_share_steps() -> None:
     async def many() -> list[str]:
         return [r.text for r in await asyncio.gather(*(llm.acomplete(f"question {i}") for i in range(6)))]
 
-    with peak_in_flight(shared_llm().llm_engine) as seen:
+    with peak_in_flight(shared_llm().llm_engine, hold_until=6) as seen:
         texts = asyncio.run(many())
     assert texts == [greedy(f"question {i}", 20) for i in range(6)]
     assert seen["peak"] == 6  # the six awaited calls ran together

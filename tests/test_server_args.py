@@ -80,3 +80,9 @@ def test_help_documents_vllm_flags() -> None:
         "--api-key --chat-template --seed --max-waiting-requests --worker-use-ray"
     ).split():
         assert flag in text, flag
+
+
+def test_model_as_positional_like_vllm_serve() -> None:
+    expected = parse_args(["--model", "M", "--block-size", "8"])
+    assert parse_args(["M", "--block-size", "8"]) == expected == parse_args(["--block-size", "8", "M"])
+    assert parse_args(["M", "--model", "M"])[0] == expected[0]  # the same model twice is no conflict

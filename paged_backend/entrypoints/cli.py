@@ -1,6 +1,6 @@
 """``paged-backend`` command line: ``demo`` compares HF ``generate`` with the engine on one batch (an embedded
-model by default: no download, no GPU); ``serve MODEL``
-starts the OpenAI-compatible server with vLLM's flags."""
+model by default: no download, no GPU); ``serve MODEL`` (or ``serve --model MODEL``) starts the
+OpenAI-compatible server with vLLM's flags."""
 
 from __future__ import annotations
 
@@ -9,29 +9,71 @@ import logging
 import sys
 from pathlib import Path
 
+# What the [server] extra installs (and what it pulls in that the server imports by name)
+SERVER_MODULES = frozenset({"fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client"})
+SERVE_PROG = "paged-backend serve"
+
+
+def _at_least_one(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def serve(argv: list[str]) -> int:
+    """The flags first (so ``--help`` and a bad flag answer without the extra or a model), then the server's
+    imports: one missing is one line naming the extra to install, not an import traceback."""
+    from paged_backend.entrypoints.openai.cli_args import parse_args
+
+    args, engine_kwargs = parse_args(argv, prog=SERVE_PROG)
+    try:
+        import uvicorn  # noqa: F401 - the server imports it only after the model has loaded
+
+        from paged_backend.entrypoints.openai import api_server
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in SERVER_MODULES:
+            raise
+        raise SystemExit(
+            f"{SERVE_PROG}: {exc.name} is not installed; the server needs the [server] extra: "
+            "pip install 'paged-backend[server]'"
+        ) from None
+    return api_server.run(args, engine_kwargs, prog=SERVE_PROG)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paged-backend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="one batch through HF generate and through the engine, side by side")
     demo.add_argument("--model", default=None, help="checkpoint path or hub id (default: the embedded demo Llama)")
-    demo.add_argument("--num-prompts", type=int, default=32)
-    demo.add_argument("--max-tokens", type=int, default=64, help="new tokens a prompt (greedy, EOS ignored)")
-    demo.add_argument("--batch-size", type=int, default=None, help="HF generate's batch (default: all prompts)")
+    demo.add_argument("--num-prompts", type=_at_least_one, default=32)
+    demo.add_argument("--max-tokens", type=_at_least_one, default=64, help="new tokens a prompt (greedy, EOS ignored)")
+    demo.add_argument(
+        "--batch-size", type=_at_least_one, default=None, help="HF generate's batch (default: all prompts)"
+    )
+    demo.add_argument(
+        "--repetitions",
+        type=_at_least_one,
+        default=3,
+        help="timed runs of each side after its warm-up; the table gives their median and spread (default 3)",
+    )
     demo.add_argument("--cache-dir", type=Path, default=None, help="where the demo checkpoint is built once")
     demo.add_argument("--num-kv-blocks", type=int, default=None, help="the engine's KV cache size in blocks")
     demo.add_argument("--block-size", type=int, default=16)
-    serve = sub.add_parser(
-        "serve", help="OpenAI-compatible server (vLLM's flags; needs the [server] extra)", add_help=False
-    )
-    serve.add_argument("model", help="model path or hub id")
-    serve.add_argument("flags", nargs=argparse.REMAINDER, help="vLLM's server flags; see serve MODEL --help")
+    # listed here for the top-level --help; its command line goes to serve() whole, before this parser
+    sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server: serve MODEL or serve --model MODEL, with vLLM's flags (see serve --help; "
+        "needs the [server] extra)",
+        add_help=False,
+    ).add_argument("flags", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        from paged_backend.entrypoints.openai.api_server import main as serve_main
-
-        serve_main(["--model", args.model, *args.flags], prog="paged-backend serve")
-        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if args.command == "demo":
         from paged_backend.entrypoints.demo import run_demo
@@ -39,7 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         engine_args = {"block_size": args.block_size}
         if args.num_kv_blocks is not None:
             engine_args["num_kv_blocks"] = args.num_kv_blocks
-        run_demo(args.model, args.num_prompts, args.max_tokens, args.batch_size, args.cache_dir, **engine_args)
+        run_demo(
+            args.model,
+            args.num_prompts,
+            args.max_tokens,
+            args.batch_size,
+            args.cache_dir,
+            repetitions=args.repetitions,
+            **engine_args,
+        )
     return 0
 
 

@@ -410,16 +410,37 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
     return app
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m paged_backend.entrypoints.openai.api_server") -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m paged_backend.entrypoints.openai.api_server") -> int:
+    """Parse vLLM's serving flags, then ``run``."""
+    args, engine_kwargs = parse_args(argv, prog)
+    return run(args, engine_kwargs, prog)
+
+
+def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-backend serve") -> int:
+    """Load the model and serve until interrupted. A model that cannot be loaded (a mistyped path, a folder
+    without a checkpoint, a bad engine argument) ends the process with one line naming it and the reason, exit
+    status 1: its traceback says nothing more to someone typing a command (it is logged at DEBUG)."""
     import uvicorn
 
     from paged_backend.entrypoints.llm import LLM
 
-    args, engine_kwargs = parse_args(argv, prog)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    llm = LLM(args.model, **engine_kwargs)
+    try:
+        llm = LLM(args.model, **engine_kwargs)
+    except (OSError, ValueError) as exc:
+        logger.debug("loading %s failed", args.model, exc_info=True)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if _looks_local(args.model) and not os.path.exists(os.path.expanduser(args.model)):
+            reason = "no such file or folder"  # transformers would call it a malformed Hub id
+        raise SystemExit(f"{prog}: cannot load the model {args.model!r}: {reason}") from None
     uvicorn.run(build_app(llm, args), host=args.host, port=args.port)
+    return 0
+
+
+def _looks_local(model: str) -> bool:
+    """A path no Hub id can be (``/x``, ``./x``, ``../x``, ``~/x``)."""
+    return os.path.isabs(model) or model.startswith(("./", "../", "~"))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,5 +1,6 @@
 """The OpenAI server's command line, with vLLM's flag names, so that a vLLM serving command's flags
-(``--model M --block-size 16 --swap-space 4 --max-num-seqs 256``) carry over unchanged.
+(``M --block-size 16 --swap-space 4 --max-num-seqs 256``, the model as ``M`` or ``--model M``) carry over
+unchanged.
 
 Engine flags map one to one onto ``LLM(...)`` keyword arguments (and are validated there); the rest configure
 the server itself (``ServerArgs``).
@@ -64,11 +65,15 @@ def _lora_module(value: str) -> tuple[str, str]:
 def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
+        usage="%(prog)s [MODEL | --model MODEL] [flags]",
         description="OpenAI-compatible server over the paged engine (vLLM's flag names).",
         epilog=f"The API key may also come from the {API_KEY_ENV} environment variable. "
         "Use --host 0.0.0.0 to accept connections from other machines.",
     )
-    parser.add_argument("--model", required=True, help="model path or hub id")
+    # vLLM's two spellings: ``vllm serve MODEL`` and ``--model MODEL``; neither is argparse-required, so that
+    # ``--help`` works without a model (parse_args checks that exactly one model was given).
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="model path or hub id")
+    parser.add_argument("--model", default=None, help="model path or hub id (the same as MODEL)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path or hub id (default: the model's)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -108,7 +113,13 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve") -> tuple[ServerArgs, dict[str, Any]]:
     """(server arguments, ``LLM`` keyword arguments) from a command line; exits with a message on bad flags."""
     parser = make_parser(prog)
-    args = parser.parse_args(argv)
+    # intermixed: the optional MODEL may come after flags on every Python the package supports
+    args = parser.parse_intermixed_args(argv)
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        parser.error(f"the model is given twice, as MODEL {args.model_tag!r} and as --model {args.model!r}: give one")
+    model = args.model or args.model_tag
+    if not model:
+        parser.error("a model is required: MODEL or --model MODEL (a path or hub id)")
     names = [flag[2:].replace("-", "_") for flag, *_ in _ENGINE_FLAGS]
     names += ["enable_prefix_caching", "enforce_eager", "enable_lora", "disable_custom_all_reduce"]
     engine: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
@@ -121,7 +132,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         parser.error(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     server = ServerArgs(
-        model=args.model,
+        model=model,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
