@@ -12,9 +12,7 @@ died. A client that disconnects mid-stream aborts its request, which frees its b
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -31,67 +29,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
 from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
+from paged_backend.entrypoints.openai.errors import APIError, error_body
 from paged_backend.entrypoints.openai.metrics import ServerMetrics
 from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from paged_backend.entrypoints.openai.streams import guarded, merge, sse
 from paged_backend.lora.request import LoRARequest
 from paged_backend.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-
-
-def error_body(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}}, status)
-
-
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
-async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A stream whose engine stops midway ends with an OpenAI error event: its status line has already gone."""
-    try:
-        async for event in events:
-            yield event
-    except EngineDeadError as exc:
-        yield sse({"error": {"message": str(exc), "type": "service_unavailable", "param": None, "code": 503}})
-        yield "data: [DONE]\n\n"
-
-
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several requests' outputs as they come; closing this closes (and so aborts) them all."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in stream:
-                await queue.put((i, out))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((i, exc))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class OpenAIServer:
