@@ -1,6 +1,7 @@
 """Two trees of the library side by side in one run: the same ``benchmarks/throughput.py`` workloads, once per tree
-(each in its own process, since both are the package ``paged_backend``), alternating baseline and current
-``--rounds`` times, into one JSON with every repetition and each side's median, and a plot.
+(each in its own process, since both are the package ``paged_backend``) in each of ``--rounds`` rounds, which take
+the two in turn (baseline first, then current first, ...) so neither always runs on a warmer card; into one JSON
+with every repetition and each side's median, and a plot.
 
     git archive <base commit> paged_backend | tar -x -C .baseline      # the baseline tree, beside this one
     python benchmarks/ab.py --baseline .baseline --baseline-commit <sha> --commit <sha> \\
@@ -78,17 +79,21 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, required=True, help="a tree holding the baseline paged_backend/")
     parser.add_argument("--baseline-commit", default="unknown", help="the commit the baseline tree came from")
     parser.add_argument("--commit", default="unknown", help="the commit of this tree")
-    parser.add_argument("--rounds", type=int, default=1, help="baseline then current, this many times")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of one run per tree, the order alternating")
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(own)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if not (args.baseline / "paged_backend").is_dir():
         parser.error(f"--baseline must hold a paged_backend/ folder, got {args.baseline}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
-    for _ in range(args.rounds):
-        runs["baseline"].append(run_tree(args.baseline.resolve(), passthrough))
-        runs["current"].append(run_tree(HERE.parent, passthrough))
+    trees = {"baseline": args.baseline.resolve(), "current": HERE.parent}
+    for round_index in range(args.rounds):
+        order = ("baseline", "current") if round_index % 2 == 0 else ("current", "baseline")
+        for side in order:
+            runs[side].append(run_tree(trees[side], passthrough))
     merged = merge(runs)
     result = {
         "command": "python " + " ".join(["benchmarks/ab.py", *argv]),
