@@ -31,13 +31,14 @@ from paged_backend.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Settle = Callable[[Any, BaseException | None], None]  # called on the loop thread with (result, error)
+Delivery = RequestOutput | BaseException  # what a request's queue receives: an output, or why the loop stopped
 
 
 @dataclass(frozen=True)
 class Sink:
     """Where a request's outputs go: ``put`` hands one over (raises RuntimeError once an event loop closed)."""
 
-    put: Callable[[Any], None]
+    put: Callable[[Delivery], None]
     every_step: bool  # False: the final output only
 
 
@@ -95,7 +96,7 @@ class EngineLoop:
         """``call`` for a plain thread: blocks this thread (never the loop thread) until ``fn`` has run."""
         if threading.current_thread() is self.thread:
             return fn(self.engine)
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._submit(fn, lambda result, error: _settle(future, result, error))
         return future.result()
 
@@ -135,12 +136,12 @@ class EngineLoop:
         params: SamplingParams | list[SamplingParams],
         stream: bool = True,
         **add_kwargs: Any,
-    ) -> list[asyncio.Queue]:
+    ) -> list[asyncio.Queue[Delivery]]:
         """Queue requests in one go, all or none: raises the engine's ValueError for a bad one, QueueFullError,
         EngineDeadError. A caller cancelled meanwhile (its client left) leaves nothing behind."""
         self._check_room(self.num_waiting, len(requests))  # answers at once, even while a long step runs
         loop = asyncio.get_running_loop()
-        queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
+        queues: list[asyncio.Queue[Delivery]] = [asyncio.Queue() for _ in requests]
         sinks = [Sink(functools.partial(_post, loop, q.put_nowait), stream) for q in queues]
         try:
             await self.call(self._adder(requests, params, sinks, add_kwargs))
@@ -156,11 +157,11 @@ class EngineLoop:
         params: SamplingParams | list[SamplingParams],
         stream: bool = True,
         **add_kwargs: Any,
-    ) -> list[queue.SimpleQueue]:
+    ) -> list[queue.SimpleQueue[Delivery]]:
         """``add`` for a plain thread; the outputs arrive in thread-safe queues. Interrupted while it waits (a
         Ctrl-C), it leaves nothing behind. ``add_kwargs`` go to the engine's ``add_request`` (``keep_logits``)."""
         self._check_room(self.num_waiting, len(requests))
-        queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in requests]
+        queues: list[queue.SimpleQueue[Delivery]] = [queue.SimpleQueue() for _ in requests]
         try:
             self.call_sync(self._adder(requests, params, [Sink(q.put, stream) for q in queues], add_kwargs))
         except Exception:
@@ -172,7 +173,7 @@ class EngineLoop:
         return queues
 
     async def stream(
-        self, request_id: str, outputs: asyncio.Queue, deadline: float | None = None
+        self, request_id: str, outputs: asyncio.Queue[Delivery], deadline: float | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield an added request's cumulative outputs as the engine produces them; leaving early aborts it.
         Past ``deadline`` (a ``time.monotonic()`` value) it aborts the request and raises TimeoutError."""
@@ -194,7 +195,7 @@ class EngineLoop:
                 self.abort(request_id)
 
     def stream_sync(
-        self, request_id: str, outputs: queue.SimpleQueue, deadline: float | None = None
+        self, request_id: str, outputs: queue.SimpleQueue[Delivery], deadline: float | None = None
     ) -> Iterator[RequestOutput]:
         """``stream`` for a plain thread."""
         finished = False
@@ -318,13 +319,15 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
     loop.call_soon_threadsafe(fn, *args)
 
 
-def _checked(item: Any) -> RequestOutput:
+def _checked(item: Delivery) -> RequestOutput:
     if isinstance(item, BaseException):
         raise EngineDeadError(f"the engine stopped: {item!r}") from item
     return item
 
 
-def _settle(future: asyncio.Future | concurrent.futures.Future, result: Any, error: BaseException | None) -> None:
+def _settle(
+    future: asyncio.Future[Any] | concurrent.futures.Future[Any], result: Any, error: BaseException | None
+) -> None:
     if future.cancelled():
         return
     if error is not None:
