@@ -130,12 +130,11 @@ def adopt_model(
             f"load_format={config.model_config.load_format!r} needs model as a path or hub id, not a loaded model"
         )
     device = device or resolve_device(config, model)
-    dtype = None if config.model_config.dtype == "auto" else _DTYPES[config.model_config.dtype]
-    if dtype is not None and model.dtype != dtype:
+    if config.model_config.dtype != "auto" and model.dtype != _DTYPES[config.model_config.dtype]:
         logger.info("converting the model from %s to %s in place", model.dtype, config.model_config.dtype)
-        model.to(dtype)  # type: ignore[arg-type]  # transformers' to() is a functools.wraps: self unbound
+        model.to(_DTYPES[config.model_config.dtype])  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     if next(model.parameters()).device != device:
-        model.to(device)  # type: ignore[arg-type]  # transformers' to() is a functools.wraps: self unbound
+        model.to(device)  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     return model.eval(), device
 
 
@@ -148,7 +147,7 @@ def load_pretrained(
         AutoModelForCausalLM, name, dtype=dtype, trust_remote_code=config.model_config.trust_remote_code
     )
     if not keep_on_cpu:
-        loaded.to(device)  # type: ignore[arg-type]  # transformers' to() is a functools.wraps: self unbound
+        loaded.to(device)  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     return loaded.eval()
 
 

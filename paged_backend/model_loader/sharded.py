@@ -56,7 +56,7 @@ def load_shard(
             logger.info("%s: checkpoint names differ from the model's; every rank reads it whole", name)
         model, _ = load_model(config, name, device, keep_on_cpu=True)
         shard_model(model, rank, world_size, all_reduce)
-        return model.to(device)  # type: ignore[arg-type]  # transformers' to() is a functools.wraps: self unbound
+        return model.to(device)  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     layout = head_layout(hf_config.get_text_config(), world_size)
     plan = tp_plan(model)
 
