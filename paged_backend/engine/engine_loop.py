@@ -23,10 +23,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_backend.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class QueueFullError(RuntimeError):
 class EngineLoop:
     def __init__(
         self,
-        engine: Any,
+        engine: LLMEngine,
         max_waiting_requests: int | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
         on_abort: Callable[[str], None] | None = None,
@@ -63,7 +66,7 @@ class EngineLoop:
         self.on_abort = on_abort
         self.max_waiting_requests = max_waiting_requests
         self.num_waiting = 0  # the scheduler's queue length after the last step or call, for a check without it
-        self.calls: queue.SimpleQueue[tuple[Callable[[Any], Any], Settle | None]] = queue.SimpleQueue()
+        self.calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Settle | None]] = queue.SimpleQueue()
         self.submit_lock = threading.Lock()  # a call is queued before the loop closes, or refused
         self.closed = False
         self.wake = threading.Event()
@@ -78,21 +81,21 @@ class EngineLoop:
         return self.error is None and not self.closed and self.thread.is_alive()
 
     # ------------------------------------------------------------------ calls
-    def _submit(self, fn: Callable[[Any], Any], settle: Settle | None) -> None:
+    def _submit(self, fn: Callable[[LLMEngine], Any], settle: Settle | None) -> None:
         with self.submit_lock:
             if self.closed or self.error is not None:
                 raise EngineDeadError(f"the engine stopped: {self.error!r}")
             self.calls.put((fn, settle))
         self.wake.set()
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``fn(engine)`` on the loop thread between two steps; its result or exception comes back here."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._submit(fn, lambda result, error: _post(loop, _settle, future, result, error))
         return await future
 
-    def call_sync(self, fn: Callable[[Any], Any]) -> Any:
+    def call_sync(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``call`` for a plain thread: blocks this thread (never the loop thread) until ``fn`` has run."""
         if threading.current_thread() is self.thread:
             return fn(self.engine)
@@ -107,7 +110,7 @@ class EngineLoop:
         params: SamplingParams | list[SamplingParams],
         sinks: list[Sink],
         add_kwargs: dict[str, Any],
-    ) -> Callable[[Any], None]:
+    ) -> Callable[[LLMEngine], None]:
         per_request = params if isinstance(params, list) else [params] * len(requests)
         # A keyword whose value is a list gives one value per request (``lora_request``); others apply to all.
         kwargs = [
@@ -115,7 +118,7 @@ class EngineLoop:
             for i in range(len(requests))
         ]
 
-        def add_all(engine: Any) -> None:
+        def add_all(engine: LLMEngine) -> None:
             self._check_room(len(engine.scheduler.waiting), len(requests))
             added: list[str] = []
             try:
