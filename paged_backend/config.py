@@ -54,7 +54,7 @@ def check_bool(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
-def check_choice(name: str, value: Any, choices: tuple) -> None:
+def check_choice(name: str, value: Any, choices: tuple[object, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 

@@ -31,7 +31,7 @@ CORPUS = [
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 # A Llama large enough that the batch's work, not Python, sets the pace; still seconds on a laptop.
-DEMO_CONFIG: dict[str, object] = dict(
+DEMO_CONFIG: dict[str, int] = dict(
     hidden_size=256,
     intermediate_size=768,
     num_hidden_layers=4,

@@ -4,10 +4,15 @@ Both the regional compiler (``worker/compile.py``) and the AWQ quantizer (``quan
 the decoder layers, and architectures name their layer list differently (``model.layers``, ``transformer.h``,
 ``gpt_neox.layers``, ...). A leaf module, importing only torch, so that neither of them imports the other's
 package for it.
+
+Also typed access to what the loader, the quantizer and LoRA read off and record on a module: torch types every
+attribute read of an ``nn.Module`` as ``Tensor | Module`` and every write as taking one, though a module stores any
+object as a plain attribute.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -28,3 +33,17 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList | None:
         ):
             best = module
     return best
+
+
+def module_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """``module.<name>``, a parameter or buffer, as the tensor it is; anything else there is a TypeError."""
+    value = getattr(module, name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.{name} is a {type(value).__name__}, not a tensor")
+    return value
+
+
+def set_module_attribute(module: nn.Module, name: str, value: object) -> None:
+    """Record a plain attribute (a count, a slice, a config) on ``module``, through ``nn.Module.__setattr__`` as an
+    assignment would: its stub takes only tensors and modules, its body any object."""
+    setattr(module, name, value)

@@ -60,7 +60,10 @@ class TPAllReduce:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            group_name = dist.group.WORLD.group_name
+            world = dist.group.WORLD
+            if world is None:
+                raise RuntimeError("no default process group")
+            group_name = world.group_name
             buffer = symm_mem.empty(max_numel, dtype=dtype, device=device)
             self.handle = symm_mem.rendezvous(buffer, group_name)
             probe = torch.randn(min(4096, max_numel), dtype=dtype, device=device)

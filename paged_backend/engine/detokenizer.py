@@ -9,15 +9,21 @@ taken back when a stop string is cut.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 from paged_backend.core.sequence import Sequence
 
 
 class Tokenizer(Protocol):
-    """What detokenizing needs of a Hugging Face tokenizer."""
+    """What detokenizing needs of a Hugging Face tokenizer: ``decode``, which transformers types for a batch of
+    sequences too (a list of strings)."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
+def decode_text(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    """The text of one sequence of ids (``skip_special_tokens`` defaults as in transformers)."""
+    return cast(str, tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))  # one sequence: one str
 
 
 # Decode this many earlier tokens with each new one: enough context for spaces and multi-token characters.
@@ -35,8 +41,8 @@ def detokenize_incrementally(tokenizer: Tokenizer, seq: Sequence, num_tokens: in
     (A round's tokens are appended together and decoded one by one.)"""
     skip = seq.params.skip_special_tokens
     ids = seq.token_ids
-    prefix_text = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-    new_text = tokenizer.decode(ids[seq.prefix_offset : num_tokens], skip_special_tokens=skip)
+    prefix_text = decode_text(tokenizer, ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
+    new_text = decode_text(tokenizer, ids[seq.prefix_offset : num_tokens], skip_special_tokens=skip)
     if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
         return ""  # nothing new yet, or an incomplete UTF-8 character: wait for the next token
     seq.prefix_offset = seq.read_offset

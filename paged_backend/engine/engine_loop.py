@@ -23,21 +23,25 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from paged_backend.engine.llm_engine import LLMEngine
+
 logger = logging.getLogger(__name__)
 
 Settle = Callable[[Any, BaseException | None], None]  # called on the loop thread with (result, error)
+Delivery = RequestOutput | BaseException  # what a request's queue receives: an output, or why the loop stopped
 
 
 @dataclass(frozen=True)
 class Sink:
     """Where a request's outputs go: ``put`` hands one over (raises RuntimeError once an event loop closed)."""
 
-    put: Callable[[Any], None]
+    put: Callable[[Delivery], None]
     every_step: bool  # False: the final output only
 
 
@@ -52,7 +56,7 @@ class QueueFullError(RuntimeError):
 class EngineLoop:
     def __init__(
         self,
-        engine: Any,
+        engine: LLMEngine,
         max_waiting_requests: int | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
         on_abort: Callable[[str], None] | None = None,
@@ -62,7 +66,7 @@ class EngineLoop:
         self.on_abort = on_abort
         self.max_waiting_requests = max_waiting_requests
         self.num_waiting = 0  # the scheduler's queue length after the last step or call, for a check without it
-        self.calls: queue.SimpleQueue[tuple[Callable[[Any], Any], Settle | None]] = queue.SimpleQueue()
+        self.calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Settle | None]] = queue.SimpleQueue()
         self.submit_lock = threading.Lock()  # a call is queued before the loop closes, or refused
         self.closed = False
         self.wake = threading.Event()
@@ -77,25 +81,25 @@ class EngineLoop:
         return self.error is None and not self.closed and self.thread.is_alive()
 
     # ------------------------------------------------------------------ calls
-    def _submit(self, fn: Callable[[Any], Any], settle: Settle | None) -> None:
+    def _submit(self, fn: Callable[[LLMEngine], Any], settle: Settle | None) -> None:
         with self.submit_lock:
             if self.closed or self.error is not None:
                 raise EngineDeadError(f"the engine stopped: {self.error!r}")
             self.calls.put((fn, settle))
         self.wake.set()
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``fn(engine)`` on the loop thread between two steps; its result or exception comes back here."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._submit(fn, lambda result, error: _post(loop, _settle, future, result, error))
         return await future
 
-    def call_sync(self, fn: Callable[[Any], Any]) -> Any:
+    def call_sync(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``call`` for a plain thread: blocks this thread (never the loop thread) until ``fn`` has run."""
         if threading.current_thread() is self.thread:
             return fn(self.engine)
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._submit(fn, lambda result, error: _settle(future, result, error))
         return future.result()
 
@@ -106,7 +110,7 @@ class EngineLoop:
         params: SamplingParams | list[SamplingParams],
         sinks: list[Sink],
         add_kwargs: dict[str, Any],
-    ) -> Callable[[Any], None]:
+    ) -> Callable[[LLMEngine], None]:
         per_request = params if isinstance(params, list) else [params] * len(requests)
         # A keyword whose value is a list gives one value per request (``lora_request``); others apply to all.
         kwargs = [
@@ -114,7 +118,7 @@ class EngineLoop:
             for i in range(len(requests))
         ]
 
-        def add_all(engine: Any) -> None:
+        def add_all(engine: LLMEngine) -> None:
             self._check_room(len(engine.scheduler.waiting), len(requests))
             added: list[str] = []
             try:
@@ -135,12 +139,12 @@ class EngineLoop:
         params: SamplingParams | list[SamplingParams],
         stream: bool = True,
         **add_kwargs: Any,
-    ) -> list[asyncio.Queue]:
+    ) -> list[asyncio.Queue[Delivery]]:
         """Queue requests in one go, all or none: raises the engine's ValueError for a bad one, QueueFullError,
         EngineDeadError. A caller cancelled meanwhile (its client left) leaves nothing behind."""
         self._check_room(self.num_waiting, len(requests))  # answers at once, even while a long step runs
         loop = asyncio.get_running_loop()
-        queues: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
+        queues: list[asyncio.Queue[Delivery]] = [asyncio.Queue() for _ in requests]
         sinks = [Sink(functools.partial(_post, loop, q.put_nowait), stream) for q in queues]
         try:
             await self.call(self._adder(requests, params, sinks, add_kwargs))
@@ -156,11 +160,11 @@ class EngineLoop:
         params: SamplingParams | list[SamplingParams],
         stream: bool = True,
         **add_kwargs: Any,
-    ) -> list[queue.SimpleQueue]:
+    ) -> list[queue.SimpleQueue[Delivery]]:
         """``add`` for a plain thread; the outputs arrive in thread-safe queues. Interrupted while it waits (a
         Ctrl-C), it leaves nothing behind. ``add_kwargs`` go to the engine's ``add_request`` (``keep_logits``)."""
         self._check_room(self.num_waiting, len(requests))
-        queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in requests]
+        queues: list[queue.SimpleQueue[Delivery]] = [queue.SimpleQueue() for _ in requests]
         try:
             self.call_sync(self._adder(requests, params, [Sink(q.put, stream) for q in queues], add_kwargs))
         except Exception:
@@ -172,7 +176,7 @@ class EngineLoop:
         return queues
 
     async def stream(
-        self, request_id: str, outputs: asyncio.Queue, deadline: float | None = None
+        self, request_id: str, outputs: asyncio.Queue[Delivery], deadline: float | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield an added request's cumulative outputs as the engine produces them; leaving early aborts it.
         Past ``deadline`` (a ``time.monotonic()`` value) it aborts the request and raises TimeoutError."""
@@ -194,7 +198,7 @@ class EngineLoop:
                 self.abort(request_id)
 
     def stream_sync(
-        self, request_id: str, outputs: queue.SimpleQueue, deadline: float | None = None
+        self, request_id: str, outputs: queue.SimpleQueue[Delivery], deadline: float | None = None
     ) -> Iterator[RequestOutput]:
         """``stream`` for a plain thread."""
         finished = False
@@ -318,13 +322,15 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
     loop.call_soon_threadsafe(fn, *args)
 
 
-def _checked(item: Any) -> RequestOutput:
+def _checked(item: Delivery) -> RequestOutput:
     if isinstance(item, BaseException):
         raise EngineDeadError(f"the engine stopped: {item!r}") from item
     return item
 
 
-def _settle(future: asyncio.Future | concurrent.futures.Future, result: Any, error: BaseException | None) -> None:
+def _settle(
+    future: asyncio.Future[Any] | concurrent.futures.Future[Any], result: Any, error: BaseException | None
+) -> None:
     if future.cancelled():
         return
     if error is not None:

@@ -49,6 +49,7 @@ class InputProcessor:
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A prompt is a string or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``."""
+        text: object = prompt
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -60,14 +61,14 @@ class InputProcessor:
                 return text if isinstance(text, str) else None, list(ids)
             if "prompt" not in prompt:
                 raise ValueError("a prompt dict must have a 'prompt' or a 'prompt_token_ids' key")
-            prompt = prompt["prompt"]  # type: ignore[assignment]
-        if not isinstance(prompt, str):
+            text = prompt["prompt"]
+        if not isinstance(text, str):
             raise ValueError(
-                f"prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}"
+                f"prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {type(text).__name__}"
             )
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer: pass tokenizer=... or use prompt_token_ids")
-        return prompt, list(self.tokenizer(prompt)["input_ids"])
+        return text, list(self.tokenizer(text)["input_ids"])
 
     def process(
         self,

@@ -13,6 +13,7 @@ from paged_backend.core.scheduler_output import SequenceUpdate
 from paged_backend.core.sequence import Request, Sequence, SequenceStatus
 from paged_backend.engine.detokenizer import (
     Tokenizer,
+    decode_text,
     detokenize_incrementally,
     find_stop_string,
     init_offsets,
@@ -82,7 +83,7 @@ class OutputProcessor:
         return None
 
     def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        return None if self.tokenizer is None else decode_text(self.tokenizer, [token_id])
 
     def make_outputs(self, updates: list[SequenceUpdate], finished_only: bool) -> list[RequestOutput]:
         """Cumulative outputs of the requests that advanced (with ``finished_only``, of those that finished)."""

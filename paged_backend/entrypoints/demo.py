@@ -230,7 +230,8 @@ def run_demo(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # a real model in bf16 on a GPU; the demo's random weights in fp32, where greedy outputs must agree exactly
     dtype = torch.bfloat16 if device == "cuda" and model else torch.float32
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    hf_model = hf_model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     hf = run_hf(hf_model, tokenizer, warmup, timed, max_tokens, batch_size or num_prompts)
     del hf_model
     llm = LLM(path, dtype=str(dtype).removeprefix("torch."), **engine_args)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from paged_backend.config import EngineConfig
 from paged_backend.engine.engine_loop import EngineLoop
@@ -65,7 +65,7 @@ class LLM:
     def next_request_id(self, prefix: str = "") -> str:
         return f"{prefix}{next(self._request_counter)}"
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.llm_engine.tokenizer
 
     def stats(self) -> dict[str, Any]:
@@ -109,7 +109,7 @@ class LLM:
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                list(conversation),
+                list(conversation),  # type: ignore[arg-type]  # transformers says dict[str, str]; content may be parts
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,

@@ -8,25 +8,28 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from paged_backend.entrypoints.llm import LLM
+
 
 class EngineClient:
-    def __init__(self, backend: Any, model: str | None, engine_kwargs: dict[str, Any], prefix: str) -> None:
+    def __init__(self, backend: LLM | None, model: str | None, engine_kwargs: dict[str, Any], prefix: str) -> None:
         if backend is None and not model:
             raise ValueError("give backend=<an LLM> or model=<a path or hub id>")
         self.backend = backend
         self.model = model
         self.engine_kwargs = engine_kwargs
         self.prefix = prefix
-        self.built: Any = None  # the LLM built from ``model``, once used
+        self.built: LLM | None = None  # the LLM built from ``model``, once used
         self.lock = threading.Lock()
 
     @property
-    def llm(self) -> Any:
+    def llm(self) -> LLM:
         """``backend``, or the ``LLM`` built from ``model`` on first use (never at construction)."""
         if self.backend is not None:
             return self.backend
@@ -34,6 +37,7 @@ class EngineClient:
             if self.built is None:
                 from paged_backend.entrypoints.llm import LLM
 
+                assert self.model is not None, "__init__ takes backend or model"
                 self.built = LLM(self.model, **self.engine_kwargs)
             return self.built
 
@@ -41,9 +45,9 @@ class EngineClient:
     def name(self) -> str:
         if self.model:
             return self.model
-        return str(self.backend.llm_engine.config.model_config.model)
+        return str(self.llm.llm_engine.config.model_config.model)  # no model: the backend given
 
-    async def llm_async(self) -> Any:
+    async def llm_async(self) -> LLM:
         """``llm`` from a coroutine: a model still to be loaded loads on a worker thread, not the event loop."""
         if self.backend is not None or self.built is not None:
             return self.llm

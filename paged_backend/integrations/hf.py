@@ -13,35 +13,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import inspect
 import logging
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from paged_backend.integrations.hf_outputs import hf_output, hf_processors, step_logits
+from paged_backend.model_structure import set_module_attribute
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_backend.engine.llm_engine import LLMEngine
+    from paged_backend.entrypoints.llm import LLM
 
 logger = logging.getLogger(__name__)
 
 FALLBACKS = ("warn", "error")
 _DEFAULT_MAX_LENGTH = 20  # GenerationConfig's historic default: HF reads it as 20 new tokens
-_REPETITION_ARGS = inspect.signature(RepetitionPenaltyLogitsProcessor.__init__).parameters
 _MARK = "__paged_backend_generate__"
 # GenerationConfig fields the engine honours, or that do not change the result.
 _HONOURED = {
@@ -120,16 +114,18 @@ class PagedGenerate:
     def __init__(self, model: PreTrainedModel, tokenizer: Any, fallback: str, engine_kwargs: dict[str, Any]) -> None:
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {list(FALLBACKS)}, got {fallback!r}")
+        if not isinstance(model, GenerationMixin):  # transformers 5: a PreTrainedModel alone has no generate
+            raise TypeError(f"{type(model).__name__} has no generate to replace: it is not a GenerationMixin")
         self.model = model
         self.tokenizer = tokenizer
         self.fallback = fallback
         self.engine_kwargs = engine_kwargs
         self.previous = model.__dict__.get("generate")  # an instance attribute to restore, if there was one
         self.original = self.previous or type(model).generate.__get__(model)
-        self.llm: Any = None
+        self.llm: LLM | None = None
         self.lock = threading.Lock()  # guards building the engine
 
-    def built_llm(self) -> Any:
+    def built_llm(self) -> LLM:
         """The engine's ``LLM``, built on first use over the model's own weights. Every call steps it through its
         engine loop, so calls from several threads share steps."""
         with self.lock:
@@ -140,7 +136,7 @@ class PagedGenerate:
             return self.llm
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> LLMEngine:
         """The ``LLMEngine`` behind the patched ``generate`` (built on first use)."""
         return self.built_llm().llm_engine
 
@@ -151,7 +147,7 @@ class PagedGenerate:
         generation_config: GenerationConfig | None = None,
         streamer: Any = None,
         **kwargs: Any,
-    ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
+    ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         reason = next((f"{name} is set" for name in _OBJECT_ARGUMENTS if kwargs.get(name)), None)
         if reason is None and kwargs.get("inputs_embeds") is not None:
             reason = "inputs_embeds is set"
@@ -163,7 +159,8 @@ class PagedGenerate:
         default_length = kwargs.get("max_length") is None and all(
             c is None or c.max_length in (None, _DEFAULT_MAX_LENGTH) for c in configs
         )
-        config, model_kwargs = self.model._prepare_generation_config(copy.deepcopy(generation_config), **hf_kwargs)
+        prepare = self.model._prepare_generation_config  # type: ignore[misc]  # a self Protocol no model meets
+        config, model_kwargs = prepare(copy.deepcopy(generation_config), **hf_kwargs)
         input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
         reason = unsupported(config, model_kwargs, input_ids)
         if reason is not None:
@@ -208,17 +205,18 @@ class PagedGenerate:
         if not config.return_dict_in_generate:
             return sequences
         if not keep_logits:
-            return GenerateDecoderOnlyOutput(sequences=sequences)
+            return hf_output(sequences)
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         logits = step_logits(completions, new, sequences.device)
         scores = None
         if config.output_scores:
             padding = mask.ne(0).int().argmax(dim=1).repeat_interleave(config.num_return_sequences or 1)
             processors = hf_processors(config, width, padding.to(sequences.device))
-            scores = tuple(processors(sequences[:, : width + t], row.clone()) for t, row in enumerate(logits))
-        return GenerateDecoderOnlyOutput(
-            sequences=sequences, scores=scores, logits=logits if config.output_logits else None
-        )
+            scores = tuple(
+                processors(sequences[:, : width + t], row.clone())  # type: ignore[arg-type]  # as in hf_output
+                for t, row in enumerate(logits)
+            )
+        return hf_output(sequences, scores, logits if config.output_logits else None)
 
     def _run(
         self, prompts: list[list[int]], params: list[SamplingParams], streamer: Any, keep_logits: bool = False
@@ -279,46 +277,6 @@ def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any], input_id
     return None
 
 
-def step_logits(completions: list[Any], num_steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """HF's ``logits``: one ``[rows, V]`` fp32 tensor per step. A row that already finished holds NaN at later
-    steps (HF has the logits of feeding it padding there)."""
-    vocab = completions[0].logits[0].shape[-1]
-    steps = []
-    for t in range(num_steps):
-        step = torch.full((len(completions), vocab), float("nan"))
-        for r, c in enumerate(completions):
-            if t < len(c.logits):
-                step[r] = c.logits[t]
-        steps.append(step.to(device))
-    return tuple(steps)
-
-
-def hf_processors(config: GenerationConfig, width: int, padding: torch.Tensor) -> LogitsProcessorList:
-    """HF's processors and warpers for the settings the engine honours, in HF's order and with HF's arguments
-    (left padding is not penalised; ``min_new_tokens`` overrides ``min_length``), so ``scores`` are what HF
-    reports for the same logits. ``padding``: each row's number of pad tokens."""
-    eos = config.eos_token_id
-    processors = LogitsProcessorList()
-    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-        extra = {"prompt_ignore_length": padding} if "prompt_ignore_length" in _REPETITION_ARGS else {}
-        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, **extra))
-    min_length = config.min_new_tokens + width if config.min_new_tokens is not None else config.min_length
-    if eos is not None and min_length is not None and min_length > 0:
-        processors.append(MinLengthLogitsProcessor(min_length, eos))
-    if eos is not None and config.min_new_tokens is not None and config.min_new_tokens > 0:
-        processors.append(MinNewTokensLengthLogitsProcessor(width, config.min_new_tokens, eos))
-    if config.do_sample:
-        if config.temperature is not None and config.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k is not None and config.top_k != 0:
-            processors.append(TopKLogitsWarper(config.top_k))
-        if config.top_p is not None and config.top_p < 1.0:
-            processors.append(TopPLogitsWarper(config.top_p))
-        if config.min_p is not None:
-            processors.append(MinPLogitsWarper(config.min_p))
-    return processors
-
-
 def attention_mask(input_ids: torch.Tensor, mask: torch.Tensor | None, config: GenerationConfig) -> torch.Tensor:
     """The given mask, or HF's inference: padding where the pad token appears, when it is not also EOS."""
     if mask is not None:
@@ -371,7 +329,7 @@ def patch(model: PreTrainedModel, tokenizer: Any = None, fallback: str = "warn",
         return handle(*args, **kwargs)
 
     setattr(generate, _MARK, handle)
-    model.generate = generate
+    set_module_attribute(model, "generate", generate)
     return handle
 
 

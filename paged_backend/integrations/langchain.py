@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, BaseLLM, LangSmithParams
@@ -25,6 +25,7 @@ from langchain_core.messages import (
     HumanMessage,
     SystemMessage,
     ToolMessage,
+    UsageMetadata,
 )
 from langchain_core.outputs import (
     ChatGeneration,
@@ -42,8 +43,11 @@ from paged_backend.integrations.engine_client import EngineClient, usage
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from paged_backend.entrypoints.llm import LLM
+
 _ROLES = ((HumanMessage, "user"), (AIMessage, "assistant"), (SystemMessage, "system"), (ToolMessage, "tool"))
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
+_SAMPLING: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 _SAMPLING += ("repetition_penalty", "seed", "max_tokens", "n")
 
 
@@ -83,7 +87,7 @@ class PagedBackendFields(BaseModel):
         return self
 
     @property
-    def llm(self) -> Any:
+    def llm(self) -> LLM:
         """The ``LLM``: ``backend``, or the one built from ``model`` on first use."""
         return self._client.llm
 
@@ -106,7 +110,9 @@ class PagedBackendFields(BaseModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {"model_name": self.served_name, **{k: getattr(self, k) for k in _SAMPLING}, "stop": self.stop}
 
-    def ls_params(self, model_type: str, stop: list[str] | None, kwargs: dict[str, Any]) -> LangSmithParams:
+    def ls_params(
+        self, model_type: Literal["chat", "llm"], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider="paged_backend",
             ls_model_name=kwargs.get("model", self.served_name),
@@ -120,7 +126,7 @@ class PagedBackendFields(BaseModel):
         return params
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
+def _usage(out: RequestOutput) -> UsageMetadata:
     prompt, completion = usage(out)
     return {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion}
 
@@ -131,7 +137,7 @@ def _info(c: CompletionOutput) -> dict[str, Any]:
 
 def _batch_together(
     inputs: Sequence[Any], config: RunnableConfig | Sequence[RunnableConfig] | None, limit: int
-) -> list:
+) -> list[RunnableConfig]:
     """LangChain runs a batch on a thread pool sized by the CPU count; as many threads as inputs (up to the
     engine's ``max_num_seqs``, what one step can hold) let them reach the engine together (each call only waits
     on its request)."""

@@ -100,6 +100,7 @@ class PagedBackendLLM(CustomLLM):
         """As ``HuggingFaceLLM``: the query wrapper, then ``completion_to_prompt`` or the system prompt."""
         if formatted:
             return prompt
+        assert self.query_wrapper_prompt is not None, "_check() sets a query wrapper"
         full = self.query_wrapper_prompt.format(query_str=prompt)
         if self.completion_to_prompt not in (None, default_completion_to_prompt):  # LlamaIndex's default: none
             return self.completion_to_prompt(full)

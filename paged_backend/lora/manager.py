@@ -31,7 +31,8 @@ from paged_backend.config import EngineConfig, LoRAConfig
 from paged_backend.kernels.lora import lora_delta_op
 from paged_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from paged_backend.lora.request import LoRARequest
-from paged_backend.model_loader.tp_plan import TPShard
+from paged_backend.model_loader.tp_plan import TPShard, tp_shard_of
+from paged_backend.model_structure import module_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ def _in_out(module: nn.Module) -> tuple[int, int] | None:
     if isinstance(module, (nn.Linear, AWQLinear)):  # the delta needs the input and the output, not the weight
         return module.in_features, module.out_features
     if type(module).__name__ == "Conv1D":  # GPT-2: weight [in, out]
-        return tuple(module.weight.shape)  # type: ignore[return-value]
+        fan_in, fan_out = module_tensor(module, "weight").shape
+        return fan_in, fan_out
     return None
 
 
@@ -78,7 +80,7 @@ class LoRAManager:
             shape = _in_out(module) if name.rpartition(".")[2] in TARGET_MODULES else None
             if shape is None:
                 continue
-            shard = getattr(module, "tp_shard", None)
+            shard = tp_shard_of(module)
             if shard is not None:
                 self.shards[name] = shard
             self.shapes[name] = _full_in_out(shape, shard)

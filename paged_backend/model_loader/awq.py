@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from paged_backend.model_loader.dummy import meta_model
 from paged_backend.model_loader.hf import checkpoint_files
+from paged_backend.model_structure import set_module_attribute
 from paged_backend.quantization.awq import AWQConfig, AWQLinear, convertible_linears
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,6 @@ def load_awq_model(
     model = meta_model(plain, dtype, trust_remote_code)
     names = replace_linears(model, awq)
     load_awq_weights(model, resolve_checkpoint_folder(name), dtype, device)
-    model.awq_config = awq
+    set_module_attribute(model, "awq_config", awq)
     logger.info("AWQ int4: %d linears, group size %d", len(names), awq.group_size)
     return model.eval()

@@ -24,16 +24,16 @@ def parameters_on_meta() -> Iterator[None]:
     """Modules built inside put their parameters on the meta device (no memory, no init cost); buffers stay real."""
     register = nn.Module.register_parameter
 
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
         if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]  # patched for the block only
     try:
         yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.Module.register_parameter = register  # type: ignore[method-assign]  # restored
 
 
 def meta_model(hf_config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool = False) -> PreTrainedModel:

@@ -37,7 +37,7 @@ _Loaded = TypeVar("_Loaded", covariant=True)
 class _Pretrained(Protocol[_Loaded]):
     """A transformers ``Auto*`` class: anything that loads from a folder or a hub id."""
 
-    def from_pretrained(self, name: str, /, **kwargs: Any) -> _Loaded: ...
+    def from_pretrained(self, pretrained_model_name_or_path: str, **kwargs: Any) -> _Loaded: ...
 
 
 def resolve_device(config: EngineConfig, model: PreTrainedModel | None) -> torch.device:
@@ -132,9 +132,9 @@ def adopt_model(
     device = device or resolve_device(config, model)
     if config.model_config.dtype != "auto" and model.dtype != _DTYPES[config.model_config.dtype]:
         logger.info("converting the model from %s to %s in place", model.dtype, config.model_config.dtype)
-        model.to(_DTYPES[config.model_config.dtype])
+        model.to(_DTYPES[config.model_config.dtype])  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     if next(model.parameters()).device != device:
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     return model.eval(), device
 
 
@@ -146,7 +146,9 @@ def load_pretrained(
     loaded = _from_pretrained(
         AutoModelForCausalLM, name, dtype=dtype, trust_remote_code=config.model_config.trust_remote_code
     )
-    return (loaded if keep_on_cpu else loaded.to(device)).eval()
+    if not keep_on_cpu:
+        loaded.to(device)  # type: ignore[arg-type]  # transformers wraps to(): self unbound
+    return loaded.eval()
 
 
 def load_tokenizer(
@@ -158,13 +160,15 @@ def load_tokenizer(
         return None
     if tokenizer is not None and not isinstance(tokenizer, str):
         return tokenizer
-    name = tokenizer if isinstance(tokenizer, str) else model if isinstance(model, str) else None
-    if name is None:
-        path = getattr(model.config, "_name_or_path", "")
-        if not path or not os.path.isdir(path):
+    if isinstance(tokenizer, str):
+        name = tokenizer
+    elif isinstance(model, str):
+        name = model
+    else:
+        name = getattr(model.config, "_name_or_path", "")
+        if not name or not os.path.isdir(name):
             logger.warning("no tokenizer given: only token-id prompts can be used (pass tokenizer=...)")
             return None
-        name = path
     return _from_pretrained(AutoTokenizer, name, trust_remote_code=config.model_config.trust_remote_code)
 
 

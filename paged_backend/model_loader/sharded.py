@@ -28,6 +28,7 @@ from paged_backend.model_loader.tp_plan import (
     shard_linear,
     shard_model,
     tp_plan,
+    tp_shard_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def load_shard(
             logger.info("%s: checkpoint names differ from the model's; every rank reads it whole", name)
         model, _ = load_model(config, name, device, keep_on_cpu=True)
         shard_model(model, rank, world_size, all_reduce)
-        return model.to(device)
+        return model.to(device)  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     layout = head_layout(hf_config.get_text_config(), world_size)
     plan = tp_plan(model)
 
@@ -110,7 +111,7 @@ def read_slices(model: PreTrainedModel, files: list[str], rank: int) -> None:
     try:
         for name, param in model.named_parameters():
             module_name, _, attr = name.rpartition(".")
-            shard = getattr(modules[module_name], "tp_shard", None)
+            shard = tp_shard_of(modules[module_name])
             if shard is not None and shard.style == "rowwise" and attr == "bias" and rank != 0:
                 continue
             path = keys[name]

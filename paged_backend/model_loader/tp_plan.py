@@ -16,8 +16,9 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
+from paged_backend.model_structure import set_module_attribute
 from paged_backend.quantization.awq import AWQLinear
 
 STYLES = ("colwise", "rowwise")
@@ -94,7 +95,7 @@ def head_layout(config: PretrainedConfig, world_size: int) -> HeadLayout:
     return HeadLayout(num_heads, num_kv_heads, head_dim, world_size)
 
 
-def tp_plan(model: nn.Module) -> dict[str, str]:
+def tp_plan(model: PreTrainedModel) -> dict[str, str]:
     """Module name -> ``colwise`` / ``rowwise`` for every linear (or AWQ linear) the model's ``base_model_tp_plan``
     covers. A model without a plan is refused, naming its architecture."""
     config = model.config
@@ -138,6 +139,12 @@ def _keep(tensor: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor
     return tensor.narrow(dim, start, stop - start).clone()
 
 
+def tp_shard_of(module: nn.Module) -> TPShard | None:
+    """The slice ``shard_linear`` recorded on a layer (``module.tp_shard``); None on a layer it did not cut."""
+    shard = getattr(module, "tp_shard", None)
+    return shard if isinstance(shard, TPShard) else None
+
+
 @torch.no_grad()
 def shard_linear(
     name: str,
@@ -151,10 +158,11 @@ def shard_linear(
     rank ``rank``'s slice. AWQ's packed tensors are cut on whole packs of eight outputs and whole groups of inputs.
     A rowwise bias is added once, on rank 0; ``all_reduce`` (sum over ranks, in place or returned) is hooked on a
     rowwise layer's output, None leaves the partial sums to the caller (a single-process check)."""
-    awq = isinstance(linear, AWQLinear)
+    if not isinstance(linear, (nn.Linear, AWQLinear)):  # tp_plan() names only these
+        raise TypeError(f"{name}: tensor parallelism cuts nn.Linear and AWQLinear, not {type(linear).__name__}")
     if style == "colwise":
         start, stop = _output_range(name, linear.out_features, layout, rank)
-        if awq:
+        if isinstance(linear, AWQLinear):
             if start % 8 or stop % 8:
                 raise ValueError(
                     f"{name}: AWQ packs 8 outputs per int32; rank {rank}'s outputs {start}:{stop} split one"
@@ -164,14 +172,14 @@ def shard_linear(
             linear.scales = _keep(linear.scales, 1, start, stop)
         else:
             linear.weight = nn.Parameter(_keep(linear.weight, 0, start, stop), requires_grad=False)
-        if linear.bias is not None:
+        if isinstance(linear.bias, torch.Tensor):
             linear.bias = nn.Parameter(_keep(linear.bias, 0, start, stop), requires_grad=False)
-        linear.tp_shard = TPShard(style, start, stop, linear.out_features)
+        set_module_attribute(linear, "tp_shard", TPShard(style, start, stop, linear.out_features))
         linear.out_features = stop - start
         return
     size = linear.in_features // layout.world_size
     start, stop = rank * size, (rank + 1) * size
-    if awq:
+    if isinstance(linear, AWQLinear):
         group = linear.group_size
         if size % group:
             raise ValueError(
@@ -183,9 +191,9 @@ def shard_linear(
         linear.scales = _keep(linear.scales, 0, start // group, stop // group)
     else:
         linear.weight = nn.Parameter(_keep(linear.weight, 1, start, stop), requires_grad=False)
-    linear.tp_shard = TPShard(style, start, stop, linear.in_features)
+    set_module_attribute(linear, "tp_shard", TPShard(style, start, stop, linear.in_features))
     linear.in_features = size
-    if linear.bias is not None and rank != 0:
+    if isinstance(linear.bias, torch.Tensor) and rank != 0:
         linear.bias = nn.Parameter(torch.zeros_like(linear.bias), requires_grad=False)
     if all_reduce is not None:
         linear.register_forward_hook(lambda _m, _i, out: all_reduce(out))
@@ -195,13 +203,13 @@ def set_local_heads(model: nn.Module, layout: HeadLayout) -> None:
     """Attention modules that keep head counts read the local ones."""
     for module in model.modules():
         if hasattr(module, "num_key_value_groups"):
-            module.num_key_value_groups = layout.local_heads // layout.local_kv_heads
+            set_module_attribute(module, "num_key_value_groups", layout.local_heads // layout.local_kv_heads)
         for attr, value in (("num_heads", layout.local_heads), ("num_key_value_heads", layout.local_kv_heads)):
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, value)
 
 
-def shard_model(model: nn.Module, rank: int, world_size: int, all_reduce: AllReduce | None) -> None:
+def shard_model(model: PreTrainedModel, rank: int, world_size: int, all_reduce: AllReduce | None) -> None:
     """Cut a whole loaded ``model`` in place down to rank ``rank``'s slices (see ``shard_linear``)."""
     layout = head_layout(model.config, world_size)
     if not 0 <= rank < world_size:

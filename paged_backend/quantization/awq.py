@@ -61,6 +61,14 @@ class AWQConfig:
 class AWQLinear(nn.Module):
     """``nn.Linear``'s interface over packed int4 weights: ``y = x @ ((q - z) * s) + bias``."""
 
+    in_features: int
+    out_features: int
+    group_size: int
+    qweight: torch.Tensor  # [in, out / 8] int32, buffer
+    qzeros: torch.Tensor  # [in / group_size, out / 8] int32, buffer
+    scales: torch.Tensor  # [in / group_size, out] fp16, buffer
+    bias: nn.Parameter | None
+
     def __init__(
         self, in_features: int, out_features: int, group_size: int, bias: bool, device: torch.device | str | None = None
     ) -> None:
@@ -102,7 +110,8 @@ class AWQLinear(nn.Module):
 def convertible_linears(model: nn.Module, awq: AWQConfig) -> dict[str, nn.Linear]:
     """The linears a checkpoint quantizes: every ``nn.Linear`` except the output embedding and the modules named
     (by any part of their path, as transformers matches them) in ``modules_to_not_convert``."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    output = get_output_embeddings() if callable(get_output_embeddings) else None
     return {
         name: module
         for name, module in model.named_modules()

@@ -19,13 +19,14 @@ import copy
 import logging
 import os
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from paged_backend.model_structure import find_decoder_layers
+from paged_backend.model_structure import find_decoder_layers, module_tensor
 from paged_backend.quantization.awq import AWQConfig, convertible_linears
 from paged_backend.quantization.rtn import pack_linear, quantize_rtn
 
@@ -45,17 +46,29 @@ def fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:  # [N,
     return w.reshape(q.shape).t()
 
 
+_Child = TypeVar("_Child", bound=nn.Module)
+
+
+def _child(module: nn.Module, name: str, kind: type[_Child]) -> _Child:
+    """``module.<name>`` as a ``kind``; missing or of another kind, an AttributeError naming it (``exc.name``)."""
+    child = getattr(module, name)
+    if not isinstance(child, kind):
+        raise AttributeError(f"{type(module).__name__}.{name} is not a {kind.__name__}", name=name, obj=module)
+    return child
+
+
 def _layer_groups(layer: nn.Module) -> list[tuple[nn.Module, list[str]]]:
     """(what produces the input, the linears reading it) for one Llama-layout decoder layer."""
     try:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = _child(layer, "self_attn", nn.Module), _child(layer, "mlp", nn.Module)
         groups = [
-            (layer.input_layernorm, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-            (layer.post_attention_layernorm, ["mlp.gate_proj", "mlp.up_proj"]),
-            (mlp.up_proj, ["mlp.down_proj"]),
+            (_child(layer, "input_layernorm", nn.Module), ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+            (_child(layer, "post_attention_layernorm", nn.Module), ["mlp.gate_proj", "mlp.up_proj"]),
+            (_child(mlp, "up_proj", nn.Module), ["mlp.down_proj"]),
         ]
-        if attn.v_proj.out_features == attn.o_proj.in_features:  # without grouped KV heads v feeds o directly
-            groups.insert(1, (attn.v_proj, ["self_attn.o_proj"]))
+        v_proj, o_proj = _child(attn, "v_proj", nn.Linear), _child(attn, "o_proj", nn.Linear)
+        if v_proj.out_features == o_proj.in_features:  # without grouped KV heads v feeds o directly
+            groups.insert(1, (v_proj, ["self_attn.o_proj"]))
     except AttributeError as exc:
         raise NotImplementedError(
             f"AWQ quantization needs Llama-layout decoder layers (input_layernorm, self_attn.q/k/v/o_proj, "
@@ -129,12 +142,14 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch
 
 def _fold_inverse(prev: nn.Module, scales: torch.Tensor) -> None:
     """Divide what produces the input by ``scales`` (a norm's weight and bias, or a linear's output rows)."""
+    weight = module_tensor(prev, "weight")
     if isinstance(prev, nn.Linear):
-        prev.weight.div_(scales.to(prev.weight.dtype)[:, None])
+        weight.div_(scales.to(weight.dtype)[:, None])
     else:
-        prev.weight.div_(scales.to(prev.weight.dtype))
-    if getattr(prev, "bias", None) is not None:
-        prev.bias.div_(scales.to(prev.bias.dtype))
+        weight.div_(scales.to(weight.dtype))
+    bias = getattr(prev, "bias", None)
+    if isinstance(bias, torch.Tensor):  # a parameter, or None
+        bias.div_(scales.to(bias.dtype))
 
 
 @torch.no_grad()
@@ -154,19 +169,19 @@ def apply_awq(
         if scale:
             for prev, linears in groups:
                 x = _record_inputs(model, layer, linears[:1], batches)[linears[0]]
-                modules = [layer.get_submodule(name) for name in linears]
-                scales = search_scales(x, [m.weight for m in modules], group_size)
+                weights = [module_tensor(layer.get_submodule(name), "weight") for name in linears]
+                scales = search_scales(x, weights, group_size)
                 _fold_inverse(prev, scales)
-                for module in modules:
-                    module.weight.mul_(scales.to(module.weight.dtype))
+                for weight in weights:
+                    weight.mul_(scales.to(weight.dtype))
         if clip:
             inputs = _record_inputs(model, layer, names, batches)
             for name in names:
                 if name.endswith(("q_proj", "k_proj")):
                     continue
-                module = layer.get_submodule(name)
-                max_val = search_clip(inputs[name], module.weight, group_size)
-                w = module.weight.view(module.weight.shape[0], -1, group_size)
+                weight = module_tensor(layer.get_submodule(name), "weight")
+                max_val = search_clip(inputs[name], weight, group_size)
+                w = weight.view(weight.shape[0], -1, group_size)
                 w.copy_(w.float().clamp(-max_val, max_val).to(w.dtype))
 
 

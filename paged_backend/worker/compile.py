@@ -14,6 +14,7 @@ when it traces (say 2 logit rows and 2 KV heads) one symbol, and recompile when 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,10 +24,12 @@ from torch import nn
 from paged_backend.worker.fuse_linears import fuse_sibling_linears
 
 
-def _fresh_copy(fn: types.FunctionType) -> types.FunctionType:
+def _fresh_copy(fn: Callable[..., Any]) -> types.FunctionType:
     """The same function over a new code object. Dynamo keeps its compiled code, and its limit of 8 graphs, per
     code object, and transformers gives every decoder layer class one shared ``forward`` wrapper: without a copy,
     the engines of one process would share those 8 graphs and the later ones would silently run eagerly."""
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"regional compilation copies a decoder layer's forward function, not a {type(fn).__name__}")
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__dict__.update(fn.__dict__)
@@ -52,7 +55,8 @@ class RegionalCompile:
         self.methods = [types.MethodType(compiled, layer) for layer in self.layers]
         self.previous: list[Any] = []
         self.depth = 0
-        self.no_duck_shapes = fx_config.patch(use_duck_shape=False)
+        # torch's fx config module lacks the TYPE_CHECKING import of _config_typing that declares patch()
+        self.no_duck_shapes = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
 
     def __enter__(self) -> None:
         self.depth += 1

@@ -24,7 +24,7 @@ import operator
 import re
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import fx, nn
@@ -70,14 +70,17 @@ class Group(NamedTuple):
 def find_sibling_groups(gm: fx.GraphModule, layer: nn.Module) -> list[Group]:
     """Groups of two or more ``linear`` calls on one input, all with or all without a bias, whose contiguous
     2-D weights share dtype, device and input width. A parameter used by two groups is left alone."""
-    by_input: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    by_input: dict[fx.Node, list[tuple[fx.Node, str, str | None]]] = defaultdict(list)
     for node in gm.graph.nodes:
         parts = _linear_parts(node)
         if parts is not None:
-            by_input[parts[0]].append(node)
-    groups, seen = [], set()
-    for nodes in by_input.values():
-        paths = [_linear_parts(n)[1:] for n in nodes]
+            x, weight_path, bias_path = parts
+            by_input[x].append((node, weight_path, bias_path))
+    groups: list[Group] = []
+    seen: set[str] = set()
+    for calls in by_input.values():
+        nodes = [node for node, _, _ in calls]
+        paths = [(w, b) for _, w, b in calls]
         weights = [layer.get_parameter(w) for w, _ in paths]
         if (
             len(nodes) < 2
@@ -90,7 +93,7 @@ def find_sibling_groups(gm: fx.GraphModule, layer: nn.Module) -> list[Group]:
         if len(set(names)) != len(names) or seen.intersection(names):
             continue
         seen.update(names)
-        biases = None if paths[0][1] is None else [b for _, b in paths]
+        biases = None if paths[0][1] is None else [b for _, b in paths if b is not None]  # all or none have one
         groups.append(Group(nodes, [w for w, _ in paths], biases))
     return groups
 
@@ -157,8 +160,9 @@ def _awq_parts(node: fx.Node) -> tuple[Any, str] | None:
     if node.op != "call_function" or str(node.target) != _AWQ_OP or node.kwargs:
         return None
     flat, *tensors = node.args
-    paths = [parameter_path(t, "buffers") if isinstance(t, fx.Node) else None for t in tensors]
-    if None in paths:
+    found = [parameter_path(t, "buffers") if isinstance(t, fx.Node) else None for t in tensors]
+    paths = [p for p in found if p is not None]
+    if len(paths) != len(found):
         return None
     modules = {p.rsplit(".", 1)[0] for p in paths}
     if len(modules) != 1 or tuple(p.rsplit(".", 1)[1] for p in paths) != _AWQ_TENSORS:
@@ -209,7 +213,8 @@ def _fuse_awq_group(graph: fx.Graph, group: AWQGroup, siblings: list[list[torch.
                 (scale, scales[0].shape[0], sum(widths)),
             )
         ]
-        fused = graph.call_function(first.target, (flat, *tensors))
+        op = cast(Callable[..., Any], first.target)  # a call_function node's target is what it calls
+        fused = graph.call_function(op, (flat, *tensors))
         split = graph.call_function(torch.split, (fused, widths), {"dim": -1})
         for i, node in enumerate(group.nodes):
             node.replace_all_uses_with(graph.call_function(operator.getitem, (split, i)))
@@ -227,7 +232,7 @@ class PackingBackend:
         self.layers = layers
         self.deferred: list[list[torch.Tensor]] = []
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         for group in find_sibling_groups(gm, self.layers[0]):
             for layer in self.layers:
                 for paths in _parameter_lists(group):

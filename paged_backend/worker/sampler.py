@@ -10,6 +10,7 @@ distribution the token was drawn from (temperature 1 and no filtering for greedy
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -93,8 +94,9 @@ def sampling_logprobs(
     return logits.log_softmax(-1)
 
 
-def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list, list]:
-    """One device-to-host read for both, any shape (token ids < 2**53 are exact in float64)."""
+def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[Any], list[Any]]:
+    """One device-to-host read for both, any shape (token ids < 2**53 are exact in float64): ints and floats for
+    1-D inputs, lists of them per row for 2-D ones."""
     both = torch.stack([tokens.double(), logprobs.double()]).tolist()
     ints = [int(t) for t in both[0]] if tokens.dim() == 1 else [[int(t) for t in row] for row in both[0]]
     return ints, both[1]

@@ -79,7 +79,7 @@ class OpenAIServer:
         prefix: str,
         requested_max_tokens: int | None,
         model: str,
-    ) -> list[AsyncIterator]:
+    ) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt now, so the engine batches them and a bad one fails (as a 400, 429 or 503) before
         any response is sent; then return their output streams. As in vLLM, a prompt plus the ``max_tokens`` a
         client asked for must fit in ``max_model_len`` (a default ``max_tokens`` just stops there)."""
@@ -139,7 +139,7 @@ class OpenAIServer:
         return {**base, "choices": choices, "usage": usage(outputs)}
 
     async def _stream_completions(
-        self, body: CompletionRequest, streams: list[AsyncIterator], base: dict[str, Any]
+        self, body: CompletionRequest, streams: list[AsyncIterator[RequestOutput]], base: dict[str, Any]
     ) -> AsyncIterator[str]:
         sent: dict[tuple[int, int], tuple[int, int]] = {}  # (request, sample) -> (characters, tokens) sent
         offsets: dict[tuple[int, int], int] = {}  # where the next token's text starts (as in the whole response)
@@ -200,6 +200,7 @@ class OpenAIServer:
         final = None
         async for _, out in merge(streams):
             final = out
+        assert final is not None, "a request's stream ends with its final output"
         choices = [
             {
                 "index": c.index,
@@ -212,7 +213,7 @@ class OpenAIServer:
         return {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
 
     async def _stream_chat(
-        self, body: ChatCompletionRequest, stream: AsyncIterator, base: dict[str, Any]
+        self, body: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], base: dict[str, Any]
     ) -> AsyncIterator[str]:
         base = {**base, "object": "chat.completion.chunk"}
         for j in range(body.n):

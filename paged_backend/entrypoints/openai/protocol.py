@@ -64,7 +64,7 @@ class CompletionRequest(SamplingFields):
             return [{"prompt": prompt}]
         if prompt and all(isinstance(p, int) for p in prompt):
             return [{"prompt_token_ids": list(prompt)}]
-        return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+        return [{"prompt_token_ids": list(p)} if isinstance(p, list) else {"prompt": p} for p in prompt]
 
 
 class ChatMessage(BaseModel):

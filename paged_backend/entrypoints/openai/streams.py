@@ -28,7 +28,7 @@ async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as they come; closing this closes (and so aborts) them all."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()  # None: stream i ended
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:

@@ -1,0 +1,75 @@
+"""What a patched ``generate`` (``hf.py``) returns, as HF returns it: the output dataclass, and its ``logits`` and
+``scores`` from the logits the engine kept (the raw logits per step, and HF's own processors and warpers to apply
+to them for the settings the engine honours)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+_REPETITION_ARGS = inspect.signature(RepetitionPenaltyLogitsProcessor.__init__).parameters
+
+
+def hf_output(
+    sequences: torch.Tensor,
+    scores: tuple[torch.Tensor, ...] | None = None,
+    logits: tuple[torch.Tensor, ...] | None = None,
+) -> GenerateDecoderOnlyOutput:
+    """HF's output dataclass over the engine's tensors."""
+    # transformers types int64 tensors as torch.LongTensor, which no torch operation is typed to return, and the
+    # per-step tuples as 1-tuples
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)  # type: ignore[arg-type]
+
+
+def step_logits(completions: list[Any], num_steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """HF's ``logits``: one ``[rows, V]`` fp32 tensor per step. A row that already finished holds NaN at later
+    steps (HF has the logits of feeding it padding there)."""
+    vocab = completions[0].logits[0].shape[-1]
+    steps = []
+    for t in range(num_steps):
+        step = torch.full((len(completions), vocab), float("nan"))
+        for r, c in enumerate(completions):
+            if t < len(c.logits):
+                step[r] = c.logits[t]
+        steps.append(step.to(device))
+    return tuple(steps)
+
+
+def hf_processors(config: GenerationConfig, width: int, padding: torch.Tensor) -> LogitsProcessorList:
+    """HF's processors and warpers for the settings the engine honours, in HF's order and with HF's arguments
+    (left padding is not penalised; ``min_new_tokens`` overrides ``min_length``), so ``scores`` are what HF
+    reports for the same logits. ``padding``: each row's number of pad tokens."""
+    eos = config.eos_token_id
+    processors = LogitsProcessorList()
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        extra = {"prompt_ignore_length": padding} if "prompt_ignore_length" in _REPETITION_ARGS else {}
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, **extra))
+    min_length = config.min_new_tokens + width if config.min_new_tokens is not None else config.min_length
+    if eos is not None and min_length is not None and min_length > 0:
+        processors.append(MinLengthLogitsProcessor(min_length, eos))
+    if eos is not None and config.min_new_tokens is not None and config.min_new_tokens > 0:
+        processors.append(MinNewTokensLengthLogitsProcessor(width, config.min_new_tokens, eos))
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k is not None and config.top_k != 0:
+            processors.append(TopKLogitsWarper(config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            processors.append(TopPLogitsWarper(config.top_p))
+        if config.min_p is not None:
+            processors.append(MinPLogitsWarper(config.min_p))
+    return processors
