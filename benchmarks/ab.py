@@ -71,6 +71,22 @@ def plot(merged: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def save(args: argparse.Namespace, argv: list[str], runs: dict[str, list[dict[str, Any]]], merged: dict[str, Any]) -> None:
+    first = (runs["current"] or runs["baseline"])[0]
+    result = {
+        "command": "python " + " ".join(["benchmarks/ab.py", *argv]),
+        "baseline_commit": args.baseline_commit,
+        "commit": args.commit,
+        "machine": first.get("machine"),
+        "versions": first.get("versions"),
+        "date": first.get("date"),
+        "runs_per_side": {side: len(results) for side, results in runs.items()},
+        **merged,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     argv = sys.argv[1:]
     passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -90,22 +106,13 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
     trees = {"baseline": args.baseline.resolve(), "current": HERE.parent}
+    merged: dict[str, Any] = {}
     for round_index in range(args.rounds):
         order = ("baseline", "current") if round_index % 2 == 0 else ("current", "baseline")
         for side in order:
             runs[side].append(run_tree(trees[side], passthrough))
-    merged = merge(runs)
-    result = {
-        "command": "python " + " ".join(["benchmarks/ab.py", *argv]),
-        "baseline_commit": args.baseline_commit,
-        "commit": args.commit,
-        "machine": runs["current"][0].get("machine"),
-        "versions": runs["current"][0].get("versions"),
-        "date": runs["current"][0].get("date"),
-        **merged,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+            merged = merge(runs)
+            save(args, argv, runs, merged)  # after every run: a run cut short keeps what it measured
     for workload in ("w1", "w2"):
         if workload in merged:
             sides = merged[workload]
