@@ -71,7 +71,9 @@ def plot(merged: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def save(args: argparse.Namespace, argv: list[str], runs: dict[str, list[dict[str, Any]]], merged: dict[str, Any]) -> None:
+def save(
+    args: argparse.Namespace, argv: list[str], runs: dict[str, list[dict[str, Any]]], merged: dict[str, Any]
+) -> None:
     first = (runs["current"] or runs["baseline"])[0]
     result = {
         "command": "python " + " ".join(["benchmarks/ab.py", *argv]),
