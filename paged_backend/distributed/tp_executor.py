@@ -12,10 +12,11 @@ holds the same logits, so a round's on-device argmax agrees.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from transformers import PreTrainedModel
 
 from paged_backend.config import EngineConfig
@@ -48,7 +49,7 @@ def load_rank(
 class _RankWorker:
     """A worker rank's side of each message rank 0 sends: its ``Worker``, plus the collectives rank 0 joins."""
 
-    def __init__(self, worker: Worker, control: Any) -> None:
+    def __init__(self, worker: Worker, control: ProcessGroup | None) -> None:
         self.worker, self.control = worker, control
 
     def init_lora(self, config: EngineConfig) -> None:
@@ -65,7 +66,7 @@ class _RankWorker:
 
 
 def _worker_main(
-    rank: int, world_size: int, init_method: str, config: EngineConfig, model_path: str, pipe: Any = None
+    rank: int, world_size: int, init_method: str, config: EngineConfig, model_path: str, pipe: Connection | None = None
 ) -> None:
     """A worker process: join the groups, load its shard, then run what rank 0 sends (through ``pipe``, or
     broadcast over the control group) until told to stop."""

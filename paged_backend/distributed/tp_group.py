@@ -17,11 +17,13 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import ProcessGroup
 
 from paged_backend.config import EngineConfig
 
@@ -63,7 +65,7 @@ class Messages:
     """Rank 0's calls to the workers: a pipe to each local worker, or for Ray tasks, which may run on other
     machines, a broadcast over the gloo control group (two collectives and pickling: far slower than a pipe)."""
 
-    def __init__(self, control: Any, pipes: list[Any] | None) -> None:
+    def __init__(self, control: ProcessGroup | None, pipes: list[Connection] | None) -> None:
         self.control, self.pipes = control, pipes
 
     def send(self, message: tuple[str, tuple[Any, ...]]) -> None:
@@ -82,7 +84,7 @@ class Messages:
         return pickle.loads(self.pipes[0].recv_bytes())
 
 
-def min_over_ranks(value: int, control: Any) -> int:
+def min_over_ranks(value: int, control: ProcessGroup | None) -> int:
     tensor = torch.tensor([value], dtype=torch.long)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=control)
     return int(tensor.item())
@@ -110,7 +112,7 @@ def tp_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def init_groups(init_method: str, rank: int, world_size: int, device: torch.device) -> Any:
+def init_groups(init_method: str, rank: int, world_size: int, device: torch.device) -> ProcessGroup | None:
     """Join the default group (NCCL on a GPU, gloo on the CPU) and return the gloo group for control messages
     (None: the default group, already gloo)."""
     if device.type != "cuda":
@@ -131,7 +133,7 @@ class TPGroup:
         world_size: int,
         processes: Sequence[WorkerProcess],
         device: torch.device,
-        control: Any,
+        control: ProcessGroup | None,
         messages: Messages,
     ) -> None:
         self.world_size = world_size
