@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from paged_backend.core.scheduler_output import TopLogprobs
 from paged_backend.core.sequence import Sequence
 from paged_backend.kernels.greedy import greedy_tokens
 
@@ -22,8 +23,7 @@ from paged_backend.kernels.greedy import greedy_tokens
 class SampleResult:
     token_id: int
     logprob: float
-    # (token id, logprob, rank) for the sampled token and the top-k, when logprobs were requested
-    top_logprobs: list[tuple[int, float, int]] | None = None
+    top_logprobs: TopLogprobs | None = None  # when logprobs were requested
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
