@@ -18,6 +18,15 @@ PREEMPTION_MODES = (None, "recompute", "swap")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
+class FieldError(ValueError):
+    """A bad value of one named field. ``field`` is the field's name (without an index such as ``[i]``), which
+    the server reports as OpenAI's ``param``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field.split("[", 1)[0]
+
+
 def check_int(name: str, value: Any, low: int, high: int | None = None, allow_none: bool = False) -> None:
     """Raise a ValueError naming ``name`` unless ``value`` is an int in ``[low, high]``."""
     if value is None and allow_none:
@@ -26,7 +35,7 @@ def check_int(name: str, value: Any, low: int, high: int | None = None, allow_no
         allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
         if allow_none:
             allowed += " or None"
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise FieldError(name, f"{name} must be {allowed}, got {value!r}")
 
 
 def check_float(
@@ -46,17 +55,17 @@ def check_float(
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
         interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+        raise FieldError(name, f"{name} must be a number in {interval}, got {value!r}")
 
 
 def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+        raise FieldError(name, f"{name} must be True or False, got {value!r}")
 
 
 def check_choice(name: str, value: Any, choices: tuple[object, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        raise FieldError(name, f"{name} must be one of {list(choices)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -97,7 +106,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1, 256)
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
+            raise FieldError("block_size", f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
         check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         check_float("swap_space", self.swap_space, 0.0, 1024.0)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
@@ -161,7 +170,7 @@ class DeviceConfig:
             self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
         )
         if not ok:
-            raise ValueError(f"device must be one of ['auto', 'cpu', 'cuda', 'cuda:N'], got {self.device!r}")
+            raise FieldError("device", f"device must be one of ['auto', 'cpu', 'cuda', 'cuda:N'], got {self.device!r}")
         check_bool("enforce_eager", self.enforce_eager)
 
 
@@ -188,7 +197,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.scheduler_config.preemption_mode == "swap" and self.cache_config.swap_space == 0:
-            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)")
+            raise FieldError(
+                "preemption_mode", "preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)"
+            )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
@@ -236,11 +247,14 @@ class EngineConfig:
         max_model_len = self.model_config.max_model_len
         if max_model_len is None:
             if model_max_len is None:
-                raise ValueError("max_model_len must be given: the model config states no maximum length")
+                raise FieldError(
+                    "max_model_len", "max_model_len must be given: the model config states no maximum length"
+                )
             max_model_len = model_max_len
         elif model_max_len is not None and max_model_len > model_max_len:
-            raise ValueError(
-                f"max_model_len must be <= the model's maximum length {model_max_len}, got {max_model_len}"
+            raise FieldError(
+                "max_model_len",
+                f"max_model_len must be <= the model's maximum length {model_max_len}, got {max_model_len}",
             )
         budget = self.scheduler_config.max_num_batched_tokens
         if budget is None:

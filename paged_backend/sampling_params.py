@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from paged_backend.config import check_bool, check_float, check_int
+from paged_backend.config import FieldError, check_bool, check_float, check_int
 
 MAX_LOGPROBS = 20
+MAX_INT64 = 2**63 - 1
+MAX_FLOAT32 = 3.4028234663852886e38
+# The penalty divides or multiplies float32 logits: both it and its inverse stay finite there.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-30, 1e30
 # Temperatures below this are greedy (as in vLLM): dividing by them overflows the logits.
 SAMPLING_EPS = 1e-5
 
@@ -35,43 +40,62 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        check_int("n", self.n, 1)
-        explicit_best_of = self.best_of is not None
-        if self.best_of is None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.best_of is None and isinstance(self.n, int):
             self.best_of = self.n
-        check_int("best_of", self.best_of, self.n)
-        check_float("temperature", self.temperature, 0.0, float("inf"), high_open=True)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a ``FieldError`` (a ValueError) naming the first bad field. The engine calls this again on its
+        own copy when a request is added, so fields changed after construction are checked too. Every bound is
+        what the sampler's tensors hold: counts and ids fit int64, float fields are finite in float32."""
+        check_int("n", self.n, 1, MAX_INT64)
+        check_int("best_of", self.best_of, self.n, MAX_INT64)
+        check_float("temperature", self.temperature, 0.0, MAX_FLOAT32)
         check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_INT64:
+            raise FieldError(
+                "top_k", f"top_k must be -1 or 0 (disabled) or an integer in [1, {MAX_INT64}], got {self.top_k!r}"
+            )
         check_float("min_p", self.min_p, 0.0, 1.0)
         check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        check_float("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), low_open=True, high_open=True)
+        check_float("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         # each sample i draws from seed + i, which must fit torch's 64-bit seeds
-        check_int("seed", self.seed, 0, 2**63 - self.best_of, allow_none=True)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        check_int("seed", self.seed, 0, MAX_INT64 + 1 - self.best_of, allow_none=True)
         if not isinstance(self.stop, (list, tuple, type(None))) or not all(
             isinstance(s, str) and s for s in self.stop or []
         ):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+            raise FieldError(
+                "stop", f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}"
+            )
         self.stop = list(self.stop or [])
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
-            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}")
+            raise FieldError(
+                "stop_token_ids", f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}"
+            )
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token_id in self.stop_token_ids:
-            check_int("stop_token_ids[i]", token_id, 0)
+            check_int("stop_token_ids[i]", token_id, 0, MAX_INT64)
         check_bool("ignore_eos", self.ignore_eos)
-        check_int("max_tokens", self.max_tokens, 1, allow_none=True)
-        check_int("min_tokens", self.min_tokens, 0)
+        check_int("max_tokens", self.max_tokens, 1, MAX_INT64, allow_none=True)
+        check_int("min_tokens", self.min_tokens, 0, MAX_INT64)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise FieldError(
+                "min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
         check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
-        if explicit_best_of and self.best_of > 1 and self.greedy:
-            raise ValueError(f"best_of must be 1 when temperature is 0 (greedy), got best_of={self.best_of}")
+        if self.best_of > self.n and self.greedy:
+            raise FieldError(
+                "best_of", f"best_of must equal n when temperature is 0 (greedy), got best_of={self.best_of}"
+            )
+
+    def clone(self) -> SamplingParams:
+        """A validated copy that later changes to this object cannot reach (what a request keeps)."""
+        return dataclasses.replace(self)  # runs the validation again, and copies the lists
 
     # What validation resolved the fields to (the constructor also takes None or a single string for them).
     @property

@@ -44,6 +44,7 @@ class _Plan:
     preempted: set[Sequence] = field(default_factory=set)
     swap_out: BlockMoves = field(default_factory=list)
     swap_in: BlockMoves = field(default_factory=list)
+    swapped: list[Sequence] = field(default_factory=list)  # whose blocks swap_out and swap_in move
 
     def add(self, seq: Sequence, num_new_tokens: int, copies: BlockMoves) -> None:
         self.copies[seq] = copies
@@ -140,7 +141,10 @@ class Scheduler:
                 victims = [v for v in self.running if v.request is newest]
                 for victim in victims:
                     self.block_manager.undo_copies(victim.seq_id, plan.drop(victim))
-                plan.swap_out += self._preempt(victims)
+                swap_out = self._preempt(victims)
+                if swap_out:
+                    plan.swap_out += swap_out
+                    plan.swapped += victims
                 plan.preempted.update(victims)
 
     def _schedule_swapped(self, plan: _Plan) -> None:
@@ -162,6 +166,7 @@ class Scheduler:
             ):
                 break
             plan.swap_in += bm.swap_in(ids)
+            plan.swapped += group
             for seq in group:
                 self.swapped.remove(seq)
                 seq.status = SequenceStatus.RUNNING
@@ -242,7 +247,7 @@ class Scheduler:
             blocks_to_copy=blocks_to_copy,
             lora_requests=None if self.max_loras is None else [seq.request.lora_request for seq in seqs],
         )
-        return SchedulerOutput(batch, seqs, sampling_seqs, fork_parents)
+        return SchedulerOutput(batch, seqs, sampling_seqs, fork_parents, plan.swapped)
 
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether ``seq`` can run beside the running sequences without exceeding ``max_loras`` adapters."""

@@ -51,6 +51,13 @@ class SchedulerOutput:
     # (a request's other samples take their first token from their parent's logits row).
     sampling_seqs: list[Sequence] = field(default_factory=list)
     fork_parents: list[int] = field(default_factory=list)  # for each forked sample: its parent's sampling index
+    # Sequences swapped out or in this step, whether they run or not: if the step fails, their KV is unknown.
+    swapped_seqs: list[Sequence] = field(default_factory=list)
+
+    def touched_requests(self) -> list[str]:
+        """The ids of the requests whose state this step changes: the ones a failed step takes down."""
+        seqs = [*self.seqs, *self.sampling_seqs, *self.swapped_seqs]
+        return list(dict.fromkeys(seq.request.request_id for seq in seqs))
 
     @property
     def is_empty(self) -> bool:

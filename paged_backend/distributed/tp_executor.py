@@ -140,6 +140,10 @@ class TPExecutor:
         self.group.send("execute_model", scheduler_output.to_wire())
         return self.driver_worker.execute_model(scheduler_output)
 
+    def is_recoverable(self, error: Exception) -> bool:
+        """Never: the other ranks may be waiting in a collective that rank 0 left, or be past a step it failed."""
+        return False
+
     def shutdown(self) -> None:
         """Stop the workers now (they also stop when the group is collected or at exit)."""
         self.group.close()

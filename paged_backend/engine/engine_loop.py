@@ -6,9 +6,12 @@ as futures, so an event loop never blocks on a step in progress (a lock shared w
 stall every stream for as long as the engine stays busy); threads wait on their own futures. Each step's outputs
 go to their requests' queues: an asyncio queue on the caller's event loop, or a thread-safe queue. Requests from
 every caller share each step (continuous batching across callers). A request added with ``stream=False`` only
-receives its final output, and when no request streams the engine skips building per-step outputs. If a step
-raises, or the loop is shut down, every waiting request and call gets an ``EngineDeadError`` and the loop stops
-(the server's ``/health`` then answers 503).
+receives its final output, and when no request streams the engine skips building per-step outputs.
+
+A step that fails (``StepError``) fails only the requests it ran: each gets a ``RequestFailedError`` naming the
+cause, and the loop steps on with the rest. Only an error the engine cannot recover from (the device's own), or
+a shutdown, stops the loop: then every waiting request and call gets an ``EngineDeadError`` (the server's
+``/health`` then answers 503).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from paged_backend.engine.llm_engine import StepError
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
@@ -47,6 +51,10 @@ class Sink:
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an error or a shutdown; nothing more can run."""
+
+
+class RequestFailedError(RuntimeError):
+    """The step that ran this request failed; the request was aborted, the engine goes on with the others."""
 
 
 class QueueFullError(RuntimeError):
@@ -225,11 +233,13 @@ class EngineLoop:
             return self.engine.stats()
         return await self.call(lambda engine: engine.stats())
 
-    def shutdown(self) -> None:
-        """Stop after the current step: waiting requests and calls get EngineDeadError, requests are aborted."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop after the current step: waiting requests and calls get EngineDeadError, requests are aborted.
+        ``wait``: until the loop thread has ended (a step is short; ten seconds at most)."""
         self.stopped = True
         self.wake.set()
-        self.thread.join(timeout=10)
+        if wait and threading.current_thread() is not self.thread:
+            self.thread.join(timeout=10)
 
     def _check_room(self, waiting: int, adding: int) -> None:
         if self.max_waiting_requests and waiting + adding > self.max_waiting_requests:
@@ -275,6 +285,16 @@ class EngineLoop:
             if out.finished:
                 del self.sinks[out.request_id]
 
+    def _fail_requests(self, failure: StepError) -> None:
+        """The engine already aborted the failed step's requests: tell their callers why."""
+        for request_id in failure.request_ids:
+            sink = self.sinks.pop(request_id, None)
+            if sink is not None:
+                with contextlib.suppress(RuntimeError):  # a closed event loop has no reader left
+                    sink.put(RequestFailedError(f"request {request_id} failed: {failure.__cause__!r}"))
+            if self.on_abort is not None:
+                self.on_abort(request_id)
+
     def _step(self) -> list[RequestOutput]:
         """Per-step outputs only when someone streams or watches them (building them costs host time)."""
         every_step = self.on_output is not None or any(s.every_step for s in self.sinks.values())
@@ -288,7 +308,10 @@ class EngineLoop:
             try:
                 self._run_calls()
                 while self.engine.has_unfinished_requests() and not self.stopped:
-                    self._deliver(self._step())
+                    try:
+                        self._deliver(self._step())
+                    except StepError as failure:
+                        self._fail_requests(failure)
                     self._run_calls()
             except BaseException as exc:  # noqa: BLE001 - reported to every waiting request and /health
                 logger.exception("engine step failed; the engine loop stops")
@@ -323,6 +346,8 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -
 
 
 def _checked(item: Delivery) -> RequestOutput:
+    if isinstance(item, RequestFailedError):
+        raise item
     if isinstance(item, BaseException):
         raise EngineDeadError(f"the engine stopped: {item!r}") from item
     return item

@@ -79,9 +79,12 @@ class InputProcessor:
         keep_logits: bool,
     ) -> Request:
         adapter = self._adapter(lora_request)
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        else:
+            params = params.clone()  # checked again (fields may have changed), and out of the caller's reach
         text, ids = self.tokenize(prompt)
         self._check(ids, params)
         request = Request(

@@ -33,7 +33,16 @@ from paged_backend.worker.worker import Executor, Worker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "PromptType"]
+__all__ = ["LLMEngine", "PromptType", "StepError"]
+
+
+class StepError(RuntimeError):
+    """A step raised: the requests it ran (``request_ids``) were aborted, the others are intact and the engine can
+    step on. The original error is ``__cause__``."""
+
+    def __init__(self, request_ids: list[str], error: Exception) -> None:
+        super().__init__(f"the step running request(s) {request_ids} failed: {error!r}")
+        self.request_ids = request_ids
 
 
 def make_executor(config: EngineConfig, model: str | PreTrainedModel) -> Executor:
@@ -162,11 +171,19 @@ class LLMEngine:
             if self.scheduler.has_unfinished_seqs():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []
-        runner_output = self.executor.execute_model(scheduler_output)
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        for hit in self.output_processor.process_tokens(updates):
-            self.scheduler.finish_seq(hit.seq, SequenceStatus.FINISHED_STOPPED, hit.stop, hit.num_tokens)
-        return self.output_processor.make_outputs(updates, finished_only)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+            updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+            for hit in self.output_processor.process_tokens(updates):
+                self.scheduler.finish_seq(hit.seq, SequenceStatus.FINISHED_STOPPED, hit.stop, hit.num_tokens)
+            return self.output_processor.make_outputs(updates, finished_only)
+        except Exception as error:
+            if not self.executor.is_recoverable(error):
+                raise
+            failed = scheduler_output.touched_requests()
+            logger.exception("a step failed; its %d request(s) are aborted and the engine goes on", len(failed))
+            self.abort_request(failed)
+            raise StepError(failed, error) from error
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

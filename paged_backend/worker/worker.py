@@ -38,6 +38,11 @@ class Executor(Protocol):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def is_recoverable(self, error: Exception) -> bool:
+        """Whether the engine can go on after ``execute_model`` raised ``error`` (failing only that step's
+        requests), or the device side is in an unknown state and the engine must stop."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -97,6 +102,14 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def is_recoverable(self, error: Exception) -> bool:
+        """Any error but the device's own: after an illegal address or a device-side assert the CUDA context is
+        lost for good, while an out-of-memory error or a bad value leaves the next step to run normally."""
+        if isinstance(error, torch.AcceleratorError):
+            return False
+        text = str(error)
+        return not ("CUDA error" in text or "device-side assert" in text)
 
     def shutdown(self) -> None:
         """Take LoRA's hooks off the model: it may be the user's and outlive the engine."""
