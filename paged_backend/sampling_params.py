@@ -40,18 +40,20 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.best_of is None and isinstance(self.n, int):
-            self.best_of = self.n
         self.validate()
 
     def validate(self) -> None:
-        """Raise a ``FieldError`` (a ValueError) naming the first bad field. The engine calls this again on its
-        own copy when a request is added, so fields changed after construction are checked too. Every bound is
-        what the sampler's tensors hold: counts and ids fit int64, float fields are finite in float32."""
+        """Resolve the defaults (``best_of`` from ``n``, one ``stop`` string to a list), then raise a
+        ``FieldError`` (a ValueError) naming the first bad field. The engine calls this again on its own copy
+        when a request is added, so fields changed after construction are checked too. Every bound is what the
+        sampler's tensors hold: counts and ids fit int64, float fields are finite in float32."""
         check_int("n", self.n, 1, MAX_INT64)
-        check_int("best_of", self.best_of, self.n, MAX_INT64)
+        if self.best_of is None:
+            self.best_of = self.n
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        best_of = self.best_of
+        check_int("best_of", best_of, self.n, MAX_INT64)
         check_float("temperature", self.temperature, 0.0, MAX_FLOAT32)
         check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_INT64:
@@ -63,7 +65,7 @@ class SamplingParams:
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_float("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         # each sample i draws from seed + i, which must fit torch's 64-bit seeds
-        check_int("seed", self.seed, 0, MAX_INT64 + 1 - self.best_of, allow_none=True)
+        check_int("seed", self.seed, 0, MAX_INT64 + 1 - best_of, allow_none=True)
         if not isinstance(self.stop, (list, tuple, type(None))) or not all(
             isinstance(s, str) and s for s in self.stop or []
         ):
@@ -88,7 +90,7 @@ class SamplingParams:
         check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
-        if self.best_of > self.n and self.greedy:
+        if best_of > self.n and self.greedy:
             raise FieldError(
                 "best_of", f"best_of must equal n when temperature is 0 (greedy), got best_of={self.best_of}"
             )
