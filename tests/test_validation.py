@@ -6,10 +6,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from paged_backend import LLM, LoRARequest, SamplingParams
 from paged_backend.config import EngineConfig
-from tests.conftest import assert_idle, tiny_model
+from tests.conftest import assert_idle, save_tiny_checkpoint, tiny_model
 
 
 @pytest.mark.parametrize(
@@ -104,7 +105,7 @@ def test_request_errors_leave_the_engine_clean(tokenizer) -> None:
         llm.generate({"prompt_token_ids": []}, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([good, good], [SamplingParams(), SamplingParams(), SamplingParams()], use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt"):
+    with pytest.raises(TypeError, match=r"prompts\[1\] must be a str or a dict"):
         llm.generate([good, 12], use_tqdm=False)
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(good, SamplingParams(stop_token_ids=[10**9]), use_tqdm=False)
@@ -155,3 +156,71 @@ def test_lora_request_import_paths() -> None:
 def test_import_is_light() -> None:
     code = "import sys, paged_backend; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "error", "message"),
+    [
+        (None, TypeError, "prompts must be a str, a dict .* got NoneType"),
+        (123, TypeError, "prompts must be .* got int"),
+        (b"hello", TypeError, "prompts must be .* got bytes"),
+        ([b"hello"], TypeError, r"prompts\[0\] must be .* got bytes"),
+        ({"prompt": 5}, TypeError, "prompt must be a str .* got int"),
+        ({"prompt_token_ids": "abc"}, TypeError, "prompt_token_ids must be a list of integers, got str"),
+        ({"prompt_token_ids": [5, 6.0]}, TypeError, "prompt_token_ids must be a list of integers, got an element 6.0"),
+        ({"prompt_token_ids": [True, 5]}, TypeError, "prompt_token_ids must be a list of integers"),
+        ({"x": 1}, ValueError, "a prompt dict must have a 'prompt' or a 'prompt_token_ids' key"),
+        ("caf\udce9", ValueError, "prompt is not valid Unicode: a lone surrogate '\\\\udce9' at character 3"),
+    ],
+)
+def test_bad_prompts_are_named(tokenizer, prompts, error, message) -> None:
+    llm = _llm(tokenizer)
+    with pytest.raises(error, match=message):
+        llm.generate(prompts, use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_surrogates_in_chat_messages_are_named(tokenizer) -> None:
+    with pytest.raises(ValueError, match="messages is not valid Unicode"):
+        _llm(tokenizer).chat([{"role": "user", "content": "hi \ud800"}], use_tqdm=False)
+
+
+def test_numpy_and_tensor_token_ids_are_accepted(tokenizer) -> None:
+    import numpy as np
+
+    llm = _llm(tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ids = [5, 6, 7, 8]
+    forms = [ids, np.array(ids), [np.int64(t) for t in ids], torch.tensor(ids), tuple(ids)]
+    outs = llm.generate([{"prompt_token_ids": form} for form in forms], params, use_tqdm=False)
+    assert all(out.prompt_token_ids == ids for out in outs)
+    assert len({tuple(out.outputs[0].token_ids) for out in outs}) == 1
+    with pytest.raises(TypeError, match="prompt_token_ids must be a list of integers, got ndarray"):
+        llm.generate({"prompt_token_ids": np.array([ids])}, use_tqdm=False)
+
+
+_SHARED: dict[str, LLM] = {}
+
+
+def _llm(tokenizer) -> LLM:
+    if "llm" not in _SHARED:
+        _SHARED["llm"] = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64)
+    return _SHARED["llm"]
+
+
+def test_a_missing_local_path_is_named_before_any_hub_lookup(tmp_path) -> None:
+    for missing in (str(tmp_path / "nope"), "./no/such/model", "~/no-such-model-here"):
+        with pytest.raises(FileNotFoundError, match="no such file or folder"):
+            LLM(missing)
+
+
+def test_max_model_len_is_checked_before_the_weights_load(tmp_path, monkeypatch) -> None:
+    save_tiny_checkpoint(tmp_path)
+    import paged_backend.engine.llm_engine as llm_engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded before max_model_len was checked")
+
+    monkeypatch.setattr(llm_engine, "make_executor", no_loading)
+    with pytest.raises(ValueError, match="max_model_len must be <= the model's maximum length"):
+        LLM(str(tmp_path), max_model_len=10**6)

@@ -4,13 +4,14 @@ bad request fails alone."""
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Mapping
 from typing import Protocol
 
 import torch
 
-from paged_backend.config import EngineConfig
+from paged_backend.config import EngineConfig, FieldError
 from paged_backend.core.sequence import Request, Sequence
 from paged_backend.lora.adapter import LoRAAdapter
 from paged_backend.lora.request import LoRARequest
@@ -27,6 +28,31 @@ class PromptTokenizer(Protocol):
 
 class AdapterSource(Protocol):
     def get(self, request: LoRARequest) -> LoRAAdapter: ...
+
+
+def check_text(name: str, text: str) -> None:
+    """Text a tokenizer can take: valid Unicode (a lone UTF-16 surrogate, as JSON's ``"\\ud800"`` decodes to,
+    is not, and tokenizers fail on it with an unrelated TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FieldError(
+            name, f"{name} is not valid Unicode: a lone surrogate {text[exc.start]!r} at character {exc.start}"
+        ) from None
+
+
+def token_id_list(ids: object) -> list[int]:
+    """Token ids as Python ints, from a list or tuple of integers (numpy's included), a 1-D numpy array or a
+    1-D tensor; anything else is a TypeError naming ``prompt_token_ids``."""
+    if not isinstance(ids, (list, tuple)) and hasattr(ids, "tolist") and getattr(ids, "ndim", None) == 1:
+        ids = ids.tolist()  # numpy array or tensor, without importing numpy
+    if not isinstance(ids, (list, tuple)) or any(isinstance(t, bool) for t in ids):
+        raise TypeError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    try:
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        bad = next(t for t in ids if not hasattr(t, "__index__"))
+        raise TypeError(f"prompt_token_ids must be a list of integers, got an element {bad!r}") from None
 
 
 class InputProcessor:
@@ -48,26 +74,24 @@ class InputProcessor:
         self._seq_ids = itertools.count()
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """A prompt is a string or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``."""
+        """A prompt is a string or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` (a list, tuple, numpy
+        array or tensor of integers). A wrong type is a TypeError naming the prompt; bad contents a ValueError."""
         text: object = prompt
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
-                    raise ValueError("prompt_token_ids must be a list of integers")
+                ids = token_id_list(prompt["prompt_token_ids"])
                 text = prompt.get("prompt")
-                return text if isinstance(text, str) else None, list(ids)
+                return text if isinstance(text, str) else None, ids
             if "prompt" not in prompt:
-                raise ValueError("a prompt dict must have a 'prompt' or a 'prompt_token_ids' key")
+                raise FieldError("prompt", "a prompt dict must have a 'prompt' or a 'prompt_token_ids' key")
             text = prompt["prompt"]
         if not isinstance(text, str):
-            raise ValueError(
+            raise TypeError(
                 f"prompt must be a str or a dict with 'prompt' or 'prompt_token_ids', got {type(text).__name__}"
             )
+        check_text("prompt", text)
         if self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer: pass tokenizer=... or use prompt_token_ids")
+            raise FieldError("prompt", "text prompts need a tokenizer: pass tokenizer=... or use prompt_token_ids")
         return text, list(self.tokenizer(text)["input_ids"])
 
     def process(
@@ -82,7 +106,9 @@ class InputProcessor:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise FieldError(
+                "sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
         else:
             params = params.clone()  # checked again (fields may have changed), and out of the caller's reach
         text, ids = self.tokenize(prompt)
@@ -112,27 +138,30 @@ class InputProcessor:
         if lora_request is None:
             return None
         if self.adapters is None:
-            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+            raise FieldError("lora_request", "lora_request needs LLM(..., enable_lora=True)")
         if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+            raise FieldError(
+                "lora_request", f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}"
+            )
         return self.adapters.get(lora_request)
 
     def _check(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
-            raise ValueError("prompt must contain at least one token")
+            raise FieldError("prompt", "prompt must contain at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise FieldError("prompt_token_ids", f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         max_model_len = self.config.max_model_len
         if len(ids) > max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={max_model_len}")
+            raise FieldError("prompt", f"prompt has {len(ids)} tokens, more than max_model_len={max_model_len}")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: pass tokenizer=... or use stop_token_ids")
+            raise FieldError("stop", "stop strings need a tokenizer: pass tokenizer=... or use stop_token_ids")
         bad = [t for t in params.stop_token_id_list if t >= self.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise FieldError("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         max_num_seqs = self.config.scheduler_config.max_num_seqs
         if params.num_samples > max_num_seqs:
-            raise ValueError(
-                f"best_of must be <= max_num_seqs={max_num_seqs} (its samples run together), got {params.best_of}"
+            raise FieldError(
+                "best_of",
+                f"best_of must be <= max_num_seqs={max_num_seqs} (its samples run together), got {params.best_of}",
             )

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from paged_backend.config import EngineConfig
 from paged_backend.engine.engine_loop import EngineLoop
+from paged_backend.engine.input_processor import check_text
 from paged_backend.engine.llm_engine import LLMEngine, PromptType
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
@@ -80,9 +81,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, (str, Mapping)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)
         params = [
             SamplingParams() if p is None else p
             for p in per_prompt("sampling_params", sampling_params, len(prompts), "one SamplingParams")
@@ -114,6 +113,9 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
+            if not isinstance(text, str):  # tokenize=False renders text
+                raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
+            check_text("messages", text)
             # The template already holds any BOS: do not add special tokens a second time.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
         return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
@@ -194,6 +196,25 @@ class LLM:
 
 
 PagedGenerationBackend = LLM
+
+
+def prompt_list(prompts: object) -> list[PromptType]:
+    """One prompt (a str or a dict) or a list of them, as a list; any other type is a TypeError naming it (bytes
+    and None included: iterating them would give a confusing error about their items)."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, (str, Mapping)):
+                raise TypeError(
+                    f"prompts[{i}] must be a str or a dict with 'prompt' or 'prompt_token_ids', "
+                    f"got {type(prompt).__name__}"
+                )
+        return list(prompts)
+    raise TypeError(
+        "prompts must be a str, a dict with 'prompt' or 'prompt_token_ids', or a list of them, "
+        f"got {type(prompts).__name__}"
+    )
 
 
 def per_prompt(name: str, value: Any, num_prompts: int, one: str) -> list[Any]:

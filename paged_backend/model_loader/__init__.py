@@ -20,11 +20,12 @@ from paged_backend.model_loader.hf import (
     load_hf_config,
     load_pretrained,
     load_tokenizer,
+    looks_local,
     model_max_length,
     resolve_device,
 )
 
-__all__ = ["load_model", "load_tokenizer", "model_max_length"]
+__all__ = ["load_hf_config", "load_model", "load_tokenizer", "looks_local", "model_max_length"]
 
 
 def load_model(

@@ -63,8 +63,19 @@ def resolve_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype | None, de
     return dtype
 
 
+def looks_local(name: str) -> bool:
+    """A name no hub id can be: absolute, ``./``, ``../`` or ``~`` first, or more than one ``/`` (hub ids are
+    ``name`` or ``owner/name``)."""
+    return os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1 or os.sep in name
+
+
 def _from_pretrained(loader: _Pretrained[_Loaded], name: str, **kwargs: Any) -> _Loaded:
-    """Prefer the local copy (a folder, or a hub id already in the cache) so nothing downloads needlessly."""
+    """Prefer the local copy (a folder, or a hub id already in the cache) so nothing downloads needlessly. A
+    path that does not exist is named as such at once, before transformers asks the hub about it (offline that
+    takes its retries, and ends in an error about a malformed repo id)."""
+    if looks_local(name) and not os.path.exists(os.path.expanduser(name)):
+        raise FileNotFoundError(f"{name!r}: no such file or folder")
+    name = os.path.expanduser(name) if looks_local(name) else name
     if os.path.isdir(name):
         return loader.from_pretrained(name, **kwargs)
     try:
@@ -172,9 +183,9 @@ def load_tokenizer(
     return _from_pretrained(AutoTokenizer, name, trust_remote_code=config.model_config.trust_remote_code)
 
 
-def model_max_length(model: PreTrainedModel) -> int | None:
+def model_max_length(model: PreTrainedModel | PretrainedConfig) -> int | None:
     """The context length the model's config declares, under whichever name its architecture uses."""
-    cfg = model.config.get_text_config()
+    cfg = (model if isinstance(model, PretrainedConfig) else model.config).get_text_config()
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(cfg, attr, None)
         if isinstance(value, int) and value > 0:

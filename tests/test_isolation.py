@@ -1,0 +1,183 @@
+"""No input can take the engine down: bad requests fail when added, a step that raises fails only the requests it
+ran (the engine steps on with the rest), and only an error of the device itself stops the engine loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.engine.engine_loop import EngineDeadError, RequestFailedError
+from paged_backend.engine.llm_engine import StepError
+from paged_backend.sampling_params import MAX_FLOAT32, MAX_INT64
+from tests.conftest import assert_idle, hf_greedy, tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+
+
+def make_llm(tokenizer, **kwargs) -> LLM:
+    kwargs = {"block_size": 4, "num_kv_blocks": 64, "max_model_len": 64, **kwargs}
+    return LLM(tiny_model("llama"), tokenizer=tokenizer, **kwargs)
+
+
+def fail_when(llm: LLM, request_id: str, error: Exception, times: int = 1) -> list[list[str]]:
+    """Make the executor raise ``error`` in the first ``times`` steps that run ``request_id``; returns the ids of
+    each failed step's requests."""
+    executor = llm.llm_engine.executor
+    original = executor.execute_model
+    failed: list[list[str]] = []
+
+    def execute_model(scheduler_output):
+        ids = [seq.request.request_id for seq in scheduler_output.seqs]
+        if request_id in ids and len(failed) < times:
+            failed.append(ids)
+            raise error
+        return original(scheduler_output)
+
+    executor.execute_model = execute_model  # type: ignore[method-assign]
+    return failed
+
+
+def test_a_failed_step_aborts_its_requests_and_the_engine_steps_on(tokenizer) -> None:
+    llm = make_llm(tokenizer)
+    engine = llm.llm_engine
+    failed = fail_when(llm, "b", ValueError("boom"))
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, GREEDY)
+    with pytest.raises(StepError, match="boom") as info:
+        engine.step()
+    assert sorted(info.value.request_ids) == ["a", "b"] == sorted(failed[0])
+    assert isinstance(info.value.__cause__, ValueError)
+    assert engine.requests == {}
+    assert_idle(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompt, 6)
+    assert_idle(llm)
+
+
+def test_direct_generate_raises_the_step_error_and_leaves_nothing_behind(tokenizer) -> None:
+    llm = make_llm(tokenizer)
+    fail_when(llm, "1", RuntimeError("boom"))  # LLM.generate numbers its requests 0, 1, ...
+    with pytest.raises(StepError, match="boom"):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.requests == {}
+    assert_idle(llm)
+
+
+def test_on_the_loop_only_the_failed_steps_requests_fail(tokenizer) -> None:
+    """One sequence a step: the failing step runs ``a`` alone, ``b`` (waiting behind it) completes, exactly."""
+    llm = make_llm(tokenizer, max_num_seqs=1)
+    loop = llm.engine_loop
+    fail_when(llm, "a", RuntimeError("boom"))
+    queues = loop.add_sync([("a", {"prompt_token_ids": PROMPTS[0]}), ("b", {"prompt_token_ids": PROMPTS[1]})], GREEDY)
+    with pytest.raises(RequestFailedError, match="request a failed: RuntimeError\\('boom'\\)"):
+        list(loop.stream_sync("a", queues[0]))
+    (*_, final) = loop.stream_sync("b", queues[1])
+    assert final.outputs[0].token_ids == hf_greedy(tiny_model("llama"), PROMPTS[1], 6)
+    assert loop.alive
+    (again,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)
+    assert again.outputs[0].token_ids == hf_greedy(tiny_model("llama"), PROMPTS[0], 6)
+    loop.call_sync(lambda engine: None)  # let the loop finish its bookkeeping
+    assert_idle(llm)
+    loop.shutdown()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("CUDA error: an illegal memory access was encountered"), torch.AcceleratorError("device lost")],
+    ids=["cuda-error-text", "AcceleratorError"],
+)
+def test_a_device_error_stops_the_loop_loudly(tokenizer, error: Exception) -> None:
+    llm = make_llm(tokenizer)
+    loop = llm.engine_loop
+    fail_when(llm, "a", error)
+    (queue,) = loop.add_sync([("a", {"prompt_token_ids": PROMPTS[0]})], GREEDY)
+    with pytest.raises(EngineDeadError):
+        list(loop.stream_sync("a", queue))
+    loop.thread.join(timeout=10)
+    assert not loop.alive
+    with pytest.raises(EngineDeadError):
+        loop.add_sync([("b", {"prompt_token_ids": PROMPTS[1]})], GREEDY)
+
+
+def test_sampling_params_changed_after_construction_are_checked_when_added(tokenizer) -> None:
+    llm = make_llm(tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    params.max_tokens = -5
+    with pytest.raises(ValueError, match="max_tokens must be an integer in \\[1, "):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    params.max_tokens, params.top_k = 3, 2**63
+    with pytest.raises(ValueError, match="top_k") as info:
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    assert info.value.field == "top_k"  # type: ignore[attr-defined]
+    assert_idle(llm)
+
+
+def test_a_request_keeps_the_parameters_it_was_added_with(tokenizer) -> None:
+    llm = make_llm(tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.llm_engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, params)
+    params.max_tokens = 40  # too late: the engine holds its own copy
+    finals = []
+    while llm.llm_engine.has_unfinished_requests():
+        finals += [o for o in llm.llm_engine.step() if o.finished]
+    assert len(finals[0].outputs[0].token_ids) == 3
+
+
+def test_largest_top_k_runs(tokenizer) -> None:
+    """The top_k that killed the engine (2**63, past int64) is refused; the largest that fits runs."""
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**63)
+    llm = make_llm(tokenizer)
+    (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(top_k=MAX_INT64, seed=1), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 16
+
+
+def _extreme_params() -> st.SearchStrategy[SamplingParams]:
+    """Every numeric field at or near its bounds."""
+    n = st.sampled_from([1, 2])
+    return n.flatmap(
+        lambda n: st.builds(
+            SamplingParams,
+            n=st.just(n),
+            temperature=st.sampled_from([0.0, 1e-6, 1.0, 1e30, MAX_FLOAT32]),
+            top_p=st.sampled_from([1e-30, 0.5, 1.0]),
+            top_k=st.sampled_from([-1, 0, 1, 511, 512, 10**6, MAX_INT64]),
+            min_p=st.sampled_from([0.0, 0.5, 1.0]),
+            presence_penalty=st.sampled_from([-2.0, 0.0, 2.0]),
+            frequency_penalty=st.sampled_from([-2.0, 2.0]),
+            repetition_penalty=st.sampled_from([1e-30, 1.0, 1e30]),
+            seed=st.sampled_from([None, 0, MAX_INT64 + 1 - n]),
+            stop_token_ids=st.sampled_from([[], [0, 511]]),
+            max_tokens=st.integers(1, 4),
+            min_tokens=st.integers(0, 1),
+            logprobs=st.sampled_from([None, 0, 20]),
+        ).filter(lambda p: p.min_tokens <= (p.max_tokens or 0) and not (p.greedy and p.n > 1))
+    )
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batch=st.lists(_extreme_params(), min_size=1, max_size=6))
+def test_extreme_sampling_params_never_break_a_step(tokenizer, batch: list[SamplingParams]) -> None:
+    llm = _shared_llm(tokenizer)
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(batch))]
+    outs = llm.generate(prompts, batch, use_tqdm=False)
+    for params, out in zip(batch, outs):
+        assert len(out.outputs) == params.n
+        for sample in out.outputs:
+            assert 1 <= len(sample.token_ids) <= params.max_tokens
+            assert all(0 <= t < 512 for t in sample.token_ids)
+    assert_idle(llm)
+
+
+_LLMS: dict[str, LLM] = {}
+
+
+def _shared_llm(tokenizer) -> LLM:
+    if "llm" not in _LLMS:
+        _LLMS["llm"] = make_llm(tokenizer, num_kv_blocks=128)
+    return _LLMS["llm"]
