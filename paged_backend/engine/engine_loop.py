@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from paged_backend.engine.llm_engine import StepError
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
@@ -301,6 +303,14 @@ class EngineLoop:
         return self.engine.step(finished_only=not every_step)
 
     def _run(self) -> None:
+        if self.engine.device.type == "cpu":
+            # The thread that loaded the model already has an OpenMP team of all the cores. A second team here puts
+            # more OpenMP threads than cores in the process, and libgomp then parks its threads after every parallel
+            # region instead of spinning: each of a step's thousands of small ops pays a wake-up, and the engine
+            # ran at half the speed of the same engine stepped from the caller's own thread. One thread here keeps
+            # the process at one team (``torch.set_num_threads`` is per thread for OpenMP; for MKL it is
+            # process-wide).
+            torch.set_num_threads(1)
         error: BaseException | None = None
         while not self.stopped:
             self.wake.wait()
