@@ -28,7 +28,6 @@ from pydantic import (
 
 from paged_backend.sampling_params import (
     MAX_FLOAT32,
-    MAX_INT64,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
@@ -45,6 +44,10 @@ MAX_STOP = 4  # OpenAI's "up to 4 sequences"
 # HTTP request can queue (times ``best_of``).
 MAX_PROMPTS = 2048
 
+# int64 bounds are stated as ``< 2**63`` (exclusiveMaximum): 2**63 is exact in a double, 2**63 - 1 is not, and
+# clients (and fuzzers) that read JSON numbers as doubles would round the inclusive bound past int64.
+INT64_END = 2**63
+
 MODEL_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
@@ -60,7 +63,7 @@ def _no_lone_surrogates(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
 StopString = Annotated[str, Field(min_length=1), AfterValidator(_no_lone_surrogates)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_INT64)]
+TokenId = Annotated[int, Field(ge=0, lt=INT64_END)]
 
 
 def _prompt_form(value: Any) -> str | None:
@@ -73,8 +76,8 @@ def _prompt_form(value: Any) -> str | None:
             return "texts"
         if isinstance(first, list):
             return "token_id_lists"
-        if isinstance(first, int) and not isinstance(first, bool):
-            return "token_ids"
+        if isinstance(first, int | float) and not isinstance(first, bool):
+            return "token_ids"  # a float is a token id of the wrong type: its error names its index
     return None
 
 
@@ -119,7 +122,7 @@ class SamplingFields(BaseModel):
     model_config = MODEL_CONFIG
 
     model: Text
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT64)
+    max_tokens: int | None = Field(default=None, ge=1, lt=INT64_END)
     temperature: float = Field(default=1.0, ge=0.0, le=MAX_FLOAT32)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -129,12 +132,12 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = Field(default=None, description="only with stream: true")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, ge=0, le=MAX_INT64, description="at most 2**63 - best_of")
+    seed: int | None = Field(default=None, ge=0, lt=INT64_END, description="at most 2**63 - best_of")
     user: Text | None = None
-    top_k: int = Field(default=-1, ge=-1, le=MAX_INT64, description="-1 or 0: off")
+    top_k: int = Field(default=-1, ge=-1, lt=INT64_END, description="-1 or 0: off")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
-    min_tokens: int = Field(default=0, ge=0, le=MAX_INT64, description="at most max_tokens")
+    min_tokens: int = Field(default=0, ge=0, lt=INT64_END, description="at most max_tokens")
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
 
@@ -179,12 +182,24 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="only with logprobs: true")
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT64)
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="above 0 only with logprobs: true"
+    )
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, lt=INT64_END, description="OpenAI's newer name of max_tokens; give one, or both equal"
+    )
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and info.data.get("logprobs") is not True:
-            raise ValueError("top_logprobs needs logprobs: true")
+        if value and info.data.get("logprobs") is not True:  # 0 asks for nothing (as in vLLM)
+            raise ValueError("top_logprobs > 0 needs logprobs: true")
+        return value
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and value != other:
+            raise ValueError(f"max_tokens is {other}: give one of max_tokens and max_completion_tokens, not both")
         return value
