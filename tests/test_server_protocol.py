@@ -365,3 +365,16 @@ def test_schema_without_a_key_has_no_401(tokenizer) -> None:
     schema = app.openapi()
     assert "401" not in schema["paths"]["/v1/completions"]["post"]["responses"]
     assert "securitySchemes" not in schema["components"]
+
+
+@pytest.mark.xfail(strict=True, reason="the engine's input checks (input_processor.py) raise a plain ValueError")
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (completion(prompt=[5] * (MAX_MODEL_LEN + 1), max_tokens=None), "prompt"),
+        (completion(prompt=[10**6]), "prompt"),
+        (completion(stop_token_ids=[10**6]), "stop_token_ids"),
+    ],
+)
+def test_the_engines_refusals_name_their_field(client, body: dict, param: str) -> None:
+    assert error_of(post(client, "/v1/completions", body))["param"] == param
