@@ -51,7 +51,8 @@ def completion_logprobs(c: CompletionOutput, decode: Decode, start: int = 0, off
         piece = _text(token_id, chosen, decode)
         tokens.append(piece)
         token_logprobs.append(finite(chosen.logprob) if chosen is not None else None)
-        top.append({_text(t, lp, decode): finite(lp.logprob) for t, lp in _by_rank(entry)})
+        # keyed by text, as OpenAI's format is; a token without text is keyed by its id, not merged with others
+        top.append({_text(t, lp, decode) or str(t): finite(lp.logprob) for t, lp in _by_rank(entry)})
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
