@@ -112,7 +112,7 @@ def test_error_bodies(server, client) -> None:
         client.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=10**9)
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
-    with pytest.raises(openai.BadRequestError, match="prompt must not be empty"):
+    with pytest.raises(openai.BadRequestError, match="prompt: must be a string"):
         client.completions.create(model=NAME, prompt=[], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body={"temperature": "hot"})

@@ -4,10 +4,12 @@
     python -m paged_backend.entrypoints.openai.api_server --model MODEL [vLLM's flags]
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with
-server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus). Errors are OpenAI error bodies: 400 for
-invalid parameters (FastAPI's 422 included) and prompts longer than ``max_model_len``, 401 for a wrong API key,
-404 for an unknown model, 429 when ``--max-waiting-requests`` are already waiting, 503 when the engine loop has
-died. A client that disconnects mid-stream aborts its request, which frees its blocks at once.
+server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus). Errors are OpenAI error bodies
+(``errors.py``): 400 naming the field for invalid parameters and prompts longer than ``max_model_len``, 401 for
+a missing or wrong API key (``auth.py``), 404 for an unknown model, 429 when ``--max-waiting-requests`` are
+already waiting, 500 when the engine failed a request, 503 when the engine loop has died; ``/openapi.json``
+documents each (``openapi.py``). A client that disconnects mid-stream aborts its request, which frees its blocks
+at once.
 """
 
 from __future__ import annotations
@@ -21,20 +23,29 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
+from paged_backend.entrypoints.openai import openapi
+from paged_backend.entrypoints.openai.auth import APIKeyMiddleware
 from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
-from paged_backend.entrypoints.openai.errors import APIError, error_body
+from paged_backend.entrypoints.openai.errors import APIError, SafeJSONResponse, install_error_handlers
+from paged_backend.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from paged_backend.entrypoints.openai.metrics import ServerMetrics
 from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from paged_backend.entrypoints.openai.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    Health,
+    ModelList,
+)
 from paged_backend.entrypoints.openai.streams import guarded, merge, sse
 from paged_backend.lora.request import LoRARequest
-from paged_backend.outputs import CompletionOutput, RequestOutput
+from paged_backend.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -63,11 +74,10 @@ class OpenAIServer:
             llm.llm_engine.lora_manager.get(lora)
 
     # ------------------------------------------------------------------ checks
-    def check(self, request: Request, body: SamplingFields | None = None) -> None:
-        if self.args.api_key is not None:
-            if request.headers.get("authorization") != f"Bearer {self.args.api_key}":
-                raise APIError(401, "invalid API key", "authentication_error")
-        if body is not None and body.model != self.args.model_name and body.model not in self.loras:
+    def check(self, body: SamplingFields | None = None) -> None:
+        """The model exists (its served name, the ``--model`` it was loaded from as vLLM names it, or an
+        adapter's name) and the engine runs. The API key was checked before the body was read (``auth.py``)."""
+        if body is not None and body.model not in (self.args.model_name, self.args.model, *self.loras):
             raise APIError(404, f"The model `{body.model}` does not exist.", "not_found_error", "model")
         if not self.loop.alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
@@ -132,7 +142,7 @@ class OpenAIServer:
                     {
                         "index": i * body.n + c.index,
                         "text": echo + c.text,
-                        "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None,
+                        "logprobs": completion_logprobs(c, self._decode) if body.logprobs is not None else None,
                         "finish_reason": c.finish_reason,
                     }
                 )
@@ -156,7 +166,7 @@ class OpenAIServer:
                 if delta or c.finish_reason or len(c.token_ids) > tokens:
                     logprobs = None
                     if body.logprobs is not None:
-                        logprobs = self._completion_logprobs(c, tokens, offsets.get(key, 0))
+                        logprobs = completion_logprobs(c, self._decode, tokens, offsets.get(key, 0))
                         offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs["tokens"])
                     choice = {
                         "index": i * body.n + c.index,
@@ -205,7 +215,7 @@ class OpenAIServer:
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(c) if body.logprobs else None,
+                "logprobs": chat_logprobs(c, self._decode, body.top_logprobs or 0) if body.logprobs else None,
                 "finish_reason": c.finish_reason,
             }
             for c in final.outputs
@@ -230,7 +240,9 @@ class OpenAIServer:
                     choice = {
                         "index": c.index,
                         "delta": {"content": delta_text} if delta_text else {},
-                        "logprobs": self._chat_logprobs(c, tokens) if body.logprobs else None,
+                        "logprobs": (
+                            chat_logprobs(c, self._decode, body.top_logprobs or 0, tokens) if body.logprobs else None
+                        ),
                         "finish_reason": c.finish_reason,
                     }
                     yield sse({**base, "choices": [choice]})
@@ -254,38 +266,6 @@ class OpenAIServer:
     def _decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
-    def _completion_logprobs(self, c: CompletionOutput, start: int = 0, offset: int = 0) -> dict[str, Any]:
-        """OpenAI's logprobs of tokens ``start:`` (a stream's new ones); ``offset``: where their text begins."""
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-            piece = entry[token_id].decoded_token if token_id in entry else self._decode([token_id])
-            tokens.append(piece or "")
-            token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
-            top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()})
-            offsets.append(offset)
-            offset += len(piece or "")
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-    def _chat_logprobs(self, c: CompletionOutput, start: int = 0) -> dict[str, Any]:
-        content = []
-        for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-            chosen = entry.get(token_id)
-            piece = (chosen.decoded_token if chosen else None) or self._decode([token_id])
-            others = []
-            for t, lp in entry.items():
-                if t != token_id:
-                    text = lp.decoded_token or ""
-                    others.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode())})
-            content.append(
-                {
-                    "token": piece,
-                    "logprob": chosen.logprob if chosen else None,
-                    "bytes": list(piece.encode()),
-                    "top_logprobs": others,
-                }
-            )
-        return {"content": content}
-
 
 def usage(outputs: list[RequestOutput]) -> dict[str, int]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
@@ -301,39 +281,32 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
         yield
         server.loop.shutdown()
 
-    app = FastAPI(title="paged-backend", description="OpenAI-compatible API over the paged engine", lifespan=lifespan)
+    app = FastAPI(
+        title="paged-backend",
+        description="OpenAI-compatible API over the paged engine",
+        lifespan=lifespan,
+        default_response_class=SafeJSONResponse,
+    )
     app.state.server = server
+    install_error_handlers(app)
+    if args.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    engine = llm.llm_engine
+    limits = openapi.ModelLimits(engine.vocab_size, server.max_model_len, engine.config.scheduler_config.max_num_seqs)
+    openapi.install_openapi(app, limits, secured=args.api_key is not None)
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_body(exc.status, exc.message, exc.type, exc.param)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_body(503, str(exc), "service_unavailable")
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return error_body(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error", where)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_body(exc.status_code, str(exc.detail), "invalid_request_error")
-
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
     async def health() -> JSONResponse:
         ok = server.loop.alive
         return JSONResponse({"status": "ok" if ok else "engine stopped"}, 200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=openapi.PROMETHEUS)
     async def metrics() -> Response:
         return Response(server.metrics.render(await server.loop.stats()), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        server.check(request)
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **openapi.error_responses(503)})
+    async def models() -> dict[str, Any]:
+        server.check()
         card = {
             "id": args.model_name,
             "object": "model",
@@ -344,14 +317,18 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
         adapters = [{**card, "id": name, "parent": args.model_name} for name in server.loras]
         return {"object": "list", "data": [card, *adapters]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=openapi.streamed(CompletionResponse, CompletionChunk))
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        server.check(request, body)
+        server.check(body)
         return await server.completions(body)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=openapi.streamed(ChatCompletionResponse, ChatCompletionChunk),
+    )
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        server.check(request, body)
+        server.check(body)
         return await server.chat(body)
 
     return app

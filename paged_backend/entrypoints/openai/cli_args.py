@@ -51,8 +51,16 @@ class ServerArgs:
 
     @property
     def model_name(self) -> str:
-        """The name clients use in ``model``: ``--served-model-name``, else the model path."""
-        return self.served_model_name or self.model
+        """The name clients use in ``model`` (and ``/v1/models`` and the metrics' labels show):
+        ``--served-model-name``, else the folder's name when the model is a local path (the path itself would
+        tell every client the server's filesystem layout), else the hub id as given. Requests may still name the
+        model as ``--model`` gave it, as vLLM's clients do."""
+        if self.served_model_name:
+            return self.served_model_name
+        path = os.path.expanduser(self.model)
+        if os.path.isabs(self.model) or self.model.startswith(("./", "../", "~")) or os.path.exists(path):
+            return os.path.basename(os.path.abspath(path)) or self.model
+        return self.model
 
 
 def _lora_module(value: str) -> tuple[str, str]:

@@ -1,51 +1,156 @@
 """Request bodies of the OpenAI API (the fields this server honours; any other field is a 400 naming it), and
-their translation into ``SamplingParams``."""
+their translation into ``SamplingParams``.
+
+Types are strict, as OpenAI's are: ``"5"``, ``true`` or ``5.0`` is not an integer, ``"yes"`` is not a boolean
+(an integer is a number, so ``temperature: 1`` is fine). Every bound ``SamplingParams`` enforces that depends on
+one field alone is a schema constraint here, so the OpenAPI schema tells clients the allowed values before they
+send them; the rules that tie two fields together (``best_of`` >= ``n``, ``min_tokens`` <= ``max_tokens``, a
+prompt plus ``max_tokens`` within ``max_model_len``, ``stream_options`` only with ``stream``) are checked at
+request time, each a 400 naming its field. Text fields refuse lone UTF-16 surrogates (``"\\ud800"`` is valid
+JSON but not Unicode text: no tokenizer can encode it)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
 
-from paged_backend.sampling_params import SamplingParams
+from paged_backend.sampling_params import (
+    MAX_FLOAT32,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+MAX_N = 128  # OpenAI's bound on ``n``; ``best_of`` has the same (each sample is a sequence in one batch)
+MAX_STOP = 4  # OpenAI's "up to 4 sequences"
+# Prompts in one /v1/completions request: OpenAI's bound on array inputs (the embeddings ``input``), as it
+# states none for completions; each prompt is a request of its own in the engine, so this bounds the work one
+# HTTP request can queue (times ``best_of``).
+MAX_PROMPTS = 2048
+
+# int64 bounds are stated as ``< 2**63`` (exclusiveMaximum): 2**63 is exact in a double, 2**63 - 1 is not, and
+# clients (and fuzzers) that read JSON numbers as doubles would round the inclusive bound past int64.
+INT64_END = 2**63
+
+MODEL_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _no_lone_surrogates(value: str) -> str:
+    match = _LONE_SURROGATE.search(value)
+    if match is not None:
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate (U+{ord(match.group()):04X}) at character {match.start()}: "
+            "not Unicode text"
+        )
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
+StopString = Annotated[str, Field(min_length=1), AfterValidator(_no_lone_surrogates)]
+TokenId = Annotated[int, Field(ge=0, lt=INT64_END)]
+
+
+def _prompt_form(value: Any) -> str | None:
+    """Which of the four prompt forms ``value`` is (by its first item), or None for none of them."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, str):
+            return "texts"
+        if isinstance(first, list):
+            return "token_id_lists"
+        if isinstance(first, int | float) and not isinstance(first, bool):
+            return "token_ids"  # a float is a token id of the wrong type: its error names its index
+    return None
+
+
+Prompt = Annotated[
+    Annotated[Text, Tag("text")]
+    | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS), Tag("texts")]
+    | Annotated[list[TokenId], Field(min_length=1), Tag("token_ids")]
+    | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]],
+        Field(min_length=1, max_length=MAX_PROMPTS),
+        Tag("token_id_lists"),
+    ],
+    Discriminator(
+        _prompt_form,
+        custom_error_type="prompt_form",
+        custom_error_message=(
+            "must be a string, a list of 1 to 2048 strings, a non-empty list of token ids, "
+            "or a list of 1 to 2048 non-empty lists of token ids"
+        ),
+    ),
+]
+
+
+Stop = Annotated[
+    Annotated[StopString, Tag("string")] | Annotated[list[StopString], Field(max_length=MAX_STOP), Tag("list")],
+    Discriminator(
+        lambda value: "string" if isinstance(value, str) else "list" if isinstance(value, list) else None,
+        custom_error_type="stop_form",
+        custom_error_message=f"must be a non-empty string or a list of at most {MAX_STOP} non-empty strings",
+    ),
+]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = MODEL_CONFIG
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = MODEL_CONFIG
 
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = Field(default=1, ge=1)
-    best_of: int | None = None
-    stop: str | list[str] | None = None
+    model: Text
+    max_tokens: int | None = Field(default=None, ge=1, lt=INT64_END)
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_FLOAT32)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="at least n; equal to n when greedy")
+    stop: Stop | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    user: str | None = None
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    stream_options: StreamOptions | None = Field(default=None, description="only with stream: true")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=0, lt=INT64_END, description="at most 2**63 - best_of")
+    user: Text | None = None
+    top_k: int = Field(default=-1, ge=-1, lt=INT64_END, description="-1 or 0: off")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    min_tokens: int = Field(default=0, ge=0, lt=INT64_END, description="at most max_tokens")
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and info.data.get("stream") is not True:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return value
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Every field named like a SamplingParams field carries over; raises ValueError naming the field when a
-        value is out of range (a 400)."""
+        """Every field named like a SamplingParams field carries over; raises ``FieldError`` (a ValueError
+        naming the field in ``.field``) when a value breaks a rule between fields (a 400)."""
         shared = _SAMPLING_FIELDS.intersection(type(self).model_fields) - {"max_tokens", "logprobs"}
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         values = {name: getattr(self, name) for name in shared}
@@ -53,8 +158,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0)
+    prompt: Prompt
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
     def prompts(self) -> list[dict[str, Any]]:
@@ -68,14 +173,33 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = MODEL_CONFIG
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | None = None
-    name: str | None = None
+    content: Text | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="above 0 only with logprobs: true"
+    )
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, lt=INT64_END, description="OpenAI's newer name of max_tokens; give one, or both equal"
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and info.data.get("logprobs") is not True:  # 0 asks for nothing (as in vLLM)
+            raise ValueError("top_logprobs > 0 needs logprobs: true")
+        return value
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and value != other:
+            raise ValueError(f"max_tokens is {other}: give one of max_tokens and max_completion_tokens, not both")
+        return value
