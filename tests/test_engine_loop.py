@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from paged_backend.engine.engine_loop import EngineDeadError, EngineLoop, QueueFullError
 from paged_backend.outputs import CompletionOutput, RequestOutput
@@ -23,6 +24,7 @@ class ScriptedEngine:
 
     def __init__(self, fail_step: bool = False) -> None:
         self.requests: dict[str, list[int]] = {}
+        self.device = torch.device("cpu")
         self.scheduler = SimpleNamespace(waiting=[])
         self.gate: threading.Event | None = None
         self.in_step = threading.Event()

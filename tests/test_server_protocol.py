@@ -367,7 +367,6 @@ def test_schema_without_a_key_has_no_401(tokenizer) -> None:
     assert "securitySchemes" not in schema["components"]
 
 
-@pytest.mark.xfail(strict=True, reason="the engine's input checks (input_processor.py) raise a plain ValueError")
 @pytest.mark.parametrize(
     ("body", "param"),
     [

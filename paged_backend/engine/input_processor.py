@@ -150,7 +150,7 @@ class InputProcessor:
             raise FieldError("prompt", "prompt must contain at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise FieldError("prompt_token_ids", f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise FieldError("prompt", f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         max_model_len = self.config.max_model_len
         if len(ids) > max_model_len:
             raise FieldError("prompt", f"prompt has {len(ids)} tokens, more than max_model_len={max_model_len}")
