@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,12 +31,13 @@ from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
 from paged_backend.entrypoints.openai.errors import APIError, error_body
 from paged_backend.entrypoints.openai.metrics import ServerMetrics
 from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from paged_backend.entrypoints.openai.streams import guarded, merge, sse
+from paged_backend.entrypoints.openai.serving_chat import OpenAIServingChat
+from paged_backend.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from paged_backend.entrypoints.openai.streams import guarded
 from paged_backend.lora.request import LoRARequest
 from paged_backend.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class OpenAIServer:
@@ -109,138 +109,8 @@ class OpenAIServer:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         return [self.loop.stream(request_id, queue) for (request_id, _), queue in zip(requests, queues)]
 
-    # ------------------------------------------------------------------ completions
-    async def completions(self, body: CompletionRequest) -> Any:
-        try:
-            params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_request_error") from exc
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await self.start(body.prompts(), params, rid, body.max_tokens, body.model)
-        base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
-        if body.stream:
-            return self._streaming(self._stream_completions(body, streams, base), rid, len(streams))
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
-            finals[i] = out
-        outputs = [finals[i] for i in range(len(streams))]
-        choices = []
-        for i, out in enumerate(outputs):
-            echo = (out.prompt or self._decode(out.prompt_token_ids)) if body.echo else ""
-            for c in out.outputs:
-                choices.append(
-                    {
-                        "index": i * body.n + c.index,
-                        "text": echo + c.text,
-                        "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
-        return {**base, "choices": choices, "usage": usage(outputs)}
-
-    async def _stream_completions(
-        self, body: CompletionRequest, streams: list[AsyncIterator[RequestOutput]], base: dict[str, Any]
-    ) -> AsyncIterator[str]:
-        sent: dict[tuple[int, int], tuple[int, int]] = {}  # (request, sample) -> (characters, tokens) sent
-        offsets: dict[tuple[int, int], int] = {}  # where the next token's text starts (as in the whole response)
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
-            for c in out.outputs:
-                key = (i, c.index)
-                echo = ""
-                if body.echo and key not in sent:
-                    echo = out.prompt or self._decode(out.prompt_token_ids)
-                chars, tokens = sent.get(key, (0, 0))
-                delta = echo + c.text[chars:]
-                sent[key] = (len(c.text), len(c.token_ids))
-                if delta or c.finish_reason or len(c.token_ids) > tokens:
-                    logprobs = None
-                    if body.logprobs is not None:
-                        logprobs = self._completion_logprobs(c, tokens, offsets.get(key, 0))
-                        offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs["tokens"])
-                    choice = {
-                        "index": i * body.n + c.index,
-                        "text": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                    }
-                    yield sse({**base, "choices": [choice]})
-            if out.finished:
-                finals[i] = out
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse({**base, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])})
-        yield "data: [DONE]\n\n"
-
-    # ------------------------------------------------------------------ chat
-    async def chat(self, body: ChatCompletionRequest) -> Any:
-        if self.tokenizer is None:
-            raise APIError(400, "chat needs a tokenizer", "invalid_request_error")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=self.chat_template
-            )
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
-            raise APIError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.max_model_len - len(ids))
-        top = body.top_logprobs if body.logprobs else None
-        if body.logprobs and top is None:
-            top = 0
-        try:
-            params = body.model_copy(update={"max_tokens": max_tokens}).sampling_params(max_tokens, top)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_request_error") from exc
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        requested = body.max_completion_tokens or body.max_tokens
-        streams = await self.start([{"prompt": text, "prompt_token_ids": ids}], params, rid, requested, body.model)
-        base = {"id": rid, "created": created, "model": body.model}
-        if body.stream:
-            return self._streaming(self._stream_chat(body, streams[0], base), rid, 1)
-        final = None
-        async for _, out in merge(streams):
-            final = out
-        assert final is not None, "a request's stream ends with its final output"
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._chat_logprobs(c) if body.logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in final.outputs
-        ]
-        return {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
-
-    async def _stream_chat(
-        self, body: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], base: dict[str, Any]
-    ) -> AsyncIterator[str]:
-        base = {**base, "object": "chat.completion.chunk"}
-        for j in range(body.n):
-            delta = {"role": "assistant", "content": ""}
-            yield sse({**base, "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}]})
-        sent: dict[int, tuple[int, int]] = {}  # sample -> (characters, tokens) sent
-        final = None
-        async for _, out in merge([stream]):
-            for c in out.outputs:
-                chars, tokens = sent.get(c.index, (0, 0))
-                delta_text = c.text[chars:]
-                sent[c.index] = (len(c.text), len(c.token_ids))
-                if delta_text or c.finish_reason or len(c.token_ids) > tokens:
-                    choice = {
-                        "index": c.index,
-                        "delta": {"content": delta_text} if delta_text else {},
-                        "logprobs": self._chat_logprobs(c, tokens) if body.logprobs else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    yield sse({**base, "choices": [choice]})
-            final = out
-        if body.stream_options is not None and body.stream_options.include_usage and final is not None:
-            yield sse({**base, "choices": [], "usage": usage([final])})
-        yield "data: [DONE]\n\n"
-
     # ------------------------------------------------------------------ helpers
-    def _streaming(self, events: AsyncIterator[str], prefix: str, count: int) -> StreamingResponse:
+    def streaming(self, events: AsyncIterator[str], prefix: str, count: int) -> StreamingResponse:
         """An SSE response whose requests are aborted once it ends, however it ends: Starlette may drop a body it
         never started iterating (the client left first), and then the streams' own cleanup never runs."""
         request_ids = [f"{prefix}-{i}" for i in range(count)]
@@ -251,14 +121,14 @@ class OpenAIServer:
 
         return StreamingResponse(guarded(events), media_type="text/event-stream", background=BackgroundTask(abort_all))
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
     def _completion_logprobs(self, c: CompletionOutput, start: int = 0, offset: int = 0) -> dict[str, Any]:
         """OpenAI's logprobs of tokens ``start:`` (a stream's new ones); ``offset``: where their text begins."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-            piece = entry[token_id].decoded_token if token_id in entry else self._decode([token_id])
+            piece = entry[token_id].decoded_token if token_id in entry else self.decode([token_id])
             tokens.append(piece or "")
             token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
             top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()})
@@ -270,7 +140,7 @@ class OpenAIServer:
         content = []
         for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
             chosen = entry.get(token_id)
-            piece = (chosen.decoded_token if chosen else None) or self._decode([token_id])
+            piece = (chosen.decoded_token if chosen else None) or self.decode([token_id])
             others = []
             for t, lp in entry.items():
                 if t != token_id:
@@ -287,14 +157,9 @@ class OpenAIServer:
         return {"content": content}
 
 
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 def build_app(llm: Any, args: ServerArgs) -> FastAPI:
     server = OpenAIServer(llm, args)
+    serving_completion, serving_chat = OpenAIServingCompletion(server), OpenAIServingChat(server)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -347,12 +212,12 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         server.check(request, body)
-        return await server.completions(body)
+        return await serving_completion.create_completion(body)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         server.check(request, body)
-        return await server.chat(body)
+        return await serving_chat.create_chat_completion(body)
 
     return app
 
