@@ -6,8 +6,10 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with
 server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus). Errors are OpenAI error bodies: 400 for
 invalid parameters (FastAPI's 422 included) and prompts longer than ``max_model_len``, 401 for a wrong API key,
-404 for an unknown model, 429 when ``--max-waiting-requests`` are already waiting, 503 when the engine loop has
-died. A client that disconnects mid-stream aborts its request, which frees its blocks at once.
+404 for an unknown model, 413 for a body over ``--max-request-body-mb``, 429 when ``--max-waiting-requests`` are
+already waiting, 503 when the engine loop has died or the server is shutting down. A client that disconnects
+(mid-stream, or while it waits for a whole response) aborts its request, which frees its blocks at once. SIGTERM
+and Ctrl-C shut down gracefully (``shutdown.py``).
 """
 
 from __future__ import annotations
@@ -15,27 +17,40 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
+MODULE_PROG = "python -m paged_backend.entrypoints.openai.api_server"
 
-from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
-from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
-from paged_backend.entrypoints.openai.errors import APIError, error_body
-from paged_backend.entrypoints.openai.metrics import ServerMetrics
-from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from paged_backend.entrypoints.openai.serving_chat import OpenAIServingChat
-from paged_backend.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from paged_backend.entrypoints.openai.streams import guarded
-from paged_backend.lora.request import LoRARequest
-from paged_backend.outputs import CompletionOutput, RequestOutput
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST
+    from starlette.background import BackgroundTask
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
+    from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
+    from paged_backend.entrypoints.openai.disconnect import with_cancellation
+    from paged_backend.entrypoints.openai.errors import APIError, error_body
+    from paged_backend.entrypoints.openai.limits import MIB, RequestBodyLimit
+    from paged_backend.entrypoints.openai.metrics import ServerMetrics
+    from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+    from paged_backend.entrypoints.openai.serving_chat import OpenAIServingChat
+    from paged_backend.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from paged_backend.entrypoints.openai.streams import guarded, merge
+    from paged_backend.entrypoints.openai.tokenization import ServerTokenizer
+    from paged_backend.lora.request import LoRARequest
+    from paged_backend.outputs import CompletionOutput, RequestOutput
+except ModuleNotFoundError as exc:  # ``python -m`` without the [server] extra: one line, as ``serve`` gives
+    if __name__ != "__main__":
+        raise
+    from paged_backend.entrypoints.cli import missing_extra
+
+    raise missing_extra(exc, MODULE_PROG) from None
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +62,8 @@ class OpenAIServer:
         self.llm = llm
         self.args = args
         self.tokenizer = llm.get_tokenizer()
+        self.tokenization = None if self.tokenizer is None else ServerTokenizer(self.tokenizer)
+        self.draining = False  # set on SIGTERM / SIGINT: new requests get 503, those in flight go on
         self.max_model_len = llm.llm_engine.max_model_len
         self.metrics = ServerMetrics(args.model_name)
         self.loop = llm.start_engine_loop(
@@ -82,12 +99,18 @@ class OpenAIServer:
     ) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt now, so the engine batches them and a bad one fails (as a 400, 429 or 503) before
         any response is sent; then return their output streams. As in vLLM, a prompt plus the ``max_tokens`` a
-        client asked for must fit in ``max_model_len`` (a default ``max_tokens`` just stops there)."""
+        client asked for must fit in ``max_model_len`` (a default ``max_tokens`` just stops there). Every text's
+        length is checked before any is tokenized, so a batch holding one hopeless prompt costs nothing."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
         if not prompts:
             raise APIError(400, "prompt must not be empty", "invalid_request_error", "prompt")
         for prompt in prompts:
-            if "prompt_token_ids" not in prompt and self.tokenizer is not None:
-                prompt["prompt_token_ids"] = list(self.tokenizer(prompt["prompt"]).input_ids)  # as the engine would
+            if "prompt_token_ids" not in prompt:
+                self.check_length_bound(prompt["prompt"], requested_max_tokens, "prompt")
+        for prompt in prompts:
+            if "prompt_token_ids" not in prompt and self.tokenization is not None:
+                prompt["prompt_token_ids"] = await self.tokenization.encode(prompt["prompt"])  # as the engine would
             length = len(prompt.get("prompt_token_ids", ()))
             if requested_max_tokens is not None and length + requested_max_tokens > self.max_model_len:
                 raise APIError(
@@ -108,6 +131,53 @@ class OpenAIServer:
                 raise APIError(503, str(exc), "service_unavailable") from exc
             raise APIError(400, str(exc), "invalid_request_error") from exc
         return [self.loop.stream(request_id, queue) for (request_id, _), queue in zip(requests, queues)]
+
+    def check_length_bound(self, text: str, requested_max_tokens: int | None, param: str) -> None:
+        """A 400 for a text whose length alone proves it too long for ``max_model_len``: before tokenizing it."""
+        if self.tokenization is None:
+            return
+        at_least = self.tokenization.min_tokens(text)
+        if at_least + (requested_max_tokens or 0) > self.max_model_len:
+            completion = f", plus {requested_max_tokens} in the completion" if requested_max_tokens else ""
+            raise APIError(
+                400,
+                f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens. However, "
+                f"the prompt has {len(text)} characters, so at least {at_least} tokens (no token of this tokenizer "
+                f"spans more than {self.tokenization.max_chars_per_token} characters){completion}. Please reduce "
+                "the length of the prompt or completion.",
+                "invalid_request_error",
+                param,
+            )
+
+    async def collect(self, streams: list[AsyncIterator[RequestOutput]], prefix: str) -> list[RequestOutput]:
+        """Every request's final output. Leaving early aborts them all (the client went away and the handler was
+        cancelled, or one request failed): a stream that never started has no cleanup of its own."""
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merge(streams):
+                finals[i] = out
+        except BaseException:
+            for i in range(len(streams)):
+                self.loop.abort(f"{prefix}-{i}")  # finished ones are ignored
+            raise
+        return [finals[i] for i in range(len(streams))]
+
+    # ------------------------------------------------------------------ shutdown
+    def drain(self) -> None:
+        """Refuse new requests (503) and fail ``/health``, so that a load balancer sends them elsewhere; requests
+        in flight go on."""
+        self.draining = True
+
+    def abort_all(self) -> None:
+        """Stop the engine loop after its current step: every request in flight ends with EngineDeadError (a stream
+        with an error event and ``[DONE]``, any other with a 503) and its blocks are freed. Returns at once."""
+        self.loop.shutdown(wait=False)
+
+    def close(self) -> None:
+        """Stop the engine loop and join its thread (a step at most), and the tokenizer's thread."""
+        self.loop.shutdown(wait=True)
+        if self.tokenization is not None:
+            self.tokenization.close()
 
     # ------------------------------------------------------------------ helpers
     def streaming(self, events: AsyncIterator[str], prefix: str, count: int) -> StreamingResponse:
@@ -164,10 +234,11 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        server.loop.shutdown()
+        server.close()
 
     app = FastAPI(title="paged-backend", description="OpenAI-compatible API over the paged engine", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(RequestBodyLimit, max_bytes=int(args.max_request_body_mb * MIB))
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -189,6 +260,8 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if server.draining:
+            return JSONResponse({"status": "shutting down"}, 503)
         ok = server.loop.alive
         return JSONResponse({"status": "ok" if ok else "engine stopped"}, 200 if ok else 503)
 
@@ -210,11 +283,13 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
         return {"object": "list", "data": [card, *adapters]}
 
     @app.post("/v1/completions")
+    @with_cancellation
     async def completions(body: CompletionRequest, request: Request) -> Any:
         server.check(request, body)
         return await serving_completion.create_completion(body)
 
     @app.post("/v1/chat/completions")
+    @with_cancellation
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         server.check(request, body)
         return await serving_chat.create_chat_completion(body)
@@ -222,19 +297,22 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
     return app
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m paged_backend.entrypoints.openai.api_server") -> int:
+def main(argv: list[str] | None = None, prog: str = MODULE_PROG) -> int:
     """Parse vLLM's serving flags, then ``run``."""
     args, engine_kwargs = parse_args(argv, prog)
     return run(args, engine_kwargs, prog)
 
 
 def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-backend serve") -> int:
-    """Load the model and serve until interrupted. A model that cannot be loaded (a mistyped path, a folder
-    without a checkpoint, a bad engine argument) ends the process with one line naming it and the reason, exit
-    status 1: its traceback says nothing more to someone typing a command (it is logged at DEBUG)."""
+    """Load the model and serve until SIGTERM or Ctrl-C (``GracefulServer``: requests in flight get
+    ``--shutdown-timeout`` seconds), then join the engine's thread and return 0. A model that cannot be loaded (a
+    mistyped path, a folder without a checkpoint, a bad engine argument) ends the process with one line naming it
+    and the reason, exit status 1: its traceback says nothing more to someone typing a command (it is logged at
+    DEBUG)."""
     import uvicorn
 
     from paged_backend.entrypoints.llm import LLM
+    from paged_backend.entrypoints.openai.shutdown import GracefulServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -245,7 +323,21 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
         if _looks_local(args.model) and not os.path.exists(os.path.expanduser(args.model)):
             reason = "no such file or folder"  # transformers would call it a malformed Hub id
         raise SystemExit(f"{prog}: cannot load the model {args.model!r}: {reason}") from None
-    uvicorn.run(build_app(llm, args), host=args.host, port=args.port)
+    except KeyboardInterrupt:
+        raise SystemExit(f"{prog}: interrupted while loading the model") from None
+    app = build_app(llm, args)
+    server: OpenAIServer = app.state.server
+    http = GracefulServer(
+        uvicorn.Config(app, host=args.host, port=args.port),
+        drain=server.drain,
+        abort=server.abort_all,
+        timeout_s=args.shutdown_timeout,
+    )
+    try:
+        http.run()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # one more Ctrl-C while winding down: gone, no traceback
+        server.close()  # a forced exit skips the app's own shutdown
     return 0
 
 

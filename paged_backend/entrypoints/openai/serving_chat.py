@@ -23,16 +23,17 @@ class OpenAIServingChat:
         self.server = server
 
     async def create_chat_completion(self, body: ChatCompletionRequest) -> Any:
-        if self.server.tokenizer is None:
+        tokenization = self.server.tokenization
+        if tokenization is None:
             raise APIError(400, "chat needs a tokenizer", "invalid_request_error")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            text = self.server.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=self.server.chat_template
-            )
+            text = await tokenization.render_chat(messages, self.server.chat_template)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
             raise APIError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
-        ids = self.server.tokenizer(text, add_special_tokens=False).input_ids
+        requested = body.max_completion_tokens or body.max_tokens
+        self.server.check_length_bound(text, requested, "messages")
+        ids = await tokenization.encode(text, add_special_tokens=False)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.server.max_model_len - len(ids))
         top = body.top_logprobs if body.logprobs else None
         if body.logprobs and top is None:
@@ -42,17 +43,13 @@ class OpenAIServingChat:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        requested = body.max_completion_tokens or body.max_tokens
         streams = await self.server.start(
             [{"prompt": text, "prompt_token_ids": ids}], params, rid, requested, body.model
         )
         base = {"id": rid, "created": created, "model": body.model}
         if body.stream:
             return self.server.streaming(self._stream_chat(body, streams[0], base), rid, 1)
-        final = None
-        async for _, out in merge(streams):
-            final = out
-        assert final is not None, "a request's stream ends with its final output"
+        (final,) = await self.server.collect(streams, rid)
         choices = [
             {
                 "index": c.index,

@@ -33,10 +33,7 @@ class OpenAIServingCompletion:
         base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
         if body.stream:
             return self.server.streaming(self._stream_completions(body, streams, base), rid, len(streams))
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
-            finals[i] = out
-        outputs = [finals[i] for i in range(len(streams))]
+        outputs = await self.server.collect(streams, rid)
         choices = []
         for i, out in enumerate(outputs):
             echo = (out.prompt or self.server.decode(out.prompt_token_ids)) if body.echo else ""
