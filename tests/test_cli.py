@@ -89,6 +89,20 @@ def test_a_missing_extra_is_one_line_naming_it(module: str) -> None:
     ]
 
 
+def test_the_module_path_without_the_extra_is_one_line() -> None:
+    code = (
+        "import runpy, sys; sys.modules['fastapi'] = None\n"
+        "sys.argv = ['api_server', '--model', 'M']\n"
+        "runpy.run_module('paged_backend.entrypoints.openai.api_server', run_name='__main__')\n"
+    )
+    result = run([sys.executable, "-c", code])
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "python -m paged_backend.entrypoints.openai.api_server: fastapi is not installed; the server needs the "
+        "[server] extra: pip install 'paged-backend[server]'"
+    ]
+
+
 def test_help_works_without_the_extra() -> None:
     code = (
         "import sys; sys.modules['fastapi'] = None\n"

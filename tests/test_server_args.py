@@ -62,6 +62,10 @@ def test_server_flags(monkeypatch) -> None:
         ["--lora-modules", "a=/x"],
         ["--max-waiting-requests", "0"],
         ["--port", "x"],
+        ["--max-request-body-mb", "0"],
+        ["--max-request-body-mb", "nan"],
+        ["--shutdown-timeout", "-1"],
+        ["--shutdown-timeout", "inf"],
         [],
     ],
 )
@@ -77,7 +81,8 @@ def test_help_documents_vllm_flags() -> None:
         "--host --port --block-size --swap-space --max-num-seqs --max-num-batched-tokens --max-model-len "
         "--gpu-memory-utilization --tensor-parallel-size --dtype --quantization --enable-prefix-caching "
         "--no-enable-prefix-caching --enable-lora --lora-modules --max-loras --max-lora-rank --served-model-name "
-        "--api-key --chat-template --seed --max-waiting-requests --worker-use-ray"
+        "--api-key --chat-template --seed --max-waiting-requests --worker-use-ray --kv-cache-memory-gib "
+        "--num-kv-blocks --max-request-body-mb --shutdown-timeout"
     ).split():
         assert flag in text, flag
 
@@ -86,3 +91,30 @@ def test_model_as_positional_like_vllm_serve() -> None:
     expected = parse_args(["--model", "M", "--block-size", "8"])
     assert parse_args(["M", "--block-size", "8"]) == expected == parse_args(["--block-size", "8", "M"])
     assert parse_args(["M", "--model", "M"])[0] == expected[0]  # the same model twice is no conflict
+
+
+def test_kv_cache_size_flags_are_engine_arguments() -> None:
+    _, engine = parse_args(["M", "--kv-cache-memory-gib", "0.5", "--num-kv-blocks", "300"])
+    assert engine == {"kv_cache_memory_gib": 0.5, "num_kv_blocks": 300}
+    config = EngineConfig.from_kwargs("M", **engine)
+    assert config.cache_config.kv_cache_memory_gib == 0.5 and config.cache_config.num_kv_blocks == 300
+
+
+def test_runtime_flags_and_their_defaults() -> None:
+    server, engine = parse_args(["M"])
+    assert (server.max_request_body_mb, server.shutdown_timeout, engine) == (32.0, 0.0, {})
+    server, _ = parse_args(["M", "--max-request-body-mb", "1.5", "--shutdown-timeout", "20"])
+    assert (server.max_request_body_mb, server.shutdown_timeout) == (1.5, 20.0)
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_not_an_open_server(key: str, monkeypatch, capsys) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["M", "--api-key", key])
+    assert exit_info.value.code == 2 and "--api-key is empty" in capsys.readouterr().err
+    monkeypatch.setenv(API_KEY_ENV, key)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["M"])
+    assert exit_info.value.code == 2 and f"${API_KEY_ENV} is set but empty" in capsys.readouterr().err
+    assert parse_args(["M", "--api-key", "k"])[0].api_key == "k"  # the flag wins over the environment

@@ -310,7 +310,6 @@ def test_a_failed_request_is_an_openai_500_and_the_server_goes_on(tokenizer, mon
         assert post(test_client, "/v1/completions", body).status_code == 200
 
 
-@pytest.mark.xfail(strict=True, reason="streams.guarded (s2's file) does not catch RequestFailedError yet")
 def test_a_failed_stream_ends_with_an_error_event(tokenizer, monkeypatch) -> None:
     llm = make_llm(tokenizer)
     with TestClient(build_app(llm, ServerArgs(model="tiny"))) as test_client:

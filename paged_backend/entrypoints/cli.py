@@ -35,13 +35,18 @@ def serve(argv: list[str]) -> int:
 
         from paged_backend.entrypoints.openai import api_server
     except ModuleNotFoundError as exc:
-        if (exc.name or "").partition(".")[0] not in SERVER_MODULES:
-            raise
-        raise SystemExit(
-            f"{SERVE_PROG}: {exc.name} is not installed; the server needs the [server] extra: "
-            "pip install 'paged-backend[server]'"
-        ) from None
+        raise missing_extra(exc, SERVE_PROG) from None
     return api_server.run(args, engine_kwargs, prog=SERVE_PROG)
+
+
+def missing_extra(exc: ModuleNotFoundError, prog: str) -> SystemExit:
+    """The one line for a server import that failed on a module the [server] extra installs; any other missing
+    module is a bug, raised as it is."""
+    if (exc.name or "").partition(".")[0] not in SERVER_MODULES:
+        raise exc
+    return SystemExit(
+        f"{prog}: {exc.name} is not installed; the server needs the [server] extra: pip install 'paged-backend[server]'"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -74,7 +75,7 @@ def _from_pretrained(loader: _Pretrained[_Loaded], name: str, **kwargs: Any) -> 
     path that does not exist is named as such at once, before transformers asks the hub about it (offline that
     takes its retries, and ends in an error about a malformed repo id)."""
     if looks_local(name) and not os.path.exists(os.path.expanduser(name)):
-        raise FileNotFoundError(f"{name!r}: no such file or folder")
+        raise FileNotFoundError(errno.ENOENT, "no such file or folder", name)
     name = os.path.expanduser(name) if looks_local(name) else name
     if os.path.isdir(name):
         return loader.from_pretrained(name, **kwargs)

@@ -6,10 +6,12 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with
 server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus). Errors are OpenAI error bodies
 (``errors.py``): 400 naming the field for invalid parameters and prompts longer than ``max_model_len``, 401 for
-a missing or wrong API key (``auth.py``), 404 for an unknown model, 429 when ``--max-waiting-requests`` are
-already waiting, 500 when the engine failed a request, 503 when the engine loop has died; ``/openapi.json``
-documents each (``openapi.py``). A client that disconnects mid-stream aborts its request, which frees its blocks
-at once.
+a missing or wrong API key (``auth.py``, checked before the body is read), 404 for an unknown model, 413 for a
+body over ``--max-request-body-mb`` (``limits.py``), 429 when ``--max-waiting-requests`` are already waiting,
+500 when the engine failed a request, 503 when the engine loop has died or the server is shutting down;
+``/openapi.json`` documents each (``openapi.py``). A client that disconnects (mid-stream, or while it waits for a
+whole response) aborts its request, which frees its blocks at once. SIGTERM and Ctrl-C shut down gracefully
+(``shutdown.py``).
 """
 
 from __future__ import annotations
@@ -17,38 +19,50 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.background import BackgroundTask
+MODULE_PROG = "python -m paged_backend.entrypoints.openai.api_server"
 
-from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
-from paged_backend.entrypoints.openai import openapi
-from paged_backend.entrypoints.openai.auth import APIKeyMiddleware
-from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
-from paged_backend.entrypoints.openai.errors import APIError, SafeJSONResponse, install_error_handlers
-from paged_backend.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
-from paged_backend.entrypoints.openai.metrics import ServerMetrics
-from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from paged_backend.entrypoints.openai.responses import (
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    CompletionChunk,
-    CompletionResponse,
-    Health,
-    ModelList,
-)
-from paged_backend.entrypoints.openai.streams import guarded, merge, sse
-from paged_backend.lora.request import LoRARequest
-from paged_backend.outputs import RequestOutput
+try:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST
+    from starlette.background import BackgroundTask
+
+    from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
+    from paged_backend.entrypoints.openai import openapi
+    from paged_backend.entrypoints.openai.auth import APIKeyMiddleware
+    from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
+    from paged_backend.entrypoints.openai.disconnect import with_cancellation
+    from paged_backend.entrypoints.openai.errors import APIError, SafeJSONResponse, install_error_handlers
+    from paged_backend.entrypoints.openai.limits import MIB, RequestBodyLimit
+    from paged_backend.entrypoints.openai.metrics import ServerMetrics
+    from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+    from paged_backend.entrypoints.openai.responses import (
+        ChatCompletionChunk,
+        ChatCompletionResponse,
+        CompletionChunk,
+        CompletionResponse,
+        Health,
+        ModelList,
+    )
+    from paged_backend.entrypoints.openai.serving_chat import OpenAIServingChat
+    from paged_backend.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from paged_backend.entrypoints.openai.streams import guarded, merge
+    from paged_backend.entrypoints.openai.tokenization import ServerTokenizer
+    from paged_backend.lora.request import LoRARequest
+    from paged_backend.outputs import RequestOutput
+except ModuleNotFoundError as exc:  # ``python -m`` without the [server] extra: one line, as ``serve`` gives
+    if __name__ != "__main__":
+        raise
+    from paged_backend.entrypoints.cli import missing_extra
+
+    raise missing_extra(exc, MODULE_PROG) from None
 
 logger = logging.getLogger(__name__)
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class OpenAIServer:
@@ -58,6 +72,8 @@ class OpenAIServer:
         self.llm = llm
         self.args = args
         self.tokenizer = llm.get_tokenizer()
+        self.tokenization = None if self.tokenizer is None else ServerTokenizer(self.tokenizer)
+        self.draining = False  # set on SIGTERM / SIGINT: new requests get 503, those in flight go on
         self.max_model_len = llm.llm_engine.max_model_len
         self.metrics = ServerMetrics(args.model_name)
         self.loop = llm.start_engine_loop(
@@ -92,12 +108,18 @@ class OpenAIServer:
     ) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt now, so the engine batches them and a bad one fails (as a 400, 429 or 503) before
         any response is sent; then return their output streams. As in vLLM, a prompt plus the ``max_tokens`` a
-        client asked for must fit in ``max_model_len`` (a default ``max_tokens`` just stops there)."""
+        client asked for must fit in ``max_model_len`` (a default ``max_tokens`` just stops there). Every text's
+        length is checked before any is tokenized, so a batch holding one hopeless prompt costs nothing."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
         if not prompts:
             raise APIError(400, "prompt must not be empty", "invalid_request_error", "prompt")
         for prompt in prompts:
-            if "prompt_token_ids" not in prompt and self.tokenizer is not None:
-                prompt["prompt_token_ids"] = list(self.tokenizer(prompt["prompt"]).input_ids)  # as the engine would
+            if "prompt_token_ids" not in prompt:
+                self.check_length_bound(prompt["prompt"], requested_max_tokens, "prompt")
+        for prompt in prompts:
+            if "prompt_token_ids" not in prompt and self.tokenization is not None:
+                prompt["prompt_token_ids"] = await self.tokenization.encode(prompt["prompt"])  # as the engine would
             length = len(prompt.get("prompt_token_ids", ()))
             if requested_max_tokens is not None and length + requested_max_tokens > self.max_model_len:
                 raise APIError(
@@ -119,140 +141,55 @@ class OpenAIServer:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         return [self.loop.stream(request_id, queue) for (request_id, _), queue in zip(requests, queues)]
 
-    # ------------------------------------------------------------------ completions
-    async def completions(self, body: CompletionRequest) -> Any:
-        try:
-            params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_request_error") from exc
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await self.start(body.prompts(), params, rid, body.max_tokens, body.model)
-        base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
-        if body.stream:
-            return self._streaming(self._stream_completions(body, streams, base), rid, len(streams))
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
-            finals[i] = out
-        outputs = [finals[i] for i in range(len(streams))]
-        choices = []
-        for i, out in enumerate(outputs):
-            echo = (out.prompt or self._decode(out.prompt_token_ids)) if body.echo else ""
-            for c in out.outputs:
-                choices.append(
-                    {
-                        "index": i * body.n + c.index,
-                        "text": echo + c.text,
-                        "logprobs": completion_logprobs(c, self._decode) if body.logprobs is not None else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
-        return {**base, "choices": choices, "usage": usage(outputs)}
-
-    async def _stream_completions(
-        self, body: CompletionRequest, streams: list[AsyncIterator[RequestOutput]], base: dict[str, Any]
-    ) -> AsyncIterator[str]:
-        sent: dict[tuple[int, int], tuple[int, int]] = {}  # (request, sample) -> (characters, tokens) sent
-        offsets: dict[tuple[int, int], int] = {}  # where the next token's text starts (as in the whole response)
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
-            for c in out.outputs:
-                key = (i, c.index)
-                echo = ""
-                if body.echo and key not in sent:
-                    echo = out.prompt or self._decode(out.prompt_token_ids)
-                chars, tokens = sent.get(key, (0, 0))
-                delta = echo + c.text[chars:]
-                sent[key] = (len(c.text), len(c.token_ids))
-                if delta or c.finish_reason or len(c.token_ids) > tokens:
-                    logprobs = None
-                    if body.logprobs is not None:
-                        logprobs = completion_logprobs(c, self._decode, tokens, offsets.get(key, 0))
-                        offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs["tokens"])
-                    choice = {
-                        "index": i * body.n + c.index,
-                        "text": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                    }
-                    yield sse({**base, "choices": [choice]})
-            if out.finished:
-                finals[i] = out
-        if body.stream_options is not None and body.stream_options.include_usage:
-            yield sse({**base, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])})
-        yield "data: [DONE]\n\n"
-
-    # ------------------------------------------------------------------ chat
-    async def chat(self, body: ChatCompletionRequest) -> Any:
-        if self.tokenizer is None:
-            raise APIError(400, "chat needs a tokenizer", "invalid_request_error")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=self.chat_template
+    def check_length_bound(self, text: str, requested_max_tokens: int | None, param: str) -> None:
+        """A 400 for a text whose length alone proves it too long for ``max_model_len``: before tokenizing it."""
+        if self.tokenization is None:
+            return
+        at_least = self.tokenization.min_tokens(text)
+        if at_least + (requested_max_tokens or 0) > self.max_model_len:
+            completion = f", plus {requested_max_tokens} in the completion" if requested_max_tokens else ""
+            raise APIError(
+                400,
+                f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens. However, "
+                f"the prompt has {len(text)} characters, so at least {at_least} tokens (no token of this tokenizer "
+                f"spans more than {self.tokenization.max_chars_per_token} characters){completion}. Please reduce "
+                "the length of the prompt or completion.",
+                "invalid_request_error",
+                param,
             )
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
-            raise APIError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.max_model_len - len(ids))
-        top = body.top_logprobs if body.logprobs else None
-        if body.logprobs and top is None:
-            top = 0
-        try:
-            params = body.model_copy(update={"max_tokens": max_tokens}).sampling_params(max_tokens, top)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_request_error") from exc
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        requested = body.max_completion_tokens or body.max_tokens
-        streams = await self.start([{"prompt": text, "prompt_token_ids": ids}], params, rid, requested, body.model)
-        base = {"id": rid, "created": created, "model": body.model}
-        if body.stream:
-            return self._streaming(self._stream_chat(body, streams[0], base), rid, 1)
-        final = None
-        async for _, out in merge(streams):
-            final = out
-        assert final is not None, "a request's stream ends with its final output"
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, self._decode, body.top_logprobs or 0) if body.logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in final.outputs
-        ]
-        return {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
 
-    async def _stream_chat(
-        self, body: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], base: dict[str, Any]
-    ) -> AsyncIterator[str]:
-        base = {**base, "object": "chat.completion.chunk"}
-        for j in range(body.n):
-            delta = {"role": "assistant", "content": ""}
-            yield sse({**base, "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}]})
-        sent: dict[int, tuple[int, int]] = {}  # sample -> (characters, tokens) sent
-        final = None
-        async for _, out in merge([stream]):
-            for c in out.outputs:
-                chars, tokens = sent.get(c.index, (0, 0))
-                delta_text = c.text[chars:]
-                sent[c.index] = (len(c.text), len(c.token_ids))
-                if delta_text or c.finish_reason or len(c.token_ids) > tokens:
-                    choice = {
-                        "index": c.index,
-                        "delta": {"content": delta_text} if delta_text else {},
-                        "logprobs": (
-                            chat_logprobs(c, self._decode, body.top_logprobs or 0, tokens) if body.logprobs else None
-                        ),
-                        "finish_reason": c.finish_reason,
-                    }
-                    yield sse({**base, "choices": [choice]})
-            final = out
-        if body.stream_options is not None and body.stream_options.include_usage and final is not None:
-            yield sse({**base, "choices": [], "usage": usage([final])})
-        yield "data: [DONE]\n\n"
+    async def collect(self, streams: list[AsyncIterator[RequestOutput]], prefix: str) -> list[RequestOutput]:
+        """Every request's final output. Leaving early aborts them all (the client went away and the handler was
+        cancelled, or one request failed): a stream that never started has no cleanup of its own."""
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merge(streams):
+                finals[i] = out
+        except BaseException:
+            for i in range(len(streams)):
+                self.loop.abort(f"{prefix}-{i}")  # finished ones are ignored
+            raise
+        return [finals[i] for i in range(len(streams))]
+
+    # ------------------------------------------------------------------ shutdown
+    def drain(self) -> None:
+        """Refuse new requests (503) and fail ``/health``, so that a load balancer sends them elsewhere; requests
+        in flight go on."""
+        self.draining = True
+
+    def abort_all(self) -> None:
+        """Stop the engine loop after its current step: every request in flight ends with EngineDeadError (a stream
+        with an error event and ``[DONE]``, any other with a 503) and its blocks are freed. Returns at once."""
+        self.loop.shutdown(wait=False)
+
+    def close(self) -> None:
+        """Stop the engine loop and join its thread (a step at most), and the tokenizer's thread."""
+        self.loop.shutdown(wait=True)
+        if self.tokenization is not None:
+            self.tokenization.close()
 
     # ------------------------------------------------------------------ helpers
-    def _streaming(self, events: AsyncIterator[str], prefix: str, count: int) -> StreamingResponse:
+    def streaming(self, events: AsyncIterator[str], prefix: str, count: int) -> StreamingResponse:
         """An SSE response whose requests are aborted once it ends, however it ends: Starlette may drop a body it
         never started iterating (the client left first), and then the streams' own cleanup never runs."""
         request_ids = [f"{prefix}-{i}" for i in range(count)]
@@ -263,23 +200,18 @@ class OpenAIServer:
 
         return StreamingResponse(guarded(events), media_type="text/event-stream", background=BackgroundTask(abort_all))
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids)
-
-
-def usage(outputs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def build_app(llm: Any, args: ServerArgs) -> FastAPI:
     server = OpenAIServer(llm, args)
+    serving_completion, serving_chat = OpenAIServingCompletion(server), OpenAIServingChat(server)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        server.loop.shutdown()
+        server.close()
 
     app = FastAPI(
         title="paged-backend",
@@ -288,6 +220,7 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
         default_response_class=SafeJSONResponse,
     )
     app.state.server = server
+    app.add_middleware(RequestBodyLimit, max_bytes=int(args.max_request_body_mb * MIB))
     install_error_handlers(app)
     if args.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
@@ -297,6 +230,8 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
 
     @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
     async def health() -> JSONResponse:
+        if server.draining:
+            return JSONResponse({"status": "shutting down"}, 503)
         ok = server.loop.alive
         return JSONResponse({"status": "ok" if ok else "engine stopped"}, 200 if ok else 503)
 
@@ -318,35 +253,40 @@ def build_app(llm: Any, args: ServerArgs) -> FastAPI:
         return {"object": "list", "data": [card, *adapters]}
 
     @app.post("/v1/completions", response_model=None, responses=openapi.streamed(CompletionResponse, CompletionChunk))
+    @with_cancellation
     async def completions(body: CompletionRequest, request: Request) -> Any:
         server.check(body)
-        return await server.completions(body)
+        return await serving_completion.create_completion(body)
 
     @app.post(
         "/v1/chat/completions",
         response_model=None,
         responses=openapi.streamed(ChatCompletionResponse, ChatCompletionChunk),
     )
+    @with_cancellation
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         server.check(body)
-        return await server.chat(body)
+        return await serving_chat.create_chat_completion(body)
 
     return app
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m paged_backend.entrypoints.openai.api_server") -> int:
+def main(argv: list[str] | None = None, prog: str = MODULE_PROG) -> int:
     """Parse vLLM's serving flags, then ``run``."""
     args, engine_kwargs = parse_args(argv, prog)
     return run(args, engine_kwargs, prog)
 
 
 def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-backend serve") -> int:
-    """Load the model and serve until interrupted. A model that cannot be loaded (a mistyped path, a folder
-    without a checkpoint, a bad engine argument) ends the process with one line naming it and the reason, exit
-    status 1: its traceback says nothing more to someone typing a command (it is logged at DEBUG)."""
+    """Load the model and serve until SIGTERM or Ctrl-C (``GracefulServer``: requests in flight get
+    ``--shutdown-timeout`` seconds), then join the engine's thread and return 0. A model that cannot be loaded (a
+    mistyped path, a folder without a checkpoint, a bad engine argument) ends the process with one line naming it
+    and the reason, exit status 1: its traceback says nothing more to someone typing a command (it is logged at
+    DEBUG)."""
     import uvicorn
 
     from paged_backend.entrypoints.llm import LLM
+    from paged_backend.entrypoints.openai.shutdown import GracefulServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -354,16 +294,25 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
     except (OSError, ValueError) as exc:
         logger.debug("loading %s failed", args.model, exc_info=True)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if _looks_local(args.model) and not os.path.exists(os.path.expanduser(args.model)):
-            reason = "no such file or folder"  # transformers would call it a malformed Hub id
+        if isinstance(exc, FileNotFoundError) and exc.filename == args.model:
+            reason = str(exc.strerror)  # the path itself is in the line already
         raise SystemExit(f"{prog}: cannot load the model {args.model!r}: {reason}") from None
-    uvicorn.run(build_app(llm, args), host=args.host, port=args.port)
+    except KeyboardInterrupt:
+        raise SystemExit(f"{prog}: interrupted while loading the model") from None
+    app = build_app(llm, args)
+    server: OpenAIServer = app.state.server
+    http = GracefulServer(
+        uvicorn.Config(app, host=args.host, port=args.port),
+        drain=server.drain,
+        abort=server.abort_all,
+        timeout_s=args.shutdown_timeout,
+    )
+    try:
+        http.run()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # one more Ctrl-C while winding down: gone, no traceback
+        server.close()  # a forced exit skips the app's own shutdown
     return 0
-
-
-def _looks_local(model: str) -> bool:
-    """A path no Hub id can be (``/x``, ``./x``, ``../x``, ``~/x``)."""
-    return os.path.isabs(model) or model.startswith(("./", "../", "~"))
 
 
 if __name__ == "__main__":

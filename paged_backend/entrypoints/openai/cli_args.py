@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 API_KEY_ENV = "PAGED_BACKEND_API_KEY"
+# The body cap: far above any body that fits a context (128k tokens of text is ~1 MB of JSON, as token ids ~1 MB;
+# a batch of dozens of such prompts fits), while one request's JSON, its parsed copy and its validated copy stay
+# within a small multiple of it.
+DEFAULT_MAX_REQUEST_BODY_MB = 32.0
 
 # (flag, type, help): each flag's name with underscores is its LLM keyword; defaults are the engine's own.
 _ENGINE_FLAGS: list[tuple[str, type, str]] = [
@@ -23,6 +27,12 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--max-num-batched-tokens", int, "tokens per step (default 8192)"),
     ("--max-model-len", int, "context limit (default: the model's)"),
     ("--gpu-memory-utilization", float, "share of GPU memory to use (default 0.9)"),
+    (
+        "--kv-cache-memory-gib",
+        float,
+        "GiB of KV cache off a GPU (default 1; on a GPU --gpu-memory-utilization sizes it)",
+    ),
+    ("--num-kv-blocks", int, "KV cache size in blocks, instead of sizing it by memory"),
     ("--tensor-parallel-size", int, "GPUs to shard the model over (default 1)"),
     ("--dtype", str, "auto, float32, float16, bfloat16 (default auto)"),
     ("--quantization", str, "weight quantization: awq"),
@@ -48,6 +58,8 @@ class ServerArgs:
     chat_template: str | None = None
     max_waiting_requests: int | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter path
+    max_request_body_mb: float = DEFAULT_MAX_REQUEST_BODY_MB
+    shutdown_timeout: float = 0.0  # seconds in-flight requests get after SIGTERM / SIGINT (vLLM's default: none)
 
     @property
     def model_name(self) -> str:
@@ -104,11 +116,30 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
     parser.add_argument(
         "--lora-modules", type=_lora_module, nargs="+", default=[], metavar="NAME=PATH", help="adapters to serve"
     )
-    parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: a local --model's folder name, else the hub id)",
+    )
     parser.add_argument("--api-key", default=None, help=f"required bearer token (or ${API_KEY_ENV})")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     parser.add_argument(
         "--max-waiting-requests", type=int, default=None, help="queue length beyond which requests get 429"
+    )
+    parser.add_argument(
+        "--max-request-body-mb",
+        type=float,
+        default=DEFAULT_MAX_REQUEST_BODY_MB,
+        metavar="MIB",
+        help=f"larger request bodies get 413, refused before they are read (default {DEFAULT_MAX_REQUEST_BODY_MB:g})",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, stop accepting requests and give those in flight this long to finish, then abort "
+        "the rest (default 0: abort at once); a second signal stops at once",
     )
     parser.add_argument(
         "--worker-use-ray",
@@ -139,14 +170,32 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         parser.error("--lora-modules needs --enable-lora")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         parser.error(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if not 0 < args.max_request_body_mb < float("inf"):
+        parser.error(f"--max-request-body-mb must be a number of MiB > 0, got {args.max_request_body_mb}")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        parser.error(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     server = ServerArgs(
         model=model,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=_api_key(parser, args.api_key),
         chat_template=args.chat_template,
         max_waiting_requests=args.max_waiting_requests,
         lora_modules=dict(args.lora_modules),
+        max_request_body_mb=args.max_request_body_mb,
+        shutdown_timeout=args.shutdown_timeout,
     )
     return server, engine
+
+
+def _api_key(parser: argparse.ArgumentParser, flag: str | None) -> str | None:
+    """``--api-key``, else the environment's; an empty one is an error, not a server without authentication."""
+    if flag is not None:
+        if not flag.strip():
+            parser.error("--api-key is empty: give a key, or leave the flag out to serve without authentication")
+        return flag
+    key = os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        parser.error(f"${API_KEY_ENV} is set but empty: set a key, or unset it to serve without authentication")
+    return key

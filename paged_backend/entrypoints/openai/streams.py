@@ -1,5 +1,5 @@
-"""Server-sent events: one JSON event, a stream that ends with an error event when the engine stops, and the
-interleaving of several requests' streams (``n`` > 1 on the chat and completions endpoints)."""
+"""Server-sent events: one JSON event, a stream that ends with an error event when its request fails or the engine
+stops, and the interleaving of several requests' streams (``n`` > 1 on the chat and completions endpoints)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from paged_backend.engine.engine_loop import EngineDeadError
+from paged_backend.engine.engine_loop import EngineDeadError, RequestFailedError
 from paged_backend.outputs import RequestOutput
 
 
@@ -17,13 +17,20 @@ def sse(data: Any) -> str:
 
 
 async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A stream whose engine stops midway ends with an OpenAI error event: its status line has already gone."""
+    """A stream that fails midway ends with an OpenAI error event and ``[DONE]``, its status line having gone
+    already: 500 when a step failed under its request (the engine goes on), 503 when the engine stopped (a device
+    failure, or the server shutting down)."""
     try:
         async for event in events:
             yield event
+    except RequestFailedError as exc:
+        yield error_event(500, str(exc), "internal_server_error")
     except EngineDeadError as exc:
-        yield sse({"error": {"message": str(exc), "type": "service_unavailable", "param": None, "code": 503}})
-        yield "data: [DONE]\n\n"
+        yield error_event(503, str(exc), "service_unavailable")
+
+
+def error_event(status: int, message: str, type_: str) -> str:
+    return sse({"error": {"message": message, "type": type_, "param": None, "code": status}}) + "data: [DONE]\n\n"
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,0 +1,89 @@
+"""``POST /v1/completions``: a prompt (text, token ids, or a list of either) in, OpenAI's text completion out, whole
+or streamed as server-sent events."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from paged_backend.entrypoints.openai.errors import APIError
+from paged_backend.entrypoints.openai.logprobs import completion_logprobs
+from paged_backend.entrypoints.openai.protocol import CompletionRequest
+from paged_backend.entrypoints.openai.streams import merge, sse
+from paged_backend.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from paged_backend.entrypoints.openai.api_server import OpenAIServer
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class OpenAIServingCompletion:
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+
+    async def create_completion(self, body: CompletionRequest) -> Any:
+        try:
+            params = body.sampling_params(COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request_error") from exc
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        streams = await self.server.start(body.prompts(), params, rid, body.max_tokens, body.model)
+        base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
+        if body.stream:
+            return self.server.streaming(self._stream_completions(body, streams, base), rid, len(streams))
+        outputs = await self.server.collect(streams, rid)
+        choices = []
+        for i, out in enumerate(outputs):
+            echo = (out.prompt or self.server.decode(out.prompt_token_ids)) if body.echo else ""
+            for c in out.outputs:
+                choices.append(
+                    {
+                        "index": i * body.n + c.index,
+                        "text": echo + c.text,
+                        "logprobs": completion_logprobs(c, self.server.decode) if body.logprobs is not None else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+        return {**base, "choices": choices, "usage": usage(outputs)}
+
+    async def _stream_completions(
+        self, body: CompletionRequest, streams: list[AsyncIterator[RequestOutput]], base: dict[str, Any]
+    ) -> AsyncIterator[str]:
+        sent: dict[tuple[int, int], tuple[int, int]] = {}  # (request, sample) -> (characters, tokens) sent
+        offsets: dict[tuple[int, int], int] = {}  # where the next token's text starts (as in the whole response)
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            for c in out.outputs:
+                key = (i, c.index)
+                echo = ""
+                if body.echo and key not in sent:
+                    echo = out.prompt or self.server.decode(out.prompt_token_ids)
+                chars, tokens = sent.get(key, (0, 0))
+                delta = echo + c.text[chars:]
+                sent[key] = (len(c.text), len(c.token_ids))
+                if delta or c.finish_reason or len(c.token_ids) > tokens:
+                    logprobs = None
+                    if body.logprobs is not None:
+                        logprobs = completion_logprobs(c, self.server.decode, tokens, offsets.get(key, 0))
+                        offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs["tokens"])
+                    choice = {
+                        "index": i * body.n + c.index,
+                        "text": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                    yield sse({**base, "choices": [choice]})
+            if out.finished:
+                finals[i] = out
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield sse({**base, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])})
+        yield "data: [DONE]\n\n"
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
