@@ -1,11 +1,15 @@
-"""The engine on CPU stepped from the caller's thread (``LLM.generate``) against the same engine stepped by the
-engine-loop thread (the path of the server, ``patch()`` and the framework adapters), beside HF ``generate``.
+"""The engine on CPU stepped from the caller's thread (``direct``: ``LLM.generate``) against the same engine
+stepped by the engine-loop thread, built on the caller's thread (``loop``: ``patch()`` and the framework adapters
+on a model the caller loaded) or on a thread that has ended (``served``: as the server builds it), beside HF
+``generate``.
 
 Each (tree, mode) runs in a fresh process: OpenMP teams live for a thread's life, so a process that ever ran the
 loop is no longer a clean "direct" process. Every repetition draws new prompts (nothing for the prefix cache),
 after a warm-up on prompts the measured ones never contain.
 
-    taskset -c 0,1 python benchmarks/cpu_engine_loop.py --trees current=. baseline=.old \\
+    git archive <base commit> paged_backend | tar -x -C .old      # the baseline tree, beside this one
+    taskset -c 0,1 python benchmarks/cpu_engine_loop.py --trees current=. before=.old \\
+        --commits current=<sha> before=<base sha> --repeats 5 \\
         --json benchmarks/results/cpu_engine_loop.json --plot docs/images/cpu_engine_loop.png
 """
 
@@ -26,7 +30,7 @@ from typing import Any
 
 logger = logging.getLogger("benchmarks.cpu_engine_loop")
 HERE = Path(__file__).resolve().parent
-MODES = ("direct", "loop", "hf")
+MODES = ("direct", "loop", "served", "hf")
 WORKLOADS = {"batch16": (16, 64), "single": (1, 128)}  # name -> (prompts, new tokens each)
 
 
@@ -53,7 +57,12 @@ def measure(mode: str, workload: str, repeats: int) -> list[float]:
                 model.generate(torch.tensor(batch), max_new_tokens=new, min_new_tokens=new, do_sample=False)
 
     else:
-        llm = LLM(path, max_model_len=512, device="cpu")
+        if mode == "served":
+            from paged_backend.engine.engine_loop import call_in_fresh_thread
+
+            llm = call_in_fresh_thread(lambda: LLM(path, max_model_len=512, device="cpu"))
+        else:
+            llm = LLM(path, max_model_len=512, device="cpu")
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
 
         def run(batch: list[list[int]]) -> None:
@@ -106,6 +115,7 @@ def plot(result: dict[str, Any], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trees", nargs="+", default=["current=."], help="label=path of a tree holding paged_backend")
+    parser.add_argument("--commits", nargs="+", default=[], help="label=sha: the commit each tree was cut from")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="where to write the result (required)")
     parser.add_argument("--plot", default=None)
@@ -126,6 +136,10 @@ def main() -> None:
             for mode in MODES:
                 if mode == "hf" and label != next(iter(trees)):
                     continue  # HF's figure does not depend on our tree
+                if mode == "served" and not (Path(tree) / "paged_backend/engine/engine_loop.py").read_text().count(
+                    "def call_in_fresh_thread"
+                ):
+                    continue  # a tree from before the served path existed
                 key = "hf generate" if mode == "hf" else f"{label} {mode}"
                 runs[workload][key] = run_tree(tree, mode, workload, args.repeats)
                 logger.info("%s %s: %s tok/s", workload, key, [round(r, 1) for r in runs[workload][key]])
@@ -135,6 +149,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "trees": trees,
+        "commits": dict(item.split("=", 1) for item in args.commits),
         "workloads": {k: {"prompts": c, "prompt_tokens": 64, "new_tokens": n} for k, (c, n) in WORKLOADS.items()},
         "runs": runs,
         "medians": {w: {k: statistics.median(v) for k, v in r.items()} for w, r in runs.items()},

@@ -285,12 +285,14 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
     DEBUG)."""
     import uvicorn
 
+    from paged_backend.engine.engine_loop import call_in_fresh_thread
     from paged_backend.entrypoints.llm import LLM
     from paged_backend.entrypoints.openai.shutdown import GracefulServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        llm = LLM(args.model, **engine_kwargs)
+        # Built on a thread that then ends, so the engine loop's thread holds the process's only OpenMP team.
+        llm = call_in_fresh_thread(lambda: LLM(args.model, **engine_kwargs))
     except (OSError, ValueError) as exc:
         logger.debug("loading %s failed", args.model, exc_info=True)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
