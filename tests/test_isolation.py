@@ -181,3 +181,35 @@ def _shared_llm(tokenizer) -> LLM:
     if "llm" not in _LLMS:
         _LLMS["llm"] = make_llm(tokenizer, num_kv_blocks=128)
     return _LLMS["llm"]
+
+
+@pytest.mark.parametrize("fail_at", [4, 10, 16])
+def test_a_failed_step_amid_swaps_leaves_the_others_exact(tokenizer, fail_at: int) -> None:
+    """Preemption by swap in a small cache: the failed step's requests (and those whose blocks it swapped) are
+    aborted; every request that finishes still equals HF greedy, and no block is left held."""
+    prompts = [[3 + (i * 7 + j) % 500 for j in range(10 + i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = make_llm(tokenizer, num_kv_blocks=16, preemption_mode="swap", swap_space=0.01)
+    engine, executor = llm.llm_engine, llm.llm_engine.executor
+    original, calls, swaps = executor.execute_model, [0], [0]
+
+    def execute_model(scheduler_output):
+        calls[0] += 1
+        swaps[0] += bool(scheduler_output.batch.blocks_to_swap_out or scheduler_output.batch.blocks_to_swap_in)
+        if calls[0] == fail_at:
+            raise RuntimeError("boom")
+        return original(scheduler_output)
+
+    executor.execute_model = execute_model  # type: ignore[method-assign]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    finished, failed = {}, []
+    while engine.has_unfinished_requests():
+        try:
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        except StepError as error:
+            failed += error.request_ids
+    assert swaps[0] and failed and finished and not set(failed) & set(finished)
+    for request_id, out in finished.items():
+        assert out.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompts[int(request_id)], 20)
+    assert_idle(llm)
