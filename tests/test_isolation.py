@@ -86,10 +86,19 @@ def test_on_the_loop_only_the_failed_steps_requests_fail(tokenizer) -> None:
     loop.shutdown()
 
 
+_ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", None)
+
+
 @pytest.mark.parametrize(
     "error",
-    [RuntimeError("CUDA error: an illegal memory access was encountered"), torch.AcceleratorError("device lost")],
-    ids=["cuda-error-text", "AcceleratorError"],
+    [
+        pytest.param(RuntimeError("CUDA error: an illegal memory access was encountered"), id="cuda-error-text"),
+        pytest.param(
+            _ACCELERATOR_ERROR("device lost") if _ACCELERATOR_ERROR else None,
+            id="AcceleratorError",
+            marks=pytest.mark.skipif(_ACCELERATOR_ERROR is None, reason="torch.AcceleratorError came in torch 2.8"),
+        ),
+    ],
 )
 def test_a_device_error_stops_the_loop_loudly(tokenizer, error: Exception) -> None:
     llm = make_llm(tokenizer)
@@ -212,4 +221,37 @@ def test_a_failed_step_amid_swaps_leaves_the_others_exact(tokenizer, fail_at: in
     assert swaps[0] and failed and finished and not set(failed) & set(finished)
     for request_id, out in finished.items():
         assert out.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompts[int(request_id)], 20)
+    assert_idle(llm)
+
+
+def test_a_failed_swap_in_offers_no_block_to_the_prefix_cache(tokenizer) -> None:
+    """The step that swaps a sequence back in fails before its copies run: the blocks it swapped into hold
+    whatever was there (here: noise), and must not become prefix-cache hits for a later request."""
+    prompts = [[3 + (i * 7 + j) % 500 for j in range(10 + i)] for i in range(6)]
+    llm = make_llm(tokenizer, num_kv_blocks=16, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=True)
+    engine, executor = llm.llm_engine, llm.llm_engine.executor
+    original, swapped = executor.execute_model, []
+
+    def execute_model(scheduler_output):
+        moves = scheduler_output.batch.blocks_to_swap_in
+        if moves and not swapped:
+            swapped.extend(scheduler_output.swapped_seqs)
+            targets = [dst for _, dst in moves]
+            for k, v in executor.model_runner.cache_engine.kv_caches:
+                k[targets], v[targets] = torch.randn_like(k[targets]), torch.randn_like(v[targets])
+            raise RuntimeError("boom")
+        return original(scheduler_output)
+
+    executor.execute_model = execute_model  # type: ignore[method-assign]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=20))
+    with pytest.raises(StepError):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert swapped
+    llm.llm_engine.abort_request(list(engine.requests))
+    continuations = [[*seq.token_ids[: seq.num_computed_tokens], 7] for seq in swapped]
+    outs = llm.generate([{"prompt_token_ids": p} for p in continuations], GREEDY, use_tqdm=False)
+    for prompt, out in zip(continuations, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompt, 6)
     assert_idle(llm)

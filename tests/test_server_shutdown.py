@@ -101,6 +101,8 @@ async def open_streams(base: str, count: int) -> tuple[list[asyncio.Task[list[st
 
     tasks = [asyncio.create_task(one(i)) for i in range(count)]
     while len(started) < count:
+        ended = [task for task in tasks if task.done()]
+        assert not ended, f"a stream ended before its first event: {ended[0].result()!r}"
         await asyncio.sleep(0.02)
     return tasks, client
 
@@ -150,4 +152,5 @@ def test_a_second_signal_stops_at_once(checkpoint) -> None:
     assert server.wait(60) == 0, server.stderr[-3000:]
     assert "Traceback" not in server.stderr, server.stderr[-3000:]
     finished = server.logged_at("Finished server process")
-    assert finished is not None and finished - sent < 3.0, server.stderr[-2000:]  # not the 60 s of the timeout
+    # not the 60 s of the timeout (about 0.1 s when measured; 10 s leaves a loaded machine room)
+    assert finished is not None and finished - sent < 10.0, server.stderr[-2000:]

@@ -10,6 +10,7 @@ import torch
 
 from paged_backend import LLM, LoRARequest, SamplingParams
 from paged_backend.config import EngineConfig
+from paged_backend.model_loader import looks_local
 from tests.conftest import assert_idle, save_tiny_checkpoint, tiny_model
 
 
@@ -209,9 +210,12 @@ def _llm(tokenizer) -> LLM:
 
 
 def test_a_missing_local_path_is_named_before_any_hub_lookup(tmp_path) -> None:
-    for missing in (str(tmp_path / "nope"), "./no/such/model", "~/no-such-model-here"):
+    for missing in (str(tmp_path / "nope"), "./no/such/model", "~/no-such-model-here", "a/b/c"):
+        assert looks_local(missing)
         with pytest.raises(FileNotFoundError, match="no such file or folder"):
             LLM(missing)
+    for hub_id in ("gpt2", "meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-0.5B"):
+        assert not looks_local(hub_id)
 
 
 def test_max_model_len_is_checked_before_the_weights_load(tmp_path, monkeypatch) -> None:

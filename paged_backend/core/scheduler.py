@@ -91,10 +91,13 @@ class Scheduler:
         status: SequenceStatus,
         stop_reason: int | str | None = None,
         num_tokens: int | None = None,
+        cache_blocks: bool = True,
     ) -> None:
         """Mark finished and release the sequence's blocks; blocks its computed tokens filled stay in the prefix
         cache. ``num_tokens`` cuts tokens a stop string made void (sampled in the same round after it); a
-        sequence that had already finished only takes the new status and reason."""
+        sequence that had already finished only takes the new status and reason. ``cache_blocks=False`` for a
+        sequence whose step failed: a block it swapped in may never have received its KV (blocks it computed
+        earlier were offered to the cache as they filled)."""
         if num_tokens is not None and num_tokens < len(seq.token_ids):
             del seq.token_ids[num_tokens:]
             seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens - 1)
@@ -108,7 +111,8 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
                 break
-        self.cache_full_blocks([seq])
+        if cache_blocks:
+            self.cache_full_blocks([seq])
         self.block_manager.free(seq.seq_id)
 
     # ------------------------------------------------------------------ schedule

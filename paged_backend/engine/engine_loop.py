@@ -229,7 +229,9 @@ class EngineLoop:
             self._submit(lambda _: self._abort_now(request_id), None)
 
     async def stats(self) -> dict[str, Any]:
-        if not self.alive:  # the thread is gone: reading the engine directly is safe
+        if self.thread.is_alive() and (self.closed or self.error is not None or self.stopped):
+            await asyncio.to_thread(self.thread.join, 10)  # it is aborting its requests: let it finish first
+        if not self.thread.is_alive():  # the thread is gone: reading the engine directly is safe
             return self.engine.stats()
         return await self.call(lambda engine: engine.stats())
 
@@ -273,7 +275,10 @@ class EngineLoop:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if self.on_output is not None:
-                self.on_output(out)
+                try:
+                    self.on_output(out)
+                except Exception:  # noqa: BLE001 - an observer (metrics) must not stop the engine
+                    logger.exception("the on_output callback failed for request %s", out.request_id)
             sink = self.sinks.get(out.request_id)
             if sink is None or not (out.finished or sink.every_step):
                 continue

@@ -163,5 +163,5 @@ class InputProcessor:
         if params.num_samples > max_num_seqs:
             raise FieldError(
                 "best_of",
-                f"best_of must be <= max_num_seqs={max_num_seqs} (its samples run together), got {params.best_of}",
+                f"best_of must be <= max_num_seqs={max_num_seqs} (its samples run together), got {params.num_samples}",
             )

@@ -146,13 +146,14 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self.num_prompt_tokens += len(request.prompt_token_ids)
 
-    def abort_request(self, request_id: str | list[str]) -> None:
-        """Drop requests (unknown ids are ignored, as in vLLM) and free their blocks."""
+    def abort_request(self, request_id: str | list[str], cache_blocks: bool = True) -> None:
+        """Drop requests (unknown ids are ignored, as in vLLM) and free their blocks (``cache_blocks``: see
+        ``Scheduler.finish_seq``)."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
             request = self.requests.pop(rid, None)
             for seq in request.seqs if request else []:
                 if not seq.status.finished:
-                    self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+                    self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_ABORTED, cache_blocks=cache_blocks)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -185,7 +186,7 @@ class LLMEngine:
                 raise
             failed = scheduler_output.touched_requests()
             logger.exception("a step failed; its %d request(s) are aborted and the engine goes on", len(failed))
-            self.abort_request(failed)
+            self.abort_request(failed, cache_blocks=False)
             raise StepError(failed, error) from error
 
     # ------------------------------------------------------------------ stats

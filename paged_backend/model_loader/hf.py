@@ -67,7 +67,12 @@ def resolve_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype | None, de
 def looks_local(name: str) -> bool:
     """A name no hub id can be: absolute, ``./``, ``../`` or ``~`` first, or more than one ``/`` (hub ids are
     ``name`` or ``owner/name``)."""
-    return os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1 or os.sep in name
+    return (
+        os.path.isabs(name)
+        or name.startswith(("./", "../", "~"))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+    )
 
 
 def _from_pretrained(loader: _Pretrained[_Loaded], name: str, **kwargs: Any) -> _Loaded:

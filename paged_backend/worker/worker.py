@@ -20,6 +20,11 @@ from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.profiler import gpu_blocks_that_fit
 
+# torch's own type for device errors, where this torch has one (2.8 and later)
+_DEVICE_ERRORS: tuple[type[Exception], ...] = tuple(
+    e for e in [getattr(torch, "AcceleratorError", None)] if isinstance(e, type) and issubclass(e, Exception)
+)
+
 
 class Executor(Protocol):
     """What the engine asks of the device side: LoRA indices, the KV cache's size and allocation, steps, the end."""
@@ -106,7 +111,7 @@ class Worker:
     def is_recoverable(self, error: Exception) -> bool:
         """Any error but the device's own: after an illegal address or a device-side assert the CUDA context is
         lost for good, while an out-of-memory error or a bad value leaves the next step to run normally."""
-        if isinstance(error, torch.AcceleratorError):
+        if isinstance(error, _DEVICE_ERRORS):
             return False
         text = str(error)
         return not ("CUDA error" in text or "device-side assert" in text)
