@@ -22,7 +22,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 MODULE_PROG = "python -m paged_backend.entrypoints.openai.api_server"
 
@@ -62,13 +62,17 @@ except ModuleNotFoundError as exc:  # ``python -m`` without the [server] extra: 
 
     raise missing_extra(exc, MODULE_PROG) from None
 
+if TYPE_CHECKING:
+    from paged_backend.entrypoints.llm import LLM
+    from paged_backend.sampling_params import SamplingParams
+
 logger = logging.getLogger(__name__)
 
 
 class OpenAIServer:
     """The handlers, around one ``EngineLoop``."""
 
-    def __init__(self, llm: Any, args: ServerArgs) -> None:
+    def __init__(self, llm: LLM, args: ServerArgs) -> None:
         self.llm = llm
         self.args = args
         self.tokenizer = llm.get_tokenizer()
@@ -86,8 +90,12 @@ class OpenAIServer:
         self.chat_template = template
         # Each --lora-modules adapter is a model of its own name; requests for it run with that adapter.
         self.loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(args.lora_modules.items())}
+        manager = llm.llm_engine.lora_manager
+        if self.loras and manager is None:
+            raise ValueError("--lora-modules needs --enable-lora")
         for lora in self.loras.values():  # a bad adapter stops the server at startup, not at its first request
-            llm.llm_engine.lora_manager.get(lora)
+            assert manager is not None
+            manager.get(lora)
 
     # ------------------------------------------------------------------ checks
     def check(self, body: SamplingFields | None = None) -> None:
@@ -101,7 +109,7 @@ class OpenAIServer:
     async def start(
         self,
         prompts: list[dict[str, Any]],
-        params: Any,
+        params: SamplingParams,
         prefix: str,
         requested_max_tokens: int | None,
         model: str,
@@ -201,10 +209,13 @@ class OpenAIServer:
         return StreamingResponse(guarded(events), media_type="text/event-stream", background=BackgroundTask(abort_all))
 
     def decode(self, ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(ids)
+        return text if isinstance(text, str) else "".join(text)  # one sequence of ids decodes to one string
 
 
-def build_app(llm: Any, args: ServerArgs) -> FastAPI:
+def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     server = OpenAIServer(llm, args)
     serving_completion, serving_chat = OpenAIServingCompletion(server), OpenAIServingChat(server)
 
