@@ -218,13 +218,26 @@ def test_a_missing_local_path_is_named_before_any_hub_lookup(tmp_path) -> None:
         assert not looks_local(hub_id)
 
 
-def test_max_model_len_is_checked_before_the_weights_load(tmp_path, monkeypatch) -> None:
-    save_tiny_checkpoint(tmp_path)
+def _no_weight_loading(monkeypatch) -> None:
     import paged_backend.engine.llm_engine as llm_engine
 
     def no_loading(*args, **kwargs):
-        raise AssertionError("the weights were loaded before max_model_len was checked")
+        raise AssertionError("the weights were loaded before config.json was checked")
 
     monkeypatch.setattr(llm_engine, "make_executor", no_loading)
+
+
+def test_max_model_len_is_checked_before_the_weights_load(tmp_path, monkeypatch) -> None:
+    save_tiny_checkpoint(tmp_path)
+    _no_weight_loading(monkeypatch)
     with pytest.raises(ValueError, match="max_model_len must be <= the model's maximum length"):
         LLM(str(tmp_path), max_model_len=10**6)
+
+
+def test_an_unsupported_architecture_is_named_before_the_weights_load(tmp_path, monkeypatch) -> None:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    _no_weight_loading(monkeypatch)
+    with pytest.raises(ValueError, match="BloomForCausalLM is not supported"):
+        LLM(str(tmp_path), skip_tokenizer_init=True)

@@ -24,7 +24,7 @@ from paged_backend.distributed.tp_executor import TPExecutor
 from paged_backend.engine.input_processor import InputProcessor, PromptType
 from paged_backend.engine.output_processor import OutputProcessor
 from paged_backend.lora.request import LoRARequest
-from paged_backend.model_loader import load_hf_config, load_model, load_tokenizer, model_max_length
+from paged_backend.model_loader import causal_lm_class, load_hf_config, load_model, load_tokenizer, model_max_length
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.worker.attention import check_model_supported
@@ -60,13 +60,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: str | PreTrainedModel, tokenizer: Any = None) -> None:
         # What config.json and the tokenizer can refute fails before any weights load (minutes for a large model).
         if isinstance(model, str):
-            config.resolve(model_max_length(load_hf_config(config, model)))
+            hf_config = load_hf_config(config, model)
+            model_class = causal_lm_class(hf_config)
+            if model_class is not None:
+                check_model_supported(model_class, hf_config)
+            config.resolve(model_max_length(hf_config))
         self.tokenizer = load_tokenizer(config, model, tokenizer)
         self.executor = make_executor(config, model)
         # Stops tensor-parallel workers and takes LoRA's hooks off the model (which may outlive the engine).
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
         self.model, self.device = self.executor.model, self.executor.device
-        check_model_supported(self.model)
+        check_model_supported(self.model, self.model.config)
         self.config = config.resolve(model_max_length(self.model))
         self.max_model_len = self.config.max_model_len
         if self.device.type != "cuda":

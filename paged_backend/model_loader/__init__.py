@@ -15,6 +15,7 @@ from paged_backend.model_loader.awq import load_awq_model
 from paged_backend.model_loader.dummy import dummy_model
 from paged_backend.model_loader.hf import (
     adopt_model,
+    causal_lm_class,
     checkpoint_dtype,
     checkpoint_quantization,
     load_hf_config,
@@ -25,7 +26,7 @@ from paged_backend.model_loader.hf import (
     resolve_device,
 )
 
-__all__ = ["load_hf_config", "load_model", "load_tokenizer", "looks_local", "model_max_length"]
+__all__ = ["causal_lm_class", "load_hf_config", "load_model", "load_tokenizer", "looks_local", "model_max_length"]
 
 
 def load_model(

@@ -189,6 +189,15 @@ def load_tokenizer(
     return _from_pretrained(AutoTokenizer, name, trust_remote_code=config.model_config.trust_remote_code)
 
 
+def causal_lm_class(hf_config: PretrainedConfig) -> type[PreTrainedModel] | None:
+    """The class transformers builds for this config's causal LM, without building it (None: not one of
+    transformers' own, e.g. remote code)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    return model_class if isinstance(model_class, type) else None
+
+
 def model_max_length(model: PreTrainedModel | PretrainedConfig) -> int | None:
     """The context length the model's config declares, under whichever name its architecture uses."""
     cfg = (model if isinstance(model, PretrainedConfig) else model.config).get_text_config()

@@ -85,14 +85,16 @@ def paged_attention_forward(
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
-def check_model_supported(model: PreTrainedModel) -> None:
-    """Fail clearly for architectures whose attention does not go through ``ALL_ATTENTION_FUNCTIONS``."""
-    supported = getattr(type(model), "_supports_attention_backend", False)
+def check_model_supported(model: PreTrainedModel | type[PreTrainedModel], config: PretrainedConfig) -> None:
+    """Fail clearly for architectures whose attention does not go through ``ALL_ATTENTION_FUNCTIONS``. Takes the
+    model or only its class, so a checkpoint is checked from its ``config.json`` before its weights load."""
+    model_class = model if isinstance(model, type) else type(model)
+    supported = getattr(model_class, "_supports_attention_backend", False)
     if supported:
-        can_set = getattr(type(model), "_can_set_attn_implementation", None)
+        can_set = getattr(model_class, "_can_set_attn_implementation", None)
         supported = can_set() if callable(can_set) else True
     if not supported:
-        arch = ", ".join(getattr(model.config, "architectures", None) or [type(model).__name__])
+        arch = ", ".join(getattr(config, "architectures", None) or [model_class.__name__])
         raise ValueError(
             f"architecture {arch} is not supported: its modeling code does not route attention through "
             "transformers' ALL_ATTENTION_FUNCTIONS (supported examples: Llama, Mistral, Qwen2/3, Gemma, "
