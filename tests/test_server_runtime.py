@@ -110,7 +110,7 @@ def test_a_10_mb_prompt_is_refused_before_tokenizing_and_stalls_no_stream(server
     """Answered 400 from its length alone (the tokenizer never sees it), while another client's stream goes on.
     Tokenized on the event loop, such a prompt stalled every stream for 8-10 s; the bound here (1 s over the
     stream's own largest gap) fails that, yet holds on a loaded CI machine, where parsing 10 MB of JSON alone can
-    take a few hundred ms. The figure itself (a gap of 16-30 ms) is measured outside the tests: docs/serving.md."""
+    take a few hundred ms. The figure itself is measured by benchmarks/server_robustness.py (docs/serving.md)."""
     base, tokenization = server.base, server.app.tokenization
     seen: list[int] = []
     real = tokenization.tokenizer
