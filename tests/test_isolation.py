@@ -1,5 +1,5 @@
-"""No input can take the engine down: bad requests fail when added, a step that raises fails only the requests it
-ran (the engine steps on with the rest), and only an error of the device itself stops the engine loop."""
+"""No input can take the engine down: bad requests fail when added; when a step raises, the request that makes
+steps fail fails alone, its neighbours are redone; and only an error of the device itself stops the engine loop."""
 
 from __future__ import annotations
 
@@ -24,63 +24,103 @@ def make_llm(tokenizer, **kwargs) -> LLM:
 
 
 def fail_when(llm: LLM, request_id: str, error: Exception, times: int = 1) -> list[list[str]]:
-    """Make the executor raise ``error`` in the first ``times`` steps that run ``request_id``; returns the ids of
-    each failed step's requests."""
+    """Make the executor raise ``error`` in the first ``times`` steps that run ``request_id`` (any request: "*");
+    returns the request ids of every step it ran, failed or not, with each failed step's marked by a "!" entry."""
     executor = llm.llm_engine.executor
     original = executor.execute_model
-    failed: list[list[str]] = []
+    steps: list[list[str]] = []
+    failures = [0]
 
     def execute_model(scheduler_output):
-        ids = [seq.request.request_id for seq in scheduler_output.seqs]
-        if request_id in ids and len(failed) < times:
-            failed.append(ids)
+        ids = sorted({seq.request.request_id for seq in scheduler_output.seqs})
+        steps.append(ids)
+        if (request_id in ids or request_id == "*") and failures[0] < times:
+            failures[0] += 1
+            steps[-1] = [*ids, "!"]
             raise error
         return original(scheduler_output)
 
     executor.execute_model = execute_model  # type: ignore[method-assign]
-    return failed
+    return steps
 
 
-def test_a_failed_step_aborts_its_requests_and_the_engine_steps_on(tokenizer) -> None:
+def run_all(llm: LLM) -> tuple[dict[str, list[int]], list[str]]:
+    """Step until done: each finished request's tokens, and the ids of those that failed."""
+    engine, finished, failed = llm.llm_engine, {}, []
+    while engine.has_unfinished_requests():
+        try:
+            finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        except StepError as error:
+            failed += error.request_ids
+    return finished, failed
+
+
+def add_all(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> None:
+    for i, prompt in enumerate(prompts):
+        llm.llm_engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+
+
+def test_a_passing_fault_costs_its_batch_a_recompute(tokenizer) -> None:
+    """A forward of three requests fails once: none fails; each is redone alone (the culprit is unknown), then
+    they batch again, and every output is exactly HF's."""
     llm = make_llm(tokenizer)
-    engine = llm.llm_engine
-    failed = fail_when(llm, "b", ValueError("boom"))
-    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
-    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, GREEDY)
-    with pytest.raises(StepError, match="boom") as info:
-        engine.step()
-    assert sorted(info.value.request_ids) == ["a", "b"] == sorted(failed[0])
-    assert isinstance(info.value.__cause__, ValueError)
-    assert engine.requests == {}
+    steps = fail_when(llm, "*", ValueError("boom"))
+    add_all(llm, PROMPTS)
+    finished, failed = run_all(llm)
+    assert failed == [] and steps[0] == ["0", "1", "2", "!"]
+    assert all(len(ids) == 1 for ids in steps[1:4]), steps  # one at a time, until each has sampled
+    assert any(len(ids) > 1 for ids in steps[4:]), steps  # then together again
+    for i, prompt in enumerate(PROMPTS):
+        assert finished[str(i)] == hf_greedy(tiny_model("llama"), prompt, 6)
     assert_idle(llm)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
-        assert out.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompt, 6)
+
+
+def test_a_request_that_makes_steps_fail_fails_alone(tokenizer) -> None:
+    """Every step that runs request 1 fails: it fails (once it is alone in a failing step); its neighbours of the
+    first failed step are redone and finish exactly."""
+    llm = make_llm(tokenizer)
+    fail_when(llm, "1", ValueError("boom"), times=10**9)
+    add_all(llm, PROMPTS)
+    finished, failed = run_all(llm)
+    assert failed == ["1"]
+    for i in (0, 2):
+        assert finished[str(i)] == hf_greedy(tiny_model("llama"), PROMPTS[i], 6)
+    assert_idle(llm)
+
+
+def test_a_fault_that_persists_fails_every_request_and_ends(tokenizer) -> None:
+    """Every step fails: each request fails by its second failed step at most; nothing loops, nothing is held."""
+    llm = make_llm(tokenizer)
+    steps = fail_when(llm, "*", RuntimeError("out of memory, say"), times=10**9)
+    add_all(llm, PROMPTS)
+    finished, failed = run_all(llm)
+    assert finished == {} and sorted(failed) == ["0", "1", "2"] and len(steps) <= 2 * len(PROMPTS)
     assert_idle(llm)
 
 
 def test_direct_generate_raises_the_step_error_and_leaves_nothing_behind(tokenizer) -> None:
     llm = make_llm(tokenizer)
-    fail_when(llm, "1", RuntimeError("boom"))  # LLM.generate numbers its requests 0, 1, ...
-    with pytest.raises(StepError, match="boom"):
+    fail_when(llm, "1", RuntimeError("boom"), times=10**9)  # LLM.generate numbers its requests 0, 1, ...
+    with pytest.raises(StepError, match="boom") as info:
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert info.value.request_ids == ["1"]
     assert llm.llm_engine.requests == {}
     assert_idle(llm)
 
 
-def test_on_the_loop_only_the_failed_steps_requests_fail(tokenizer) -> None:
-    """One sequence a step: the failing step runs ``a`` alone, ``b`` (waiting behind it) completes, exactly."""
-    llm = make_llm(tokenizer, max_num_seqs=1)
+def test_on_the_loop_only_the_failing_request_fails(tokenizer) -> None:
+    llm = make_llm(tokenizer)
     loop = llm.engine_loop
-    fail_when(llm, "a", RuntimeError("boom"))
-    queues = loop.add_sync([("a", {"prompt_token_ids": PROMPTS[0]}), ("b", {"prompt_token_ids": PROMPTS[1]})], GREEDY)
-    with pytest.raises(RequestFailedError, match="request a failed: RuntimeError\\('boom'\\)"):
-        list(loop.stream_sync("a", queues[0]))
-    (*_, final) = loop.stream_sync("b", queues[1])
-    assert final.outputs[0].token_ids == hf_greedy(tiny_model("llama"), PROMPTS[1], 6)
+    fail_when(llm, "b", RuntimeError("boom"), times=10**9)
+    requests = [(name, {"prompt_token_ids": p}) for name, p in zip("abc", PROMPTS)]
+    queues = loop.add_sync(requests, GREEDY)
+    with pytest.raises(RequestFailedError, match="request b failed: RuntimeError\\('boom'\\)"):
+        list(loop.stream_sync("b", queues[1]))
+    for (name, prompt), queue in zip(requests, queues):
+        if name != "b":
+            (*_, final) = loop.stream_sync(name, queue)
+            assert final.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompt["prompt_token_ids"], 6)
     assert loop.alive
-    (again,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)
-    assert again.outputs[0].token_ids == hf_greedy(tiny_model("llama"), PROMPTS[0], 6)
     loop.call_sync(lambda engine: None)  # let the loop finish its bookkeeping
     assert_idle(llm)
     loop.shutdown()
@@ -195,7 +235,7 @@ def _shared_llm(tokenizer) -> LLM:
 @pytest.mark.parametrize("fail_at", [4, 10, 16])
 def test_a_failed_step_amid_swaps_leaves_the_others_exact(tokenizer, fail_at: int) -> None:
     """Preemption by swap in a small cache: the failed step's requests (and those whose blocks it swapped) are
-    aborted; every request that finishes still equals HF greedy, and no block is left held."""
+    redone; every request still equals HF greedy, and no block is left held."""
     prompts = [[3 + (i * 7 + j) % 500 for j in range(10 + i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     llm = make_llm(tokenizer, num_kv_blocks=16, preemption_mode="swap", swap_space=0.01)
@@ -218,15 +258,16 @@ def test_a_failed_step_amid_swaps_leaves_the_others_exact(tokenizer, fail_at: in
             finished.update({o.request_id: o for o in engine.step() if o.finished})
         except StepError as error:
             failed += error.request_ids
-    assert swaps[0] and failed and finished and not set(failed) & set(finished)
+    assert swaps[0] and sorted([*failed, *finished], key=int) == [str(i) for i in range(6)]
     for request_id, out in finished.items():
         assert out.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompts[int(request_id)], 20)
     assert_idle(llm)
 
 
 def test_a_failed_swap_in_offers_no_block_to_the_prefix_cache(tokenizer) -> None:
-    """The step that swaps a sequence back in fails before its copies run: the blocks it swapped into hold
-    whatever was there (here: noise), and must not become prefix-cache hits for a later request."""
+    """Every step that swaps sequences back in fails before its copies run: the blocks it swapped into hold
+    whatever was there (here: noise), and must not become prefix-cache hits for a later request, whether their
+    requests are redone or (at their second failure) aborted."""
     prompts = [[3 + (i * 7 + j) % 500 for j in range(10 + i)] for i in range(6)]
     llm = make_llm(tokenizer, num_kv_blocks=16, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=True)
     engine, executor = llm.llm_engine, llm.llm_engine.executor
@@ -234,8 +275,8 @@ def test_a_failed_swap_in_offers_no_block_to_the_prefix_cache(tokenizer) -> None
 
     def execute_model(scheduler_output):
         moves = scheduler_output.batch.blocks_to_swap_in
-        if moves and not swapped:
-            swapped.extend(scheduler_output.swapped_seqs)
+        if moves:  # every swap-in fails: the first time its requests are redone, the second time they fail
+            swapped.extend([*seq.token_ids[: seq.num_computed_tokens], 7] for seq in scheduler_output.swapped_seqs)
             targets = [dst for _, dst in moves]
             for k, v in executor.model_runner.cache_engine.kv_caches:
                 k[targets], v[targets] = torch.randn_like(k[targets]), torch.randn_like(v[targets])
@@ -245,12 +286,9 @@ def test_a_failed_swap_in_offers_no_block_to_the_prefix_cache(tokenizer) -> None
     executor.execute_model = execute_model  # type: ignore[method-assign]
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=20))
-    with pytest.raises(StepError):
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert swapped
-    llm.llm_engine.abort_request(list(engine.requests))
-    continuations = [[*seq.token_ids[: seq.num_computed_tokens], 7] for seq in swapped]
+    _, failed = run_all(llm)
+    assert swapped and failed
+    continuations = swapped
     outs = llm.generate([{"prompt_token_ids": p} for p in continuations], GREEDY, use_tqdm=False)
     for prompt, out in zip(continuations, outs):
         assert out.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompt, 6)

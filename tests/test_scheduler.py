@@ -162,3 +162,38 @@ def test_a_stop_string_cut_takes_back_round_tokens_and_frees_the_blocks() -> Non
     scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, "stop", num_tokens=3 + 2)
     assert seq.output_token_ids == [7, 7] and seq.stop_reason == "stop" and seq.num_computed_tokens == 4
     assert used_blocks(scheduler) == 0 and not scheduler.has_unfinished_seqs()
+
+
+def _swap_in_step() -> tuple[Scheduler, Request, SchedulerOutput]:
+    """The swap test's scenario up to the step that swaps ``new`` back in (not run)."""
+    scheduler = make_scheduler(num_blocks=4, num_cpu_blocks=8, max_model_len=32)
+    old = add(scheduler, [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=20)
+    new = add(scheduler, [11, 12, 13, 14, 15, 16, 17, 18], max_tokens=20)
+    run(scheduler)
+    run(scheduler)
+    while old.seqs[0].status is SequenceStatus.RUNNING:
+        run(scheduler, token=0 if old.seqs[0].num_output_tokens >= 3 else 7)
+    output = scheduler.schedule()
+    assert output.batch.blocks_to_swap_in and output.swapped_seqs == new.seqs
+    return scheduler, new, output
+
+
+def test_a_failed_swap_in_offers_none_of_its_blocks_to_the_prefix_cache() -> None:
+    """Swapped out, a sequence's blocks left the prefix cache; the step swapping them back failed before its
+    copies ran: aborting it must not register the blocks it was to fill (the default would: they look computed)."""
+    for cache_blocks, registered in ((False, 0), (True, 2)):
+        scheduler, new, output = _swap_in_step()
+        before = scheduler.block_manager.num_cached_blocks
+        scheduler.finish_seq(new.seqs[0], SequenceStatus.FINISHED_ABORTED, cache_blocks=cache_blocks)
+        assert scheduler.block_manager.num_cached_blocks - before == registered
+
+
+def test_a_request_to_retry_alone_gets_steps_of_its_own_then_rejoins() -> None:
+    scheduler = make_scheduler()
+    first, second, third = (add(scheduler, [i, i + 1, i + 2], max_tokens=6) for i in (1, 20, 40))
+    run(scheduler)
+    scheduler.retry_alone(second)
+    assert second.seqs[0].status is SequenceStatus.WAITING and second.seqs[0].num_computed_tokens == 0
+    assert [s.request for s in run(scheduler).seqs] == [second]  # its own step, the others wait it out
+    assert {s.request for s in run(scheduler).seqs} == {first, second, third}  # it sampled: together again
+    assert not scheduler.run_alone

@@ -19,6 +19,7 @@ processor finds them and calls ``finish_seq`` with the length to keep.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paged_backend.config import EngineConfig
@@ -69,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # preempted with their KV in CPU memory, oldest first
+        self.run_alone: set[Request] = set()  # to run in steps of their own until they sample (retry_alone)
         self.num_preemptions = 0
         self.num_swapped_out = 0  # preemptions that swapped rather than recomputed
         self.num_chunked_prefill_steps = 0  # scheduled prefill chunks that stop short of the prompt's end
@@ -115,22 +117,41 @@ class Scheduler:
             self.cache_full_blocks([seq])
         self.block_manager.free(seq.seq_id)
 
+    def retry_alone(self, request: Request) -> None:
+        """A step that ran this request beside others failed, and which of them made it fail is unknown: redo the
+        request from its tokens (its KV from that step is unknown; blocks it computed before stay cached), alone,
+        so that the next step that fails with it in it has no other request in it."""
+        seqs = [seq for seq in request.seqs if seq in self.running or seq in self.swapped]
+        for seq in seqs:
+            if seq in self.running:
+                self.running.remove(seq)
+        self._recompute(seqs)
+        self.run_alone.add(request)
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         plan = _Plan(self.max_num_batched_tokens)
-        self._schedule_running(plan)
-        self._schedule_swapped(plan)
-        self._schedule_waiting(plan)
+        include: Callable[[Sequence], bool] | None = None
+        if self.run_alone:
+            alone = self._alone_request()
+            if alone is not None:  # a step of its own, while the others wait a step
+                self._schedule_running(plan, lambda seq: seq.request is alone)
+                self._schedule_waiting(plan, lambda seq: seq.request is alone)
+            include = lambda seq: seq.request not in self.run_alone  # noqa: E731
+        if not plan.scheduled:  # the usual step, without a request that must run alone (it waits for blocks)
+            self._schedule_running(plan, include)
+            self._schedule_swapped(plan, include)
+            self._schedule_waiting(plan, include)
         self.num_chunked_prefill_steps += sum(1 for seq, n in plan.scheduled.items() if n < seq.num_uncomputed_tokens)
         return self._make_output(plan)
 
-    def _schedule_running(self, plan: _Plan) -> None:
+    def _schedule_running(self, plan: _Plan, include: Callable[[Sequence], bool] | None) -> None:
         """Running sequences: decodes first, then unfinished prefills; oldest first within each."""
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival)):
             if plan.budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or (include is not None and not include(seq)):
+                continue  # preempted earlier in this loop, or not in this step
             num_new = min(seq.num_uncomputed_tokens, plan.budget)
             if num_new == 1 and self.block_manager.has_private_slot(seq.seq_id, seq.num_computed_tokens):
                 plan.add(seq, 1, [])  # a decode whose slot is already allocated and not shared
@@ -151,10 +172,10 @@ class Scheduler:
                     plan.swapped += victims
                 plan.preempted.update(victims)
 
-    def _schedule_swapped(self, plan: _Plan) -> None:
+    def _schedule_swapped(self, plan: _Plan, include: Callable[[Sequence], bool] | None) -> None:
         """Swapped requests, oldest first, come back before new ones are admitted, when all their blocks fit."""
         bm = self.block_manager
-        while self.swapped and plan.budget > 0:
+        while self.swapped and plan.budget > 0 and (include is None or include(self.swapped[0])):
             group = [s for s in self.swapped if s.request is self.swapped[0].request]
             ids = [s.seq_id for s in group]
             watermark = bm.watermark_blocks if self.running else 0
@@ -180,7 +201,7 @@ class Scheduler:
                 if copies is not None:  # else it runs from the next step on, like any running sequence
                     plan.add(seq, num_new, copies)
 
-    def _schedule_waiting(self, plan: _Plan) -> None:
+    def _schedule_waiting(self, plan: _Plan, include: Callable[[Sequence], bool] | None) -> None:
         """Waiting sequences, FIFO, while the blocks of their whole prompt fit (plus a watermark when others run);
         blocks of a cached prefix are reused and their tokens skipped; only the chunk that fits the token budget
         is allocated now. Samples that will fork once their request's first sample has prefilled need room too."""
@@ -193,6 +214,8 @@ class Scheduler:
             if index is None:
                 break
             seq = self.waiting[index]
+            if include is not None and not include(seq):
+                break  # FIFO: nothing passes a request that waits to run alone
             if seq in plan.preempted and self.running:
                 break  # let the running sequences free blocks before it tries again
             if self.running and len(self.running) + to_fork + 1 + len(seq.request.unforked) > self.max_num_seqs:
@@ -253,6 +276,14 @@ class Scheduler:
         )
         return SchedulerOutput(batch, seqs, sampling_seqs, fork_parents, plan.swapped)
 
+    def _alone_request(self) -> Request | None:
+        """The request to run alone next (see ``retry_alone``): one already running, else the first waiting."""
+        self.run_alone = {request for request in self.run_alone if not request.finished}
+        running = next((s.request for s in self.running if s.request in self.run_alone), None)
+        if running is not None or not self.waiting or self.waiting[0].request not in self.run_alone:
+            return running
+        return self.waiting[0].request
+
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether ``seq`` can run beside the running sequences without exceeding ``max_loras`` adapters."""
         if self.max_loras is None or seq.lora_id == 0:
@@ -301,6 +332,8 @@ class Scheduler:
         for child, parent in zip(output.sampling_seqs[num_parents:], output.fork_parents):
             self._fork(output.sampling_seqs[parent], child)
         updates = []
+        if self.run_alone:  # a step that sampled them succeeded: they rejoin the batch
+            self.run_alone.difference_update(seq.request for seq in output.sampling_seqs)
         for row, seq in enumerate(output.sampling_seqs):
             tokens = runner_output.sampled_token_ids[row]
             taken = self._append_tokens(seq, tokens, in_round)

@@ -110,6 +110,7 @@ class Request:
     unforked: list[Sequence] = field(default_factory=list)  # samples waiting for the first one's prefill
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    num_failed_steps: int = 0  # steps that failed with this request in them (see LLMEngine._step_failed)
     own_stop_token_ids: frozenset[int] = field(init=False)  # the request's stop_token_ids, as a set
 
     def __post_init__(self) -> None:

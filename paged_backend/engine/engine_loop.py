@@ -8,10 +8,10 @@ go to their requests' queues: an asyncio queue on the caller's event loop, or a 
 every caller share each step (continuous batching across callers). A request added with ``stream=False`` only
 receives its final output, and when no request streams the engine skips building per-step outputs.
 
-A step that fails (``StepError``) fails only the requests it ran: each gets a ``RequestFailedError`` naming the
-cause, and the loop steps on with the rest. Only an error the engine cannot recover from (the device's own), or
-a shutdown, stops the loop: then every waiting request and call gets an ``EngineDeadError`` (the server's
-``/health`` then answers 503).
+When steps fail, the engine fails the requests it holds responsible (``StepError``, see
+``LLMEngine._step_failed``): each gets a ``RequestFailedError`` naming the cause, and the loop steps on with the
+rest. Only an error the engine cannot recover from (the device's own, the scheduler's), or a shutdown, stops the
+loop: then every waiting request and call gets an ``EngineDeadError`` (the server's ``/health`` then answers 503).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import Scheduler
+from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.sequence import SequenceStatus
 from paged_backend.distributed.tp_executor import TPExecutor
 from paged_backend.engine.input_processor import InputProcessor, PromptType
@@ -37,11 +38,11 @@ __all__ = ["LLMEngine", "PromptType", "StepError"]
 
 
 class StepError(RuntimeError):
-    """A step raised: the requests it ran (``request_ids``) were aborted, the others are intact and the engine can
-    step on. The original error is ``__cause__``."""
+    """A step raised, and the requests held responsible (``request_ids``) were aborted; the others are intact (or
+    being redone) and the engine can step on. The original error is ``__cause__``."""
 
     def __init__(self, request_ids: list[str], error: Exception) -> None:
-        super().__init__(f"the step running request(s) {request_ids} failed: {error!r}")
+        super().__init__(f"a step running request(s) {request_ids} failed: {error!r}")
         self.request_ids = request_ids
 
 
@@ -181,17 +182,47 @@ class LLMEngine:
             return []
         try:
             runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as error:
+            failed = self._step_failed(scheduler_output, error, retry=True)
+            if failed:
+                raise StepError(failed, error) from error
+            return []
+        try:
             updates = self.scheduler.update_from_output(scheduler_output, runner_output)
             for hit in self.output_processor.process_tokens(updates):
                 self.scheduler.finish_seq(hit.seq, SequenceStatus.FINISHED_STOPPED, hit.stop, hit.num_tokens)
             return self.output_processor.make_outputs(updates, finished_only)
         except Exception as error:
-            if not self.executor.is_recoverable(error):
-                raise
-            failed = scheduler_output.touched_requests()
-            logger.exception("a step failed; its %d request(s) are aborted and the engine goes on", len(failed))
-            self.abort_request(failed, cache_blocks=False)
-            raise StepError(failed, error) from error
+            raise StepError(self._step_failed(scheduler_output, error, retry=False), error) from error
+
+    def _step_failed(self, scheduler_output: SchedulerOutput, error: Exception, retry: bool) -> list[str]:
+        """A step raised. Unrecoverable (the device's own error): raise it. Else the requests it touched are
+        suspects. A step of one request, or a second failure of a request, fails that request (``StepError``);
+        the others of a failed forward are redone alone (``Scheduler.retry_alone``), so that a request that makes
+        steps fail takes no neighbour down with it, while a passing fault costs its batch only a recompute. A
+        failure after the forward (sampled tokens partly taken) fails every request it touched. Returns the ids of
+        the requests that failed (aborted)."""
+        if not self.executor.is_recoverable(error):
+            raise error
+        touched = [self.requests[rid] for rid in scheduler_output.touched_requests() if rid in self.requests]
+        for request in touched:
+            request.num_failed_steps += 1
+        if retry and len(touched) > 1:
+            failed = [r.request_id for r in touched if r.num_failed_steps > 1]
+            for request in touched:
+                if request.num_failed_steps == 1:
+                    self.scheduler.retry_alone(request)
+        else:
+            failed = [r.request_id for r in touched]
+        logger.warning(
+            "a step of %d request(s) failed (%r): %d fail, the others are redone alone",
+            len(touched),
+            error,
+            len(failed),
+            exc_info=error,
+        )
+        self.abort_request(failed, cache_blocks=False)
+        return failed
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
