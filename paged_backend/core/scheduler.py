@@ -8,7 +8,7 @@ cached prefix (prefix caching, see block_manager.py) and skipping those tokens. 
 sequence needs now, not at ``max_tokens``; when a running sequence cannot get a block, the newest running request
 is preempted: swapped to CPU memory when there is swap space for its blocks (it comes back, oldest first, before
 new requests are admitted), else by recompute: its blocks are freed and it waits again, at the front, to redo
-its prefill.
+its prefill. A request redone after a failed step (``retry_alone``) gets steps of its own until one samples it.
 
 After the step has run, ``update_from_output`` counts the computed tokens, forks a request's other samples
 from its first one (their blocks shared, copy-on-write), appends the sampled tokens and applies the stop-token
