@@ -48,6 +48,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, {token: Logprob}, ...] when asked
     lora_request: Any = None
     metrics: dict[str, float] = field(default_factory=dict)

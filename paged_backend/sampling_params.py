@@ -36,6 +36,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -81,7 +82,11 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             check_int("stop_token_ids[i]", token_id, 0, MAX_INT64)
         check_bool("ignore_eos", self.ignore_eos)
-        check_int("max_tokens", self.max_tokens, 1, MAX_INT64, allow_none=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, allow_none=True)
+        # max_tokens=0 scores a prompt without generating: only with prompt_logprobs, as there is nothing else
+        check_int(
+            "max_tokens", self.max_tokens, 0 if self.prompt_logprobs is not None else 1, MAX_INT64, allow_none=True
+        )
         check_int("min_tokens", self.min_tokens, 0, MAX_INT64)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise FieldError(

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.multi_step import plan_round
+from paged_backend.core.prompt_logprobs import prompt_logprob_rows, take_prompt_logprobs
 from paged_backend.core.scheduler_output import (
     BlockMoves,
     ModelRunnerOutput,
@@ -220,7 +221,8 @@ class Scheduler:
                 break  # let the running sequences free blocks before it tries again
             if self.running and len(self.running) + to_fork + 1 + len(seq.request.unforked) > self.max_num_seqs:
                 break
-            cached = bm.find_cached_prefix(seq.token_ids, seq.lora_id)
+            # a cached prefix has no logits: a request still missing prompt logprobs computes its whole prompt
+            cached = [] if seq.request.needs_prompt_logprobs else bm.find_cached_prefix(seq.token_ids, seq.lora_id)
             needed = bm.num_blocks_to_admit(len(seq.token_ids), cached)
             watermark = bm.watermark_blocks if self.running else 0
             if bm.num_free_blocks - needed < watermark:
@@ -243,8 +245,9 @@ class Scheduler:
     def _make_output(self, plan: _Plan) -> SchedulerOutput:
         seqs, num_new = list(plan.scheduled), list(plan.scheduled.values())
         blocks_to_copy = [pair for seq in seqs for pair in plan.copies[seq]]
+        prompt_rows = prompt_logprob_rows(seqs, num_new)
         num_steps = None
-        if self.num_scheduler_steps > 1 and not (blocks_to_copy or plan.swap_out or plan.swap_in):
+        if self.num_scheduler_steps > 1 and not (blocks_to_copy or plan.swap_out or plan.swap_in or prompt_rows):
             # The round's extra slots may copy shared blocks: those copies are made even when it does not run.
             num_steps, blocks_to_copy = plan_round(
                 seqs, num_new, self.num_scheduler_steps, self.max_model_len, self.block_manager
@@ -273,6 +276,7 @@ class Scheduler:
             blocks_to_swap_in=plan.swap_in,
             blocks_to_copy=blocks_to_copy,
             lora_requests=None if self.max_loras is None else [seq.request.lora_request for seq in seqs],
+            prompt_logprob_rows=prompt_rows,
         )
         return SchedulerOutput(batch, seqs, sampling_seqs, fork_parents, plan.swapped)
 
@@ -324,6 +328,8 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[SequenceUpdate]:
         """The step ran: count its tokens as computed, fork samples, append each sampled token until a stop."""
         in_round = output.batch.num_steps is not None
+        for row, entries in runner_output.prompt_logprobs.items():
+            take_prompt_logprobs(output.seqs[row], output.batch.num_computed_tokens[row], entries)
         if not in_round:  # a round counts its tokens one by one below, as they are taken
             for seq, n in zip(output.seqs, output.batch.num_scheduled_tokens):
                 seq.num_computed_tokens += n
@@ -360,6 +366,9 @@ class Scheduler:
         if seq.status.finished:
             return 0
         request, params = seq.request, seq.params
+        if params.max_tokens == 0:  # scored only (prompt logprobs): its prompt is in, it ends without a token
+            self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+            return 0
         stop_ids, eos_ids = request.own_stop_token_ids, request.eos_token_ids
         stops_from = seq.num_prompt_tokens + params.min_tokens  # the length from which a stop token stops
         max_len = self.max_model_len

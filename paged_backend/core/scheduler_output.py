@@ -37,6 +37,9 @@ class ScheduledBatch:
     blocks_to_swap_in: BlockMoves = field(default_factory=list)  # (CPU, device), made next
     blocks_to_copy: BlockMoves = field(default_factory=list)  # copy-on-write (src, dst), made before the forward
     lora_requests: list[LoRARequest | None] | None = None  # each row's adapter, when LoRA is enabled
+    # Rows whose prompt logprobs are asked: (row, how many of its new tokens, from the first, have a prompt token
+    # next). Their logits come first, in this order, before the sampling rows'.
+    prompt_logprob_rows: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -76,6 +79,8 @@ class ModelRunnerOutput:
     logprobs: list[list[float]] = field(default_factory=list)  # of each sampled token
     top_logprobs: list[TopLogprobs | None] = field(default_factory=list)  # when the sample asked for logprobs
     logits: list[torch.Tensor | None] = field(default_factory=list)  # raw rows, for requests that keep them
+    # batch row -> the prompt logprobs of its new tokens' next tokens (see ScheduledBatch.prompt_logprob_rows)
+    prompt_logprobs: dict[int, list[TopLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

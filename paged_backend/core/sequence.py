@@ -111,10 +111,20 @@ class Request:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     num_failed_steps: int = 0  # steps that failed with this request in them (see LLMEngine._step_failed)
+    # With params.prompt_logprobs: entry i is prompt token i + 1's (token, logprob, rank) and the top k, filled as
+    # prefill chunks run (token 0 has none).
+    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
     own_stop_token_ids: frozenset[int] = field(init=False)  # the request's stop_token_ids, as a set
 
     def __post_init__(self) -> None:
         self.own_stop_token_ids = frozenset(self.params.stop_token_id_list)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (a preempted request keeps those it has)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def finished(self) -> bool:

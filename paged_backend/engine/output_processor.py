@@ -7,6 +7,7 @@ stop strings, so they are found here, and the engine tells the scheduler where e
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 from paged_backend.core.scheduler_output import SequenceUpdate
@@ -36,6 +37,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.num_generated_tokens = 0
+        # each request's prompt logprobs as reported, built once; gone with the request
+        self._built_prompt_logprobs: weakref.WeakKeyDictionary[Request, list[dict[int, Logprob] | None]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def add_request(self, request: Request) -> None:
         for seq in request.seqs:
@@ -97,11 +102,27 @@ class OutputProcessor:
             if finished:
                 self.requests.pop(request.request_id, None)
             if finished or (request.params.num_samples == request.params.n and not finished_only):
-                outputs.append(make_request_output(request))
+                outputs.append(make_request_output(request, self._prompt_logprobs(request)))
         return outputs
 
+    def _prompt_logprobs(self, request: Request) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's ``prompt_logprobs``: ``None`` for the first token, then a dict a token (the actual one and the
+        top k), once every prompt token has its entry."""
+        if request.prompt_logprobs is None or request.needs_prompt_logprobs:
+            return None
+        built = self._built_prompt_logprobs.get(request)
+        if built is None:  # once a request: a streamed request reports them with every step's output
+            built = [None] + [
+                {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in entry}
+                for entry in request.prompt_logprobs
+            ]
+            self._built_prompt_logprobs[request] = built
+        return built
 
-def make_request_output(request: Request) -> RequestOutput:
+
+def make_request_output(
+    request: Request, prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+) -> RequestOutput:
     params = request.params
     seqs = request.seqs
     if params.num_samples > params.n:  # only reported once finished: keep the n best, best first
@@ -128,6 +149,7 @@ def make_request_output(request: Request) -> RequestOutput:
         prompt_token_ids=list(request.prompt_token_ids),
         outputs=outputs,
         finished=request.finished,
+        prompt_logprobs=prompt_logprobs,
         lora_request=request.lora_request,
         metrics=metrics,
     )

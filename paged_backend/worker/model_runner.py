@@ -22,7 +22,7 @@ import torch
 from torch._dynamo.backends.registry import CompilerFn
 from transformers import PreTrainedModel
 
-from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput
+from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput, TopLogprobs
 from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.kernels.greedy import greedy_tokens
 from paged_backend.lora.manager import LoRAManager
@@ -32,6 +32,7 @@ from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
+from paged_backend.worker.prompt_logprobs import prompt_logprobs
 from paged_backend.worker.sampler import Sampler, to_host
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs, pad_step_inputs
 
@@ -156,9 +157,15 @@ class ModelRunner:
                 [list(row[:n]) for row, n in zip(zip(*logprob_rows), steps)],
             )
         with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
-            logits = self.run(inputs)
+            logits = self.run(inputs, use_graphs=not batch.prompt_logprob_rows)
+        prompt = {}
+        if batch.prompt_logprob_rows:
+            num_prompt = sum(count for _, count in batch.prompt_logprob_rows)
+            if scheduler_output.seqs:  # rank 0: it has the sequences, and so the tokens after each chunk
+                prompt = self._prompt_logprobs(logits[:num_prompt], scheduler_output)
+            logits = logits[num_prompt:]
         if not seqs:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt)
         if scheduler_output.fork_parents:  # forked samples draw their first token from their parent's row
             logits = torch.cat([logits, logits[scheduler_output.fork_parents]])  # [N + F, V]
         kept = [logits[row].float().cpu() if seq.request.keep_logits else None for row, seq in enumerate(seqs)]
@@ -168,7 +175,22 @@ class ModelRunner:
             [[r.logprob] for r in results],
             [r.top_logprobs for r in results],
             kept if any(row is not None for row in kept) else [],
+            prompt,
         )
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, scheduler_output: SchedulerOutput) -> dict[int, list[TopLogprobs]]:
+        """Each prompt-logprob row's entries, from its positions' logits (the first rows of ``logits``)."""
+        batch, next_tokens, top_k = scheduler_output.batch, [], []
+        for row, count in batch.prompt_logprob_rows:
+            seq, start = scheduler_output.seqs[row], batch.num_computed_tokens[row]
+            next_tokens += seq.token_ids[start + 1 : start + 1 + count]
+            top_k += [seq.params.prompt_logprobs or 0] * count
+        entries = prompt_logprobs(logits, next_tokens, top_k)
+        out, offset = {}, 0
+        for row, count in batch.prompt_logprob_rows:
+            out[row], offset = entries[offset : offset + count], offset + count
+        return out
 
     @contextlib.contextmanager
     def _lora_step(self, batch: ScheduledBatch, tokens_per_seq: Sequence[int], seqs: list[Seq]) -> Iterator[None]:
@@ -189,11 +211,18 @@ class ModelRunner:
         finally:
             manager.clear_step()
 
-    def run(self, inputs: StepInputs, input_ids: torch.Tensor | None = None, step_index: int = 0) -> torch.Tensor:
+    def run(
+        self,
+        inputs: StepInputs,
+        input_ids: torch.Tensor | None = None,
+        step_index: int = 0,
+        use_graphs: bool = True,
+    ) -> torch.Tensor:
         """One step; returns ``[N, V]``. ``input_ids`` [T] on the device replaces ``inputs.input_ids``
         (multi-step decoding feeds the previous step's sampled tokens without a trip to the host);
-        ``step_index`` is the step's place in such a run."""
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        ``step_index`` is the step's place in such a run. ``use_graphs=False`` when the logits wanted are not one
+        per row, last token each (prompt logprobs): a graph returns exactly those."""
+        if use_graphs and self.graphs is not None and self.graphs.can_run(inputs):
             with self.switch:  # [B, V]: every decode sequence samples
                 return self.graphs.run(inputs, input_ids, step_index % self.graphs.staging.shape[0])
         n = inputs.logits_indices.shape[0]

@@ -81,8 +81,18 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         block_tables=torch.from_numpy(block_tables),
         cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
         context_lens=torch.from_numpy(starts + num_new),
-        logits_indices=torch.from_numpy(cu[1:][np.asarray(batch.sampling_rows, dtype=np.int64)] - 1),
+        logits_indices=torch.from_numpy(_logits_indices(batch, cu)),
     )
+
+
+def _logits_indices(batch: ScheduledBatch, cu: np.ndarray) -> np.ndarray:
+    """The flat rows whose logits the step returns: the prompt-logprob rows' positions first, then each sampling
+    row's last token."""
+    sampling = cu[1:][np.asarray(batch.sampling_rows, dtype=np.int64)] - 1
+    if not batch.prompt_logprob_rows:
+        return sampling
+    prompt = [np.arange(cu[row], cu[row] + count) for row, count in batch.prompt_logprob_rows]
+    return np.concatenate([*prompt, sampling]).astype(np.int64)
 
 
 def pad_step_inputs(inputs: StepInputs, num_pad_seqs: int, min_logits: int = 0, min_width: int = 0) -> StepInputs:
