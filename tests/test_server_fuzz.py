@@ -102,6 +102,9 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
             broken.add("max_completion_tokens")
     if max_tokens is not None and longest + max_tokens > MAX_MODEL_LEN:
         broken.add("max_tokens")
+    scored = body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None)
+    if max_tokens == 0 and not (scored and not chat):
+        broken.add("max_tokens")  # 0 scores a prompt: only with echo and logprobs, or prompt_logprobs
     effective_max = max_tokens if max_tokens is not None else max(1, MAX_MODEL_LEN - longest)
     if body.get("min_tokens", 0) > effective_max:
         broken.add("min_tokens")

@@ -9,7 +9,7 @@ neither of which JSON can carry, so both become -9999.0 (vLLM's floor, which cli
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from paged_backend.outputs import CompletionOutput, Logprob
@@ -38,24 +38,64 @@ def _by_rank(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
     )
 
 
-def completion_logprobs(c: CompletionOutput, decode: Decode, start: int = 0, offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    c: CompletionOutput, decode: Decode, start: int = 0, offset: int = 0, as_ids: bool = False
+) -> dict[str, Any]:
     """``/v1/completions``' logprobs of tokens ``start:`` (a stream's new ones); ``offset``: where their text
     begins in the choice's text. ``top_logprobs`` maps text to logprob for the ``logprobs`` most likely tokens
-    and the sampled one (up to ``logprobs`` + 1 entries, as OpenAI documents)."""
+    and the sampled one (up to ``logprobs`` + 1 entries, as OpenAI documents); ``as_ids``: tokens named
+    ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``), so that tokens that decode alike stay apart."""
+    return _legacy_logprobs(c.token_ids[start:], (c.logprobs or [])[start:], decode, offset, as_ids)
+
+
+def text_length(c: CompletionOutput, decode: Decode, start: int = 0) -> int:
+    """How far tokens ``start:`` move ``text_offset``: the length of their texts, as the offsets count them."""
+    entries = (c.logprobs or [])[start:]
+    return sum(len(_text(t, entry.get(t), decode)) for t, entry in zip(c.token_ids[start:], entries))
+
+
+def echoed_prompt_logprobs(
+    prompt_token_ids: list[int], entries: list[dict[int, Logprob] | None], decode: Decode, as_ids: bool = False
+) -> dict[str, Any]:
+    """The echoed prompt's part of a completion's logprobs (OpenAI's legacy format): its first token has no
+    logprob (``null``), each later one the model's given the tokens before it."""
+    return _legacy_logprobs(prompt_token_ids, entries, decode, 0, as_ids)
+
+
+def _legacy_logprobs(
+    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None], decode: Decode, offset: int, as_ids: bool
+) -> dict[str, Any]:
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
-    top: list[dict[str, float]] = []
+    top: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-        chosen = entry.get(token_id)
-        piece = _text(token_id, chosen, decode)
-        tokens.append(piece)
-        token_logprobs.append(finite(chosen.logprob) if chosen is not None else None)
+
+    def name(token_id: int, lp: Logprob | None) -> str:
         # keyed by text, as OpenAI's format is; a token without text is keyed by its id, not merged with others
-        top.append({_text(t, lp, decode) or str(t): finite(lp.logprob) for t, lp in _by_rank(entry)})
+        return f"token_id:{token_id}" if as_ids else _text(token_id, lp, decode) or str(token_id)
+
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry.get(token_id) if entry is not None else None
+        piece = _text(token_id, chosen, decode)
+        tokens.append(name(token_id, chosen) if as_ids else piece)
+        token_logprobs.append(finite(chosen.logprob) if chosen is not None else None)
+        top.append(None if entry is None else {name(t, lp): finite(lp.logprob) for t, lp in _by_rank(entry)})
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt token, ``null`` or {token id: logprob, rank, text}."""
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def chat_logprobs(c: CompletionOutput, decode: Decode, top_logprobs: int, start: int = 0) -> dict[str, Any]:

@@ -151,16 +151,35 @@ class SamplingFields(BaseModel):
     def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Every field named like a SamplingParams field carries over; raises ``FieldError`` (a ValueError
         naming the field in ``.field``) when a value breaks a rule between fields (a 400)."""
-        shared = _SAMPLING_FIELDS.intersection(type(self).model_fields) - {"max_tokens", "logprobs"}
+        shared = _SAMPLING_FIELDS.intersection(type(self).model_fields) - {"max_tokens", "logprobs", "prompt_logprobs"}
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         values = {name: getattr(self, name) for name in shared}
-        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs)
+        prompt_logprobs = self.scored_prompt_logprobs()
+        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def scored_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs the engine computes (none, unless the endpoint asks for them)."""
+        return None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
+    max_tokens: int | None = Field(
+        default=None, ge=0, lt=INT64_END, description="0 scores the prompt only: with echo and logprobs"
+    )
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="vLLM's: each prompt token's logprob and the top k"
+    )
+    return_tokens_as_token_ids: bool = Field(default=False, description="vLLM's: logprobs' tokens as token_id:N")
+
+    def scored_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs the engine computes: vLLM's field, or ``logprobs`` for the echoed prompt."""
+        echoed = self.logprobs if self.echo else None
+        if self.prompt_logprobs is None or echoed is None:
+            return self.prompt_logprobs if echoed is None else echoed
+        return max(self.prompt_logprobs, echoed)
 
     def prompts(self) -> list[dict[str, Any]]:
         """The prompt(s) as engine inputs: text, token ids, or a list of either."""

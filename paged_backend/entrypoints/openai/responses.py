@@ -17,10 +17,18 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy format; an echoed prompt's first token has no logprob (``null``)."""
+
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
 
 
 class CompletionChoice(BaseModel):
@@ -28,6 +36,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    # vLLM's, when asked: per prompt token, null (the first) or {token id: its logprob, rank and text}
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -9,10 +9,15 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from paged_backend.entrypoints.openai.errors import APIError
-from paged_backend.entrypoints.openai.logprobs import completion_logprobs
+from paged_backend.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    text_length,
+    vllm_prompt_logprobs,
+)
 from paged_backend.entrypoints.openai.protocol import CompletionRequest
 from paged_backend.entrypoints.openai.streams import merge, sse
-from paged_backend.outputs import RequestOutput
+from paged_backend.outputs import CompletionOutput, RequestOutput
 
 if TYPE_CHECKING:
     from paged_backend.entrypoints.openai.api_server import OpenAIServer
@@ -39,15 +44,30 @@ class OpenAIServingCompletion:
         for i, out in enumerate(outputs):
             echo = (out.prompt or self.server.decode(out.prompt_token_ids)) if body.echo else ""
             for c in out.outputs:
-                choices.append(
-                    {
-                        "index": i * body.n + c.index,
-                        "text": echo + c.text,
-                        "logprobs": completion_logprobs(c, self.server.decode) if body.logprobs is not None else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
+                choice = {
+                    "index": i * body.n + c.index,
+                    "text": echo + c.text,
+                    "logprobs": self._logprobs(body, out, c, echo, 0, 0),
+                    "finish_reason": c.finish_reason,
+                }
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs or [])
+                choices.append(choice)
         return {**base, "choices": choices, "usage": usage(outputs)}
+
+    def _logprobs(
+        self, body: CompletionRequest, out: RequestOutput, c: CompletionOutput, echo: str, start: int, offset: int
+    ) -> dict[str, Any] | None:
+        """The choice's logprobs from token ``start`` on (``offset``: where their text begins): with ``echo``
+        (non-empty only in a response's or stream's first piece), the prompt's first, then the completion's."""
+        if body.logprobs is None:
+            return None
+        decode, as_ids = self.server.decode, body.return_tokens_as_token_ids
+        if not echo:
+            return completion_logprobs(c, decode, start, offset, as_ids)
+        prompt = echoed_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs or [], decode, as_ids)
+        completion = completion_logprobs(c, decode, start, len(echo), as_ids)
+        return {key: prompt[key] + completion[key] for key in prompt}
 
     async def _stream_completions(
         self, body: CompletionRequest, streams: list[AsyncIterator[RequestOutput]], base: dict[str, Any]
@@ -58,23 +78,24 @@ class OpenAIServingCompletion:
         async for i, out in merge(streams):
             for c in out.outputs:
                 key = (i, c.index)
-                echo = ""
+                echo, echo_first = "", key not in sent
                 if body.echo and key not in sent:
                     echo = out.prompt or self.server.decode(out.prompt_token_ids)
                 chars, tokens = sent.get(key, (0, 0))
                 delta = echo + c.text[chars:]
                 sent[key] = (len(c.text), len(c.token_ids))
                 if delta or c.finish_reason or len(c.token_ids) > tokens:
-                    logprobs = None
-                    if body.logprobs is not None:
-                        logprobs = completion_logprobs(c, self.server.decode, tokens, offsets.get(key, 0))
-                        offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs["tokens"])
+                    logprobs = self._logprobs(body, out, c, echo, tokens, offsets.get(key, 0))
+                    if logprobs is not None:
+                        offsets[key] = len(echo) + offsets.get(key, 0) + text_length(c, self.server.decode, tokens)
                     choice = {
                         "index": i * body.n + c.index,
                         "text": delta,
                         "logprobs": logprobs,
                         "finish_reason": c.finish_reason,
                     }
+                    if body.prompt_logprobs is not None and echo_first:
+                        choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs or [])
                     yield sse({**base, "choices": [choice]})
             if out.finished:
                 finals[i] = out
