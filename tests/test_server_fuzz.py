@@ -43,7 +43,15 @@ logger = logging.getLogger(__name__)
 KEY, NAME, MAX_MODEL_LEN = "fuzz-key", "tiny", 64
 EXAMPLES = int(os.environ.get("PAGED_BACKEND_FUZZ_EXAMPLES", "15"))
 SEED = int(os.environ.get("PAGED_BACKEND_FUZZ_SEED", "0"))
-OPERATIONS = ["GET /health", "GET /metrics", "GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions"]
+OPERATIONS = [
+    "GET /health",
+    "GET /metrics",
+    "GET /v1/models",
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "POST /tokenize",
+    "POST /detokenize",
+]
 
 
 def make_app(tokenizer) -> Any:
@@ -179,9 +187,15 @@ def fuzz(app: Any, examples: int, mode: str, seed: int = 0) -> Report:
         a rule between fields, or an integer sent as a float."""
         if type(failure).__name__ != "RejectedPositiveData" or response.status_code != 400:
             return True
-        chat = case.operation.path == "/v1/chat/completions"
         param = response.json()["error"]["param"]
-        return not not_an_int(case.body, param) and param not in cross_field_params(case.body, chat, lengths)
+        if not_an_int(case.body, param):
+            return False
+        if case.operation.path == "/tokenize":  # a text too long for max_model_len is refused, as a prompt is
+            return not (param in ("prompt", "messages") and max(lengths(case.body, "messages" in case.body)) > 64)
+        if case.operation.path == "/detokenize":  # ids past the vocabulary: the schema bounds ids by int64 only
+            return not (param == "tokens" and any(t >= server.llm.llm_engine.vocab_size for t in case.body["tokens"]))
+        chat = case.operation.path == "/v1/chat/completions"
+        return param not in cross_field_params(case.body, chat, lengths)
 
     report = Report()
     for event in from_schema(schema).execute():

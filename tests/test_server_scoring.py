@@ -87,3 +87,22 @@ def test_vllms_prompt_logprobs_and_tokens_as_ids(client) -> None:
 def test_max_tokens_0_without_scoring_is_a_400(client) -> None:
     response = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 0})
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
+def test_tokenize_and_detokenize_as_vllm(client, tokenizer) -> None:
+    text = "Hello world! How are you today?"
+    response = client.post("/tokenize", json={"model": "tiny", "prompt": text, "return_token_strs": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["tokens"] == tokenizer(text).input_ids and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 64 and body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    back = client.post("/detokenize", json={"tokens": body["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(body["tokens"])}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer(rendered, add_special_tokens=False).input_ids
+    refused = client.post("/detokenize", json={"tokens": [10**6]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+    unknown = client.post("/tokenize", json={"model": "other", "prompt": text})
+    assert unknown.status_code == 404

@@ -40,17 +40,26 @@ try:
     from paged_backend.entrypoints.openai.errors import APIError, SafeJSONResponse, install_error_handlers
     from paged_backend.entrypoints.openai.limits import MIB, RequestBodyLimit
     from paged_backend.entrypoints.openai.metrics import ServerMetrics
-    from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+    from paged_backend.entrypoints.openai.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        DetokenizeRequest,
+        TokenizeChatRequest,
+        TokenizeCompletionRequest,
+    )
     from paged_backend.entrypoints.openai.responses import (
         ChatCompletionChunk,
         ChatCompletionResponse,
         CompletionChunk,
         CompletionResponse,
+        DetokenizeResponse,
         Health,
         ModelList,
+        TokenizeResponse,
     )
     from paged_backend.entrypoints.openai.serving_chat import OpenAIServingChat
     from paged_backend.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from paged_backend.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
     from paged_backend.entrypoints.openai.streams import guarded, merge
     from paged_backend.entrypoints.openai.tokenization import ServerTokenizer
     from paged_backend.lora.request import LoRARequest
@@ -98,11 +107,12 @@ class OpenAIServer:
             manager.get(lora)
 
     # ------------------------------------------------------------------ checks
-    def check(self, body: SamplingFields | None = None) -> None:
-        """The model exists (its served name, the ``--model`` it was loaded from as vLLM names it, or an
-        adapter's name) and the engine runs. The API key was checked before the body was read (``auth.py``)."""
-        if body is not None and body.model not in (self.args.model_name, self.args.model, *self.loras):
-            raise APIError(404, f"The model `{body.model}` does not exist.", "not_found_error", "model")
+    def check(self, model: str | None = None) -> None:
+        """The model a request names (if it names one) exists — its served name, the ``--model`` it was loaded
+        from as vLLM names it, or an adapter's name — and the engine runs. The API key was checked before the
+        body was read (``auth.py``)."""
+        if model is not None and model not in (self.args.model_name, self.args.model, *self.loras):
+            raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model")
         if not self.loop.alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
 
@@ -218,6 +228,7 @@ class OpenAIServer:
 def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     server = OpenAIServer(llm, args)
     serving_completion, serving_chat = OpenAIServingCompletion(server), OpenAIServingChat(server)
+    serving_tokenization = OpenAIServingTokenization(server, llm.llm_engine.vocab_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -266,7 +277,7 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     @app.post("/v1/completions", response_model=None, responses=openapi.streamed(CompletionResponse, CompletionChunk))
     @with_cancellation
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        server.check(body)
+        server.check(body.model)
         return await serving_completion.create_completion(body)
 
     @app.post(
@@ -276,8 +287,24 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     )
     @with_cancellation
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        server.check(body)
+        server.check(body.model)
         return await serving_chat.create_chat_completion(body)
+
+    @app.post(
+        "/tokenize",
+        response_model=None,
+        responses={200: {"model": TokenizeResponse}, **openapi.error_responses(400, 404, 413, 503)},
+    )
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        return await serving_tokenization.tokenize(body)
+
+    @app.post(
+        "/detokenize",
+        response_model=None,
+        responses={200: {"model": DetokenizeResponse}, **openapi.error_responses(400, 404, 413, 503)},
+    )
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await serving_tokenization.detokenize(body)
 
     return app
 

@@ -222,3 +222,30 @@ class ChatCompletionRequest(SamplingFields):
         if value is not None and other is not None and value != other:
             raise ValueError(f"max_tokens is {other}: give one of max_tokens and max_completion_tokens, not both")
         return value
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``/tokenize`` of a text."""
+
+    model_config = MODEL_CONFIG
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's ``/tokenize`` of a conversation, through the chat template."""
+
+    model_config = MODEL_CONFIG
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = MODEL_CONFIG
+    model: Text | None = None
+    tokens: list[TokenId]

@@ -133,3 +133,14 @@ class ModelList(BaseModel):
 
 class Health(BaseModel):
     status: str
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -51,6 +51,10 @@ class HFTokenizer(Protocol):
 
     def get_vocab(self) -> dict[str, int]: ...
 
+    def decode(self, token_ids: list[int]) -> Any: ...
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> Any: ...
+
     def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
 
 
@@ -75,11 +79,20 @@ class ServerTokenizer:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._run(lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids))
 
-    async def render_chat(self, messages: list[dict[str, Any]], chat_template: str | None) -> str:
+    async def decode(self, ids: list[int]) -> str:
+        text = await self._run(lambda: self.tokenizer.decode(ids))
+        return text if isinstance(text, str) else "".join(text)
+
+    async def token_strs(self, ids: list[int]) -> list[str]:
+        return await self._run(lambda: [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)])
+
+    async def render_chat(
+        self, messages: list[dict[str, Any]], chat_template: str | None, add_generation_prompt: bool = True
+    ) -> str:
         """The chat template's text for ``messages`` (a Jinja template runs as long as its input is big)."""
         text = await self._run(
             lambda: self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=chat_template
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
             )
         )
         if not isinstance(text, str):
