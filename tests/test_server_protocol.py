@@ -98,7 +98,7 @@ def test_an_int_is_a_valid_float(client) -> None:
         (chat(messages=[{"role": "user", "content": 5}]), "messages.0.content", "valid string"),
         (chat(messages=[{"role": "robot", "content": "x"}]), "messages.0.role", "'user'"),
         (chat(messages=[{"content": "x"}]), "messages.0.role", "required"),
-        (completion(unknown_field=1), "unknown_field", "Extra inputs"),
+        (chat(messages=[{"role": "user", "content": "x", "mood": 1}]), "messages.0.mood", "Extra inputs"),
         (completion(temperature=float("inf")), "temperature", "finite"),
         (completion(min_tokens=5, max_tokens=2), "min_tokens", "min_tokens must be <= max_tokens"),  # FieldError
         (completion(temperature=0, n=1, best_of=2), "best_of", "greedy"),  # FieldError

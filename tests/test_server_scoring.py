@@ -106,3 +106,25 @@ def test_tokenize_and_detokenize_as_vllm(client, tokenizer) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
     unknown = client.post("/tokenize", json={"model": "other", "prompt": text})
     assert unknown.status_code == 404
+
+
+def test_unknown_fields_are_ignored_with_one_warning(client, caplog) -> None:
+    """lm-eval and other clients send fields of other servers (num_beams, max_new_tokens, version)."""
+    with caplog.at_level("WARNING", logger="paged_backend.entrypoints.openai.api_server"):
+        complete(client, max_tokens=1, num_beams=1, version="x")
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert warnings == ["The following fields were present in the request but ignored: ['num_beams', 'version']"]
+    bad = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": "5", "x": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # known fields stay strict
+
+
+def test_chat_content_as_text_parts(client, tokenizer) -> None:
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    as_parts = client.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()
+    as_text = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello\nworld"}]}).json()
+    assert as_parts["tokens"] == as_text["tokens"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 2, "temperature": 0}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    refused = client.post("/tokenize", json={"messages": [{"role": "user", "content": image}]})
+    assert refused.status_code == 400

@@ -30,6 +30,7 @@ try:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST
+    from pydantic import BaseModel
     from starlette.background import BackgroundTask
 
     from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
@@ -277,6 +278,7 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     @app.post("/v1/completions", response_model=None, responses=openapi.streamed(CompletionResponse, CompletionChunk))
     @with_cancellation
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        warn_ignored(body)
         server.check(body.model)
         return await serving_completion.create_completion(body)
 
@@ -287,6 +289,7 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     )
     @with_cancellation
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        warn_ignored(body)
         server.check(body.model)
         return await serving_chat.create_chat_completion(body)
 
@@ -296,6 +299,7 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
         responses={200: {"model": TokenizeResponse}, **openapi.error_responses(400, 404, 413, 503)},
     )
     async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        warn_ignored(body)
         return await serving_tokenization.tokenize(body)
 
     @app.post(
@@ -304,9 +308,16 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
         responses={200: {"model": DetokenizeResponse}, **openapi.error_responses(400, 404, 413, 503)},
     )
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        warn_ignored(body)
         return await serving_tokenization.detokenize(body)
 
     return app
+
+
+def warn_ignored(body: BaseModel) -> None:
+    """One warning naming the request fields this server does not know (vLLM ignores them likewise)."""
+    if body.model_extra:
+        logger.warning("The following fields were present in the request but ignored: %s", sorted(body.model_extra))
 
 
 def main(argv: list[str] | None = None, prog: str = MODULE_PROG) -> int:

@@ -1,5 +1,6 @@
-"""Request bodies of the OpenAI API (the fields this server honours; any other field is a 400 naming it), and
-their translation into ``SamplingParams``.
+"""Request bodies of the OpenAI API and vLLM's extras, and their translation into ``SamplingParams``. Other
+fields of a request body are ignored with a logged warning naming them, as vLLM does; inside nested objects
+(messages, stream options) an unknown field is a 400 naming it.
 
 Types are strict, as OpenAI's are: ``"5"``, ``true`` or ``5.0`` is not an integer, ``"yes"`` is not a boolean
 (an integer is a number, so ``temperature: 1`` is fine). Every bound ``SamplingParams`` enforces that depends on
@@ -49,6 +50,9 @@ MAX_PROMPTS = 2048
 INT64_END = 2**63
 
 MODEL_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# A request body's own unknown fields are ignored with a logged warning naming them, as vLLM does (clients and
+# harnesses send fields of other servers); nested objects and every known field stay strict.
+REQUEST_CONFIG = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 def _no_lone_surrogates(value: str) -> str:
@@ -119,7 +123,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
 
-    model_config = MODEL_CONFIG
+    model_config = REQUEST_CONFIG
 
     model: Text
     max_tokens: int | None = Field(default=None, ge=1, lt=INT64_END)
@@ -191,11 +195,26 @@ class CompletionRequest(SamplingFields):
         return [{"prompt_token_ids": list(p)} if isinstance(p, list) else {"prompt": p} for p in prompt]
 
 
+class TextPart(BaseModel):
+    """One part of a message's content given as a list (OpenAI's content parts; text only)."""
+
+    model_config = MODEL_CONFIG
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(BaseModel):
     model_config = MODEL_CONFIG
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text | None = None
+    content: Text | list[TextPart] | None = None
     name: Text | None = None
+
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates take it: content parts joined by newlines (as vLLM does)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -227,7 +246,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeCompletionRequest(BaseModel):
     """vLLM's ``/tokenize`` of a text."""
 
-    model_config = MODEL_CONFIG
+    model_config = REQUEST_CONFIG
     model: Text | None = None
     prompt: Text
     add_special_tokens: bool = True
@@ -237,7 +256,7 @@ class TokenizeCompletionRequest(BaseModel):
 class TokenizeChatRequest(BaseModel):
     """vLLM's ``/tokenize`` of a conversation, through the chat template."""
 
-    model_config = MODEL_CONFIG
+    model_config = REQUEST_CONFIG
     model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -246,6 +265,6 @@ class TokenizeChatRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = MODEL_CONFIG
+    model_config = REQUEST_CONFIG
     model: Text | None = None
     tokens: list[TokenId]

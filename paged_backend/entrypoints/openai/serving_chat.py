@@ -27,7 +27,7 @@ class OpenAIServingChat:
         tokenization = self.server.tokenization
         if tokenization is None:
             raise APIError(400, "chat needs a tokenizer", "invalid_request_error")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         try:
             text = await tokenization.render_chat(messages, self.server.chat_template)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem

@@ -28,7 +28,7 @@ class OpenAIServingTokenization:
     async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
         tokenization = self._tokenizer(body.model)
         if isinstance(body, TokenizeChatRequest):
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             try:
                 text = await tokenization.render_chat(messages, self.server.chat_template, body.add_generation_prompt)
             except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
