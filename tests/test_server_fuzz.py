@@ -69,6 +69,11 @@ def _max_tokens(body: Body, chat: bool) -> int | None:
     return asked if asked is not None or chat else 16
 
 
+def _text_of(value: Any) -> Any:
+    """A message field as the server gives it to the template: content parts joined by newlines."""
+    return "\n".join(part["text"] for part in value) if isinstance(value, list) else value
+
+
 @dataclass
 class PromptLengths:
     """Token counts of a request's prompts, as the server computes them (its tokenizer and chat template)."""
@@ -79,7 +84,7 @@ class PromptLengths:
 
     def __call__(self, body: Body, chat: bool) -> list[int]:
         if chat:
-            messages = [{k: v for k, v in m.items() if v is not None} for m in body["messages"]]
+            messages = [{k: _text_of(v) for k, v in m.items() if v is not None} for m in body["messages"]]
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, chat_template=self.template
             )
@@ -118,7 +123,7 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
         broken.add("min_tokens")
     if longest > MAX_MODEL_LEN:
         # the engine's own length check names no field (see the report: input_processor's FieldError)
-        broken.update({"prompt", None})
+        broken.update({"messages", "prompt", None} if chat else {"prompt", None})
     return broken
 
 

@@ -161,11 +161,14 @@ class OpenAIServer:
         return [self.loop.stream(request_id, queue) for (request_id, _), queue in zip(requests, queues)]
 
     def check_length_bound(self, text: str, requested_max_tokens: int | None, param: str) -> None:
-        """A 400 for a text whose length alone proves it too long for ``max_model_len``: before tokenizing it."""
+        """A 400 for a text whose length alone proves it too long for ``max_model_len``: before tokenizing it.
+        It names the text's field when the text alone is too long, else ``max_tokens``, as the exact check after
+        tokenizing does."""
         if self.tokenization is None:
             return
         at_least = self.tokenization.min_tokens(text)
         if at_least + (requested_max_tokens or 0) > self.max_model_len:
+            param = param if at_least > self.max_model_len else "max_tokens"
             completion = f", plus {requested_max_tokens} in the completion" if requested_max_tokens else ""
             raise APIError(
                 400,
