@@ -6,7 +6,7 @@ method the schema does not list answered without 405 and ``Allow``.
 It runs schemathesis' own engine (what ``schemathesis run`` runs: the coverage phase's boundary values, missing
 fields and undeclared methods, then the fuzzing phase's Hypothesis cases), not its pytest plugin, which renames
 test items through a pytest-private attribute. ``PAGED_BACKEND_FUZZ_EXAMPLES`` sets the fuzzing phase's
-examples per operation and mode (default 15: about 740 cases in 10 s, a CI-sized run; 400 gives about 2,300),
+examples per operation and mode (default 15: about 1,000 cases in 10 s, a CI-sized run; 400 gives about 4,100),
 ``PAGED_BACKEND_FUZZ_SEED`` its seed (default 0).
 
 Checks that cannot apply here, each configured rather than dropped:
