@@ -2,7 +2,8 @@
 
 Text is produced piece by piece (vLLM's prefix/read offsets): each new token is decoded together with a few
 previous ones so spaces and merges come out right, and a piece that ends in an incomplete UTF-8 character is
-held back until it resolves. The final text is exactly the concatenation of the pieces. While a request runs,
+held back until it resolves; at the sequence's end whatever is still held back is added, so the final text is
+exactly ``decode`` of its tokens. The final text is exactly the concatenation of the pieces. While a request runs,
 any tail of the text that could still become a stop string is held back too, so streamed text never has to be
 taken back when a stop string is cut.
 """
@@ -48,6 +49,17 @@ def detokenize_incrementally(tokenizer: Tokenizer, seq: Sequence, num_tokens: in
     seq.prefix_offset = seq.read_offset
     seq.read_offset = num_tokens
     return new_text[len(prefix_text) :]
+
+
+def flush_text(tokenizer: Tokenizer, seq: Sequence, num_tokens: int) -> str:
+    """At a sequence's end: the text its held-back tokens up to ``num_tokens`` add, an incomplete UTF-8 character
+    included (as "\ufffd", as ``decode`` of the whole output gives it), so the final text is exactly that decode."""
+    skip = seq.params.skip_special_tokens
+    ids = seq.token_ids
+    prefix_text = decode_text(tokenizer, ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
+    new_text = decode_text(tokenizer, ids[seq.prefix_offset : num_tokens], skip_special_tokens=skip)
+    seq.prefix_offset, seq.read_offset = seq.read_offset, num_tokens
+    return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
 def find_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:

@@ -17,6 +17,7 @@ from paged_backend.engine.detokenizer import (
     decode_text,
     detokenize_incrementally,
     find_stop_string,
+    flush_text,
     init_offsets,
     visible_text,
 )
@@ -85,6 +86,11 @@ class OutputProcessor:
                 start, stop = hit
                 seq.output_text = seq.output_text[: start + len(stop) if params.include_stop_str_in_output else start]
                 return StopStringHit(seq, stop, first + j + 1)
+        if self.tokenizer is not None and seq.status.finished:  # an incomplete last character shows, as in decode
+            # (here "stopped" is by a stop token, the last one, shown only with include_stop_str_in_output)
+            stop_token = seq.status is SequenceStatus.FINISHED_STOPPED and not params.include_stop_str_in_output
+            end = len(seq.token_ids) - (1 if stop_token else 0)
+            seq.output_text += flush_text(self.tokenizer, seq, end)
         return None
 
     def _decode_one(self, token_id: int) -> str | None:
