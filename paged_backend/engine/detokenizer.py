@@ -40,10 +40,7 @@ def init_offsets(seq: Sequence) -> None:
 def detokenize_incrementally(tokenizer: Tokenizer, seq: Sequence, num_tokens: int) -> str:
     """Return the text that tokens up to ``num_tokens`` add (possibly empty) and advance the sequence's offsets.
     (A round's tokens are appended together and decoded one by one.)"""
-    skip = seq.params.skip_special_tokens
-    ids = seq.token_ids
-    prefix_text = decode_text(tokenizer, ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-    new_text = decode_text(tokenizer, ids[seq.prefix_offset : num_tokens], skip_special_tokens=skip)
+    prefix_text, new_text = _decode_window(tokenizer, seq, num_tokens)
     if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
         return ""  # nothing new yet, or an incomplete UTF-8 character: wait for the next token
     seq.prefix_offset = seq.read_offset
@@ -51,13 +48,18 @@ def detokenize_incrementally(tokenizer: Tokenizer, seq: Sequence, num_tokens: in
     return new_text[len(prefix_text) :]
 
 
-def flush_text(tokenizer: Tokenizer, seq: Sequence, num_tokens: int) -> str:
-    """At a sequence's end: the text its held-back tokens up to ``num_tokens`` add, an incomplete UTF-8 character
-    included (as "\ufffd", as ``decode`` of the whole output gives it), so the final text is exactly that decode."""
+def _decode_window(tokenizer: Tokenizer, seq: Sequence, num_tokens: int) -> tuple[str, str]:
+    """The text of the context tokens before the unread ones, and of the context plus tokens up to ``num_tokens``."""
     skip = seq.params.skip_special_tokens
     ids = seq.token_ids
     prefix_text = decode_text(tokenizer, ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-    new_text = decode_text(tokenizer, ids[seq.prefix_offset : num_tokens], skip_special_tokens=skip)
+    return prefix_text, decode_text(tokenizer, ids[seq.prefix_offset : num_tokens], skip_special_tokens=skip)
+
+
+def flush_text(tokenizer: Tokenizer, seq: Sequence, num_tokens: int) -> str:
+    """At a sequence's end: the text its held-back tokens up to ``num_tokens`` add, an incomplete UTF-8 character
+    included (as "\ufffd", as ``decode`` of the whole output gives it), so the final text is exactly that decode."""
+    prefix_text, new_text = _decode_window(tokenizer, seq, num_tokens)
     seq.prefix_offset, seq.read_offset = seq.read_offset, num_tokens
     return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
