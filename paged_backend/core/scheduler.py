@@ -98,9 +98,8 @@ class Scheduler:
     ) -> None:
         """Mark finished and release the sequence's blocks; blocks its computed tokens filled stay in the prefix
         cache. ``num_tokens`` cuts tokens a stop string made void (sampled in the same round after it); a
-        sequence that had already finished only takes the new status and reason. ``cache_blocks=False`` for a
-        sequence whose step failed: a block it swapped in may never have received its KV (blocks it computed
-        earlier were offered to the cache as they filled)."""
+        sequence that had already finished only takes the new status and reason. ``cache_blocks=False``: its
+        step failed, and a block it swapped in may hold no KV (earlier blocks were cached as they filled)."""
         if num_tokens is not None and num_tokens < len(seq.token_ids):
             del seq.token_ids[num_tokens:]
             seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens - 1)
@@ -119,14 +118,9 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
 
     def retry_alone(self, request: Request) -> None:
-        """A step that ran this request beside others failed, and which of them made it fail is unknown: redo the
-        request from its tokens (its KV from that step is unknown; blocks it computed before stay cached), alone,
-        so that the next step that fails with it in it has no other request in it."""
-        seqs = [seq for seq in request.seqs if seq in self.running or seq in self.swapped]
-        for seq in seqs:
-            if seq in self.running:
-                self.running.remove(seq)
-        self._recompute(seqs)
+        """A step that ran this request beside others failed, which of them made it fail unknown: redo it from its
+        tokens (earlier blocks stay cached), alone, so a step that fails with it next has no other request."""
+        self._recompute([seq for seq in request.seqs if seq in self.running or seq in self.swapped])
         self.run_alone.add(request)
 
     # ------------------------------------------------------------------ schedule
@@ -284,9 +278,8 @@ class Scheduler:
         """The request to run alone next (see ``retry_alone``): one already running, else the first waiting."""
         self.run_alone = {request for request in self.run_alone if not request.finished}
         running = next((s.request for s in self.running if s.request in self.run_alone), None)
-        if running is not None or not self.waiting or self.waiting[0].request not in self.run_alone:
-            return running
-        return self.waiting[0].request
+        head = self.waiting[0].request if self.waiting else None
+        return running or (head if head in self.run_alone else None)
 
     def _lora_fits(self, seq: Sequence) -> bool:
         """Whether ``seq`` can run beside the running sequences without exceeding ``max_loras`` adapters."""
@@ -317,8 +310,9 @@ class Scheduler:
     def _recompute(self, seqs: list[Sequence]) -> None:
         """Drop the sequences' KV (device or swapped) and queue them, at the front, to prefill again."""
         for seq in reversed(seqs):
-            if seq in self.swapped:
-                self.swapped.remove(seq)
+            for queue in (self.running, self.swapped):
+                if seq in queue:
+                    queue.remove(seq)
             self.block_manager.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
