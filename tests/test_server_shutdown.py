@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +17,10 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from tests.conftest import save_tiny_checkpoint  # noqa: E402
+from tests.fixtures.server_process import ServerProcess  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 MAX_LEN = 512  # the tiny model's own limit: streams of ~500 tokens, far longer than the shutdown timeout
+LIMITS = ("--max-model-len", str(MAX_LEN), "--num-kv-blocks", "2048")
 
 
 @pytest.fixture(scope="module")
@@ -32,56 +28,6 @@ def checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("runtime") / "model"
     save_tiny_checkpoint(path)
     return path
-
-
-class ServerProcess:
-    """``python -m paged_backend.entrypoints.openai.api_server`` on a free port; stderr read line by line, each
-    line with the time it arrived."""
-
-    def __init__(self, model: Path, *flags: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        command = [sys.executable, "-m", "paged_backend.entrypoints.openai.api_server", "--model", str(model)]
-        command += ["--port", str(self.port), "--max-model-len", str(MAX_LEN), "--num-kv-blocks", "2048", *flags]
-        self.proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-        self.base = f"http://127.0.0.1:{self.port}"
-        give_up = time.monotonic() + 300  # only stops a server that never starts
-        while time.monotonic() < give_up:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the server exited {self.proc.returncode}: {self.stderr[-3000:]}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        pytest.fail("the server did not start")
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append((time.monotonic(), line))
-
-    @property
-    def stderr(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    def logged_at(self, text: str) -> float | None:
-        return next((t for t, line in self.lines if text in line), None)
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.reader.join(10)
 
 
 async def open_streams(base: str, count: int) -> tuple[list[asyncio.Task[list[str]]], Any]:
@@ -111,7 +57,7 @@ def test_sigterm_under_32_streams_ends_each_and_exits_0(checkpoint) -> None:
     """In-flight streams get --shutdown-timeout to finish, then end with an error event and [DONE]; new
     connections are refused meanwhile; the process joins the engine thread and exits 0, without a traceback."""
     grace = 1.0
-    server = ServerProcess(checkpoint, "--served-model-name", "m", "--shutdown-timeout", str(grace))
+    server = ServerProcess(checkpoint, *LIMITS, "--served-model-name", "m", "--shutdown-timeout", str(grace))
 
     async def main() -> tuple[list[Any], float]:
         tasks, client = await open_streams(server.base, 32)
@@ -136,7 +82,7 @@ def test_sigterm_under_32_streams_ends_each_and_exits_0(checkpoint) -> None:
 
 
 def test_a_second_signal_stops_at_once(checkpoint) -> None:
-    server = ServerProcess(checkpoint, "--served-model-name", "m", "--shutdown-timeout", "60")
+    server = ServerProcess(checkpoint, *LIMITS, "--served-model-name", "m", "--shutdown-timeout", "60")
 
     async def main() -> float:
         tasks, client = await open_streams(server.base, 8)
