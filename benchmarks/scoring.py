@@ -4,7 +4,8 @@ Model: the Llama-3-8B shape of docs/benchmarks.md, random normal(0, 0.02) bf16 w
 prompts (lengths uniform in [64, 1024], ``random.Random(0)``). Modes:
   paged_prefill  ``LLM.generate`` with ``max_tokens=1``: the prompts' prefill and one sampled token
   paged_scoring  ``LLM.generate`` with ``prompt_logprobs=1, max_tokens=0``: every prompt token's logprob and rank
-                 plus the top 1, as lm-eval's loglikelihood requests ask for them
+                 plus the top 1, as lm-eval's loglikelihood requests ask for them; reading every prompt
+                 token's logprob from the outputs is timed too
   hf_scoring     HF forward over length-sorted batches of 8 (right padded), float32 log-softmax, each prompt
                  token's logprob gathered: what lm-eval's HF backend does
   hf_prefill     HF ``generate`` with one new token, batches of 64 (left padded)
@@ -64,14 +65,18 @@ def prompts_of(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_scoring(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[float]], float]:
-    """Timed scoring; each prompt's per-token logprobs (the first token has none)."""
-    outs, seconds = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], SCORING, use_tqdm=False))
-    scores = []
-    for prompt, out in zip(prompts, outs):
-        rows = out.prompt_logprobs
-        assert rows is not None and len(rows) == len(prompt) and rows[0] is None and not out.outputs[0].token_ids
-        scores.append([row[token].logprob for row, token in zip(rows[1:], prompt[1:])])  # type: ignore[index]
-    return scores, seconds
+    """Timed scoring, reading of each prompt's per-token logprobs included (the first token has none)."""
+
+    def go() -> list[list[float]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SCORING, use_tqdm=False)
+        scores = []
+        for prompt, out in zip(prompts, outs):
+            rows = out.prompt_logprobs
+            assert rows is not None and len(rows) == len(prompt) and rows[0] is None and not out.outputs[0].token_ids
+            scores.append([row[token].logprob for row, token in zip(rows[1:], prompt[1:])])  # type: ignore[index]
+        return scores
+
+    return timed(go)
 
 
 @torch.no_grad()

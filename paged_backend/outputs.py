@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_backend.logprobs import Logprob, PromptLogprob
 
-@dataclass
-class Logprob:
-    """One entry of a per-token top-k dict: log probability, rank (1 = most likely), decoded text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+__all__ = ["CompletionOutput", "Logprob", "RequestOutput"]
 
 
 @dataclass
@@ -48,6 +44,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [None, {token: Logprob}, ...] when asked
+    prompt_logprobs: Sequence[PromptLogprob] | None = None  # [None, {token: Logprob}, ...] when asked
     lora_request: Any = None
     metrics: dict[str, float] = field(default_factory=dict)

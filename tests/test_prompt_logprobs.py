@@ -4,6 +4,8 @@ cache hits and several samples — and ``max_tokens=0`` scores without generatin
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -93,3 +95,21 @@ def test_decoded_tokens_and_streamed_outputs(tokenizer) -> None:
     entry = outputs[-1].prompt_logprobs[1]
     token = PROMPTS[2][1]
     assert entry[token].decoded_token == tokenizer.decode([token])
+
+
+def test_prompt_logprobs_read_as_a_list(tokenizer) -> None:
+    """The arrays behind ``prompt_logprobs`` read as vLLM's list: indexing (negative too), slices, iteration,
+    equality with the list it stands for, pickling (with decoded tokens)."""
+    llm = LLM(tiny_model(MODEL), tokenizer=tokenizer, block_size=4, max_model_len=64)
+    prompt = PROMPTS[2]
+    (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)
+    entries = out.prompt_logprobs
+    assert entries is not None
+    as_list = list(entries)
+    assert len(as_list) == len(entries) == len(prompt) and as_list[0] is None
+    assert entries == as_list and entries[:] == as_list and entries[-1] == as_list[-1] and entries[1:3] == as_list[1:3]
+    assert entries[-len(prompt)] is None
+    with pytest.raises(IndexError, match="prompt_logprobs index"):
+        entries[len(prompt)]
+    restored = pickle.loads(pickle.dumps(entries))
+    assert restored == as_list and restored[1][prompt[1]].decoded_token == tokenizer.decode([prompt[1]])

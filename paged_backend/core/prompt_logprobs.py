@@ -8,8 +8,8 @@ request preempted by recompute prefills again; the entries it already has are ke
 
 from __future__ import annotations
 
-from paged_backend.core.scheduler_output import TopLogprobs
 from paged_backend.core.sequence import Sequence
+from paged_backend.logprobs import LogprobsArrays
 
 
 def prompt_logprob_rows(seqs: list[Sequence], num_new: list[int]) -> list[tuple[int, int]]:
@@ -25,10 +25,11 @@ def prompt_logprob_rows(seqs: list[Sequence], num_new: list[int]) -> list[tuple[
     return rows
 
 
-def take_prompt_logprobs(seq: Sequence, start: int, entries: list[TopLogprobs]) -> None:
+def take_prompt_logprobs(seq: Sequence, start: int, arrays: LogprobsArrays) -> None:
     """Entries for prompt tokens ``start + 1`` on, into the request; those it computed before are kept."""
-    known = seq.request.prompt_logprobs
-    assert known is not None, "only requests that asked for prompt logprobs get them"
-    for token_index, entry in enumerate(entries, start + 1):
-        if token_index == len(known) + 1:
-            known.append(entry)
+    request = seq.request
+    assert request.prompt_logprobs is not None, "only requests that asked for prompt logprobs get them"
+    known = request.num_prompt_logprobs - start  # of this chunk's entries, those the request already has
+    if 0 <= known < len(arrays):
+        request.prompt_logprobs.append(arrays.take(known, len(arrays)))
+        request.num_prompt_logprobs += len(arrays) - known

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from paged_backend.core.sequence import Sequence
+from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class ModelRunnerOutput:
     top_logprobs: list[TopLogprobs | None] = field(default_factory=list)  # when the sample asked for logprobs
     logits: list[torch.Tensor | None] = field(default_factory=list)  # raw rows, for requests that keep them
     # batch row -> the prompt logprobs of its new tokens' next tokens (see ScheduledBatch.prompt_logprob_rows)
-    prompt_logprobs: dict[int, list[TopLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, LogprobsArrays] = field(default_factory=dict)
 
 
 @dataclass

@@ -10,8 +10,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from paged_backend.logprobs import Logprob, LogprobsArrays
 from paged_backend.lora.request import LoRARequest
-from paged_backend.outputs import Logprob
 from paged_backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -111,9 +111,9 @@ class Request:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     num_failed_steps: int = 0  # steps that failed with this request in them (see LLMEngine._step_failed)
-    # With params.prompt_logprobs: entry i is prompt token i + 1's (token, logprob, rank) and the top k, filled as
-    # prefill chunks run (token 0 has none).
-    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
+    # With params.prompt_logprobs: prompt tokens 1.. in order, a chunk of arrays each prefill chunk (token 0 has none)
+    prompt_logprobs: list[LogprobsArrays] | None = None
+    num_prompt_logprobs: int = 0  # prompt tokens with their entry so far
     own_stop_token_ids: frozenset[int] = field(init=False)  # the request's stop_token_ids, as a set
 
     def __post_init__(self) -> None:
@@ -124,7 +124,7 @@ class Request:
     @property
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs asked for and not all computed yet (a preempted request keeps those it has)."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_token_ids) - 1
 
     @property
     def finished(self) -> bool:

@@ -6,8 +6,10 @@ stop strings, so they are found here, and the engine tells the scheduler where e
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
 from paged_backend.core.scheduler_output import SequenceUpdate
@@ -21,7 +23,8 @@ from paged_backend.engine.detokenizer import (
     init_offsets,
     visible_text,
 )
-from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
+from paged_backend.logprobs import Logprob, LogprobsArrays, PromptLogprob, PromptLogprobs
+from paged_backend.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,7 @@ class OutputProcessor:
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.num_generated_tokens = 0
         # each request's prompt logprobs as reported, built once; gone with the request
-        self._built_prompt_logprobs: weakref.WeakKeyDictionary[Request, list[dict[int, Logprob] | None]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._built_prompt_logprobs: weakref.WeakKeyDictionary[Request, PromptLogprobs] = weakref.WeakKeyDictionary()
 
     def add_request(self, request: Request) -> None:
         for seq in request.seqs:
@@ -111,24 +112,26 @@ class OutputProcessor:
                 outputs.append(make_request_output(request, self._prompt_logprobs(request)))
         return outputs
 
-    def _prompt_logprobs(self, request: Request) -> list[dict[int, Logprob] | None] | None:
-        """vLLM's ``prompt_logprobs``: ``None`` for the first token, then a dict a token (the actual one and the
+    def _prompt_logprobs(self, request: Request) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` (``None`` for the first token, then a dict a token: the actual one and the
         top k), once every prompt token has its entry."""
-        if request.prompt_logprobs is None or request.needs_prompt_logprobs:
+        chunks = request.prompt_logprobs
+        if chunks is None or request.needs_prompt_logprobs:
             return None
         built = self._built_prompt_logprobs.get(request)
         if built is None:  # once a request: a streamed request reports them with every step's output
-            built = [None] + [
-                {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in entry}
-                for entry in request.prompt_logprobs
-            ]
-            self._built_prompt_logprobs[request] = built
+            arrays = LogprobsArrays.concat(chunks)
+            decode = None if self.tokenizer is None else functools.partial(decode_one, self.tokenizer)
+            built = self._built_prompt_logprobs[request] = PromptLogprobs(arrays, decode)
         return built
 
 
-def make_request_output(
-    request: Request, prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-) -> RequestOutput:
+def decode_one(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token's text on its own (a logprob entry's ``decoded_token``)."""
+    return decode_text(tokenizer, [token_id])
+
+
+def make_request_output(request: Request, prompt_logprobs: SequenceOf[PromptLogprob] | None = None) -> RequestOutput:
     params = request.params
     seqs = request.seqs
     if params.num_samples > params.n:  # only reported once finished: keep the n best, best first

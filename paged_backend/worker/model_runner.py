@@ -22,9 +22,10 @@ import torch
 from torch._dynamo.backends.registry import CompilerFn
 from transformers import PreTrainedModel
 
-from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput, TopLogprobs
+from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput
 from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.kernels.greedy import greedy_tokens
+from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
@@ -179,17 +180,17 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor, scheduler_output: SchedulerOutput) -> dict[int, list[TopLogprobs]]:
+    def _prompt_logprobs(logits: torch.Tensor, scheduler_output: SchedulerOutput) -> dict[int, LogprobsArrays]:
         """Each prompt-logprob row's entries, from its positions' logits (the first rows of ``logits``)."""
         batch, next_tokens, top_k = scheduler_output.batch, [], []
         for row, count in batch.prompt_logprob_rows:
             seq, start = scheduler_output.seqs[row], batch.num_computed_tokens[row]
             next_tokens += seq.token_ids[start + 1 : start + 1 + count]
-            top_k += [seq.params.prompt_logprobs or 0] * count
-        entries = prompt_logprobs(logits, next_tokens, top_k)
+            top_k.append(seq.params.prompt_logprobs or 0)
+        arrays = prompt_logprobs(logits, next_tokens, max(top_k))
         out, offset = {}, 0
-        for row, count in batch.prompt_logprob_rows:
-            out[row], offset = entries[offset : offset + count], offset + count
+        for (row, count), k in zip(batch.prompt_logprob_rows, top_k):
+            out[row], offset = arrays.take(offset, offset + count, k), offset + count
         return out
 
     @contextlib.contextmanager

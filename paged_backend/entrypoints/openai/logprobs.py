@@ -12,7 +12,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from paged_backend.outputs import CompletionOutput, Logprob
+from paged_backend.logprobs import Logprob, PromptLogprob
+from paged_backend.outputs import CompletionOutput
 
 LOGPROB_FLOOR = -9999.0
 Decode = Callable[[list[int]], str]  # token ids -> text
@@ -55,7 +56,7 @@ def text_length(c: CompletionOutput, decode: Decode, start: int = 0) -> int:
 
 
 def echoed_prompt_logprobs(
-    prompt_token_ids: list[int], entries: list[dict[int, Logprob] | None], decode: Decode, as_ids: bool = False
+    prompt_token_ids: list[int], entries: Sequence[PromptLogprob], decode: Decode, as_ids: bool = False
 ) -> dict[str, Any]:
     """The echoed prompt's part of a completion's logprobs (OpenAI's legacy format): its first token has no
     logprob (``null``), each later one the model's given the tokens before it."""
@@ -85,7 +86,7 @@ def _legacy_logprobs(
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict[str, dict[str, Any]] | None]:
+def vllm_prompt_logprobs(entries: Sequence[PromptLogprob]) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs`` of a choice: per prompt token, ``null`` or {token id: logprob, rank, text}."""
     return [
         None
