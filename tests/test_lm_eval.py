@@ -1,9 +1,11 @@
-"""EleutherAI's lm-evaluation-harness scores a model the same through our server as through its own HF backend.
+"""EleutherAI's lm-evaluation-harness scores a model the same through our server and through our engine in its own
+process as through its own HF backend.
 
 lm-eval runs itself (its CLI, in a child process, offline) on three local tasks — multiple choice, rolling
-loglikelihood over documents longer than one window, and greedy generation — once with ``--model hf`` on the tiny
-fp32 Llama and once with ``--model local-completions`` against ``paged-backend``'s server on the same checkpoint.
-Every per-sample loglikelihood agrees to 1e-4, every ``is_greedy`` flag and every generation is identical.
+loglikelihood over documents longer than one window, and greedy generation — with ``--model hf`` on the tiny fp32
+Llama, with ``--model local-completions`` against ``paged-backend``'s server on the same checkpoint, and with
+``--model paged-backend`` (``python -m paged_backend.integrations.lm_eval``). Every per-sample loglikelihood agrees
+to 1e-4, every ``is_greedy`` flag and every generation is identical.
 
 ``add_bos_token=True`` for local-completions: lm-eval's HF backend encodes with the tokenizer's own default
 (which adds BOS here), its API backend without special tokens unless told.
@@ -106,8 +108,10 @@ def greedy_token_text(model_dir: Path, question: str) -> str:
     return text if tokenizer.encode(question + text)[len(context) :] == [token] else " none"
 
 
-def run_lm_eval(workspace: Path, label: str, model: str, model_args: str, batch_size: int) -> dict[str, Any]:
-    """lm-eval's own CLI; returns each task's logged samples by ``doc_id``."""
+def run_lm_eval(
+    workspace: Path, label: str, model: str, model_args: str, batch_size: int, cli: str = "lm_eval"
+) -> dict[str, Any]:
+    """lm-eval's own CLI (``cli``: the module run with ``-m``); returns each task's logged samples by ``doc_id``."""
     out = workspace / f"out_{label}"
     env = dict(
         os.environ,
@@ -117,7 +121,7 @@ def run_lm_eval(workspace: Path, label: str, model: str, model_args: str, batch_
         TOKENIZERS_PARALLELISM="false",
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
-    command = [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", model_args]
+    command = [sys.executable, "-m", cli, "run", "--model", model, "--model_args", model_args]
     command += ["--tasks", ",".join(TASKS), "--include_path", str(workspace / "tasks"), "--batch_size", str(batch_size)]
     command += ["--output_path", str(out), "--log_samples", "--device", "cpu"]
     done = subprocess.run(command, env=env, cwd=workspace, capture_output=True, text=True, timeout=900)
@@ -141,20 +145,14 @@ def responses(task: str, sample: dict[str, Any]) -> list[tuple[float, str] | str
     return [text for (text,) in resps]
 
 
-def test_lm_eval_scores_match_hf_backend(workspace: Path) -> None:
-    model = workspace / "model"
-    hf_args = f"pretrained={model},dtype=float32,max_length={MAX_LENGTH}"
-    hf = run_lm_eval(workspace, "hf", "hf", hf_args, batch_size=1)
-    server = ServerProcess(model, "--served-model-name", "tiny", "--num-kv-blocks", "512")
-    try:
-        api_args = (
-            f"model=tiny,base_url={server.base}/v1/completions,tokenizer={model},tokenizer_backend=huggingface,"
-            f"add_bos_token=True,max_length={API_MAX_LENGTH},num_concurrent=1,max_retries=1"
-        )
-        ours = run_lm_eval(workspace, "server", "local-completions", api_args, batch_size=4)
-    finally:
-        server.close()
+@pytest.fixture(scope="module")
+def hf_samples(workspace: Path) -> dict[str, Any]:
+    hf_args = f"pretrained={workspace / 'model'},dtype=float32,max_length={MAX_LENGTH}"
+    return run_lm_eval(workspace, "hf", "hf", hf_args, batch_size=1)
 
+
+def assert_same_as_hf(hf: dict[str, Any], ours: dict[str, Any]) -> None:
+    """Every sample's requests identical, loglikelihoods within 1e-4, greedy flags and generations identical."""
     counts = {"loglikelihoods": 0, "generations": 0, "greedy": 0}
     for task in TASKS:
         assert hf[task].keys() == ours[task].keys() and len(hf[task]) > 0, task
@@ -173,3 +171,54 @@ def test_lm_eval_scores_match_hf_backend(workspace: Path) -> None:
     # 6 questions x 5 choices, 3 documents, 6 generations: nothing was skipped on either side
     assert counts["loglikelihoods"] == 6 * 5 + 3 and counts["generations"] == 6, counts
     assert counts["greedy"] >= 1, counts  # the greedy choices were seen as greedy
+
+
+def test_through_our_server(workspace: Path, hf_samples: dict[str, Any]) -> None:
+    """``--model local-completions`` against ``paged-backend``'s OpenAI server."""
+    model = workspace / "model"
+    server = ServerProcess(model, "--served-model-name", "tiny", "--num-kv-blocks", "512")
+    try:
+        api_args = (
+            f"model=tiny,base_url={server.base}/v1/completions,tokenizer={model},tokenizer_backend=huggingface,"
+            f"add_bos_token=True,max_length={API_MAX_LENGTH},num_concurrent=1,max_retries=1"
+        )
+        ours = run_lm_eval(workspace, "server", "local-completions", api_args, batch_size=4)
+    finally:
+        server.close()
+    assert_same_as_hf(hf_samples, ours)
+
+
+def test_in_process(workspace: Path, hf_samples: dict[str, Any]) -> None:
+    """``--model paged-backend`` (``paged_backend.integrations.lm_eval``): the engine in lm-eval's own process."""
+    args = f"pretrained={workspace / 'model'},dtype=float32,max_length={MAX_LENGTH},num_kv_blocks=512"
+    ours = run_lm_eval(
+        workspace, "in_process", "paged-backend", args, batch_size=1, cli="paged_backend.integrations.lm_eval"
+    )
+    assert_same_as_hf(hf_samples, ours)
+
+
+def test_in_process_model_refuses_what_it_cannot_honour(tokenizer) -> None:
+    from lm_eval.api.instance import Instance
+
+    from paged_backend import LLM
+    from paged_backend.integrations.lm_eval import PagedBackendLM
+    from tests.conftest import tiny_model
+
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, max_model_len=64)
+    with pytest.raises(ValueError, match=r"max_length must be in \[1, 63\]"):
+        PagedBackendLM(llm=llm, max_length=64)
+    with pytest.raises(ValueError, match="give llm"):
+        PagedBackendLM()
+    with pytest.raises(ValueError, match=r"with llm=, give no pretrained= and no engine arguments \(got \['dtype'\]\)"):
+        PagedBackendLM(llm=llm, dtype="float32")
+    lm = PagedBackendLM(llm=llm, max_gen_toks=4)
+
+    def request(**gen_kwargs: Any) -> Instance:
+        return Instance("generate_until", doc={}, arguments=("a b", {"until": ["\n"], **gen_kwargs}), idx=0)
+
+    with pytest.raises(ValueError, match=r"generation_kwargs \['num_beams'\] are not supported"):
+        lm.generate_until([request(num_beams=4)])
+    with pytest.raises(ValueError, match=r"max_gen_toks must be in \[1, max_length=63\)"):
+        lm.generate_until([request(max_gen_toks=63)])
+    (text,) = lm.generate_until([request(num_beams=1, do_sample=False)])
+    assert isinstance(text, str)
