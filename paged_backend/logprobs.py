@@ -67,14 +67,14 @@ class PromptLogprobs(Sequence[PromptLogprob]):
     """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token, then for each next token a dict holding
     that token (its logprob and rank) and the top k. A position's dict is built each time it is read."""
 
-    def __init__(self, arrays: LogprobsArrays, decode: TokenDecoder | None = None) -> None:
+    def __init__(self, arrays: LogprobsArrays | None, decode: TokenDecoder | None = None) -> None:
         self._arrays = arrays
         self._decode = decode
         self._rows: tuple[list[list[int]], list[list[float]], list[int]] | None = None
         self._texts: dict[int, str] = {}
 
     def __len__(self) -> int:
-        return len(self._arrays) + 1
+        return 1 + (len(self._arrays) if self._arrays is not None else 0)
 
     @overload
     def __getitem__(self, index: int) -> PromptLogprob: ...
@@ -105,6 +105,7 @@ class PromptLogprobs(Sequence[PromptLogprob]):
             return None
         if self._rows is None:  # one conversion of the arrays, on the first read
             a = self._arrays
+            assert a is not None, "positions after the first exist only with arrays"
             self._rows = (a.token_ids.tolist(), a.logprobs.tolist(), a.ranks.tolist())
         id_rows, value_rows, ranks = self._rows
         ids, values = id_rows[position - 1], value_rows[position - 1]

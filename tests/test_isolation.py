@@ -293,3 +293,23 @@ def test_a_failed_swap_in_offers_no_block_to_the_prefix_cache(tokenizer) -> None
     for prompt, out in zip(continuations, outs):
         assert out.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompt, 6)
     assert_idle(llm)
+
+
+def test_a_request_that_finished_in_a_failed_step_still_fails(tokenizer, monkeypatch) -> None:
+    """A failure after the forward, while outputs are made: a request that finished in that step (already off
+    the engine's list) is reported failed too, never left without an answer."""
+    import paged_backend.engine.output_processor as output_processor
+
+    llm = make_llm(tokenizer)
+    original = output_processor.make_request_output
+
+    def make_request_output(request, *args, **kwargs):
+        if request.request_id == "1" and request.finished:
+            raise RuntimeError("boom")
+        return original(request, *args, **kwargs)
+
+    monkeypatch.setattr(output_processor, "make_request_output", make_request_output)
+    add_all(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    finished, failed = run_all(llm)
+    assert "1" in failed and "1" not in finished
+    assert_idle(llm)

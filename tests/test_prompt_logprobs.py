@@ -113,3 +113,12 @@ def test_prompt_logprobs_read_as_a_list(tokenizer) -> None:
         entries[len(prompt)]
     restored = pickle.loads(pickle.dumps(entries))
     assert restored == as_list and restored[1][prompt[1]].decoded_token == tokenizer.decode([prompt[1]])
+
+
+@pytest.mark.parametrize("max_tokens", [0, 2])
+def test_a_one_token_prompt_has_only_the_first_entry(tokenizer, max_tokens: int) -> None:
+    llm = LLM(tiny_model(MODEL), tokenizer=tokenizer, block_size=4, max_model_len=64)
+    params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=2, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": [7]}, params, use_tqdm=False)
+    assert out.prompt_logprobs == [None] and len(out.outputs[0].token_ids) == max_tokens
+    assert_idle(llm)

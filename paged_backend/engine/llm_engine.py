@@ -204,7 +204,8 @@ class LLMEngine:
         the requests that failed (aborted)."""
         if not self.executor.is_recoverable(error):
             raise error
-        touched = [self.requests[rid] for rid in scheduler_output.touched_requests() if rid in self.requests]
+        ids = scheduler_output.touched_requests()
+        touched = [self.requests[rid] for rid in ids if rid in self.requests]
         for request in touched:
             request.num_failed_steps += 1
         if retry and len(touched) > 1:
@@ -212,11 +213,11 @@ class LLMEngine:
             for request in touched:
                 if request.num_failed_steps == 1:
                     self.scheduler.retry_alone(request)
-        else:
-            failed = [r.request_id for r in touched]
+        else:  # those that finished in the step too: their final output was never made
+            failed = ids
         logger.warning(
             "a step of %d request(s) failed (%r): %d fail, the others are redone alone",
-            len(touched),
+            len(ids),
             error,
             len(failed),
             exc_info=error,

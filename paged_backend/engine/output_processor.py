@@ -120,7 +120,7 @@ class OutputProcessor:
             return None
         built = self._built_prompt_logprobs.get(request)
         if built is None:  # once a request: a streamed request reports them with every step's output
-            arrays = LogprobsArrays.concat(chunks)
+            arrays = LogprobsArrays.concat(chunks) if chunks else None  # a one-token prompt has none
             decode = None if self.tokenizer is None else functools.partial(decode_one, self.tokenizer)
             built = self._built_prompt_logprobs[request] = PromptLogprobs(arrays, decode)
         return built
