@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16", "float", "half")
 QUANTIZATIONS = (None, "awq")
 LOAD_FORMATS = ("auto", "dummy")
 PREEMPTION_MODES = (None, "recompute", "swap")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; auto: the model's dtype
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
@@ -102,6 +103,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
+    # "fp8" / "fp8_e4m3": keys and values stored as float8_e4m3fn, a scale per KV head (1.0 unless the model
+    # carries its own); the cache holds twice the tokens of a bf16 one, attention reads them back in the model's
+    # dtype. "auto": the model's dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1, 256)
@@ -112,6 +117,7 @@ class CacheConfig:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
         check_float("kv_cache_memory_gib", self.kv_cache_memory_gib, 0.0, 4096.0, low_open=True)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def test_help_documents_vllm_flags() -> None:
         "--gpu-memory-utilization --tensor-parallel-size --dtype --quantization --enable-prefix-caching "
         "--no-enable-prefix-caching --enable-lora --lora-modules --max-loras --max-lora-rank --served-model-name "
         "--api-key --chat-template --seed --max-waiting-requests --worker-use-ray --kv-cache-memory-gib "
-        "--num-kv-blocks --max-request-body-mb --shutdown-timeout"
+        "--num-kv-blocks --max-request-body-mb --shutdown-timeout --kv-cache-dtype"
     ).split():
         assert flag in text, flag
 
@@ -94,10 +94,11 @@ def test_model_as_positional_like_vllm_serve() -> None:
 
 
 def test_kv_cache_size_flags_are_engine_arguments() -> None:
-    _, engine = parse_args(["M", "--kv-cache-memory-gib", "0.5", "--num-kv-blocks", "300"])
-    assert engine == {"kv_cache_memory_gib": 0.5, "num_kv_blocks": 300}
+    _, engine = parse_args(["M", "--kv-cache-memory-gib", "0.5", "--num-kv-blocks", "300", "--kv-cache-dtype", "fp8"])
+    assert engine == {"kv_cache_memory_gib": 0.5, "num_kv_blocks": 300, "kv_cache_dtype": "fp8"}
     config = EngineConfig.from_kwargs("M", **engine)
     assert config.cache_config.kv_cache_memory_gib == 0.5 and config.cache_config.num_kv_blocks == 300
+    assert config.cache_config.kv_cache_dtype == "fp8"
 
 
 def test_runtime_flags_and_their_defaults() -> None:

@@ -124,8 +124,8 @@ class TPExecutor:
         self.driver_worker.init_lora(config)
         self.lora_manager = self.driver_worker.lora_manager
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        return self.driver_worker.kv_cache_spec()
+    def kv_cache_spec(self, config: EngineConfig) -> KVCacheSpec:
+        return self.driver_worker.kv_cache_spec(config)
 
     def profile_num_gpu_blocks(self, config: EngineConfig, block_bytes: int) -> int:
         """The blocks that fit on every rank's GPU (the workers profile in step: their forwards all-reduce)."""

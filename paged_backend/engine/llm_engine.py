@@ -83,7 +83,7 @@ class LLMEngine:
             )
         self.executor.init_lora(self.config)
         self.lora_manager = self.executor.lora_manager
-        spec = self.executor.kv_cache_spec()
+        spec = self.executor.kv_cache_spec(self.config)
         profile = functools.partial(self.executor.profile_num_gpu_blocks, self.config)
         num_blocks = num_gpu_blocks(self.config, spec, self.device, profile)
         num_swap_blocks = num_cpu_blocks(self.config, spec, self.device)

@@ -1,6 +1,7 @@
 """Cache write: store the new tokens' k/v into their paged slots (``slot = block_id * block_size + offset``).
 
-A negative slot means "padding, write nothing": CUDA-graph batches are padded up to their bucket size.
+A negative slot means "padding, write nothing": CUDA-graph batches are padded up to their bucket size. An fp8
+cache stores ``k / k_scale`` (a scale per KV head), saturated to the format's largest value.
 """
 
 from __future__ import annotations
@@ -9,6 +10,15 @@ import torch
 
 from paged_backend.kernels import tl, triton
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_kv_torch(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` [T, Hkv, D] as the cache stores it: divided by its head's scale and saturated when scaled."""
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() / scale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
 
 def write_kv_cache_torch(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -16,13 +26,17 @@ def write_kv_cache_torch(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
 ) -> None:
-    """Reference twin: an ``index_copy_`` over the flattened (block, offset) axis."""
+    """Reference twin: an ``index_copy_`` over the flattened (block, offset) axis (of the bytes: CPU torch has
+    no ``index_copy_`` for fp8)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for cache, new, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        rows = quantize_kv_torch(new, scale, cache.dtype)
+        cache.view(-1, *cache.shape[2:]).view(torch.uint8).index_copy_(0, slot_mapping, rows.view(torch.uint8))
 
 
 if triton is not None:
@@ -34,6 +48,8 @@ if triton is not None:
         k_cache_ptr,
         v_cache_ptr,
         slot_mapping_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         stride_kt,
         stride_kh,
         stride_vt,
@@ -46,6 +62,7 @@ if triton is not None:
         HEADS_PAD: tl.constexpr,
         DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        SCALED: tl.constexpr,  # an fp8 cache: divide by each head's scale, saturate
     ):
         """One program per token: its [Hkv, D] k and v rows go to one cache slot."""
         token = tl.program_id(0)
@@ -60,6 +77,11 @@ if triton is not None:
         k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
         v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
         dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+        if SCALED:
+            k_scale = tl.load(k_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
+            v_scale = tl.load(v_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
+            k = tl.clamp(k.to(tl.float32) / k_scale[:, None], -448.0, 448.0)  # FP8_MAX
+            v = tl.clamp(v.to(tl.float32) / v_scale[:, None], -448.0, 448.0)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -70,6 +92,8 @@ def write_kv_cache_triton(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous
     slot_mapping: torch.Tensor,  # [T] int64
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
 ) -> None:
     """Triton twin of :func:`write_kv_cache_torch` (no host sync; negative slots are skipped)."""
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -83,6 +107,8 @@ def write_kv_cache_triton(
         k_cache,
         v_cache,
         slot_mapping,
+        slot_mapping if k_scale is None else k_scale,  # not read unless SCALED
+        slot_mapping if v_scale is None else v_scale,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -95,4 +121,5 @@ def write_kv_cache_triton(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
+        SCALED=k_scale is not None,
     )

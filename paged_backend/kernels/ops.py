@@ -18,11 +18,13 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = padding
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     if key.is_cuda and triton is not None:
-        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_cache_torch(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_cache_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -35,11 +37,13 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     args = (query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window, softcap)
     if query.is_cuda and triton is not None:
-        return paged_attention_triton(*args)
-    return paged_attention_torch(*args)
+        return paged_attention_triton(*args, k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_torch(*args, k_scale=k_scale, v_scale=v_scale)
 
 
 @torch.library.custom_op("paged_backend::write_kv_cache", mutates_args=("k_cache", "v_cache"))
@@ -49,8 +53,10 @@ def write_kv_cache_op(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
-    write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @torch.library.custom_op("paged_backend::paged_attention", mutates_args=())
@@ -64,6 +70,8 @@ def paged_attention_op(
     scale: float,
     sliding_window: int,  # 0 = none
     softcap: float,  # 0 = none
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     return paged_attention(
         query,
@@ -75,6 +83,8 @@ def paged_attention_op(
         scale,
         sliding_window or None,
         softcap or None,
+        k_scale,
+        v_scale,
     )
 
 
@@ -89,5 +99,7 @@ def _paged_attention_fake(
     scale: float,
     sliding_window: int,
     softcap: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     return query.new_empty(query.shape)

@@ -2,7 +2,8 @@
 
 Query ``j`` of a sequence with ``q_len`` new tokens and ``ctx_len`` tokens in the cache (new ones included)
 sits at absolute position ``ctx_len - q_len + j`` and sees keys at positions ``<=`` that (causal), and with a
-sliding window ``w`` only keys at positions ``> pos - w`` (transformers' convention).
+sliding window ``w`` only keys at positions ``> pos - w`` (transformers' convention). An fp8 cache holds keys
+and values divided by a scale per KV head (``k_scale``, ``v_scale``); they are multiplied back as they are read.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def _attend_group(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> torch.Tensor:  # [G, max_q, H, D] (rows past q_len are garbage)
     device = query.device
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -35,6 +38,8 @@ def _attend_group(
     slots = block_tables[:, kv_pos // block_size].long() * block_size + kv_pos % block_size  # [G, C]
     keys = k_cache.flatten(0, 1)[slots].float().transpose(1, 2)  # [G, Hkv, C, D]
     values = v_cache.flatten(0, 1)[slots].float().transpose(1, 2)  # [G, Hkv, C, D]
+    if k_scale is not None and v_scale is not None:
+        keys, values = keys * k_scale[:, None, None], values * v_scale[:, None, None]
     q_idx = torch.arange(max_q, device=device)  # [Q]
     token_idx = (q_starts[:, None] + q_idx[None, :]).clamp(max=query.shape[0] - 1)  # [G, Q]
     queries = query[token_idx].float().view(groups, max_q, num_kv_heads, per_kv, head_dim)  # [G, Q, Hkv, R, D]
@@ -64,6 +69,8 @@ def paged_attention_torch(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
 ) -> torch.Tensor:  # [T, H, D]
     """Reference twin, in fp32. Decodes are batched together; each prefill is computed on its own so the
     padded score tensor stays ``[1, H, q_len, ctx_len]`` instead of growing with the batch."""
@@ -91,6 +98,8 @@ def paged_attention_torch(
             scale,
             sliding_window,
             softcap,
+            k_scale,
+            v_scale,
         )  # [G, Q, H, D]
         if max_q == 1:
             out[cu_seqlens_q[idx].long()] = result[:, 0].to(out.dtype)
@@ -144,6 +153,8 @@ if triton is not None:
         q_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        k_scale_ptr,  # [Hkv] fp32 (SCALED only)
+        v_scale_ptr,
         block_tables_ptr,
         cu_seqlens_q_ptr,
         context_lens_ptr,
@@ -177,6 +188,7 @@ if triton is not None:
         USE_WINDOW: tl.constexpr,
         USE_SOFTCAP: tl.constexpr,
         IEEE: tl.constexpr,  # fp32 inputs: full-precision dots, not TF32
+        SCALED: tl.constexpr,  # an fp8 cache: keys and values are read in the queries' dtype, times their scale
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         LOG2E: tl.constexpr = 1.4426950408889634
@@ -212,6 +224,9 @@ if triton is not None:
             other=0.0,
         )  # [M, D]
         q_pos = prefix + q_tok  # [M] absolute positions
+        qk_scale = scale
+        if SCALED:  # one KV head a program: its scales are two scalars, folded into the scores and the output
+            qk_scale = scale * tl.load(k_scale_ptr + kv_head)
 
         # Keys this tile can see: [kv_lo, kv_hi). An empty range (tile past q_len) runs no iteration.
         kv_hi = prefix + tl.minimum(tile_start + BLOCK_Q, q_len)
@@ -239,10 +254,12 @@ if triton is not None:
             k = tl.load(
                 k_cache_ptr + slots[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0
             )  # [D, N]
+            if SCALED:
+                k = k.to(q.dtype)
             if IEEE:
-                s = tl.dot(q, k, input_precision="ieee") * scale  # [M, N] fp32
+                s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [M, N] fp32
             else:
-                s = tl.dot(q, k) * scale
+                s = tl.dot(q, k) * qk_scale
             if USE_SOFTCAP:
                 s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
             allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -257,6 +274,8 @@ if triton is not None:
             v = tl.load(
                 v_cache_ptr + slots[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0
             )  # [N, D]
+            if SCALED:
+                v = v.to(q.dtype)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -264,6 +283,8 @@ if triton is not None:
             m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if SCALED:
+            out = out * tl.load(v_scale_ptr + kv_head)
         token = (q_start + q_tok).to(tl.int64)
         out_mask = row_valid[:, None] & d_mask[None, :]
         if NUM_SPLITS > 1:
@@ -342,6 +363,8 @@ def paged_attention_triton(
     softcap: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [T, H, D], written in place when given
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
 ) -> torch.Tensor:  # [T, H, D]
     """Triton twin of :func:`paged_attention_torch`; no host synchronisation, grid fixed by (T, B).
     ``num_splits`` (slices of the context, decode only) defaults to :func:`choose_num_splits`, which splits only on
@@ -378,6 +401,8 @@ def paged_attention_triton(
         query,
         k_cache,
         v_cache,
+        context_lens if k_scale is None else k_scale,  # not read unless SCALED
+        context_lens if v_scale is None else v_scale,
         block_tables,
         cu_seqlens_q,
         context_lens,
@@ -411,6 +436,7 @@ def paged_attention_triton(
         USE_WINDOW=bool(sliding_window),
         USE_SOFTCAP=bool(softcap),
         IEEE=query.dtype == torch.float32,
+        SCALED=k_scale is not None,
         **tuning,
     )
     return out

@@ -22,6 +22,7 @@ ATTN_IMPLEMENTATION = "paged_backend"
 # it from the module (rather than indexing a list by ``layer_idx``) lets torch.compile reuse one compiled decoder
 # layer for every layer: an int like layer_idx would be specialised on, a tensor attribute is a graph input.
 KV_CACHE_ATTR = "paged_kv_cache"
+KV_SCALE_ATTR = "paged_kv_scale"  # an fp8 cache's (k_scale, v_scale) of the layer, [Hkv] fp32 each
 
 
 @dataclass
@@ -61,6 +62,7 @@ def paged_attention_forward(
             "layer_idx is below the model's number of layers"
         )
     k_cache, v_cache = kv_cache  # each [num_blocks, block_size, Hkv, D]
+    k_scale, v_scale = getattr(module, KV_SCALE_ATTR, None) or (None, None)
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
     q = query[0].transpose(0, 1)  # [T, H, D]
@@ -72,13 +74,25 @@ def paged_attention_forward(
         attn_metadata.context_lens,
     )
     if torch.compiler.is_compiling():  # opaque custom ops inside a compiled graph
-        write_kv_cache_op(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        write_kv_cache_op(k, v, k_cache, v_cache, attn_metadata.slot_mapping, k_scale, v_scale)
         out = paged_attention_op(
-            q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scaling, sliding_window or 0, softcap or 0.0
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            cu_seqlens_q,
+            context_lens,
+            scaling,
+            sliding_window or 0,
+            softcap or 0.0,
+            k_scale,
+            v_scale,
         )
     else:
-        write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scaling, sliding_window, softcap)
+        write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping, k_scale, v_scale)
+        out = paged_attention(
+            q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scaling, sliding_window, softcap, k_scale, v_scale
+        )
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 
@@ -107,16 +121,24 @@ class PagedAttentionSwitch:
     same model object keeps its original attention implementation, and hands every module with a ``layer_idx``
     its layer's KV cache for that time. Configs and modules are collected once."""
 
-    def __init__(self, model: PreTrainedModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         configs = [model.config] + [getattr(m, "config", None) for m in model.modules()]
         self.configs: list[PretrainedConfig] = list(
             {id(c): c for c in configs if isinstance(c, PretrainedConfig)}.values()
         )
         self.layer_caches: list[tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.layer_scales: list[tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]] = []
         for m in model.modules():
             layer_idx = getattr(m, "layer_idx", None)
             if isinstance(layer_idx, int) and 0 <= layer_idx < len(kv_caches):
                 self.layer_caches.append((m, kv_caches[layer_idx]))
+                if kv_scales is not None:
+                    self.layer_scales.append((m, kv_scales[layer_idx]))
         self.previous: list[str | None] = []
         self.depth = 0
 
@@ -129,6 +151,8 @@ class PagedAttentionSwitch:
             c._attn_implementation_internal = ATTN_IMPLEMENTATION
         for module, kv_cache in self.layer_caches:
             module.__dict__[KV_CACHE_ATTR] = kv_cache  # skips nn.Module.__setattr__'s checks, once per layer and step
+        for module, kv_scale in self.layer_scales:
+            module.__dict__[KV_SCALE_ATTR] = kv_scale
 
     def __exit__(self, *exc: object) -> None:
         self.depth -= 1
@@ -138,3 +162,4 @@ class PagedAttentionSwitch:
             c._attn_implementation_internal = previous
         for module, _ in self.layer_caches:
             module.__dict__.pop(KV_CACHE_ATTR, None)
+            module.__dict__.pop(KV_SCALE_ATTR, None)

@@ -1,5 +1,6 @@
 """The paged KV cache tensors: per layer ``[num_blocks, block_size, Hkv, D]`` for k and for v, and the swap space
-in CPU memory with the same layout."""
+in CPU memory with the same layout. An fp8 cache also has per layer a float32 scale per KV head for k and for v
+(the cache holds ``k / k_scale``)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,19 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> KVCacheSpec:
+    def from_config(cls, config: PretrainedConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVCacheSpec:
+        """``dtype``: the model's; ``kv_cache_dtype``: ``CacheConfig.kv_cache_dtype``."""
         cfg = config.get_text_config()
         num_heads = cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        return cls(cfg.num_hidden_layers, num_kv_heads, head_dim, dtype)
+        cache_dtype = dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        return cls(cfg.num_hidden_layers, num_kv_heads, head_dim, cache_dtype)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the cache stores scaled values (fp8)."""
+        return self.dtype == torch.float8_e4m3fn
 
     def bytes_per_block(self, block_size: int) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
@@ -48,6 +56,10 @@ class CacheEngine:
             )
             for _ in range(spec.num_layers)
         ]
+        ones = [torch.ones(spec.num_kv_heads, dtype=torch.float32, device=device) for _ in range(2 * spec.num_layers)]
+        self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = (
+            list(zip(ones[0::2], ones[1::2])) if spec.scaled else None
+        )
         # Swap space: the same layout in (pinned, on a GPU machine) CPU memory.
         cpu_shape = (num_cpu_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         pin = device.type == "cuda"
@@ -66,8 +78,8 @@ class CacheEngine:
         src = torch.tensor([s for s, _ in mapping], device=self.kv_caches[0][0].device)
         dst = torch.tensor([d for _, d in mapping])
         for (k_cache, v_cache), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_caches):
-            k_cpu.index_copy_(0, dst, k_cache.index_select(0, src).cpu())
-            v_cpu.index_copy_(0, dst, v_cache.index_select(0, src).cpu())
+            _bytes(k_cpu).index_copy_(0, dst, _bytes(k_cache).index_select(0, src).cpu())
+            _bytes(v_cpu).index_copy_(0, dst, _bytes(v_cache).index_select(0, src).cpu())
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (CPU block, device block) pairs back from the swap space."""
@@ -77,8 +89,8 @@ class CacheEngine:
         src = torch.tensor([s for s, _ in mapping])
         dst = torch.tensor([d for _, d in mapping], device=device)
         for (k_cache, v_cache), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_caches):
-            k_cache.index_copy_(0, dst, k_cpu.index_select(0, src).to(device, non_blocking=True))
-            v_cache.index_copy_(0, dst, v_cpu.index_select(0, src).to(device, non_blocking=True))
+            _bytes(k_cache).index_copy_(0, dst, _bytes(k_cpu).index_select(0, src).to(device, non_blocking=True))
+            _bytes(v_cache).index_copy_(0, dst, _bytes(v_cpu).index_select(0, src).to(device, non_blocking=True))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -89,3 +101,8 @@ class CacheEngine:
         for k_cache, v_cache in self.kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A cache's bytes, block-first: blocks move as bytes (CPU torch has no ``index_copy_`` for fp8)."""
+    return cache.view(torch.uint8)

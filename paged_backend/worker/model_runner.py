@@ -65,7 +65,7 @@ class ModelRunner:
         self.lora_manager = lora_manager
         self.sampler = Sampler(device, seed)
         self.block_size = cache_engine.block_size
-        self.switch = PagedAttentionSwitch(model, cache_engine.kv_caches)
+        self.switch = PagedAttentionSwitch(model, cache_engine.kv_caches, cache_engine.kv_scales)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.regions: RegionalCompile | None = None
         self.graphs: CUDAGraphRunner | None = None

@@ -35,7 +35,7 @@ class Executor(Protocol):
 
     def init_lora(self, config: EngineConfig) -> None: ...
 
-    def kv_cache_spec(self) -> KVCacheSpec: ...
+    def kv_cache_spec(self, config: EngineConfig) -> KVCacheSpec: ...
 
     def profile_num_gpu_blocks(self, config: EngineConfig, block_bytes: int) -> int: ...
 
@@ -72,9 +72,9 @@ class Worker:
             tokens = max_lora_tokens(config)
             self.lora_manager = LoRAManager(self.model, config.lora_config, self.device, self.model.dtype, tokens)
 
-    def kv_cache_spec(self) -> KVCacheSpec:
+    def kv_cache_spec(self, config: EngineConfig) -> KVCacheSpec:
         """This device's KV geometry: under tensor parallelism, its share of the KV heads."""
-        spec = KVCacheSpec.from_config(self.model.config, self.model.dtype)
+        spec = KVCacheSpec.from_config(self.model.config, self.model.dtype, config.cache_config.kv_cache_dtype)
         if self.world_size == 1:
             return spec
         local = head_layout(self.model.config.get_text_config(), self.world_size).local_kv_heads
@@ -92,7 +92,9 @@ class Worker:
                 lora.clear_step()
 
     def initialize_cache(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        cache_engine = CacheEngine(self.kv_cache_spec(), num_gpu_blocks, config.block_size, self.device, num_cpu_blocks)
+        cache_engine = CacheEngine(
+            self.kv_cache_spec(config), num_gpu_blocks, config.block_size, self.device, num_cpu_blocks
+        )
         self._model_runner = ModelRunner(
             self.model,
             cache_engine,

@@ -33,6 +33,7 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
         "GiB of KV cache off a GPU (default 1; on a GPU --gpu-memory-utilization sizes it)",
     ),
     ("--num-kv-blocks", int, "KV cache size in blocks, instead of sizing it by memory"),
+    ("--kv-cache-dtype", str, "auto (the model's dtype), fp8 or fp8_e4m3 (float8_e4m3fn: twice the tokens)"),
     ("--tensor-parallel-size", int, "GPUs to shard the model over (default 1)"),
     ("--dtype", str, "auto, float32, float16, bfloat16 (default auto)"),
     ("--quantization", str, "weight quantization: awq"),

@@ -1,0 +1,176 @@
+"""``kv_cache_dtype="fp8"``: keys and values stored as float8_e4m3fn divided by a scale per KV head.
+
+The oracle is HF's own ``generate`` with an attention function that passes keys and values through the same
+fp8 round trip (divide by the head's scale, saturate, cast, cast back, multiply) before attending: what the
+cache holds is then exactly what HF attends to, so greedy output must be equal token for token — across
+architectures, block boundaries, chunked prefill and preemption by swap (fp8 blocks move as bytes) and by
+recompute, with scales of 1 and with a different scale per layer and head. The kernels are checked against
+their torch twins on fp8 caches, and against the fp32 twin reading the dequantized cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.kernels.cache_write import FP8_MAX, write_kv_cache_torch, write_kv_cache_triton
+from paged_backend.kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from tests.conftest import assert_idle, hf_greedy, ragged_prompts
+from tests.fixtures.tiny_models import build_tiny_model
+from tests.test_kernels import DEVICE, DTYPES, TOLERANCE, make_batch, relative_error
+
+FP8 = torch.float8_e4m3fn
+GREEDY = SamplingParams(temperature=0, max_tokens=12)  # EOS stops both, as in hf_greedy
+Scales = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (k_scale, v_scale), [Hkv] each
+
+
+def round_trip(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [B, Hkv, T, D] as an fp8 cache gives it back."""
+    s = torch.ones(x.shape[1]) if scale is None else scale
+    s = s[None, :, None, None].to(x.device)
+    return ((x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s).to(x.dtype)
+
+
+def fp8_kv_model(arch: str, scales: Scales) -> torch.nn.Module:
+    """A fresh tiny model whose own attention (HF's sdpa) reads keys and values through the fp8 round trip."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
+        k_scale, v_scale = scales.get(module.layer_idx, (None, None))
+        key, value = round_trip(key, k_scale), round_trip(value, v_scale)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("fp8_kv_round_trip", attention)
+    AttentionMaskInterface.register("fp8_kv_round_trip", sdpa_mask)  # sdpa's masks: causal, sliding windows
+    model = build_tiny_model(arch)
+    model.set_attn_implementation("fp8_kv_round_trip")
+    return model
+
+
+def engine_scales(llm: LLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    scales = llm.llm_engine.executor.model_runner.cache_engine.kv_scales
+    assert scales is not None, "an fp8 cache has scales"
+    return scales
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt2"])
+@pytest.mark.parametrize("per_head_scales", [False, True], ids=["scale-1", "per-head"])
+def test_greedy_equals_hf_reading_the_same_fp8_values(tokenizer, arch: str, per_head_scales: bool) -> None:
+    llm = LLM(build_tiny_model(arch), tokenizer=tokenizer, kv_cache_dtype="fp8", block_size=4, max_model_len=256)
+    scales: Scales = {}
+    if per_head_scales:  # distinct per layer and head, small enough that keys use fp8's whole range
+        gen = torch.Generator().manual_seed(0)
+        for layer, (k_scale, v_scale) in enumerate(engine_scales(llm)):
+            k_scale.copy_(torch.rand(k_scale.shape, generator=gen) * 0.02 + 0.005)
+            v_scale.copy_(torch.rand(v_scale.shape, generator=gen) * 0.02 + 0.005)
+            scales[layer] = (k_scale.clone(), v_scale.clone())
+    reference = fp8_kv_model(arch, scales)
+    prompts = ragged_prompts(4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, GREEDY.max_tokens), prompt
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        {"max_num_batched_tokens": 8, "max_num_seqs": 8},
+        {"num_kv_blocks": 24, "preemption_mode": "swap", "swap_space": 0.01},
+        {"num_kv_blocks": 24, "preemption_mode": "recompute"},
+    ],
+    ids=["chunked", "swap", "recompute"],
+)
+def test_chunks_and_preemption_keep_the_fp8_values(tokenizer, engine_kwargs: dict) -> None:
+    llm = LLM(
+        build_tiny_model("llama"), tokenizer=tokenizer, kv_cache_dtype="fp8", block_size=4, max_model_len=64,
+        **engine_kwargs,
+    )  # fmt: skip
+    reference = fp8_kv_model("llama", {})
+    prompts = ragged_prompts(4, seed=3)[:6]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 24), prompt
+    if "num_kv_blocks" in engine_kwargs:
+        assert llm.stats()["num_preemptions"] > 0
+    assert_idle(llm)
+
+
+def test_the_same_memory_holds_a_token_per_byte_of_element(tokenizer) -> None:
+    """An fp8 cache in the memory of an fp32 one holds four times the tokens (twice a bf16 one's)."""
+    sizes = {}
+    for dtype in ("auto", "fp8"):
+        llm = LLM(build_tiny_model("llama"), tokenizer=tokenizer, kv_cache_dtype=dtype, kv_cache_memory_gib=0.01)
+        sizes[dtype] = llm.stats()["num_kv_blocks"]
+    assert sizes["fp8"] // 4 == sizes["auto"]  # fp32 model: 4 bytes an element against 1 (blocks round down)
+
+
+def test_kv_cache_dtype_is_checked() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of \\['auto', 'fp8', 'fp8_e4m3'\\]"):
+        LLM(build_tiny_model("llama"), kv_cache_dtype="fp8_e5m2")
+
+
+# ------------------------------------------------------------------------------------------------------ kernels
+def scaled_cache(batch: dict, num_kv_heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn a batch's caches into fp8 ones with per-head scales (large values saturate); returns the scales."""
+    gen = torch.Generator().manual_seed(seed)
+    k_scale = (torch.rand(num_kv_heads, generator=gen) * 0.01 + 0.002).to(DEVICE)
+    v_scale = (torch.rand(num_kv_heads, generator=gen) * 0.01 + 0.002).to(DEVICE)
+    for name, scale in (("k_cache", k_scale), ("v_cache", v_scale)):
+        values = batch[name].float() / scale[None, None, :, None]
+        batch[name] = values.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return k_scale, v_scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_attention_kernel_on_an_fp8_cache(dtype: torch.dtype, num_splits: int) -> None:
+    """Prefill, chunks and decodes (or, split, decodes alone) over fp8 caches with per-head scales: the kernel
+    equals the twin, and the twin equals itself reading the dequantized cache with no scales."""
+    if num_splits == 1:
+        batch = make_batch([1, 33, 7, 1, 16], [40, 0, 9, 15, 16], 8, 2, 64, dtype, 16, seed=5)
+    else:
+        batch = make_batch([1, 1, 1], [700, 31, 3], 8, 2, 64, dtype, 16, seed=6)
+    k_scale, v_scale = scaled_cache(batch, 2, seed=num_splits)
+    scale = batch["query"].shape[-1] ** -0.5
+    args = (batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], scale)
+    ref = paged_attention_torch(batch["query"].float(), batch["k_cache"], batch["v_cache"], *args,
+                                k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    dequantized = [batch[n].float() * s[None, None, :, None] for n, s in (("k_cache", k_scale), ("v_cache", v_scale))]
+    plain = paged_attention_torch(batch["query"].float(), *dequantized, *args)
+    assert relative_error(ref, plain) < 1e-6
+    poisoned = torch.full_like(batch["query"], float("nan"))
+    out = paged_attention_triton(**batch, scale=scale, out=poisoned, num_splits=num_splits,
+                                 k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_write_to_fp8(dtype: torch.dtype) -> None:
+    """The kernel stores the bytes the twin stores: scaled per head, saturated at 448, padding slots skipped. On
+    CPU the inputs are fp8 values times power-of-two scales (doubled, so the largest saturate): Triton's
+    interpreter rounds to fp8 wrongly when rounding carries into the exponent (-7.84 becomes -4), which the
+    GPU's conversion does not, so only there do arbitrary values and scales go in."""
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 6, 16, 3, 64, 29
+    gen = torch.Generator().manual_seed(1)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[4] = -1
+    scale = torch.tensor([0.5, 0.01, 0.002] if DEVICE.type == "cuda" else [0.5, 2**-7, 2**-9])  # small: saturates
+    rows = []
+    for _ in range(2):
+        x = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 4
+        if DEVICE.type == "cpu":  # exactly representable after scaling (doubled: the largest saturate)
+            x = (x / scale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale[None, :, None] * 2
+        rows.append(x.to(DEVICE, dtype))
+    scales = [scale.to(DEVICE), scale.to(DEVICE)]
+    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=FP8, device=DEVICE) for _ in range(4)]
+    write_kv_cache_torch(*rows, caches[0], caches[1], slots.to(DEVICE), *scales)
+    write_kv_cache_triton(*rows, caches[2], caches[3], slots.to(DEVICE), *scales)
+    for twin, kernel in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(twin.view(torch.uint8), kernel.view(torch.uint8))
+    assert caches[0].float().abs().max().item() == FP8_MAX  # saturated, not NaN
+    assert not caches[0].float().isnan().any()
