@@ -107,6 +107,8 @@ class CacheConfig:
     # carries its own); the cache holds twice the tokens of a bf16 one, attention reads them back in the model's
     # dtype. "auto": the model's dtype.
     kv_cache_dtype: str = "auto"
+    # fp8 only: set each layer's scales from the first step's keys and values (vLLM's calculate_kv_scales)
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1, 256)
@@ -118,6 +120,9 @@ class CacheConfig:
         check_int("num_kv_blocks", self.num_kv_blocks, 1, allow_none=True)
         check_float("kv_cache_memory_gib", self.kv_cache_memory_gib, 0.0, 4096.0, low_open=True)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_bool("calculate_kv_scales", self.calculate_kv_scales)
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise FieldError("calculate_kv_scales", "calculate_kv_scales needs kv_cache_dtype='fp8' (scales are fp8's)")
 
 
 @dataclass(frozen=True)

@@ -174,3 +174,44 @@ def test_cache_write_to_fp8(dtype: torch.dtype) -> None:
         assert torch.equal(twin.view(torch.uint8), kernel.view(torch.uint8))
     assert caches[0].float().abs().max().item() == FP8_MAX  # saturated, not NaN
     assert not caches[0].float().isnan().any()
+
+
+def test_calculated_scales_come_from_the_first_step(tokenizer) -> None:
+    """``calculate_kv_scales``: the first step's largest key of each head maps to 200, value to 100 (vLLM's
+    constants); every token is then stored with those scales, so greedy equals HF reading through them. The
+    first layer's keys are HF's own (later layers' already read fp8 values), so its scales are checked exactly."""
+    llm = LLM(
+        build_tiny_model("llama"), tokenizer=tokenizer, kv_cache_dtype="fp8", calculate_kv_scales=True,
+        block_size=4, max_model_len=256,
+    )  # fmt: skip
+    prompts = ragged_prompts(4, seed=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    scales = {layer: (k.clone(), v.clone()) for layer, (k, v) in enumerate(engine_scales(llm))}
+    # The first step held every prompt: their first-layer keys and values, from HF's own forward, give its scales.
+    captured: dict[int, list[torch.Tensor]] = {}
+    model = build_tiny_model("llama")
+
+    def capture(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
+        captured.setdefault(module.layer_idx, []).extend([key, value])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("capture_kv", capture)
+    AttentionMaskInterface.register("capture_kv", sdpa_mask)
+    model.set_attn_implementation("capture_kv")
+    with torch.no_grad():
+        for prompt in prompts:
+            model(torch.tensor([prompt]))
+    keys, values = captured[0][0::2], captured[0][1::2]
+    k_max = torch.stack([k[0].abs().amax(dim=(1, 2)) for k in keys]).amax(0)
+    v_max = torch.stack([v[0].abs().amax(dim=(1, 2)) for v in values]).amax(0)
+    torch.testing.assert_close(scales[0][0], k_max / 200.0)
+    torch.testing.assert_close(scales[0][1], v_max / 100.0)
+    assert all(bool((k != 1).all() and (v != 1).all()) for k, v in scales.values())
+    reference = fp8_kv_model("llama", scales)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, GREEDY.max_tokens), prompt
+
+
+def test_calculate_kv_scales_needs_an_fp8_cache() -> None:
+    with pytest.raises(ValueError, match="calculate_kv_scales needs kv_cache_dtype='fp8'"):
+        LLM(build_tiny_model("llama"), calculate_kv_scales=True)

@@ -82,7 +82,7 @@ def test_help_documents_vllm_flags() -> None:
         "--gpu-memory-utilization --tensor-parallel-size --dtype --quantization --enable-prefix-caching "
         "--no-enable-prefix-caching --enable-lora --lora-modules --max-loras --max-lora-rank --served-model-name "
         "--api-key --chat-template --seed --max-waiting-requests --worker-use-ray --kv-cache-memory-gib "
-        "--num-kv-blocks --max-request-body-mb --shutdown-timeout --kv-cache-dtype"
+        "--num-kv-blocks --max-request-body-mb --shutdown-timeout --kv-cache-dtype --calculate-kv-scales"
     ).split():
         assert flag in text, flag
 
@@ -99,6 +99,7 @@ def test_kv_cache_size_flags_are_engine_arguments() -> None:
     config = EngineConfig.from_kwargs("M", **engine)
     assert config.cache_config.kv_cache_memory_gib == 0.5 and config.cache_config.num_kv_blocks == 300
     assert config.cache_config.kv_cache_dtype == "fp8"
+    assert parse_args(["M", "--kv-cache-dtype", "fp8", "--calculate-kv-scales"])[1]["calculate_kv_scales"] is True
 
 
 def test_runtime_flags_and_their_defaults() -> None:

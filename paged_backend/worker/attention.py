@@ -9,6 +9,8 @@ Because our name has no mask function registered, transformers builds no attenti
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,10 @@ ATTN_IMPLEMENTATION = "paged_backend"
 # layer for every layer: an int like layer_idx would be specialised on, a tensor attribute is a graph input.
 KV_CACHE_ATTR = "paged_kv_cache"
 KV_SCALE_ATTR = "paged_kv_scale"  # an fp8 cache's (k_scale, v_scale) of the layer, [Hkv] fp32 each
+KV_CALIBRATE_ATTR = "paged_kv_calibrate"  # set for the one step that sets those scales (calculate_kv_scales)
+# calculate_kv_scales maps the first step's largest key to 200 and value to 100 (vLLM's constants): fp8 goes to
+# 448, so later tokens up to 2.2x (keys) and 4.5x (values) larger still fit before saturating.
+K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0
 
 
 @dataclass
@@ -63,6 +69,10 @@ def paged_attention_forward(
         )
     k_cache, v_cache = kv_cache  # each [num_blocks, block_size, Hkv, D]
     k_scale, v_scale = getattr(module, KV_SCALE_ATTR, None) or (None, None)
+    if getattr(module, KV_CALIBRATE_ATTR, False) and k_scale is not None and v_scale is not None:
+        kept = attn_metadata.slot_mapping >= 0  # not padding
+        set_scale(k_scale, key[0].transpose(0, 1)[kept], K_SCALE_CONSTANT)
+        set_scale(v_scale, value[0].transpose(0, 1)[kept], V_SCALE_CONSTANT)
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
     q = query[0].transpose(0, 1)  # [T, H, D]
@@ -97,6 +107,13 @@ def paged_attention_forward(
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def set_scale(scale: torch.Tensor, rows: torch.Tensor, target: float) -> None:
+    """``scale`` [Hkv] such that each head's largest magnitude in ``rows`` [T, Hkv, D] maps to ``target``
+    (an all-zero head keeps 1)."""
+    amax = rows.abs().amax(dim=(0, 2)).float() if rows.shape[0] else torch.zeros_like(scale)
+    scale.copy_(torch.where(amax > 0, amax / target, torch.ones_like(amax)))
 
 
 def check_model_supported(model: PreTrainedModel | type[PreTrainedModel], config: PretrainedConfig) -> None:
@@ -163,3 +180,14 @@ class PagedAttentionSwitch:
         for module, _ in self.layer_caches:
             module.__dict__.pop(KV_CACHE_ATTR, None)
             module.__dict__.pop(KV_SCALE_ATTR, None)
+
+    @contextlib.contextmanager
+    def calibrating(self) -> Iterator[None]:
+        """Inside: each layer's forward sets its fp8 scales from the step's keys and values, before writing."""
+        for module, _ in self.layer_scales:
+            module.__dict__[KV_CALIBRATE_ATTR] = True
+        try:
+            yield
+        finally:
+            for module, _ in self.layer_scales:
+                module.__dict__.pop(KV_CALIBRATE_ATTR, None)

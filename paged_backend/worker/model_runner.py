@@ -58,6 +58,7 @@ class ModelRunner:
         num_scheduler_steps: int = 1,
         lora_manager: LoRAManager | None = None,
         seed: int = 0,
+        calculate_kv_scales: bool = False,
     ) -> None:
         self.model = model
         self.cache_engine = cache_engine
@@ -83,6 +84,8 @@ class ModelRunner:
                     "CUDA graph capture failed (%s: %s); decode steps run without graphs", type(exc).__name__, exc
                 )
                 self.graphs = None
+        # After the warm-ups: the first real step (a prefill: nothing decodes before one) sets the fp8 scales.
+        self.calibrate_kv_scales = calculate_kv_scales and cache_engine.kv_scales is not None
 
     # ------------------------------------------------------------------ set-up
     def compile(self, backend: str | CompilerFn = "inductor") -> None:
@@ -233,7 +236,9 @@ class ModelRunner:
         d = inputs.to(self.device)
         if input_ids is not None:
             d.input_ids = torch.cat([input_ids, d.input_ids[input_ids.shape[0] :]])  # keeps any padding token
-        with self.switch, self._compiled():
+        calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
+        # The calibrating step runs eagerly: compiled code would keep the flag it was traced with.
+        with self.switch, self.switch.calibrating() if calibrate else self._compiled():
             logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices)
         return logits[:n]
 

@@ -105,6 +105,7 @@ class Worker:
             num_scheduler_steps=config.scheduler_config.num_scheduler_steps,
             lora_manager=self.lora_manager,
             seed=config.model_config.seed,
+            calculate_kv_scales=config.cache_config.calculate_kv_scales,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -107,6 +107,12 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
         help="reuse KV blocks of shared prompt prefixes (default on)",
     )
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no torch.compile, no CUDA graphs")
+    parser.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        default=None,
+        help="fp8 KV cache: scales from the first step's keys and values (default: 1.0)",
+    )
     parser.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
     parser.add_argument(
         "--disable-custom-all-reduce",
@@ -161,7 +167,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
     if not model:
         parser.error("a model is required: MODEL or --model MODEL (a path or hub id)")
     names = [flag[2:].replace("-", "_") for flag, *_ in _ENGINE_FLAGS]
-    names += ["enable_prefix_caching", "enforce_eager", "enable_lora", "disable_custom_all_reduce"]
+    names += [
+        "enable_prefix_caching",
+        "enforce_eager",
+        "calculate_kv_scales",
+        "enable_lora",
+        "disable_custom_all_reduce",
+    ]
     engine: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.tokenizer is not None:
         engine["tokenizer"] = args.tokenizer
