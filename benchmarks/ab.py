@@ -45,7 +45,7 @@ def merge(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             values = [v for r in results for v in r.get(workload, {}).get("paged_runs", [])]
             if values:
                 merged.setdefault(workload, {})[side] = {"median": statistics.median(values), "runs": values}
-        merged.setdefault("startup_s", {})[side] = [r.get("paged_startup_s") for r in results]
+        merged.setdefault("startup_s", {})[side] = [(r.get("engine_start_s") or {}).get("paged") for r in results]
     return merged
 
 

@@ -333,7 +333,11 @@ def profile_kernels(llm: LLM, prompts: list[list[int]], max_tokens: int, top: in
 
 
 # ---------------------------------------------------------------------------------------------------- report
-COLORS = {"paged": "#2a7", "hf_patched": "#8c8"}  # this library's engine, directly and under HF's generate
+COLORS = {
+    "paged": "#2a7",
+    "paged_fp8kv": "#1a5",
+    "hf_patched": "#8c8",
+}  # this library's engine, directly and under HF's generate
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -390,7 +394,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--backends",
         default="paged,hf,hf_cb,hf_static",
-        help="comma list of paged, hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
+        help="comma list of paged, paged_fp8kv (kv_cache_dtype='fp8'), hf_patched (HF generate patched onto the "
+        "engine), hf, hf_cb, hf_static",
     )
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (the workload: 256)")
@@ -408,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     workloads = args.workload.split(",")
     backends = args.backends.split(",")
-    known_backends = {"paged", "hf_patched", "hf", "hf_cb", "hf_static"}
+    known_backends = {"paged", "paged_fp8kv", "hf_patched", "hf", "hf_cb", "hf_static"}
     unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - known_backends
     if unknown:
         parser.error(f"unknown workload or backend: {sorted(unknown)}")
@@ -461,36 +466,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[workload][f"{backend}_runs"] = runs
         save()
 
-    # The paged engine first, then it is released: its KV cache takes most of the GPU, which HF needs back.
-    if "paged" in backends:
-        engine_args: dict[str, Any] = {"enforce_eager": args.enforce_eager}
-        if args.num_scheduler_steps is not None:
-            engine_args["num_scheduler_steps"] = args.num_scheduler_steps
-        results["engine_args"] = engine_args
+    def measure_engine(backend: str, engine_args: dict[str, Any]) -> None:
+        """One engine's figures (W1, W2; TTFT, breakdown and profile for the default one). The caller releases
+        it after: the next engine and HF need the memory its KV cache held."""
+        results.setdefault("engine_args", {})[backend] = engine_args
         llm, startup = timed(lambda: LLM(model, **engine_args))
-        results["paged_startup_s"] = startup
-        logger.info("paged engine ready in %.1f s", startup)
+        results.setdefault("engine_start_s", {})[backend] = startup
+        logger.info("%s engine ready in %.1f s", backend, startup)
         if not args.skip_check:
-            results["agreement"] = check_agreement(llm, model, vocab)
-            logger.info("agreement with HF generate: %s", results["agreement"])
+            results.setdefault("agreement", {})[backend] = check_agreement(llm, model, vocab)
+            logger.info("%s agreement with HF generate: %s", backend, results["agreement"][backend])
         for workload in ("w1", "w2"):
             if workload in workloads:
-                measure(workload, "paged", lambda prompts, max_tokens: run_paged(llm, prompts, max_tokens))
-        if "ttft" in workloads:
-            results["ttft_1024_ms"] = measure_ttft(llm, model, vocab)
-            logger.info("ttft: %s", results["ttft_1024_ms"])
-        if args.breakdown:
-            results["breakdown"] = {
-                "graph_replay_ms": graph_replay_ms(llm),
-                "w1_prefill_only_s": run_paged(llm, w1_prompts(vocab, args.num_prompts, seed=3), 1)[1],
-                "w1": step_breakdown(llm, w1_prompts(vocab, args.num_prompts, seed=2), args.max_tokens),
-                "w2": step_breakdown(llm, [one_prompt(vocab, 128, seed=3)], args.max_tokens),
-            }
-        if args.profile is not None:
-            profile_decode(llm, vocab, args.profile)
+                measure(workload, backend, lambda prompts, max_tokens: run_paged(llm, prompts, max_tokens))
+        if backend == "paged":
+            if "ttft" in workloads:
+                results["ttft_1024_ms"] = measure_ttft(llm, model, vocab)
+                logger.info("ttft: %s", results["ttft_1024_ms"])
+            if args.breakdown:
+                results["breakdown"] = {
+                    "graph_replay_ms": graph_replay_ms(llm),
+                    "w1_prefill_only_s": run_paged(llm, w1_prompts(vocab, args.num_prompts, seed=3), 1)[1],
+                    "w1": step_breakdown(llm, w1_prompts(vocab, args.num_prompts, seed=2), args.max_tokens),
+                    "w2": step_breakdown(llm, [one_prompt(vocab, 128, seed=3)], args.max_tokens),
+                }
+            if args.profile is not None:
+                profile_decode(llm, vocab, args.profile)
         save()
-        del llm
-        release_engine("paged engine")
+        llm.llm_engine.shutdown()
+
+    # The paged engines first, then each is released: its KV cache takes most of the GPU, which HF needs back.
+    base_args: dict[str, Any] = {"enforce_eager": args.enforce_eager}
+    if args.num_scheduler_steps is not None:
+        base_args["num_scheduler_steps"] = args.num_scheduler_steps
+    if "paged" in backends:
+        measure_engine("paged", base_args)
+        release_engine("paged engine")  # its last reference went with measure_engine's frame
+    if "paged_fp8kv" in backends:
+        measure_engine("paged_fp8kv", {**base_args, "kv_cache_dtype": "fp8"})
+        release_engine("fp8-cache engine")
+        results["w1_fp8kv"] = results.get("w1", {}).get("paged_fp8kv")
 
     # HF's generate, patched onto the engine (paged_backend.patch), called as HF code calls it: batches of 64.
     if "hf_patched" in backends:
@@ -507,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hf_cb": lambda prompts, max_tokens: run_hf_cb(model, prompts, max_tokens),
         "hf_static": lambda prompts, max_tokens: run_hf(model, prompts, max_tokens, static=True),
     }
-    for backend in [b for b in backends if b not in ("paged", "hf_patched")]:
+    for backend in [b for b in backends if b not in ("paged", "paged_fp8kv", "hf_patched")]:
         for workload in ("w1", "w2"):
             if workload in workloads and not (backend == "hf_static" and workload == "w1"):  # W2 only
                 measure(workload, backend, runners[backend])
