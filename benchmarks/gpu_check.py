@@ -2,8 +2,10 @@
 fp32 models of every tested architecture (full-precision dots in fp32), eagerly and with regional torch.compile
 + CUDA graphs (``--compiled`` picks the architectures; default all); with ``--lora``, a batch mixing the base
 model and a PEFT adapter on all seven projections, against the PEFT-merged model; with ``--awq``, an AWQ
-checkpoint against its dequantized model. The kernels' own tests run with
-``python -m pytest tests/test_kernels.py`` on the same machine; speed is ``benchmarks/throughput.py``.
+checkpoint against its dequantized model; with ``--fp8-kv``, ``kv_cache_dtype="fp8"`` (scales of 1, and from the
+first step with ``calculate_kv_scales``) against HF reading keys and values through the same fp8 round trip.
+The kernels' own tests run with ``python -m pytest tests/test_kernels.py tests/test_fp8_kv_cache.py`` on the
+same machine; speed is ``benchmarks/throughput.py``.
 
 Run: ``python benchmarks/gpu_check.py [--compiled llama,gpt2]`` on a CUDA machine.
 """
@@ -170,11 +172,45 @@ def awq_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     return rows
 
 
+def fp8_kv_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
+    """``kv_cache_dtype="fp8"`` on the GPU, eager and compiled + CUDA graphs, under chunked prefill and swapping,
+    against HF attending to the same fp8 values (``tests/fixtures/fp8_kv.py``)."""
+    from tests.fixtures.fp8_kv import fp8_kv_model
+
+    rows = []
+    for arch, eager, calculate in [("llama", True, False), ("llama", False, False), ("mistral", False, False),
+                                   ("gpt2", False, False), ("llama", False, True)]:  # fmt: skip
+        llm = LLM(
+            build_tiny_model(arch, vocab_size=len(tokenizer)).cuda(),
+            tokenizer=tokenizer,
+            block_size=4,
+            num_kv_blocks=40,
+            max_num_batched_tokens=24,
+            max_model_len=80,
+            enforce_eager=eager,
+            kv_cache_dtype="fp8",
+            calculate_kv_scales=calculate,
+        )
+        prompts = tiny_prompts()
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
+        )
+        scales = llm.llm_engine.executor.model_runner.cache_engine.kv_scales or []
+        reference = fp8_kv_model(
+            arch, {i: (k.cpu(), v.cpu()) for i, (k, v) in enumerate(scales)}, vocab_size=len(tokenizer)
+        )
+        refs = [hf_greedy_on_gpu(reference.cuda(), p) for p in prompts]
+        rows.append(engine_row(f"{arch} fp8kv" + (" calc" if calculate else ""), eager, llm, outs, refs))
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="greedy equality with HF generate on the GPU")
     parser.add_argument("--compiled", default=",".join(TINY_CONFIGS), help="architectures also run compiled")
     parser.add_argument("--lora", action="store_true", help="also a base + PEFT adapter batch (needs peft)")
     parser.add_argument("--awq", action="store_true", help="also an AWQ checkpoint against its dequantized model")
+    parser.add_argument("--fp8-kv", action="store_true", help="also an fp8 KV cache against HF reading fp8 values")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.info("torch %s, %s", torch.__version__, torch.cuda.get_device_name())
@@ -185,6 +221,8 @@ def main() -> None:
         rows += lora_equality(tokenizer)
     if args.awq:
         rows += awq_equality(tokenizer)
+    if args.fp8_kv:
+        rows += fp8_kv_equality(tokenizer)
     for arch, mode, matches, total, preempted, swapped in rows:
         logger.info(
             "greedy == HF generate on GPU: %-8s %-16s %d/%d prompts (%d preemptions, %d swapped out)",

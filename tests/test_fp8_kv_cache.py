@@ -20,34 +20,11 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.kernels.cache_write import FP8_MAX, write_kv_cache_torch, write_kv_cache_triton
 from paged_backend.kernels.paged_attention import paged_attention_torch, paged_attention_triton
 from tests.conftest import assert_idle, hf_greedy, ragged_prompts
+from tests.fixtures.fp8_kv import FP8, Scales, fp8_kv_model
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.test_kernels import DEVICE, DTYPES, TOLERANCE, make_batch, relative_error
 
-FP8 = torch.float8_e4m3fn
 GREEDY = SamplingParams(temperature=0, max_tokens=12)  # EOS stops both, as in hf_greedy
-Scales = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (k_scale, v_scale), [Hkv] each
-
-
-def round_trip(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``x`` [B, Hkv, T, D] as an fp8 cache gives it back."""
-    s = torch.ones(x.shape[1]) if scale is None else scale
-    s = s[None, :, None, None].to(x.device)
-    return ((x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s).to(x.dtype)
-
-
-def fp8_kv_model(arch: str, scales: Scales) -> torch.nn.Module:
-    """A fresh tiny model whose own attention (HF's sdpa) reads keys and values through the fp8 round trip."""
-
-    def attention(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
-        k_scale, v_scale = scales.get(module.layer_idx, (None, None))
-        key, value = round_trip(key, k_scale), round_trip(value, v_scale)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("fp8_kv_round_trip", attention)
-    AttentionMaskInterface.register("fp8_kv_round_trip", sdpa_mask)  # sdpa's masks: causal, sliding windows
-    model = build_tiny_model(arch)
-    model.set_attn_implementation("fp8_kv_round_trip")
-    return model
 
 
 def engine_scales(llm: LLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
