@@ -27,6 +27,8 @@ from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
 from tests.fixtures.tiny_models import TINY_CONFIGS, build_tiny_model  # noqa: E402
 
 logger = logging.getLogger("gpu_check")
+# A small cache and token budget: chunked prefill and preemption (by swapping, the default on a GPU with swap space)
+SMALL_ENGINE = {"block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 24, "max_model_len": 80}
 
 
 def tiny_prompts() -> list[list[int]]:
@@ -55,15 +57,7 @@ def tiny_equality(tokenizer, compiled: set[str]) -> list[tuple[str, str, int, in
     rows = []
     for arch, eager in [(a, True) for a in TINY_CONFIGS] + [(a, False) for a in TINY_CONFIGS if a in compiled]:
         model = build_tiny_model(arch, vocab_size=len(tokenizer)).cuda()
-        llm = LLM(
-            model,
-            tokenizer=tokenizer,
-            block_size=4,
-            num_kv_blocks=40,
-            max_num_batched_tokens=24,
-            max_model_len=80,
-            enforce_eager=eager,
-        )
+        llm = LLM(model, tokenizer=tokenizer, enforce_eager=eager, **SMALL_ENGINE)
         prompts = tiny_prompts()
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
@@ -180,17 +174,9 @@ def fp8_kv_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     rows = []
     for arch, eager, calculate in [("llama", True, False), ("llama", False, False), ("mistral", False, False),
                                    ("gpt2", False, False), ("llama", False, True)]:  # fmt: skip
-        llm = LLM(
-            build_tiny_model(arch, vocab_size=len(tokenizer)).cuda(),
-            tokenizer=tokenizer,
-            block_size=4,
-            num_kv_blocks=40,
-            max_num_batched_tokens=24,
-            max_model_len=80,
-            enforce_eager=eager,
-            kv_cache_dtype="fp8",
-            calculate_kv_scales=calculate,
-        )
+        model = build_tiny_model(arch, vocab_size=len(tokenizer)).cuda()
+        fp8 = {"kv_cache_dtype": "fp8", "calculate_kv_scales": calculate}
+        llm = LLM(model, tokenizer=tokenizer, enforce_eager=eager, **fp8, **SMALL_ENGINE)
         prompts = tiny_prompts()
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False

@@ -117,9 +117,17 @@ def test_custom_ops_schema_and_fake_kernels() -> None:
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     ctx = torch.tensor([3, 6], dtype=torch.int32)
-    torch.library.opcheck(write_kv_cache_op, (k, v, k_cache, v_cache, slots))
-    torch.library.opcheck(paged_attention_op, (q, k_cache, v_cache, tables, cu, ctx, 0.3, 0, 0.0))
-    torch.library.opcheck(paged_attention_op, (q, k_cache, v_cache, tables, cu, ctx, 0.3, 2, 5.0))
+    torch.library.opcheck(write_kv_cache_op, (k, v, k_cache, v_cache, slots, None, None))
+    torch.library.opcheck(paged_attention_op, (q, k_cache, v_cache, tables, cu, ctx, 0.3, 0, 0.0, None, None))
+    torch.library.opcheck(paged_attention_op, (q, k_cache, v_cache, tables, cu, ctx, 0.3, 2, 5.0, None, None))
+    # An fp8 cache with a scale per KV head: the schema check compares mutations with arithmetic CPU torch lacks
+    # for fp8, so the fake-tensor and AOT checks only (the schema is the one checked above).
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    k_scale, v_scale = torch.tensor([0.5, 2.0]), torch.tensor([1.5, 0.25])
+    checks = ("test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(write_kv_cache_op, (k, v, k8, v8, slots, k_scale, v_scale), test_utils=checks)
+    args = (q, k8, v8, tables, cu, ctx, 0.3, 0, 0.0, k_scale, v_scale)
+    torch.library.opcheck(paged_attention_op, args, test_utils=checks)
 
 
 @pytest.mark.parametrize(
