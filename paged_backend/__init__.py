@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged_backend.lora.request import LoRARequest
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
-from paged_backend.sampling_params import SamplingParams
+from paged_backend.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from paged_backend.engine.llm_engine import LLMEngine
@@ -23,6 +23,8 @@ __all__ = [
     "PagedGenerationBackend",
     "LLMEngine",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "LoRARequest",
     "RequestOutput",
     "CompletionOutput",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from paged_backend.config import FieldError, check_bool, check_float, check_int
 
@@ -14,6 +17,59 @@ MAX_FLOAT32 = 3.4028234663852886e38
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-30, 1e30
 # Temperatures below this are greedy (as in vLLM): dividing by them overflows the logits.
 SAMPLING_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must be, as vLLM's: exactly one of ``json`` (a JSON schema, as a dict or JSON
+    text), ``regex``, ``choice`` (one of these strings), ``grammar`` (EBNF, GBNF-style) or ``json_object`` (any JSON
+    object). ``disable_any_whitespace``: JSON without optional whitespace between its tokens."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise FieldError(
+                "structured_outputs",
+                f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object; got {given}",
+            )
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as exc:
+                raise _bad("json", f"is not valid JSON: {exc}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise _bad("json", f"must be a dict or JSON text, got {self.json!r}")
+        for name in ("regex", "grammar"):
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise _bad(name, f"must be a string, got {getattr(self, name)!r}")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise _bad("choice", f"must be a non-empty list of non-empty strings, got {self.choice!r}")
+        if self.json_object not in (None, True, False):
+            raise _bad("json_object", f"must be True or False, got {self.json_object!r}")
+        check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set: json, regex, choice, grammar or json_object."""
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name))
+
+
+def _bad(name: str, problem: str) -> FieldError:
+    return FieldError(f"structured_outputs.{name}", f"structured_outputs.{name} {problem}")
+
+
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's older name of ``StructuredOutputsParams`` (``SamplingParams(guided_decoding=...)``), kept so that
+    scripts written for vLLM before 0.12 run; deprecated."""
 
 
 @dataclass
@@ -39,8 +95,20 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: GuidedDecodingParams | None = None  # deprecated: vLLM's older name, moved to structured_outputs
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            warnings.warn(
+                "SamplingParams(guided_decoding=...) is deprecated: "
+                "use structured_outputs=StructuredOutputsParams(...)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            if self.structured_outputs is not None:
+                raise FieldError("guided_decoding", "give structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         self.validate()
 
     def validate(self) -> None:
@@ -95,6 +163,11 @@ class SamplingParams:
         check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise FieldError(
+                "structured_outputs",
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}",
+            )
         if best_of > self.n and self.greedy:
             raise FieldError(
                 "best_of", f"best_of must equal n when temperature is 0 (greedy), got best_of={self.best_of}"

@@ -1,8 +1,9 @@
 """Multi-step rounds: several greedy decode steps run back to back on the device, one host read at the end.
 
-A round suits a batch where every sequence decodes one token greedily without penalties, logprobs, kept logits
-or a ``min_tokens`` barrier: each step's argmax can feed the next forward on the device and be checked for stops
-afterwards. The first token of a request goes out alone (time to first token).
+A round suits a batch where every sequence decodes one token greedily without penalties, logprobs, kept logits,
+a ``min_tokens`` barrier or a grammar (whose mask the host computes from each token): each step's argmax can
+feed the next forward on the device and be checked for stops afterwards. The first token of a request goes out
+alone (time to first token).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def can_run_ahead(seq: Sequence) -> bool:
         and params.logprobs is None
         and not seq.request.keep_logits
         and seq.num_output_tokens >= params.min_tokens
+        and seq.grammar is None
     )
 
 

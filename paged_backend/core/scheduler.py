@@ -33,7 +33,7 @@ from paged_backend.core.scheduler_output import (
     SchedulerOutput,
     SequenceUpdate,
 )
-from paged_backend.core.sequence import Request, Sequence, SequenceStatus
+from paged_backend.core.sequence import Request, Sequence, SequenceStatus, grammar_ends
 
 
 @dataclass
@@ -374,6 +374,9 @@ class Scheduler:
                 seq.num_computed_tokens += 1  # the forward that sampled this token cached its input
             token_ids.append(token)
             length = len(token_ids)
+            if seq.grammar is not None and grammar_ends(seq.grammar, token):
+                self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, token if token in stop_ids else None)
+                return taken
             if length >= stops_from and (token in stop_ids or token in eos_ids):
                 self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, token if token in stop_ids else None)
                 return taken

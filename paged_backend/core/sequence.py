@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from paged_backend.logprobs import Logprob, LogprobsArrays
 from paged_backend.lora.request import LoRARequest
@@ -18,6 +18,26 @@ if TYPE_CHECKING:
     import torch
 
     from paged_backend.lora.adapter import LoRAAdapter
+
+
+class GrammarState(Protocol):
+    """Where a sample stands in its structured-output grammar (xgrammar's ``GrammarMatcher``): the scheduler
+    advances it with each token it appends, the worker's sampler masks the tokens it does not allow."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int) -> Any: ...
+
+
+def grammar_ends(grammar: GrammarState, token_id: int) -> bool:
+    """Advance ``grammar`` by a sampled token; whether the output is complete with it (a stop token once the
+    grammar allows one). The mask let through only tokens the grammar accepts: another is an error, failing the
+    request."""
+    if not grammar.accept_token(token_id):
+        raise RuntimeError(f"token {token_id} does not follow the request's structured_outputs grammar")
+    return grammar.is_terminated()
 
 
 class SequenceStatus(enum.Enum):
@@ -63,6 +83,7 @@ class Sequence:
     stop_reason: int | str | None = None
     num_cached_prompt_tokens: int | None = None  # prompt tokens reused from the prefix cache at first admission
     logits: list[torch.Tensor] | None = None  # raw logits row of each generated token, when the request keeps them
+    grammar: GrammarState | None = None  # with structured_outputs: this sample's own place in the grammar
     # incremental detokenization offsets into token_ids (vLLM's prefix_offset / read_offset)
     prefix_offset: int = 0
     read_offset: int = 0

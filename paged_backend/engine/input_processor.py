@@ -7,7 +7,7 @@ import itertools
 import operator
 import time
 from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -16,6 +16,9 @@ from paged_backend.core.sequence import Request, Sequence
 from paged_backend.lora.adapter import LoRAAdapter
 from paged_backend.lora.request import LoRARequest
 from paged_backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_backend.structured_output.grammar import GrammarCompiler
 
 PromptType = str | Mapping[str, object]
 
@@ -64,6 +67,7 @@ class InputProcessor:
         eos_token_ids: frozenset[int],
         device: torch.device,
         adapters: AdapterSource | None,
+        hf_tokenizer: Any = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -71,6 +75,8 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.device = device  # where a seeded request's generator lives: it draws on the logits' device
         self.adapters = adapters
+        self.hf_tokenizer = hf_tokenizer  # what structured outputs read the vocabulary from
+        self._grammars: GrammarCompiler | None = None
         self._seq_ids = itertools.count()
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -113,6 +119,9 @@ class InputProcessor:
             params = params.clone()  # checked again (fields may have changed), and out of the caller's reach
         text, ids = self.tokenize(prompt)
         self._check(ids, params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._grammar_compiler().compile(params.structured_outputs)  # before anything runs
         request = Request(
             request_id,
             text,
@@ -130,8 +139,21 @@ class InputProcessor:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed + index)
             seq_id = next(self._seq_ids)
-            request.seqs.append(Sequence(seq_id, index, request, list(ids), len(ids), seq_id, generator))
+            seq = Sequence(seq_id, index, request, list(ids), len(ids), seq_id, generator)
+            if grammar is not None:
+                seq.grammar = self._grammar_compiler().matcher(grammar)
+            request.seqs.append(seq)
         return request
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Made for the first structured request: it reads the whole vocabulary."""
+        if self._grammars is None:
+            if self.hf_tokenizer is None:
+                raise FieldError("structured_outputs", "structured_outputs need a tokenizer: pass tokenizer=...")
+            from paged_backend.structured_output.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.hf_tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
 
     def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         """The request's adapter, read and checked now: a bad one fails this request only."""

@@ -97,7 +97,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, block_manager)
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.input_processor = InputProcessor(
-            self.config, self.tokenizer, self.vocab_size, self._eos_token_ids(), self.device, self.lora_manager
+            self.config,
+            self.tokenizer,
+            self.vocab_size,
+            self._eos_token_ids(),
+            self.device,
+            self.lora_manager,
+            hf_tokenizer=self.tokenizer,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests = self.output_processor.requests  # unfinished requests by id

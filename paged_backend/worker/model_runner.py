@@ -36,6 +36,7 @@ from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.prompt_logprobs import prompt_logprobs
 from paged_backend.worker.sampler import Sampler, to_host
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs, pad_step_inputs
+from paged_backend.worker.structured_output import apply_grammar_bitmask, fill_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,7 @@ class ModelRunner:
             )
         with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
             logits = self.run(inputs, use_graphs=not batch.prompt_logprob_rows)
+        grammar_mask = fill_grammar_bitmask(seqs, logits.shape[-1])  # on the host while the forward runs
         prompt = {}
         if batch.prompt_logprob_rows:
             num_prompt = sum(count for _, count in batch.prompt_logprob_rows)
@@ -172,6 +174,8 @@ class ModelRunner:
             return ModelRunnerOutput(prompt_logprobs=prompt)
         if scheduler_output.fork_parents:  # forked samples draw their first token from their parent's row
             logits = torch.cat([logits, logits[scheduler_output.fork_parents]])  # [N + F, V]
+        if grammar_mask is not None:
+            apply_grammar_bitmask(logits, grammar_mask)
         kept = [logits[row].float().cpu() if seq.request.keep_logits else None for row, seq in enumerate(seqs)]
         results = self.sampler(logits, seqs)
         return ModelRunnerOutput(
