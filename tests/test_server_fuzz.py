@@ -121,6 +121,19 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
     effective_max = max_tokens if max_tokens is not None else max(1, MAX_MODEL_LEN - longest)
     if body.get("min_tokens", 0) > effective_max:
         broken.add("min_tokens")
+    # Whether a schema, regex or grammar compiles is the grammar engine's to judge: a 400 may name the request's
+    # field or, from the engine, the StructuredOutputsParams field it became.
+    formats = (
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    )
+    if any(body.get(name) not in (None, {"type": "text"}) for name in formats):
+        broken.update(formats)
+        broken.update(f"structured_outputs.{kind}" for kind in ("json", "regex", "choice", "grammar", "json_object"))
     if longest > MAX_MODEL_LEN:
         # the engine's own length check names no field (see the report: input_processor's FieldError)
         broken.update({"messages", "prompt", None} if chat else {"prompt", None})

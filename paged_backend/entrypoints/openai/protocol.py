@@ -27,6 +27,7 @@ from pydantic import (
     field_validator,
 )
 
+from paged_backend.entrypoints.openai.structured_outputs import StructuredOutputRequest
 from paged_backend.sampling_params import (
     MAX_FLOAT32,
     MAX_LOGPROBS,
@@ -36,6 +37,7 @@ from paged_backend.sampling_params import (
 )
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_SET_HERE = {"max_tokens", "logprobs", "prompt_logprobs", "structured_outputs", "guided_decoding"}
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 MAX_N = 128  # OpenAI's bound on ``n``; ``best_of`` has the same (each sample is a sequence in one batch)
@@ -120,8 +122,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+class SamplingFields(StructuredOutputRequest):
+    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras; the output format's)."""
 
     model_config = REQUEST_CONFIG
 
@@ -155,11 +157,18 @@ class SamplingFields(BaseModel):
     def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Every field named like a SamplingParams field carries over; raises ``FieldError`` (a ValueError
         naming the field in ``.field``) when a value breaks a rule between fields (a 400)."""
-        shared = _SAMPLING_FIELDS.intersection(type(self).model_fields) - {"max_tokens", "logprobs", "prompt_logprobs"}
+        shared = _SAMPLING_FIELDS.intersection(type(self).model_fields) - _SET_HERE
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         values = {name: getattr(self, name) for name in shared}
         prompt_logprobs = self.scored_prompt_logprobs()
-        return SamplingParams(**values, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        structured = self.structured_outputs_params()
+        return SamplingParams(
+            **values,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured,
+        )
 
     def scored_prompt_logprobs(self) -> int | None:
         """The prompt logprobs the engine computes (none, unless the endpoint asks for them)."""
