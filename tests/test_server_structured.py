@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Literal
 
 import pytest
@@ -31,10 +32,15 @@ class Cache(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client(tokenizer):
+def served(tokenizer):
     llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=1024, max_model_len=512)
     with serving(llm, ServerArgs(model="tiny-path", served_model_name=NAME, api_key=KEY)) as base:
-        yield openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        yield llm, openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def client(served):
+    return served[1]
 
 
 # JSON with optional whitespace (what response_format asks for): a random model may wander in it for a while,
@@ -91,3 +97,23 @@ def test_bad_formats_are_a_400_naming_the_field(client, extra: dict, param: str)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=NAME, prompt="x", max_tokens=5, extra_body=extra)
     assert info.value.body["param"] == param, info.value.body  # type: ignore[index]
+
+
+def test_a_new_schema_compiles_off_the_engine_thread(served) -> None:
+    """The first compile of a schema runs on the tokenizing thread; the engine thread's own finds it cached."""
+    llm, client = served
+    compiler = llm.llm_engine.input_processor.grammar_compiler()
+    threads: list[str] = []
+    original = compiler.compiler.compile_grammar
+
+    def compile_grammar(*args, **kwargs):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    compiler.compiler.compile_grammar = compile_grammar  # type: ignore[method-assign]
+    try:
+        schema = {"type": "object", "properties": {"fresh": {"type": "boolean"}}, "required": ["fresh"]}
+        client.completions.create(model=NAME, prompt="x", max_tokens=30, extra_body={"guided_json": schema})
+    finally:
+        compiler.compiler.compile_grammar = original  # type: ignore[method-assign]
+    assert threads and all(name.startswith("paged-backend-tokenizer") for name in threads), threads

@@ -121,7 +121,7 @@ class InputProcessor:
         self._check(ids, params)
         grammar = None
         if params.structured_outputs is not None:
-            grammar = self._grammar_compiler().compile(params.structured_outputs)  # before anything runs
+            grammar = self.grammar_compiler().compile(params.structured_outputs)  # before anything runs
         request = Request(
             request_id,
             text,
@@ -141,11 +141,11 @@ class InputProcessor:
             seq_id = next(self._seq_ids)
             seq = Sequence(seq_id, index, request, list(ids), len(ids), seq_id, generator)
             if grammar is not None:
-                seq.grammar = self._grammar_compiler().matcher(grammar)
+                seq.grammar = self.grammar_compiler().matcher(grammar)
             request.seqs.append(seq)
         return request
 
-    def _grammar_compiler(self) -> GrammarCompiler:
+    def grammar_compiler(self) -> GrammarCompiler:
         """Made for the first structured request: it reads the whole vocabulary."""
         if self._grammars is None:
             if self.hf_tokenizer is None:

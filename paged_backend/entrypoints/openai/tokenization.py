@@ -77,20 +77,20 @@ class ServerTokenizer:
         return -(-len(text) // self.max_chars_per_token)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._run(lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids))
+        return await self.run(lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids))
 
     async def decode(self, ids: list[int]) -> str:
-        text = await self._run(lambda: self.tokenizer.decode(ids))
+        text = await self.run(lambda: self.tokenizer.decode(ids))
         return text if isinstance(text, str) else "".join(text)
 
     async def token_strs(self, ids: list[int]) -> list[str]:
-        return await self._run(lambda: [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)])
+        return await self.run(lambda: [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)])
 
     async def render_chat(
         self, messages: list[dict[str, Any]], chat_template: str | None, add_generation_prompt: bool = True
     ) -> str:
         """The chat template's text for ``messages`` (a Jinja template runs as long as its input is big)."""
-        text = await self._run(
+        text = await self.run(
             lambda: self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
             )
@@ -102,7 +102,8 @@ class ServerTokenizer:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn: Callable[[], T]) -> T:
+    async def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the worker thread, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
 
 
