@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import Any
+from typing import Any, Literal
 
 import pytest
+from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
 
 pytest.importorskip("langchain_core")
 langchain_tests = pytest.importorskip("langchain_tests")
@@ -71,6 +73,36 @@ class TestChatPagedBackendIntegration(ChatModelIntegrationTests):
     @property
     def supports_model_override(self) -> bool:
         return False
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    # These parse a Joke (free-text setup and punchline) from 16 tokens: a random tiny model's strings do not end
+    # there, grammar or not; json_mode leaves the keys to a model that follows the prompt. They run, expected to
+    # fail; with_structured_output itself is tested below, on schemas that end.
+    _FREE_TEXT = "a random tiny model does not end a joke's free-text fields within 16 tokens"
+
+    @pytest.mark.xfail(reason=_FREE_TEXT)
+    def test_structured_output(self, model: Any, schema_type: Any) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @pytest.mark.xfail(reason=_FREE_TEXT)
+    async def test_structured_output_async(self, model: Any, schema_type: Any) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @pytest.mark.xfail(reason=_FREE_TEXT)
+    def test_structured_output_pydantic_2_v1(self, model: Any) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(reason=_FREE_TEXT)
+    def test_structured_output_optional_param(self, model: Any) -> None:
+        super().test_structured_output_optional_param(model)
+
+    @pytest.mark.xfail(reason="json_mode holds the output to any JSON object; a Joke's keys need a model that follows "
+                       "the prompt, which a random tiny model does not")  # fmt: skip
+    def test_json_mode(self, model: Any) -> None:
+        super().test_json_mode(model)
 
 
 class Tokens(BaseCallbackHandler):
@@ -225,3 +257,32 @@ def test_timeouts_abort_sync_and_async_calls_and_streams() -> None:
             break
         time.sleep(0.02)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+class Cache(BaseModel):
+    paged: bool
+    blocks: int = Field(ge=0, le=999)
+    kind: Literal["kv", "prefix"]
+
+
+class CacheDict(TypedDict):
+    paged: bool
+    kind: Literal["kv", "prefix"]
+
+
+def test_with_structured_output_parses_what_the_grammar_held() -> None:
+    """Pydantic, TypedDict and JSON-schema schemas, with and without the raw message; json_mode; every result
+    parses (sampled with a seed and room to end: a random model wanders in JSON's optional whitespace)."""
+    chat = ChatPagedBackend(backend=shared_llm(), temperature=1.0, seed=1, max_tokens=300)
+    assert isinstance(chat.with_structured_output(Cache).invoke("describe the cache"), Cache)
+    assert isinstance(chat.with_structured_output(Cache, method="function_calling").invoke("again"), Cache)
+    as_dict = chat.with_structured_output(CacheDict).invoke("describe")
+    assert set(as_dict) == {"paged", "kind"} and as_dict["kind"] in ("kv", "prefix")
+    schema = Cache.model_json_schema()
+    assert Cache.model_validate(chat.with_structured_output(schema).invoke("describe"))
+    both = chat.with_structured_output(Cache, include_raw=True).invoke("describe")
+    assert isinstance(both["parsed"], Cache) and both["parsing_error"] is None
+    assert Cache.model_validate_json(both["raw"].content) == both["parsed"]
+    assert isinstance(chat.with_structured_output(None, method="json_mode").invoke("describe"), dict)
+    with pytest.raises(ValueError, match="method must be 'json_schema', 'function_calling' or 'json_mode'"):
+        chat.with_structured_output(Cache, method="tools")  # type: ignore[arg-type]

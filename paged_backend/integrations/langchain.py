@@ -27,6 +27,7 @@ from langchain_core.messages import (
     ToolMessage,
     UsageMetadata,
 )
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import (
     ChatGeneration,
     ChatGenerationChunk,
@@ -35,13 +36,15 @@ from langchain_core.outputs import (
     GenerationChunk,
     LLMResult,
 )
-from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import get_config_list
+from langchain_core.utils.function_calling import convert_to_json_schema
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from paged_backend.integrations.engine_client import EngineClient, usage
 from paged_backend.outputs import CompletionOutput, RequestOutput
-from paged_backend.sampling_params import SamplingParams
+from paged_backend.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from paged_backend.entrypoints.llm import LLM
@@ -97,13 +100,14 @@ class PagedBackendFields(BaseModel):
 
     def sampling_params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
         """The instance's sampling fields, overridden by a call's keyword arguments; stop strings from both."""
-        unknown = sorted(set(kwargs) - set(_SAMPLING) - {"model"})
+        unknown = sorted(set(kwargs) - set(_SAMPLING) - {"model", "structured_outputs"})
         if unknown:
             raise TypeError(f"unknown keyword arguments {unknown}; sampling arguments are {list(_SAMPLING)}")
         if kwargs.get("model", self.served_name) != self.served_name:
             raise ValueError(f"this model serves {self.served_name!r}; model={kwargs['model']!r} cannot be switched to")
         values = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING}
         stops = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
+        values["structured_outputs"] = kwargs.get("structured_outputs")
         return SamplingParams(**{k: v for k, v in values.items() if v is not None}, stop=stops or None)
 
     @property
@@ -194,6 +198,44 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         prompt = await asyncio.to_thread(self._prompt, messages)  # may load the model; renders the template
         (out,) = await self._client.run_async([prompt], params, self.timeout)
         return self._result(out)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[Any, Any]:
+        """Outputs held to ``schema`` (a Pydantic class, a TypedDict or a JSON schema) by the engine's grammar,
+        parsed into it. ``method="json_schema"``, and ``"function_calling"`` the same way until tool calls exist
+        here (the parsed result is what a tool call's arguments would give); ``"json_mode"``: any JSON object,
+        parsed as a dict. The grammar always holds, so ``strict`` changes nothing."""
+        if kwargs:
+            raise TypeError(f"with_structured_output got unexpected keyword arguments {sorted(kwargs)}")
+        if method in ("json_schema", "function_calling"):
+            if schema is None:
+                raise ValueError(f"method={method!r} needs a schema")
+            structured = StructuredOutputsParams(json=convert_to_json_schema(schema))
+        elif method == "json_mode":
+            structured = StructuredOutputsParams(json_object=True)
+        else:
+            raise ValueError(f"method must be 'json_schema', 'function_calling' or 'json_mode', got {method!r}")
+        model = self.bind(
+            structured_outputs=structured,
+            ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
+        )
+        parser: Runnable[Any, Any] = (
+            PydanticOutputParser(pydantic_object=schema)
+            if isinstance(schema, type) and is_basemodel_subclass(schema)
+            else JsonOutputParser()
+        )
+        if not include_raw:
+            return model | parser
+        parsed = RunnablePassthrough.assign(parsed=lambda d: parser.invoke(d["raw"]), parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=model) | parsed.with_fallbacks([failed], exception_key="parsing_error")
 
     def _chunk(self, delta: str, out: RequestOutput) -> ChatGenerationChunk:
         c = out.outputs[0]

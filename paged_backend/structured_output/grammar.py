@@ -52,7 +52,7 @@ class GrammarCompiler:
         try:
             if kind in ("json", "json_object"):  # json_object: any object (xgrammar's built-in JSON takes arrays)
                 schema = params.json if kind == "json" else {"type": "object"}
-                text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+                text = schema if isinstance(schema, str) else json.dumps(schema)  # its property order kept
                 return self._json_schema(text, not params.disable_any_whitespace)
             if kind == "regex":
                 return self.compiler.compile_regex(params.regex)
