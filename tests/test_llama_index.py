@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import pytest
+from pydantic import BaseModel, Field
 
 pytest.importorskip("llama_index.core")
 
 from llama_index.core import Document, VectorStoreIndex  # noqa: E402
 from llama_index.core.embeddings import MockEmbedding  # noqa: E402
 from llama_index.core.llms import ChatMessage, ImageBlock, TextBlock  # noqa: E402
+from llama_index.core.prompts import PromptTemplate  # noqa: E402
 
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
@@ -139,3 +141,22 @@ def test_built_lazily_from_a_model_path(tmp_path) -> None:
     )
     assert llm._client.built is None
     assert isinstance(llm.complete("hi").text, str) and llm._client.built is not None
+
+
+class Cache(BaseModel):
+    paged: bool
+    blocks: int = Field(ge=0, le=999)
+    kind: Literal["kv", "prefix"]
+
+
+@pytest.mark.parametrize("is_chat_model", [False, True], ids=["completion", "chat"])
+def test_structured_predict_is_held_to_the_schema(is_chat_model: bool) -> None:
+    """structured_predict, its async and streamed forms: the grammar, not prompting, makes the object (sampled
+    with a seed and room to end: a random model wanders in JSON's optional whitespace)."""
+    llm = adapter(max_new_tokens=300, generate_kwargs={"temperature": 1.0, "seed": 1}, is_chat_model=is_chat_model)
+    prompt = PromptTemplate("Describe the {thing} as JSON.")
+    assert isinstance(llm.structured_predict(Cache, prompt, thing="cache"), Cache)
+    assert isinstance(asyncio.run(llm.astructured_predict(Cache, prompt, thing="cache")), Cache)
+    (streamed,) = list(llm.stream_structured_predict(Cache, prompt, thing="cache"))
+    assert isinstance(streamed, Cache)
+    assert isinstance(llm.structured_predict(Cache, prompt, llm_kwargs={"seed": 7}, thing="cache"), Cache)

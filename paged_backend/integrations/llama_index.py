@@ -11,8 +11,8 @@ Built from ``backend=`` (an existing ``LLM``, shareable with other adapters) or 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Generator, Sequence
+from typing import Any, TypeVar
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
@@ -30,11 +30,13 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.prompts.base import PromptTemplate
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from paged_backend.integrations.engine_client import EngineClient, usage
 from paged_backend.outputs import RequestOutput
-from paged_backend.sampling_params import SamplingParams
+from paged_backend.sampling_params import SamplingParams, StructuredOutputsParams
+
+Model = TypeVar("Model", bound=BaseModel)
 
 _GENERATE_KWARGS = set(SamplingParams.__dataclass_fields__) - {"max_tokens", "n", "best_of"}
 
@@ -186,3 +188,49 @@ class PagedBackendLLM(CustomLLM):
                     yield self._chat(self._response(out, delta))
 
         return gen()
+
+    # ------------------------------------------------------------------ structured
+    def structured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Model:
+        """``output_cls`` from the model, its JSON held to the class's schema by the engine's grammar (not by
+        prompting and parsing): the result always validates."""
+        kwargs = _structured(output_cls, llm_kwargs)
+        if self.metadata.is_chat_model:
+            text = self.chat(self._get_messages(prompt, **prompt_args), **kwargs).message.content
+        else:
+            text = self.complete(self._get_prompt(prompt, **prompt_args), formatted=True, **kwargs).text
+        return output_cls.model_validate_json(text or "")
+
+    async def astructured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Model:
+        kwargs = _structured(output_cls, llm_kwargs)
+        if self.metadata.is_chat_model:
+            text = (await self.achat(self._get_messages(prompt, **prompt_args), **kwargs)).message.content
+        else:
+            text = (await self.acomplete(self._get_prompt(prompt, **prompt_args), formatted=True, **kwargs)).text
+        return output_cls.model_validate_json(text or "")
+
+    def stream_structured_predict(
+        self,
+        output_cls: type[Model],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> Generator[Model, None, None]:
+        """The object once its JSON is complete (one item: partial objects of a grammar-held output add little)."""
+        yield self.structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+
+def _structured(output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    schema = output_cls.model_json_schema()
+    return {**(llm_kwargs or {}), "structured_outputs": StructuredOutputsParams(json=schema)}
