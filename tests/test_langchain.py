@@ -9,7 +9,6 @@ import time
 from typing import Any, Literal
 
 import pytest
-from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 pytest.importorskip("langchain_core")
@@ -26,6 +25,7 @@ from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
 from paged_backend.integrations.langchain import ChatPagedBackend, PagedBackendLLM  # noqa: E402
 from tests.conftest import peak_in_flight, save_tiny_checkpoint  # noqa: E402
+from tests.fixtures.schemas import Cache  # noqa: E402
 from tests.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
 
@@ -257,12 +257,6 @@ def test_timeouts_abort_sync_and_async_calls_and_streams() -> None:
             break
         time.sleep(0.02)
     assert not llm.llm_engine.has_unfinished_requests()
-
-
-class Cache(BaseModel):
-    paged: bool
-    blocks: int = Field(ge=0, le=999)
-    kind: Literal["kv", "prefix"]
 
 
 class CacheDict(TypedDict):

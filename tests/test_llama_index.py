@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any, Literal
+from typing import Any
 
 import pytest
-from pydantic import BaseModel, Field
 
 pytest.importorskip("llama_index.core")
 
@@ -21,6 +20,7 @@ from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
 from paged_backend.integrations.llama_index import PagedBackendLLM  # noqa: E402
 from tests.conftest import peak_in_flight, save_tiny_checkpoint  # noqa: E402
+from tests.fixtures.schemas import Cache  # noqa: E402
 from tests.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
 
@@ -141,12 +141,6 @@ def test_built_lazily_from_a_model_path(tmp_path) -> None:
     )
     assert llm._client.built is None
     assert isinstance(llm.complete("hi").text, str) and llm._client.built is not None
-
-
-class Cache(BaseModel):
-    paged: bool
-    blocks: int = Field(ge=0, le=999)
-    kind: Literal["kv", "prefix"]
 
 
 @pytest.mark.parametrize("is_chat_model", [False, True], ids=["completion", "chat"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from typing import Literal
 
 import pytest
 
@@ -15,20 +14,14 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 
-from pydantic import BaseModel, Field  # noqa: E402
 
 from paged_backend import LLM  # noqa: E402
 from paged_backend.entrypoints.openai.cli_args import ServerArgs  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
+from tests.fixtures.schemas import Cache  # noqa: E402
 from tests.test_server import KEY, NAME, serving  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Describe the cache as JSON."}]
-
-
-class Cache(BaseModel):
-    paged: bool
-    blocks: int = Field(ge=0, le=999)
-    kind: Literal["kv", "prefix"]
 
 
 @pytest.fixture(scope="module")
