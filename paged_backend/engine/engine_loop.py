@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from paged_backend.engine.llm_engine import StepError
 from paged_backend.outputs import RequestOutput
-from paged_backend.sampling_params import SamplingParams
+from paged_backend.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from paged_backend.engine.llm_engine import LLMEngine
@@ -151,6 +151,8 @@ class EngineLoop:
         """Queue requests in one go, all or none: raises the engine's ValueError for a bad one, QueueFullError,
         EngineDeadError. A caller cancelled meanwhile (its client left) leaves nothing behind."""
         self._check_room(self.num_waiting, len(requests))  # answers at once, even while a long step runs
+        if _structured(params):
+            await asyncio.to_thread(self.compile_grammars, params)
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue[Delivery]] = [asyncio.Queue() for _ in requests]
         sinks = [Sink(functools.partial(_post, loop, q.put_nowait), stream) for q in queues]
@@ -162,6 +164,12 @@ class EngineLoop:
             raise
         return queues
 
+    def compile_grammars(self, params: SamplingParams | list[SamplingParams]) -> None:
+        """Compile the requests' output grammars on the calling thread, not on the one that steps every request:
+        the engine's own compile, when it adds them, then finds them cached. A bad one raises its ValueError."""
+        for grammar in _structured(params):
+            self.engine.input_processor.grammar_compiler().compile(grammar)
+
     def add_sync(
         self,
         requests: list[tuple[str, Any]],
@@ -172,6 +180,7 @@ class EngineLoop:
         """``add`` for a plain thread; the outputs arrive in thread-safe queues. Interrupted while it waits (a
         Ctrl-C), it leaves nothing behind. ``add_kwargs`` go to the engine's ``add_request`` (``keep_logits``)."""
         self._check_room(self.num_waiting, len(requests))
+        self.compile_grammars(params)
         queues: list[queue.SimpleQueue[Delivery]] = [queue.SimpleQueue() for _ in requests]
         try:
             self.call_sync(self._adder(requests, params, [Sink(q.put, stream) for q in queues], add_kwargs))
@@ -395,3 +404,9 @@ def _settle(
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _structured(params: SamplingParams | list[SamplingParams]) -> list[StructuredOutputsParams]:
+    """The output formats the requests ask for."""
+    formats = (p.structured_outputs for p in (params if isinstance(params, list) else [params]))
+    return [f for f in formats if f is not None]

@@ -117,14 +117,6 @@ class OpenAIServer:
         if not self.loop.alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
 
-    async def compile_output_format(self, params: SamplingParams) -> None:
-        """Compile the request's grammar on the tokenizing thread: the engine's own compile, on the thread that
-        steps every request, then finds it cached. A grammar that does not compile raises its ValueError here."""
-        structured = params.structured_outputs
-        if structured is not None and self.tokenization is not None:
-            compiler = self.llm.llm_engine.input_processor.grammar_compiler
-            await self.tokenization.run(lambda: compiler().compile(structured))
-
     async def start(
         self,
         prompts: list[dict[str, Any]],
@@ -159,7 +151,6 @@ class OpenAIServer:
                 )
         requests = [(f"{prefix}-{i}", prompt) for i, prompt in enumerate(prompts)]
         try:
-            await self.compile_output_format(params)
             queues = await self.loop.add(requests, params, lora_request=self.loras.get(model))
         except (ValueError, QueueFullError, EngineDeadError) as exc:
             if isinstance(exc, QueueFullError):
