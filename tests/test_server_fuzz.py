@@ -131,6 +131,10 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
         "guided_choice",
         "guided_grammar",
     )
+    if body.get("tools"):
+        broken.add("tools")
+    if body.get("tool_choice") not in (None, "none"):
+        broken.add("tool_choice")
     if any(body.get(name) not in (None, {"type": "text"}) for name in formats):
         broken.update(formats)
         broken.update(f"structured_outputs.{kind}" for kind in ("json", "regex", "choice", "grammar", "json_object"))
