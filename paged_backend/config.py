@@ -103,9 +103,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
-    # "fp8" / "fp8_e4m3": keys and values stored as float8_e4m3fn, a scale per KV head (1.0 unless the model
-    # carries its own); the cache holds twice the tokens of a bf16 one, attention reads them back in the model's
-    # dtype. "auto": the model's dtype.
+    # "fp8" / "fp8_e4m3": keys and values stored as float8_e4m3fn, a scale per KV head (1.0, or from the first
+    # step with calculate_kv_scales); the cache holds twice the tokens of a bf16 one, attention reads them back in
+    # the model's dtype. "auto": the model's dtype.
     kv_cache_dtype: str = "auto"
     # fp8 only: set each layer's scales from the first step's keys and values (vLLM's calculate_kv_scales)
     calculate_kv_scales: bool = False

@@ -19,6 +19,9 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-30, 1e30
 SAMPLING_EPS = 1e-5
 
 
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # json_object=False asks for nothing
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """What a request's output must be, as vLLM's: exactly one of ``json`` (a JSON schema, as a dict or JSON
@@ -33,7 +36,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        given = [name for name in _KINDS if getattr(self, name) is not None and getattr(self, name) is not False]
         if len(given) != 1:
             raise FieldError(
                 "structured_outputs",
@@ -50,7 +53,9 @@ class StructuredOutputsParams:
             if not isinstance(getattr(self, name), (str, type(None))):
                 raise _bad(name, f"must be a string, got {getattr(self, name)!r}")
         if self.choice is not None and (
-            not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) and c for c in self.choice)
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise _bad("choice", f"must be a non-empty list of non-empty strings, got {self.choice!r}")
         if self.json_object not in (None, True, False):
@@ -60,7 +65,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """The one field that is set: json, regex, choice, grammar or json_object."""
-        return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name))
+        return next(name for name in _KINDS if getattr(self, name) is not None and getattr(self, name) is not False)
 
 
 def _bad(name: str, problem: str) -> FieldError:

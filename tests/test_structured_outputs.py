@@ -251,3 +251,32 @@ def test_greedy_structured_rows_take_single_steps(llm: LLM) -> None:
     params = structured(json=schema, disable_any_whitespace=True, temperature=0)
     for out in llm.generate(PROMPTS, params, use_tqdm=False):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_min_tokens_past_a_finished_grammar_ends_that_sample_alone(llm: LLM) -> None:
+    """A grammar that is complete allows only its stop token, which ``min_tokens`` holds back: the sample ends
+    with its complete output, and its unconstrained neighbour runs on untouched."""
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    stuck = structured(choice=["a"], temperature=0, max_tokens=8, min_tokens=5)
+    neighbour, constrained = llm.generate(["hello there", "The paged cache"], [plain, stuck], use_tqdm=False)
+    assert constrained.outputs[0].text == "a" and constrained.outputs[0].finish_reason == "stop"
+    assert len(neighbour.outputs[0].token_ids) == 8
+    assert_idle(llm)
+
+
+def test_empty_values_are_named_and_an_empty_schema_is_any_json() -> None:
+    assert StructuredOutputsParams(json={}).kind == "json"  # {} is JSON Schema's "anything"
+    with pytest.raises(ValueError, match="structured_outputs.choice must be a non-empty list"):
+        StructuredOutputsParams(choice=[])
+    assert StructuredOutputsParams(regex="a", json_object=False).kind == "regex"
+
+
+def test_grammar_compiler_is_made_once_across_threads(tokenizer) -> None:
+    """Callers' threads and the engine's may ask for the compiler at once: one is made."""
+    import concurrent.futures
+
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, max_model_len=64)
+    processor = llm.llm_engine.input_processor
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(lambda _: processor.grammar_compiler(), range(16)))
+    assert all(compiler is made[0] for compiler in made)

@@ -33,7 +33,7 @@ from paged_backend.core.scheduler_output import (
     SchedulerOutput,
     SequenceUpdate,
 )
-from paged_backend.core.sequence import Request, Sequence, SequenceStatus, grammar_ends
+from paged_backend.core.sequence import Request, Sequence, SequenceStatus
 
 
 @dataclass
@@ -369,12 +369,18 @@ class Scheduler:
         if params.max_tokens is not None:
             max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
         token_ids = seq.token_ids
+        grammar = seq.grammar
         for taken, token in enumerate(tokens, 1):
+            if grammar is not None and not grammar.accept_token(token):
+                # Only a finished grammar whose stop token min_tokens held back leaves nothing to sample: the
+                # output is complete without this token, and this sample alone ends.
+                self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+                return taken - 1
             if in_round:
                 seq.num_computed_tokens += 1  # the forward that sampled this token cached its input
             token_ids.append(token)
             length = len(token_ids)
-            if seq.grammar is not None and grammar_ends(seq.grammar, token):
+            if grammar is not None and grammar.is_terminated():  # the grammar took its stop token
                 self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, token if token in stop_ids else None)
                 return taken
             if length >= stops_from and (token in stop_ids or token in eos_ids):

@@ -31,15 +31,6 @@ class GrammarState(Protocol):
     def fill_next_token_bitmask(self, bitmask: Any, index: int) -> Any: ...
 
 
-def grammar_ends(grammar: GrammarState, token_id: int) -> bool:
-    """Advance ``grammar`` by a sampled token; whether the output is complete with it (a stop token once the
-    grammar allows one). The mask let through only tokens the grammar accepts: another is an error, failing the
-    request."""
-    if not grammar.accept_token(token_id):
-        raise RuntimeError(f"token {token_id} does not follow the request's structured_outputs grammar")
-    return grammar.is_terminated()
-
-
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()

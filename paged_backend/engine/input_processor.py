@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -77,6 +78,7 @@ class InputProcessor:
         self.adapters = adapters
         self.hf_tokenizer = hf_tokenizer  # what structured outputs read the vocabulary from
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._seq_ids = itertools.count()
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -146,14 +148,15 @@ class InputProcessor:
         return request
 
     def grammar_compiler(self) -> GrammarCompiler:
-        """Made for the first structured request: it reads the whole vocabulary."""
-        if self._grammars is None:
-            if self.hf_tokenizer is None:
-                raise FieldError("structured_outputs", "structured_outputs need a tokenizer: pass tokenizer=...")
-            from paged_backend.structured_output.grammar import GrammarCompiler
+        """Made for the first structured request (it reads the whole vocabulary), once, whichever thread asks."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.hf_tokenizer is None:
+                    raise FieldError("structured_outputs", "structured_outputs need a tokenizer: pass tokenizer=...")
+                from paged_backend.structured_output.grammar import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.hf_tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-        return self._grammars
+                self._grammars = GrammarCompiler(self.hf_tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            return self._grammars
 
     def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         """The request's adapter, read and checked now: a bad one fails this request only."""

@@ -222,7 +222,7 @@ class LLMEngine:
         else:  # those that finished in the step too: their final output was never made
             failed = ids
         logger.warning(
-            "a step of %d request(s) failed (%r): %d fail, the others are redone alone",
+            "a step of %d request(s) failed (%r): %d fail, any others are redone alone",
             len(ids),
             error,
             len(failed),

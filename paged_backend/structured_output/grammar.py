@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import TYPE_CHECKING, Any
 
 from paged_backend.config import FieldError
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 _BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 _MAX_CACHED_SCHEMAS = 512
+_CACHE_LIMIT_BYTES = 512 * 2**20  # xgrammar's own cache of compiled grammars (vLLM's bound)
 
 
 def _xgrammar() -> Any:
@@ -42,9 +44,10 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         xgr = _xgrammar()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=True)
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=True, cache_limit_bytes=_CACHE_LIMIT_BYTES)
         self.vocab_size = vocab_size
         self._schemas: dict[tuple[str, bool], xgrammar.CompiledGrammar] = {}
+        self._lock = threading.Lock()  # requests compile on callers' threads and on the engine's
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The grammar of ``params``; a grammar xgrammar refuses is a ValueError naming the field."""
@@ -68,13 +71,15 @@ class GrammarCompiler:
 
     def _json_schema(self, schema: str, any_whitespace: bool) -> xgrammar.CompiledGrammar:
         key = (schema, any_whitespace)
-        compiled = self._schemas.get(key)
+        with self._lock:
+            compiled = self._schemas.get(key)
         if compiled is None:
             ebnf = str(_xgrammar().Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
             compiled = self.compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
-            if len(self._schemas) >= _MAX_CACHED_SCHEMAS:
-                self._schemas.pop(next(iter(self._schemas)))  # the oldest
-            self._schemas[key] = compiled
+            with self._lock:
+                if len(self._schemas) >= _MAX_CACHED_SCHEMAS:
+                    self._schemas.pop(next(iter(self._schemas)))  # the oldest
+                self._schemas[key] = compiled
         return compiled
 
     def matcher(self, grammar: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:

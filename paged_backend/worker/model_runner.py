@@ -174,9 +174,9 @@ class ModelRunner:
             return ModelRunnerOutput(prompt_logprobs=prompt)
         if scheduler_output.fork_parents:  # forked samples draw their first token from their parent's row
             logits = torch.cat([logits, logits[scheduler_output.fork_parents]])  # [N + F, V]
-        if grammar_mask is not None:
-            apply_grammar_bitmask(logits, grammar_mask)
         kept = [logits[row].float().cpu() if seq.request.keep_logits else None for row, seq in enumerate(seqs)]
+        if grammar_mask is not None:  # after the raw rows are kept
+            apply_grammar_bitmask(logits, grammar_mask)
         results = self.sampler(logits, seqs)
         return ModelRunnerOutput(
             [[r.token_id] for r in results],
@@ -240,10 +240,11 @@ class ModelRunner:
         d = inputs.to(self.device)
         if input_ids is not None:
             d.input_ids = torch.cat([input_ids, d.input_ids[input_ids.shape[0] :]])  # keeps any padding token
-        calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
+        calibrate = self.calibrate_kv_scales
         # The calibrating step runs eagerly: compiled code would keep the flag it was traced with.
         with self.switch, self.switch.calibrating() if calibrate else self._compiled():
             logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices)
+        self.calibrate_kv_scales = False  # set once the step's forward went through (a failed one calibrates again)
         return logits[:n]
 
     def _run_round(self, inputs: StepInputs, num_steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

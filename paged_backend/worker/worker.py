@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from paged_backend.config import EngineConfig
+from paged_backend.config import EngineConfig, FieldError
 from paged_backend.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from paged_backend.lora.manager import LoRAManager, max_lora_tokens
 from paged_backend.model_loader.tp_plan import head_layout
@@ -75,6 +75,12 @@ class Worker:
     def kv_cache_spec(self, config: EngineConfig) -> KVCacheSpec:
         """This device's KV geometry: under tensor parallelism, its share of the KV heads."""
         spec = KVCacheSpec.from_config(self.model.config, self.model.dtype, config.cache_config.kv_cache_dtype)
+        if spec.scaled and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise FieldError(
+                "kv_cache_dtype",
+                "kv_cache_dtype='fp8' needs a GPU with fp8 (compute capability 8.9 or later: Ada, Hopper); "
+                f"{torch.cuda.get_device_name(self.device)} has {torch.cuda.get_device_capability(self.device)}",
+            )
         if self.world_size == 1:
             return spec
         local = head_layout(self.model.config.get_text_config(), self.world_size).local_kv_heads
