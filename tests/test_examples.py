@@ -25,6 +25,7 @@ EXPECTED = {
     "tensor_parallel": "greedy output equals one device's: True",
     "hf_generate_patch": "same tokens as HF's own generate: True",
     "memory_cap": "a prompt longer than max_model_len is refused",
+    "structured_outputs": "every output follows its format: True",
 }
 
 
@@ -36,7 +37,7 @@ def cache_dir(tmp_path_factory) -> Path:
 def test_every_example_is_listed() -> None:
     assert {p.stem for p in EXAMPLES} >= {
         "offline_inference", "memory_cap", "tensor_parallel", "awq_quantize", "openai_server", "large_batches",
-        "multi_lora", "hf_generate_patch", "langchain_chat", "llama_index_query",
+        "multi_lora", "hf_generate_patch", "langchain_chat", "llama_index_query", "structured_outputs",
     }  # fmt: skip
 
 
