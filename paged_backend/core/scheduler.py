@@ -11,9 +11,9 @@ new requests are admitted), else by recompute: its blocks are freed and it waits
 its prefill. A request redone after a failed step (``retry_alone``) gets steps of its own until one samples it.
 
 After the step has run, ``update_from_output`` counts the computed tokens, forks a request's other samples
-from its first one (their blocks shared, copy-on-write), appends the sampled tokens and applies the stop-token
-and length checks, freeing the blocks of every sequence that finishes. Stop strings need text: the output
-processor finds them and calls ``finish_seq`` with the length to keep.
+from its first one (their blocks shared, copy-on-write), appends the sampled tokens with the stop-token, grammar
+and length checks (stop_checker.py), and frees the blocks of every sequence that finishes. Stop strings need
+text: the output processor finds them and calls ``finish_seq`` with the length to keep.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from paged_backend.core.scheduler_output import (
     SequenceUpdate,
 )
 from paged_backend.core.sequence import Request, Sequence, SequenceStatus
+from paged_backend.core.stop_checker import append_tokens
 
 
 @dataclass
@@ -336,7 +337,9 @@ class Scheduler:
             self.run_alone.difference_update(seq.request for seq in output.sampling_seqs)
         for row, seq in enumerate(output.sampling_seqs):
             tokens = runner_output.sampled_token_ids[row]
-            taken = self._append_tokens(seq, tokens, in_round)
+            taken, finish = append_tokens(seq, tokens, in_round, self.max_model_len)
+            if finish is not None:
+                self.finish_seq(seq, *finish)
             top = runner_output.top_logprobs[row] if runner_output.top_logprobs else None
             logits = runner_output.logits[row] if runner_output.logits else None
             updates.append(SequenceUpdate(seq, tokens[:taken], runner_output.logprobs[row][:taken], top, logits))
@@ -352,44 +355,6 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
         parent.request.unforked = []
-
-    def _append_tokens(self, seq: Sequence, tokens: list[int], in_round: bool) -> int:
-        """Append tokens in order until the sequence finishes — on a stop token once it has ``min_tokens``
-        tokens, at ``max_tokens`` or at ``max_model_len`` — and return how many it took (the rest of a round was
-        computed for nothing). This runs for every sampled token: the checks are set up once a sequence."""
-        if seq.status.finished:
-            return 0
-        request, params = seq.request, seq.params
-        if params.max_tokens == 0:  # scored only (prompt logprobs): its prompt is in, it ends without a token
-            self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-            return 0
-        stop_ids, eos_ids = request.own_stop_token_ids, request.eos_token_ids
-        stops_from = seq.num_prompt_tokens + params.min_tokens  # the length from which a stop token stops
-        max_len = self.max_model_len
-        if params.max_tokens is not None:
-            max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
-        token_ids = seq.token_ids
-        grammar = seq.grammar
-        for taken, token in enumerate(tokens, 1):
-            if grammar is not None and not grammar.accept_token(token):
-                # Only a finished grammar whose stop token min_tokens held back leaves nothing to sample: the
-                # output is complete without this token, and this sample alone ends.
-                self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
-                return taken - 1
-            if in_round:
-                seq.num_computed_tokens += 1  # the forward that sampled this token cached its input
-            token_ids.append(token)
-            length = len(token_ids)
-            if grammar is not None and grammar.is_terminated():  # the grammar took its stop token
-                self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, token if token in stop_ids else None)
-                return taken
-            if length >= stops_from and (token in stop_ids or token in eos_ids):
-                self.finish_seq(seq, SequenceStatus.FINISHED_STOPPED, token if token in stop_ids else None)
-                return taken
-            if length >= max_len:
-                self.finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-                return taken
-        return len(tokens)
 
     def cache_full_blocks(self, seqs: list[Sequence]) -> None:
         """Offer the blocks that computed tokens have filled to the prefix cache. Most steps fill no block: the
