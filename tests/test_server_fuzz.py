@@ -121,8 +121,7 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
     effective_max = max_tokens if max_tokens is not None else max(1, MAX_MODEL_LEN - longest)
     if body.get("min_tokens", 0) > effective_max:
         broken.add("min_tokens")
-    # Whether a schema, regex or grammar compiles is the grammar engine's to judge: a 400 may name the request's
-    # field or, from the engine, the StructuredOutputsParams field it became.
+    # Whether a schema, regex or grammar compiles is the grammar engine's to judge: a 400 names the request's field.
     formats = (
         "response_format",
         "structured_outputs",
@@ -137,7 +136,6 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
         broken.add("tool_choice")
     if any(body.get(name) not in (None, {"type": "text"}) for name in formats):
         broken.update(formats)
-        broken.update(f"structured_outputs.{kind}" for kind in ("json", "regex", "choice", "grammar", "json_object"))
     if longest > MAX_MODEL_LEN:
         # the engine's own length check names no field (see the report: input_processor's FieldError)
         broken.update({"messages", "prompt", None} if chat else {"prompt", None})

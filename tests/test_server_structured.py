@@ -81,7 +81,8 @@ def test_formats_stream_as_they_complete(client) -> None:
     ("extra", "param"),
     [
         ({"guided_regex": "[0-9", "structured_outputs": {"regex": "a"}}, "guided_regex"),
-        ({"guided_regex": "[0-9"}, "structured_outputs.regex"),
+        ({"guided_regex": "[0-9"}, "guided_regex"),
+        ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),

@@ -124,6 +124,7 @@ class OpenAIServer:
         prefix: str,
         requested_max_tokens: int | None,
         model: str,
+        format_field: str | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt now, so the engine batches them and a bad one fails (as a 400, 429 or 503) before
         any response is sent; then return their output streams. As in vLLM, a prompt plus the ``max_tokens`` a
@@ -157,6 +158,9 @@ class OpenAIServer:
                 raise APIError(429, str(exc), "rate_limit_error") from exc
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, str(exc), "service_unavailable") from exc
+            if format_field is not None and str(getattr(exc, "field", "")).startswith("structured_outputs."):
+                # a grammar that does not compile: named by the request field it came from
+                raise APIError(400, f"{format_field}: {exc}", "invalid_request_error", format_field) from exc
             raise APIError(400, str(exc), "invalid_request_error") from exc
         return [self.loop.stream(request_id, queue) for (request_id, _), queue in zip(requests, queues)]
 

@@ -35,7 +35,9 @@ class OpenAIServingCompletion:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        streams = await self.server.start(body.prompts(), params, rid, body.max_tokens, body.model)
+        streams = await self.server.start(
+            body.prompts(), params, rid, body.max_tokens, body.model, body.output_format_field()
+        )
         base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
         if body.stream:
             return self.server.streaming(self._stream_completions(body, streams, base), rid, len(streams))

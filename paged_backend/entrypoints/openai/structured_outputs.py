@@ -70,20 +70,7 @@ class StructuredOutputRequest(BaseModel):
             raise FieldError("tools", "tool calling is not supported yet: send the request without tools")
         if self.tool_choice not in (None, "none"):
             raise FieldError("tool_choice", "tool calling is not supported yet: tool_choice may only be 'none'")
-        asked: dict[str, dict[str, Any]] = {}
-        if self.response_format is not None and self.response_format.type != "text":
-            if self.response_format.json_schema is not None:
-                asked["response_format"] = {"json": self.response_format.json_schema.schema_}
-            else:
-                asked["response_format"] = {"json_object": True}
-        if self.structured_outputs is not None:
-            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
-            asked["structured_outputs"] = fields
-        for name, field in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
-                            ("grammar", "guided_grammar")):  # fmt: skip
-            value = getattr(self, field)
-            if value is not None:
-                asked[field] = {name: value}
+        asked = self._asked()
         if len(asked) > 1:
             first, second = list(asked)[:2]
             raise FieldError(second, f"{second} asks for an output format as {first} does: give one of them")
@@ -94,3 +81,24 @@ class StructuredOutputRequest(BaseModel):
             return StructuredOutputsParams(**values)
         except FieldError as exc:  # named by the request's own field
             raise FieldError(field, f"{field}: {exc}") from None
+
+    def output_format_field(self) -> str | None:
+        """The request field the output format came from (what a grammar that does not compile is named by)."""
+        return next(iter(self._asked()), None)
+
+    def _asked(self) -> dict[str, dict[str, Any]]:
+        """Each request field that asks for an output format, as ``StructuredOutputsParams`` fields."""
+        asked: dict[str, dict[str, Any]] = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.json_schema is not None:
+                asked["response_format"] = {"json": self.response_format.json_schema.schema_}
+            else:
+                asked["response_format"] = {"json_object": True}
+        if self.structured_outputs is not None:
+            asked["structured_outputs"] = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        for name, field in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                            ("grammar", "guided_grammar")):  # fmt: skip
+            value = getattr(self, field)
+            if value is not None:
+                asked[field] = {name: value}
+        return asked
