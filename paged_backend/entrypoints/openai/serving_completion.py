@@ -42,6 +42,15 @@ class OpenAIServingCompletion:
         if body.stream:
             return self.server.streaming(self._stream_completions(body, streams, base), rid, len(streams))
         outputs = await self.server.collect(streams, rid)
+        tokenization = self.server.tokenization
+        if tokenization is not None and (body.echo or body.prompt_logprobs is not None):
+            # a scored prompt's entries (a dict and decoded tokens each), off the event loop
+            choices = await tokenization.run(lambda: self._choices(body, outputs))
+        else:
+            choices = self._choices(body, outputs)
+        return {**base, "choices": choices, "usage": usage(outputs)}
+
+    def _choices(self, body: CompletionRequest, outputs: list[RequestOutput]) -> list[dict[str, Any]]:
         choices = []
         for i, out in enumerate(outputs):
             echo = (out.prompt or self.server.decode(out.prompt_token_ids)) if body.echo else ""
@@ -55,7 +64,7 @@ class OpenAIServingCompletion:
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs or [])
                 choices.append(choice)
-        return {**base, "choices": choices, "usage": usage(outputs)}
+        return choices
 
     def _logprobs(
         self, body: CompletionRequest, out: RequestOutput, c: CompletionOutput, echo: str, start: int, offset: int
