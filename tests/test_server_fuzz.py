@@ -130,6 +130,9 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
         "guided_choice",
         "guided_grammar",
     )
+    reserved = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template", "tools"}
+    if chat and reserved & set(body.get("chat_template_kwargs") or {}):
+        broken.add("chat_template_kwargs")  # what the server itself passes to the template
     if body.get("tools"):
         broken.add("tools")
     if body.get("tool_choice") not in (None, "none"):

@@ -57,6 +57,7 @@ class ServerArgs:
     served_model_name: str | None = None
     api_key: str | None = None
     chat_template: str | None = None
+    reasoning_parser: str | None = None  # deepseek_r1 or qwen3: <think>...</think> into reasoning_content
     max_waiting_requests: int | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter path
     max_request_body_mb: float = DEFAULT_MAX_REQUEST_BODY_MB
@@ -131,6 +132,12 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help=f"required bearer token (or ${API_KEY_ENV})")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["deepseek_r1", "qwen3"],
+        help="a thinking model's <think>...</think> goes to reasoning_content (vLLM's parsers of these names)",
+    )
+    parser.add_argument(
         "--max-waiting-requests", type=int, default=None, help="queue length beyond which requests get 429"
     )
     parser.add_argument(
@@ -194,6 +201,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         served_model_name=args.served_model_name,
         api_key=_api_key(parser, args.api_key),
         chat_template=args.chat_template,
+        reasoning_parser=args.reasoning_parser,
         max_waiting_requests=args.max_waiting_requests,
         lora_modules=dict(args.lora_modules),
         max_request_body_mb=args.max_request_body_mb,

@@ -87,12 +87,21 @@ class ServerTokenizer:
         return await self.run(lambda: [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)])
 
     async def render_chat(
-        self, messages: list[dict[str, Any]], chat_template: str | None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        chat_template: str | None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> str:
-        """The chat template's text for ``messages`` (a Jinja template runs as long as its input is big)."""
+        """The chat template's text for ``messages`` (a Jinja template runs as long as its input is big);
+        ``template_kwargs`` are more variables for the template (``enable_thinking``, ...)."""
         text = await self.run(
             lambda: self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                **template_kwargs,
             )
         )
         if not isinstance(text, str):
