@@ -82,7 +82,8 @@ def test_help_documents_vllm_flags() -> None:
         "--gpu-memory-utilization --tensor-parallel-size --dtype --quantization --enable-prefix-caching "
         "--no-enable-prefix-caching --enable-lora --lora-modules --max-loras --max-lora-rank --served-model-name "
         "--api-key --chat-template --seed --max-waiting-requests --worker-use-ray --kv-cache-memory-gib "
-        "--num-kv-blocks --max-request-body-mb --shutdown-timeout --kv-cache-dtype --calculate-kv-scales"
+        "--num-kv-blocks --max-request-body-mb --shutdown-timeout --kv-cache-dtype --calculate-kv-scales "
+        "--reasoning-parser"
     ).split():
         assert flag in text, flag
 
