@@ -76,7 +76,11 @@ def engine_row(name: str, eager: bool, llm: LLM, outs: list, refs: list[list[int
     """(name, mode, matches, prompts, preemptions, swap-outs) of one engine's outputs; the engine is shut down."""
     matches = sum(out.outputs[0].token_ids == ref for out, ref in zip(outs, refs))
     stats = llm.stats()
+    runner = llm.llm_engine.executor.model_runner
+    compiled = runner.regions is not None and runner.graphs is not None
     llm.llm_engine.shutdown()
+    if not eager and not compiled:  # the engine fell back to eager layers or no graphs: a failure here
+        return name, "compile FAILED", 0, len(refs), stats["num_preemptions"], stats["num_swapped_out"]
     mode = "eager" if eager else "compiled+graphs"
     return name, mode, matches, len(refs), stats["num_preemptions"], stats["num_swapped_out"]
 

@@ -226,3 +226,15 @@ def test_graph_runner_buffers_give_the_eager_logits(tokenizer) -> None:
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, n)
     assert {8, 4, 2, 1} <= sizes_used
     assert_idle(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="engines compile and capture graphs on a GPU only")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_gpu_engine_compiles_and_captures(tokenizer, fp8: bool) -> None:
+    """A compile failure falls back to eager layers with only a warning: here it is an error, fp8 calibration
+    (whose flag the warm-ups read) included."""
+    fp8_args = {"kv_cache_dtype": "fp8", "calculate_kv_scales": True} if fp8 else {}
+    llm = LLM(tiny_model("llama").cuda(), tokenizer=tokenizer, num_kv_blocks=64, max_model_len=128, **fp8_args)
+    runner = llm.llm_engine.executor.model_runner
+    assert runner.regions is not None and runner.regions.num_graphs >= 1
+    assert runner.graphs is not None

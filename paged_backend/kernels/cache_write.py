@@ -80,8 +80,9 @@ if triton is not None:
         if SCALED:
             k_scale = tl.load(k_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
             v_scale = tl.load(v_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
-            k = tl.clamp(k.to(tl.float32) / k_scale[:, None], -448.0, 448.0)  # FP8_MAX
-            v = tl.clamp(v.to(tl.float32) / v_scale[:, None], -448.0, 448.0)
+            # IEEE division (Triton's `/` is approximate), so the stored fp8 value is the twin's
+            k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale[:, None]), -448.0, 448.0)  # FP8_MAX
+            v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale[:, None]), -448.0, 448.0)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -26,9 +26,10 @@ ATTN_IMPLEMENTATION = "paged_backend"
 KV_CACHE_ATTR = "paged_kv_cache"
 KV_SCALE_ATTR = "paged_kv_scale"  # an fp8 cache's (k_scale, v_scale) of the layer, [Hkv] fp32 each
 KV_CALIBRATE_ATTR = "paged_kv_calibrate"  # set for the one step that sets those scales (calculate_kv_scales)
-# calculate_kv_scales maps the first step's largest key to 200 and value to 100 (vLLM's constants): fp8 goes to
-# 448, so later tokens up to 2.2x (keys) and 4.5x (values) larger still fit before saturating.
-K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0
+# calculate_kv_scales maps the first step's largest key to 192 and value to 96: fp8 goes to 448, so later tokens
+# up to 2.3x (keys) and 4.7x (values) larger still fit before saturating. Both are e4m3 values; vLLM's 200 and
+# 100 are midpoints between two (192|208, 96|104), where the largest value's last-bit noise picks its rounding.
+K_SCALE_CONSTANT, V_SCALE_CONSTANT = 192.0, 96.0
 
 
 @dataclass

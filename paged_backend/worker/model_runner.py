@@ -71,6 +71,7 @@ class ModelRunner:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.regions: RegionalCompile | None = None
         self.graphs: CUDAGraphRunner | None = None
+        self.calibrate_kv_scales = False  # the warm-ups below never calibrate
         if device.type == "cuda" and not enforce_eager:
             self.compile()
             with torch.inference_mode():  # static buffers must be inference tensors, like every step's inputs
