@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 TokenDecoder = Callable[[int], str]  # one token id's text
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """One entry of a per-token top-k dict: log probability, rank (1 = most likely), decoded text."""
 
@@ -84,13 +84,18 @@ class PromptLogprobs(Sequence[PromptLogprob]):
 
     def __getitem__(self, index: int | slice) -> PromptLogprob | list[PromptLogprob]:
         if isinstance(index, slice):
-            return [self._entry(i) for i in range(*index.indices(len(self)))]
+            start, stop, step = index.indices(len(self))
+            if step == 1:
+                return self._entries(start, max(start, stop))
+            return [self._entries(i, i + 1)[0] for i in range(start, stop, step)]
         if not -len(self) <= index < len(self):
             raise IndexError(f"prompt_logprobs index {index} out of range for {len(self)} prompt tokens")
-        return self._entry(index % len(self))
+        position = index % len(self)
+        return self._entries(position, position + 1)[0]
 
     def __iter__(self) -> Iterator[PromptLogprob]:
-        return (self._entry(i) for i in range(len(self)))
+        for start in range(0, len(self), _ENTRIES_PER_READ):
+            yield from self._entries(start, min(start + _ENTRIES_PER_READ, len(self)))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
@@ -100,24 +105,36 @@ class PromptLogprobs(Sequence[PromptLogprob]):
     def __repr__(self) -> str:
         return f"PromptLogprobs({list(self)!r})"
 
-    def _entry(self, position: int) -> PromptLogprob:
-        if position == 0:
-            return None
+    def _entries(self, start: int, stop: int) -> list[PromptLogprob]:
+        """Positions ``start:stop`` (``0 <= start <= stop <= len``), built in one loop: reading a long prompt's
+        entries is the caller's Python work, a few hundred thousand objects for a batch of scored prompts."""
+        entries: list[PromptLogprob] = [None] if start == 0 < stop else []
         if self._rows is None:  # one conversion of the arrays, on the first read
             a = self._arrays
-            assert a is not None, "positions after the first exist only with arrays"
+            if a is None:
+                return entries
             self._rows = (a.token_ids.tolist(), a.logprobs.tolist(), a.ranks.tolist())
         id_rows, value_rows, ranks = self._rows
-        ids, values = id_rows[position - 1], value_rows[position - 1]
-        entry = {ids[0]: Logprob(values[0], ranks[position - 1], self._text(ids[0]))}
-        for j in range(1, len(ids)):  # the top k: the following token again when it is among them
-            entry[ids[j]] = Logprob(values[j], j, self._text(ids[j]))
-        return entry
+        rows = slice(max(start, 1) - 1, stop - 1)
+        text = self._texts_for(id_rows[rows])
+        for ids, values, rank in zip(id_rows[rows], value_rows[rows], ranks[rows]):
+            entry = {ids[0]: Logprob(values[0], rank, text(ids[0]) if text else None)}
+            for j in range(1, len(ids)):  # the top k: the following token again when it is among them
+                entry[ids[j]] = Logprob(values[j], j, text(ids[j]) if text else None)
+            entries.append(entry)
+        return entries
 
-    def _text(self, token_id: int) -> str | None:
+    def _texts_for(self, id_rows: list[list[int]]) -> Callable[[int], str] | None:
+        """A lookup of the decoded text of every token in ``id_rows`` (each token decoded once); ``None`` without
+        a decoder."""
         if self._decode is None:
             return None
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self._decode(token_id)
-        return text
+        texts = self._texts
+        for ids in id_rows:
+            for token_id in ids:
+                if token_id not in texts:
+                    texts[token_id] = self._decode(token_id)
+        return texts.__getitem__
+
+
+_ENTRIES_PER_READ = 1024  # positions built at a time when iterating

@@ -177,3 +177,30 @@ def test_greedy_kernel_equals_its_twin(dtype: torch.dtype, vocab: int) -> None:
     assert not arrival_counters(DEVICE).any()
     strided = torch.cat([logits, logits], dim=1)[:, :vocab]  # rows of a wider tensor (a row stride != vocab)
     assert torch.equal(greedy_tokens_triton(strided)[0].cpu(), ref_tokens.cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32] if DEVICE.type == "cuda" else DTYPES)
+@pytest.mark.parametrize("vocab", [7, 2048, 5000])  # below one block, exactly one, several with a short tail
+def test_token_rank_kernel_equals_its_twin(dtype: torch.dtype, vocab: int) -> None:
+    """Logsumexp, the given token's rank (ties share the better rank) and the first argmax, one pass per row."""
+    from paged_backend.kernels.token_rank import token_rank_torch, token_rank_triton
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(7, vocab, generator=gen) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (7,), generator=gen)
+    logits[1, vocab // 3] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie across blocks: the first wins
+    targets[1] = vocab - 1  # the tied maximum: rank 1
+    logits[2, :] = 0.5  # a tie everywhere: rank 1, argmax 0, logsumexp 0.5 + log(vocab)
+    logits[3, vocab - 1] = 50.0  # the last element, in the tail block
+    logits[4, : vocab // 2] = float("-inf")  # masked tokens
+    targets[5] = logits[5].float().argmin()  # the least likely token: rank vocab when no value repeats it
+    logits, targets = logits.to(DEVICE), targets.to(DEVICE)
+    expected = token_rank_torch(logits, targets)
+    for rows in (logits, torch.cat([logits, logits], dim=1)[:, :vocab]):  # contiguous, and a row stride != vocab
+        lse, ranks, argmax = token_rank_triton(rows, targets)
+        torch.testing.assert_close(lse.cpu(), expected[0].cpu(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(ranks.cpu(), expected[1].cpu()) and torch.equal(argmax.cpu(), expected[2].cpu())
+    assert expected[1][1] == 1 and expected[2][1] == min(vocab // 3, vocab - 1)
+    assert expected[1][2] == 1 and expected[2][2] == 0
+    assert expected[1][5] == vocab - (logits[5] == logits[5].min()).sum() + 1
+    assert torch.equal(token_rank_torch(logits[:0], targets[:0])[1], targets[:0])  # no rows
