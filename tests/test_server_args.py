@@ -83,9 +83,21 @@ def test_help_documents_vllm_flags() -> None:
         "--no-enable-prefix-caching --enable-lora --lora-modules --max-loras --max-lora-rank --served-model-name "
         "--api-key --chat-template --seed --max-waiting-requests --worker-use-ray --kv-cache-memory-gib "
         "--num-kv-blocks --max-request-body-mb --shutdown-timeout --kv-cache-dtype --calculate-kv-scales "
-        "--reasoning-parser"
+        "--reasoning-parser --enable-auto-tool-choice --tool-call-parser"
     ).split():
         assert flag in text, flag
+
+
+def test_tool_call_flags() -> None:
+    server, _ = parse_args(["M", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert server.enable_auto_tool_choice and server.tool_call_parser == "hermes"
+    assert parse_args(["M", "--tool-call-parser", "mistral"])[0].enable_auto_tool_choice is False
+
+
+def test_auto_tool_choice_needs_a_parser(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["M", "--enable-auto-tool-choice"])
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
 
 
 def test_model_as_positional_like_vllm_serve() -> None:

@@ -84,7 +84,10 @@ class PromptLengths:
 
     def __call__(self, body: Body, chat: bool) -> list[int]:
         if chat:
-            messages = [{k: _text_of(v) for k, v in m.items() if v is not None} for m in body["messages"]]
+            messages = [
+                {k: _text_of(v) if k == "content" else v for k, v in m.items() if v is not None}
+                for m in body["messages"]
+            ]
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, chat_template=self.template
             )
@@ -133,12 +136,20 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
     reserved = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template", "tools"}
     if chat and reserved & set(body.get("chat_template_kwargs") or {}):
         broken.add("chat_template_kwargs")  # what the server itself passes to the template
-    if body.get("tools"):
-        broken.add("tools")
-    if body.get("tool_choice") not in (None, "none"):
-        broken.add("tool_choice")
-    if any(body.get(name) not in (None, {"type": "text"}) for name in formats):
-        broken.update(formats)
+    asked = {name for name in formats if body.get(name) not in (None, {"type": "text"})}
+    if chat:  # completions ignore tools and tool_choice (unknown fields there, as in vLLM)
+        tools, choice = body.get("tools") or [], body.get("tool_choice")
+        named = isinstance(choice, dict)
+        if not tools and choice not in (None, "none"):
+            broken.add("tool_choice")  # a choice without tools
+        if tools and choice in (None, "auto"):
+            broken.add("tool_choice")  # "auto" needs --enable-auto-tool-choice, which this server lacks
+        if tools and named and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+            broken.add("tool_choice")
+        if tools and (choice == "required" or named):
+            asked.add("tool_choice")  # a grammar too: its parameters' schema may not compile
+    if asked:
+        broken.update(asked if len(asked) == 1 else {*formats, "tool_choice"})
     if longest > MAX_MODEL_LEN:
         # the engine's own length check names no field (see the report: input_processor's FieldError)
         broken.update({"messages", "prompt", None} if chat else {"prompt", None})

@@ -85,8 +85,6 @@ def test_formats_stream_as_they_complete(client) -> None:
         ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
     ],
 )
 def test_bad_formats_are_a_400_naming_the_field(client, extra: dict, param: str) -> None:

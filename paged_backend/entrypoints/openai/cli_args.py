@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_backend.tool_calls.parsers import TOOL_CALL_PARSERS
+
 API_KEY_ENV = "PAGED_BACKEND_API_KEY"
 # The body cap: far above any body that fits a context (128k tokens of text is ~1 MB of JSON, as token ids ~1 MB;
 # a batch of dozens of such prompts fits), while one request's JSON, its parsed copy and its validated copy stay
@@ -58,6 +60,8 @@ class ServerArgs:
     api_key: str | None = None
     chat_template: str | None = None
     reasoning_parser: str | None = None  # deepseek_r1 or qwen3: <think>...</think> into reasoning_content
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, tool_call_parser reads its text
+    tool_call_parser: str | None = None  # hermes, llama3_json or mistral
     max_waiting_requests: int | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter path
     max_request_body_mb: float = DEFAULT_MAX_REQUEST_BODY_MB
@@ -138,6 +142,17 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
         help="a thinking model's <think>...</think> goes to reasoning_content (vLLM's parsers of these names)",
     )
     parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="tool_choice 'auto' (the default with tools): the model decides whether to call; needs --tool-call-parser",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_CALL_PARSERS),
+        help="how the model writes tool calls: hermes (Hermes, Qwen), llama3_json (Llama 3.1+), mistral",
+    )
+    parser.add_argument(
         "--max-waiting-requests", type=int, default=None, help="queue length beyond which requests get 429"
     )
     parser.add_argument(
@@ -192,6 +207,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         parser.error(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     if not 0 < args.max_request_body_mb < float("inf"):
         parser.error(f"--max-request-body-mb must be a number of MiB > 0, got {args.max_request_body_mb}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error(
+            "--enable-auto-tool-choice needs --tool-call-parser (one of: " + ", ".join(TOOL_CALL_PARSERS) + ")"
+        )
     if not 0 <= args.shutdown_timeout < float("inf"):
         parser.error(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     server = ServerArgs(
@@ -202,6 +221,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         api_key=_api_key(parser, args.api_key),
         chat_template=args.chat_template,
         reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         max_waiting_requests=args.max_waiting_requests,
         lora_modules=dict(args.lora_modules),
         max_request_body_mb=args.max_request_body_mb,

@@ -29,12 +29,14 @@ from pydantic import (
 
 from paged_backend.config import FieldError
 from paged_backend.entrypoints.openai.structured_outputs import StructuredOutputRequest
+from paged_backend.entrypoints.openai.tools import NAME_PATTERN, ToolFields, template_arguments
 from paged_backend.sampling_params import (
     MAX_FLOAT32,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -214,21 +216,41 @@ class TextPart(BaseModel):
     text: Text
 
 
+class CalledFunction(BaseModel):
+    model_config = MODEL_CONFIG
+    name: Text = Field(pattern=NAME_PATTERN)
+    arguments: Text
+
+
+class MessageToolCall(BaseModel):
+    """A tool call of an earlier assistant message."""
+
+    model_config = MODEL_CONFIG
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = MODEL_CONFIG
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = Field(default=None, description="an assistant message's calls")
+    tool_call_id: Text | None = Field(default=None, description="a tool message's answer to this call")
 
-    def for_template(self) -> dict[str, str]:
-        """The message as chat templates take it: content parts joined by newlines (as vLLM does)."""
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: content parts joined by newlines (as vLLM does), call
+        arguments as JSON objects."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        for call in message.get("tool_calls", []):
+            call["function"]["arguments"] = template_arguments(call["function"]["arguments"])
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(
@@ -240,6 +262,21 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="vLLM's: more variables for the chat template (enable_thinking, ...)"
     )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """A forced tool call's grammar, or the output format asked for; both at once are a ``FieldError``."""
+        forced = self.forced_tool_format()
+        if forced is None:
+            return super().structured_outputs_params()
+        asked = super().output_format_field()
+        if asked is not None:
+            raise FieldError(
+                asked, f"{asked} asks for an output format as tool_choice {self.tool_mode()!r} does: give one"
+            )
+        return forced
+
+    def output_format_field(self) -> str | None:
+        return "tool_choice" if self.forced_tool_format() is not None else super().output_format_field()
 
     def template_kwargs(self) -> dict[str, Any]:
         """``chat_template_kwargs``, which may not set what the server itself passes to the template."""

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class Usage(BaseModel):
@@ -75,9 +75,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[ToolCall] | None = None  # with tools, when the model called any
 
 
 class ChatChoice(BaseModel):
@@ -96,9 +109,15 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(ToolCall):
+    index: int  # the call's place among the choice's calls (each call comes whole in one delta)
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

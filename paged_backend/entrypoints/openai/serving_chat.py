@@ -1,5 +1,6 @@
-"""``POST /v1/chat/completions``: messages through the chat template, OpenAI's chat completion out, whole or
-streamed as server-sent events (a stream starts with the assistant role)."""
+"""``POST /v1/chat/completions``: messages (and tools) through the chat template, OpenAI's chat completion out,
+whole or streamed as server-sent events (a stream starts with the assistant role). Each choice's text is split
+into reasoning (``--reasoning-parser``), content and tool calls (``tools.py``), in that order."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest
 from paged_backend.entrypoints.openai.reasoning import ReasoningSplitter, split_reasoning
 from paged_backend.entrypoints.openai.serving_completion import usage
 from paged_backend.entrypoints.openai.streams import merge, sse
+from paged_backend.entrypoints.openai.tools import ChoiceTools, ToolStream, tool_call_deltas
 from paged_backend.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -29,10 +31,14 @@ class OpenAIServingChat:
         if tokenization is None:
             raise APIError(400, "chat needs a tokenizer", "invalid_request_error")
         messages = [m.for_template() for m in body.messages]
+        args = self.server.args
         try:
             template_kwargs = body.template_kwargs()
+            tools = ChoiceTools.of(body, args.tool_call_parser, args.enable_auto_tool_choice)
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from exc
+        if body.tools:
+            template_kwargs["tools"] = body.template_tools()
         try:
             text = await tokenization.render_chat(messages, self.server.chat_template, **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
@@ -54,29 +60,34 @@ class OpenAIServingChat:
         )
         base = {"id": rid, "created": created, "model": body.model}
         if body.stream:
-            return self.server.streaming(self._stream_chat(body, streams[0], base), rid, 1)
+            return self.server.streaming(self._stream_chat(body, tools, streams[0], base), rid, 1)
         (final,) = await self.server.collect(streams, rid)
-        choices = [
-            {
-                "index": c.index,
-                "message": self._message(c.text),
-                "logprobs": chat_logprobs(c, self.server.decode, body.top_logprobs or 0) if body.logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = self._message(c.text, tools, c.finish_reason)
+            logprobs = chat_logprobs(c, self.server.decode, body.top_logprobs or 0) if body.logprobs else None
+            choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         return {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
 
-    def _message(self, text: str) -> dict[str, Any]:
-        """The assistant message; with ``--reasoning-parser``, its thinking in ``reasoning_content``."""
+    def _message(self, text: str, tools: ChoiceTools, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message and its finish reason: with ``--reasoning-parser`` its thinking in
+        ``reasoning_content``, with tools its calls in ``tool_calls``."""
+        message: dict[str, Any] = {"role": "assistant"}
         parser = self.server.args.reasoning_parser
-        if parser is None:
-            return {"role": "assistant", "content": text}
-        reasoning, content = split_reasoning(parser, text)
-        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        if parser is not None:
+            message["reasoning_content"], text = split_reasoning(parser, text)
+        content, calls = tools.split(text)
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        return message, tools.finish_reason(bool(calls), finish_reason)
 
     async def _stream_chat(
-        self, body: ChatCompletionRequest, stream: AsyncIterator[RequestOutput], base: dict[str, Any]
+        self,
+        body: ChatCompletionRequest,
+        tools: ChoiceTools,
+        stream: AsyncIterator[RequestOutput],
+        base: dict[str, Any],
     ) -> AsyncIterator[str]:
         base = {**base, "object": "chat.completion.chunk"}
         for j in range(body.n):
@@ -85,6 +96,8 @@ class OpenAIServingChat:
         sent: dict[int, tuple[int, int]] = {}  # sample -> (characters, tokens) sent
         parser = self.server.args.reasoning_parser
         splitters = {j: ReasoningSplitter(parser) for j in range(body.n)} if parser is not None else {}
+        tool_streams = {j: tools.streamer() for j in range(body.n)}
+        num_calls: dict[int, int] = {}  # sample -> tool calls sent
         final = None
         async for _, out in merge([stream]):
             for c in out.outputs:
@@ -92,15 +105,19 @@ class OpenAIServingChat:
                 delta_text = c.text[chars:]
                 sent[c.index] = (len(c.text), len(c.token_ids))
                 if delta_text or c.finish_reason or len(c.token_ids) > tokens:
+                    last = c.finish_reason is not None
+                    delta = self._delta(splitters.get(c.index), delta_text, last)
+                    calls = self._stream_tools(tool_streams[c.index], delta, last, num_calls.get(c.index, 0))
+                    num_calls[c.index] = num_calls.get(c.index, 0) + calls
                     choice = {
                         "index": c.index,
-                        "delta": self._delta(splitters.get(c.index), delta_text, c.finish_reason is not None),
+                        "delta": delta,
                         "logprobs": (
                             chat_logprobs(c, self.server.decode, body.top_logprobs or 0, tokens)
                             if body.logprobs
                             else None
                         ),
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": tools.finish_reason(num_calls[c.index] > 0, c.finish_reason),
                     }
                     yield sse({**base, "choices": [choice]})
             final = out
@@ -109,7 +126,20 @@ class OpenAIServingChat:
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def _delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> dict[str, str]:
+    def _stream_tools(stream: ToolStream | None, delta: dict[str, Any], last: bool, sent: int) -> int:
+        """Passes the delta's content through the choice's tool-call stream: content that may begin a call is
+        held, and the calls come as ``delta.tool_calls``. Returns how many calls it added."""
+        if stream is None:
+            return 0
+        content, calls = stream.feed(delta.pop("content", ""), final=last)
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = tool_call_deltas(calls, sent)
+        return len(calls)
+
+    @staticmethod
+    def _delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> dict[str, Any]:
         """A stream's delta: new content, and with a reasoning parser new ``reasoning_content``."""
         if splitter is None:
             return {"content": text} if text else {}

@@ -60,16 +60,9 @@ class StructuredOutputRequest(BaseModel):
     guided_regex: str | None = Field(default=None, description="vLLM's older name: regex")
     guided_choice: Choices | None = Field(default=None, description="vLLM's older name: choice")
     guided_grammar: str | None = Field(default=None, description="vLLM's older name: grammar")
-    tools: list[dict[str, Any]] | None = Field(default=None, description="not supported yet: a 400 when given")
-    tool_choice: str | dict[str, Any] | None = Field(default=None, description="only none, until tools are")
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The one output format asked for, or None; two ways at once are a ``FieldError`` naming the second.
-        Tool calls are not built yet: asking for them is a ``FieldError``, never a reply that ignores them."""
-        if self.tools:
-            raise FieldError("tools", "tool calling is not supported yet: send the request without tools")
-        if self.tool_choice not in (None, "none"):
-            raise FieldError("tool_choice", "tool calling is not supported yet: tool_choice may only be 'none'")
+        """The one output format asked for, or None; two ways at once are a ``FieldError`` naming the second."""
         asked = self._asked()
         if len(asked) > 1:
             first, second = list(asked)[:2]

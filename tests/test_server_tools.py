@@ -1,0 +1,150 @@
+"""Tool calling through the official ``openai`` client: ``tool_choice`` ``"required"`` and a named function held
+by a grammar (the calls always parse), ``"auto"`` read by ``--tool-call-parser hermes`` (the model's text made
+to be a call, or not, by a regex), whole and streamed; tools and earlier calls reach the chat template."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("xgrammar")
+
+from paged_backend import LLM  # noqa: E402
+from paged_backend.entrypoints.openai.cli_args import ServerArgs  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+from tests.test_server import KEY, NAME, serving  # noqa: E402
+
+# A Hermes-style template: the tools in a system turn, earlier calls as <tool_call> JSON.
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>tools: {{ tools | tojson }}</s>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": CITY}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}},
+]  # fmt: skip
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+HERMES_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def client(tokenizer):
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=1024, max_model_len=512)
+    args = ServerArgs(
+        model="tiny-path", served_model_name=NAME, api_key=KEY, chat_template=TEMPLATE,
+        enable_auto_tool_choice=True, tool_call_parser="hermes",
+    )  # fmt: skip
+    with serving(llm, args) as base:
+        yield openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def ask(client, max_tokens: int = 60, **kwargs):
+    return client.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, max_tokens=max_tokens, **kwargs)
+
+
+def post(client, path: str, body: dict) -> dict:
+    """A request to the server's own (non-OpenAI) endpoints."""
+    url = str(client.base_url).removesuffix("/v1/") + path
+    return httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}).json()
+
+
+def test_a_named_function_is_always_called(client) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    chat = ask(client, tool_choice=choice, temperature=1.0, seed=3, n=3)
+    for c in chat.choices:
+        assert c.message.content is None and c.finish_reason == "stop"  # forced: OpenAI's finish reason
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_one_of_the_tools(client, stream: bool) -> None:
+    kwargs = {"tool_choice": "required", "parallel_tool_calls": False, "temperature": 1.0, "seed": 5}
+    if not stream:
+        chat = ask(client, **kwargs)
+        (choice,) = chat.choices
+        calls, finish = choice.message.tool_calls, choice.finish_reason
+        assert choice.message.content is None
+    else:
+        calls_by_index: dict[int, dict] = {}
+        finish = None
+        for chunk in ask(client, stream=True, **kwargs):
+            (choice,) = chunk.choices
+            assert not choice.delta.content  # the call's JSON is never streamed as content
+            for delta in choice.delta.tool_calls or []:
+                entry = calls_by_index.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+        calls = [type("Call", (), {"function": type("F", (), entry)}) for entry in calls_by_index.values()]
+    assert finish == "tool_calls" and len(calls) == 1  # parallel_tool_calls false: exactly one
+    name, arguments = calls[0].function.name, json.loads(calls[0].function.arguments)
+    assert name in ("get_weather", "get_time")
+    assert arguments == {} if name == "get_time" else arguments["city"] in ("Paris", "Oslo")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_the_models_call(client, stream: bool) -> None:
+    """The hermes parser reads what the model wrote: a call (its text forced by a regex), or plain text."""
+    for regex, called in ((HERMES_CALL, True), ("Sunny all day", False)):
+        kwargs = {"temperature": 0, "max_tokens": 120, "extra_body": {"structured_outputs": {"regex": regex}}}
+        if not stream:
+            (choice,) = ask(client, **kwargs).choices
+            content, calls, finish = choice.message.content, choice.message.tool_calls or [], choice.finish_reason
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+        else:
+            content, calls, finish = "", [], None
+            for chunk in ask(client, stream=True, **kwargs):
+                (choice,) = chunk.choices
+                content += choice.delta.content or ""
+                calls += [(d.function.name, json.loads(d.function.arguments)) for d in choice.delta.tool_calls or []]
+                finish = choice.finish_reason or finish
+            content = content or None
+        if called:
+            assert content is None and finish == "tool_calls"
+            assert len(calls) == 1 and calls[0][0] == "get_weather" and calls[0][1]["city"] in ("Paris", "Oslo")
+        else:
+            assert (content, calls, finish) == ("Sunny all day", [], "stop")
+
+
+def test_tools_and_earlier_calls_reach_the_template(client) -> None:
+    """The tools make the prompt longer; an earlier call's arguments reach the template as a JSON object."""
+    plain = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=1)
+    with_tools = ask(client, max_tokens=1, tool_choice="none")
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    turn = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    chat = client.chat.completions.create(model=NAME, messages=turn, tools=TOOLS, tool_choice="none", max_tokens=1)
+    tokens = post(client, "/tokenize", {"model": NAME, "messages": turn})["tokens"]
+    text = post(client, "/detokenize", {"model": NAME, "tokens": tokens})["prompt"]
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "<|tool|>sunny" in text and chat.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_tool_requests_are_a_400_naming_the_field(client) -> None:
+    for kwargs, param in [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            ask(client, **kwargs)
+        assert info.value.body["param"] == param, info.value.body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, tool_choice="required", max_tokens=5)
+    assert info.value.body["param"] == "tool_choice"  # type: ignore[index]

@@ -1,0 +1,152 @@
+"""Tool-call parsers (hermes, llama3_json, mistral), whole and streamed in any cut, and the forced formats'
+grammars and parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from paged_backend.config import FieldError
+from paged_backend.entrypoints.openai.tools import ChoiceTools, ToolFields
+from paged_backend.tool_calls import (
+    ToolCallStreamer,
+    forced_tool_format,
+    parse_forced_tool_calls,
+    parse_tool_calls,
+)
+
+WEATHER = {"city": "Paris", "unit": "°C"}
+HERMES = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>'
+    '\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+)
+LLAMA = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}; '
+    '{"name": "get_time", "parameters": {}}'
+)
+MISTRAL = (
+    'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}, '
+    '{"name": "get_time", "arguments": {}}]'
+)
+CASES = [("hermes", HERMES, "Let me check."), ("llama3_json", LLAMA, None), ("mistral", MISTRAL, "Let me check.")]
+
+
+@pytest.mark.parametrize(("parser", "text", "content"), CASES)
+def test_two_calls_and_their_content(parser: str, text: str, content: str | None) -> None:
+    found, calls = parse_tool_calls(parser, text)
+    assert found == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", WEATHER), ("get_time", {})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("chatcmpl-tool-") for c in calls)
+    assert calls[0].to_openai()["function"] == {"name": "get_weather", "arguments": calls[0].arguments}
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("hermes", "no calls here"),
+        ("hermes", "<tool_call>{not json}</tool_call>"),
+        ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+        ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'),  # arguments not an object
+        ("llama3_json", 'The answer is {"name": "f"}'),  # a call is the whole output
+        ("llama3_json", '{"name": "f", "parameters": {}} and more'),
+        ("llama3_json", "{}"),
+        ("mistral", "[TOOL_CALLS] not a list"),
+        ("mistral", '[TOOL_CALLS]{"name": "f", "arguments": {}}'),
+    ],
+)
+def test_text_that_is_no_call_stays_content(parser: str, text: str) -> None:
+    assert parse_tool_calls(parser, text) == (text, [])
+
+
+def test_an_unclosed_hermes_call_at_the_end_still_counts() -> None:
+    """The model stopped (EOS) before ``</tool_call>``: the call is whole, as vLLM reads it."""
+    content, calls = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1}}')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')]
+
+
+def test_unknown_parser_is_named() -> None:
+    with pytest.raises(ValueError, match="hermes"):
+        parse_tool_calls("pythonic", "x")
+
+
+@pytest.mark.parametrize(("parser", "text", "content"), [*CASES, ("hermes", "plain <tool text", None)])
+@given(cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=8))
+def test_a_stream_in_any_cut_gives_the_whole_parse(parser: str, text: str, content: str | None, cuts) -> None:
+    """Content is passed on only where no call can begin; the calls come whole at the end."""
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    streamer, sent, calls = ToolCallStreamer(parser), [], []
+    for i, piece in enumerate(pieces):
+        content_piece, new = streamer.feed(piece, final=i == len(pieces) - 1)
+        sent.append(content_piece)
+        calls += new
+    whole_content, whole_calls = parse_tool_calls(parser, text)
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+    if whole_calls:
+        assert "".join(sent).strip() == (whole_content or "")
+    else:
+        assert "".join(sent) == text
+
+
+def test_forced_formats_and_their_parse() -> None:
+    tools = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}, "get_time": None}
+    named = forced_tool_format(tools, "get_weather")
+    assert named.json == tools["get_weather"]
+    assert forced_tool_format(tools, "get_time").json == {"type": "object"}
+    required = forced_tool_format(tools, "required", parallel=False).json
+    assert isinstance(required, dict) and required["minItems"] == 1 and required["maxItems"] == 1
+    assert [c["properties"]["name"]["enum"] for c in required["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    assert "maxItems" not in forced_tool_format(tools, "required").json  # type: ignore[operator]
+    (call,) = parse_forced_tool_calls("get_weather", '{"city": "Oslo"}')
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Oslo"})
+    calls = parse_forced_tool_calls("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", '
+                                    '"parameters": {"city": "Oslo"}}]')  # fmt: skip
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    assert parse_forced_tool_calls("required", '[{"name": "get_ti') == []  # cut short by max_tokens
+    assert parse_forced_tool_calls("get_weather", "[1]") == []
+
+
+def tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "mode"),
+    [
+        ({}, None),
+        ({"tool_choice": "none"}, None),
+        ({"tools": [tool("f")]}, "auto"),
+        ({"tools": [tool("f")], "tool_choice": "none"}, "none"),
+        ({"tools": [tool("f")], "tool_choice": "required"}, "required"),
+        ({"tools": [tool("f"), tool("g")], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "g"),
+    ],
+)
+def test_tool_mode(fields: dict, mode: str | None) -> None:
+    assert ToolFields.model_validate(fields).tool_mode() == mode
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": [tool("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not one of"),
+    ],
+)
+def test_bad_tool_choice_is_named(fields: dict, message: str) -> None:
+    with pytest.raises(FieldError, match=message) as info:
+        ToolFields.model_validate(fields).tool_mode()
+    assert info.value.field == "tool_choice"
+
+
+def test_auto_needs_the_servers_parser() -> None:
+    body = ToolFields.model_validate({"tools": [tool("f")]})
+    with pytest.raises(FieldError, match="--enable-auto-tool-choice") as info:
+        ChoiceTools.of(body, None, False)
+    assert info.value.field == "tool_choice"
+    with pytest.raises(FieldError):
+        ChoiceTools.of(body, "hermes", False)
+    assert ChoiceTools.of(body, "hermes", True) == ChoiceTools("auto", "hermes")
+    assert ChoiceTools.of(ToolFields.model_validate({}), None, False).streamer() is None
