@@ -10,8 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paged_backend.config import FieldError
-from paged_backend.entrypoints.openai.tools import ChoiceTools, ToolFields
+from paged_backend.entrypoints.openai.tools import ToolFields, tool_reader
 from paged_backend.tool_calls import (
+    ToolCallReader,
     ToolCallStreamer,
     forced_tool_format,
     parse_forced_tool_calls,
@@ -144,9 +145,9 @@ def test_bad_tool_choice_is_named(fields: dict, message: str) -> None:
 def test_auto_needs_the_servers_parser() -> None:
     body = ToolFields.model_validate({"tools": [tool("f")]})
     with pytest.raises(FieldError, match="--enable-auto-tool-choice") as info:
-        ChoiceTools.of(body, None, False)
+        tool_reader(body, None, False)
     assert info.value.field == "tool_choice"
     with pytest.raises(FieldError):
-        ChoiceTools.of(body, "hermes", False)
-    assert ChoiceTools.of(body, "hermes", True) == ChoiceTools("auto", "hermes")
-    assert ChoiceTools.of(ToolFields.model_validate({}), None, False).streamer() is None
+        tool_reader(body, "hermes", False)
+    assert tool_reader(body, "hermes", True) == ToolCallReader("auto", "hermes")
+    assert tool_reader(ToolFields.model_validate({}), None, False).streamer() is None

@@ -108,12 +108,15 @@ class EngineClient:
             yield text[sent:], out
             sent = len(text)
 
-    def chat_prompt(self, conversation: list[dict[str, str]]) -> dict[str, Any]:
-        """A conversation through the tokenizer's chat template, as an engine prompt (text and its token ids)."""
+    def chat_prompt(self, conversation: list[dict[str, Any]], **template_kwargs: Any) -> dict[str, Any]:
+        """A conversation through the tokenizer's chat template (``template_kwargs``: more variables, such as
+        ``tools``), as an engine prompt (text and its token ids)."""
         tokenizer = self.llm.get_tokenizer()
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("chat needs a tokenizer with a chat template: pass tokenizer=... to the LLM")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
         return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
 

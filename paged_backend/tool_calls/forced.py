@@ -1,7 +1,8 @@
 """``tool_choice`` ``"required"`` and a named function, held by a grammar so that the output always parses: a
 named function's output is its arguments, a JSON object of its ``parameters`` schema; ``"required"``'s is a
 JSON list of one or more ``{"name": ..., "parameters": {...}}`` objects, each one of the tools (one only when
-parallel calls are off) — the shapes vLLM uses.
+parallel calls are off) — the shapes vLLM uses. The JSON is compact (no whitespace between its tokens): a
+model under the grammar cannot spend its tokens on blank space.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def forced_tool_format(
     """The output format for ``choice`` (``"required"`` or a function's name) over ``tools`` (name -> its
     ``parameters`` schema, None for none)."""
     if choice != "required":
-        return StructuredOutputsParams(json=dict(tools[choice] or ANY_OBJECT))
+        return StructuredOutputsParams(json=dict(tools[choice] or ANY_OBJECT), disable_any_whitespace=True)
     calls = [
         {
             "type": "object",
@@ -34,7 +35,7 @@ def forced_tool_format(
     listed: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         listed["maxItems"] = 1
-    return StructuredOutputsParams(json=listed)
+    return StructuredOutputsParams(json=listed, disable_any_whitespace=True)
 
 
 def parse_forced_tool_calls(choice: str, text: str) -> list[ToolCall]:

@@ -38,6 +38,12 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def infer_tool_call_parser(chat_template: str) -> str | None:
+    """The parser whose marker a chat template writes calls with (Hermes / Qwen ``<tool_call>``, Mistral
+    ``[TOOL_CALLS]``, Llama 3.1+ ``<|python_tag|>``), or None."""
+    return next((parser for parser, marker in _START.items() if marker in chat_template), None)
+
+
 def check_parser(parser: str) -> str:
     if parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool call parser must be one of {list(TOOL_CALL_PARSERS)}, got {parser!r}")

@@ -15,8 +15,9 @@ from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest
 from paged_backend.entrypoints.openai.reasoning import ReasoningSplitter, split_reasoning
 from paged_backend.entrypoints.openai.serving_completion import usage
 from paged_backend.entrypoints.openai.streams import merge, sse
-from paged_backend.entrypoints.openai.tools import ChoiceTools, ToolStream, tool_call_deltas
+from paged_backend.entrypoints.openai.tools import tool_call_deltas, tool_reader
 from paged_backend.outputs import RequestOutput
+from paged_backend.tool_calls import ToolCallReader, ToolStream
 
 if TYPE_CHECKING:
     from paged_backend.entrypoints.openai.api_server import OpenAIServer
@@ -34,7 +35,7 @@ class OpenAIServingChat:
         args = self.server.args
         try:
             template_kwargs = body.template_kwargs()
-            tools = ChoiceTools.of(body, args.tool_call_parser, args.enable_auto_tool_choice)
+            tools = tool_reader(body, args.tool_call_parser, args.enable_auto_tool_choice)
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         if body.tools:
@@ -69,7 +70,9 @@ class OpenAIServingChat:
             choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         return {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
 
-    def _message(self, text: str, tools: ChoiceTools, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    def _message(
+        self, text: str, tools: ToolCallReader, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
         """The assistant message and its finish reason: with ``--reasoning-parser`` its thinking in
         ``reasoning_content``, with tools its calls in ``tool_calls``."""
         message: dict[str, Any] = {"role": "assistant"}
@@ -85,7 +88,7 @@ class OpenAIServingChat:
     async def _stream_chat(
         self,
         body: ChatCompletionRequest,
-        tools: ChoiceTools,
+        tools: ToolCallReader,
         stream: AsyncIterator[RequestOutput],
         base: dict[str, Any],
     ) -> AsyncIterator[str]:

@@ -10,20 +10,13 @@ so it needs ``--enable-auto-tool-choice``, as vLLM does), ``"required"`` or a na
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged_backend.config import FieldError
 from paged_backend.sampling_params import StructuredOutputsParams
-from paged_backend.tool_calls import (
-    ToolCall,
-    ToolCallStreamer,
-    forced_tool_format,
-    parse_forced_tool_calls,
-    parse_tool_calls,
-)
+from paged_backend.tool_calls import ToolCall, ToolCallReader, forced_tool_format
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 FunctionName = str  # OpenAI's: letters, digits, _ and -, at most 64
@@ -91,69 +84,16 @@ class ToolFields(BaseModel):
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
 
-class ToolStream(Protocol):
-    def feed(self, piece: str, final: bool = False) -> tuple[str, list[ToolCall]]: ...
-
-
-@dataclass
-class ForcedCallStreamer:
-    """A forced call's stream: its JSON is held until the output ends (then the calls, or, cut short, the text)."""
-
-    mode: str
-    text: str = ""
-
-    def feed(self, piece: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        self.text += piece
-        if not final:
-            return "", []
-        calls = parse_forced_tool_calls(self.mode, self.text)
-        return ("", calls) if calls else (self.text, [])
-
-
-@dataclass(frozen=True)
-class ChoiceTools:
-    """How one request's choices are read for tool calls: ``mode`` from :meth:`ToolFields.tool_mode`,
-    ``parser`` the server's ``--tool-call-parser``."""
-
-    mode: str | None
-    parser: str | None
-
-    @staticmethod
-    def of(body: ToolFields, parser: str | None, auto_enabled: bool) -> ChoiceTools:
-        mode = body.tool_mode()
-        if mode == "auto" and not (auto_enabled and parser):
-            raise FieldError(
-                "tool_choice",
-                '"auto" tool choice (the default with tools) needs the server started with --enable-auto-tool-choice '
-                'and --tool-call-parser; send tool_choice "none", "required" or a named function instead',
-            )
-        return ChoiceTools(mode, parser)
-
-    @property
-    def active(self) -> bool:
-        return self.mode not in (None, "none")
-
-    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole choice's ``(content, calls)``."""
-        if self.mode == "auto":
-            assert self.parser is not None
-            return parse_tool_calls(self.parser, text)
-        if self.active:
-            calls = parse_forced_tool_calls(str(self.mode), text)
-            return (None, calls) if calls else (text, [])
-        return text, []
-
-    def streamer(self) -> ToolStream | None:
-        if self.mode == "auto":
-            assert self.parser is not None
-            return ToolCallStreamer(self.parser)
-        return ForcedCallStreamer(str(self.mode)) if self.active else None
-
-    def finish_reason(self, called: bool, reason: str | None) -> str | None:
-        """OpenAI's: ``tool_calls`` when the model chose to call (a named function forced is a ``stop``)."""
-        if called and reason == "stop" and self.mode in ("auto", "required"):
-            return "tool_calls"
-        return reason
+def tool_reader(body: ToolFields, parser: str | None, auto_enabled: bool) -> ToolCallReader:
+    """How the request's choices are read; ``"auto"`` needs the server's flags (a ``FieldError`` otherwise)."""
+    mode = body.tool_mode()
+    if mode == "auto" and not (auto_enabled and parser):
+        raise FieldError(
+            "tool_choice",
+            '"auto" tool choice (the default with tools) needs the server started with --enable-auto-tool-choice '
+            'and --tool-call-parser; send tool_choice "none", "required" or a named function instead',
+        )
+    return ToolCallReader(mode, parser)
 
 
 def tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[dict[str, Any]]:
