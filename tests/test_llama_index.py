@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import pytest
+from pydantic import BaseModel
 
 pytest.importorskip("llama_index.core")
 
 from llama_index.core import Document, VectorStoreIndex  # noqa: E402
+from llama_index.core.base.llms.types import ToolCallBlock  # noqa: E402
 from llama_index.core.embeddings import MockEmbedding  # noqa: E402
 from llama_index.core.llms import ChatMessage, ImageBlock, TextBlock  # noqa: E402
 from llama_index.core.prompts import PromptTemplate  # noqa: E402
+from llama_index.core.tools import FunctionTool  # noqa: E402
 
-from paged_backend import LLM, SamplingParams  # noqa: E402
+from paged_backend import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
 from paged_backend.integrations.llama_index import PagedBackendLLM  # noqa: E402
 from tests.conftest import peak_in_flight, save_tiny_checkpoint  # noqa: E402
@@ -154,3 +157,82 @@ def test_structured_predict_is_held_to_the_schema(is_chat_model: bool) -> None:
     (streamed,) = list(llm.stream_structured_predict(Cache, prompt, thing="cache"))
     assert isinstance(streamed, Cache)
     assert isinstance(llm.structured_predict(Cache, prompt, llm_kwargs={"seed": 7}, thing="cache"), Cache)
+
+
+class WeatherArgs(BaseModel):
+    city: Literal["Paris", "Oslo"]
+
+
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"sunny in {city}"
+
+
+def weather_tool() -> FunctionTool:
+    return FunctionTool.from_defaults(fn=get_weather, fn_schema=WeatherArgs)
+
+
+def test_function_calling_forced_whole_and_streamed() -> None:
+    """A required call (tool_required, or tool_choice naming the tool) is held by a grammar: the response's
+    ToolCallBlock parses into a ToolSelection, and predict_and_call runs the tool; streamed, no delta shows the
+    call's JSON."""
+    llm = adapter(max_new_tokens=120, generate_kwargs={"temperature": 1.0, "seed": 4})
+    assert llm.metadata.is_function_calling_model
+    tool = weather_tool()
+    response = llm.chat_with_tools([tool], user_msg="weather?", tool_required=True)
+    (call,) = llm.get_tool_calls_from_response(response)
+    assert call.tool_name == "get_weather" and call.tool_kwargs["city"] in ("Paris", "Oslo") and call.tool_id
+    assert response.raw["finish_reason"] == "tool_calls" and not response.message.content
+    named = llm.chat_with_tools([tool], user_msg="weather?", tool_choice="get_weather")
+    assert llm.get_tool_calls_from_response(named)[0].tool_name == "get_weather"
+    assert llm.predict_and_call([tool], user_msg="weather?", tool_required=True).response.startswith("sunny in ")
+    responses = list(llm.stream_chat_with_tools([tool], user_msg="weather?", tool_required=True))
+    assert all(not r.delta for r in responses[:-1]) and llm.get_tool_calls_from_response(responses[-1])
+    with pytest.raises(ValueError, match="tool_choice must be one of the tools"):
+        llm.chat_with_tools([tool], user_msg="weather?", tool_choice="nope")
+
+
+def test_function_calling_auto_reads_the_models_text() -> None:
+    """Not required: the hermes parser reads a call out of the text (made one by a regex), or leaves text."""
+    llm = adapter(max_new_tokens=120, tool_call_parser="hermes")
+    tool = weather_tool()
+    regex = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>'
+    called = llm.chat_with_tools([tool], user_msg="weather?", structured_outputs=StructuredOutputsParams(regex=regex))
+    (call,) = llm.get_tool_calls_from_response(called)
+    assert (call.tool_name, call.tool_kwargs) == ("get_weather", {"city": "Paris"})
+    plain = llm.chat_with_tools([tool], user_msg="weather?", structured_outputs=StructuredOutputsParams(regex="Hi"))
+    assert plain.message.content == "Hi" and llm.get_tool_calls_from_response(plain, error_on_no_tool_call=False) == []
+    with pytest.raises(ValueError, match="expected at least one tool call"):
+        llm.get_tool_calls_from_response(plain)
+    with pytest.raises(ValueError, match="tool_call_parser"):  # the tiny template shows no tool-call marker
+        adapter().chat_with_tools([tool], user_msg="weather?")
+
+
+def test_tool_histories_reach_the_template() -> None:
+    """An assistant message's ToolCallBlocks (arguments as objects) and a tool message's call id."""
+    tokenizer = shared_llm().get_tokenizer()
+    seen: list[list[dict]] = []
+    original = tokenizer.apply_chat_template
+
+    def spy(conversation, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(conversation)
+        return original(conversation, **kwargs)
+
+    history = [
+        ChatMessage(role="user", content="weather?"),
+        ChatMessage(
+            role="assistant",
+            blocks=[ToolCallBlock(tool_call_id="c1", tool_name="get_weather", tool_kwargs={"city": "Oslo"})],
+        ),  # fmt: skip
+        ChatMessage(role="tool", content="sunny", additional_kwargs={"tool_call_id": "c1"}),
+    ]
+    tokenizer.apply_chat_template = spy
+    try:
+        adapter(max_new_tokens=1).chat(history)
+    finally:
+        del tokenizer.apply_chat_template
+    _, assistant, tool = seen[-1]
+    assert assistant["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    ]
+    assert tool == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}

@@ -39,14 +39,7 @@ from paged_backend.integrations.langchain_messages import (
 )
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams, StructuredOutputsParams
-from paged_backend.tool_calls import (
-    ToolCall,
-    ToolCallReader,
-    ToolStream,
-    check_parser,
-    forced_tool_format,
-    infer_tool_call_parser,
-)
+from paged_backend.tool_calls import ToolCall, ToolCallReader, ToolStream, resolve_parser, tool_request
 
 
 class ChatPagedBackend(PagedBackendFields, BaseChatModel):
@@ -75,29 +68,13 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         tools, mode = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", True)
         prompt = self._client.chat_prompt(conversation(messages), **({"tools": tools} if tools else {}))
-        reader = ToolCallReader(None)
-        if tools and mode not in (None, "none", "auto"):
+        template = getattr(self.llm.get_tokenizer(), "chat_template", None)
+        forced, reader = tool_request(tools, mode, parallel, lambda: resolve_parser(self.tool_call_parser, template))
+        if forced is not None:
             if kwargs.get("structured_outputs") is not None:
                 raise ValueError(f"tool_choice {mode!r} and with_structured_output both set the output format")
-            parameters = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
-            kwargs["structured_outputs"] = forced_tool_format(parameters, mode, parallel)
-            reader = ToolCallReader(mode)
-        elif tools and mode == "auto":
-            reader = ToolCallReader("auto", self._tool_call_parser())
+            kwargs["structured_outputs"] = forced
         return prompt, self.sampling_params(stop, kwargs), reader
-
-    def _tool_call_parser(self) -> str:
-        if self.tool_call_parser is not None:
-            return check_parser(self.tool_call_parser)
-        template = getattr(self.llm.get_tokenizer(), "chat_template", None)
-        parser = infer_tool_call_parser(template if isinstance(template, str) else "")
-        if parser is None:
-            raise ValueError(
-                "tool_choice 'auto' (bind_tools' default) needs tool_call_parser='hermes' | 'llama3_json' | "
-                "'mistral': the chat template shows none of their markers; or bind with tool_choice='any' or a "
-                "tool's name (a grammar then holds the call)"
-            )
-        return parser
 
     def _result(self, out: RequestOutput, reader: ToolCallReader) -> ChatResult:
         usage = usage_metadata(out)

@@ -6,13 +6,19 @@ Its fields mirror ``HuggingFaceLLM``'s (``context_window``, ``max_new_tokens``, 
 Unlike LlamaIndex's ``Vllm``: every call streams, async calls await the engine instead of blocking the event
 loop, and concurrent calls (a query engine's async fan-out, several threads) share the engine's steps.
 Built from ``backend=`` (an existing ``LLM``, shareable with other adapters) or ``model=`` (loaded on first use).
+
+It is a ``FunctionCallingLLM``: ``chat_with_tools`` / ``predict_and_call`` and the function-calling agents work,
+the tools shown to the chat template; a required call (``tool_required=True`` or ``tool_choice=<name>``) is held
+by a grammar, otherwise ``tool_call_parser`` reads the model's text (see ``paged_backend/tool_calls``). Calls
+come back as ``ToolCallBlock``s of the message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Generator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
@@ -25,23 +31,29 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     TextBlock,
+    ToolCallBlock,
 )
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
-from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 from llama_index.core.prompts.base import PromptTemplate
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from paged_backend.integrations.engine_client import EngineClient, usage
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams, StructuredOutputsParams
+from paged_backend.tool_calls import ToolCallReader, resolve_parser, tool_request
+
+if TYPE_CHECKING:
+    from llama_index.core.tools import BaseTool
 
 Model = TypeVar("Model", bound=BaseModel)
 
 _GENERATE_KWARGS = set(SamplingParams.__dataclass_fields__) - {"max_tokens", "n", "best_of"}
+_TOOL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
-class PagedBackendLLM(CustomLLM):
+class PagedBackendLLM(FunctionCallingLLM):
     """LlamaIndex's LLM interface (complete, chat, their streaming and async forms) on the paged engine."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, arbitrary_types_allowed=True)
@@ -55,6 +67,11 @@ class PagedBackendLLM(CustomLLM):
         default_factory=dict, description="SamplingParams fields: temperature, top_p, top_k, stop, seed, ..."
     )
     is_chat_model: bool = Field(default=False, description="whether query engines should call chat")
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="hermes, llama3_json or mistral: reads calls the model chose to make; None: the one whose "
+        "marker the chat template uses",
+    )
 
     _client: EngineClient = PrivateAttr()
 
@@ -88,6 +105,7 @@ class PagedBackendLLM(CustomLLM):
             num_output=self.max_new_tokens,
             model_name=self._client.name,
             is_chat_model=self.is_chat_model,
+            is_function_calling_model=True,
         )
 
     # ------------------------------------------------------------------ prompts and parameters
@@ -108,18 +126,28 @@ class PagedBackendLLM(CustomLLM):
             return self.completion_to_prompt(full)
         return f"{self.system_prompt} {full}" if self.system_prompt else full
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> Any:
+    def _chat_prompt(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> Any:
         if self.messages_to_prompt not in (None, generic_messages_to_prompt):  # else the model's own template
             return self.messages_to_prompt(messages)
-        conversation = []
-        for m in messages:
-            other = next((type(b).__name__ for b in m.blocks if not isinstance(b, TextBlock)), None)
-            if other is not None:
-                raise ValueError(f"only text content is supported, got a {other} in a {m.role.value} message")
-            conversation.append({"role": m.role.value, "content": m.content or ""})
+        conversation = [_turn(m) for m in messages]
         if self.system_prompt and not any(m["role"] == "system" for m in conversation):
             conversation.insert(0, {"role": "system", "content": self.system_prompt})
-        return self._client.chat_prompt(conversation)
+        return self._client.chat_prompt(conversation, **({"tools": tools} if tools else {}))
+
+    def _chat_request(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+    ) -> tuple[Any, SamplingParams, ToolCallReader]:
+        """The prompt (with the tools ``_prepare_chat_with_tools`` put in ``kwargs``), the sampling parameters
+        (a forced call's grammar among them) and how the output is read for calls."""
+        kwargs = dict(kwargs)
+        tools, mode = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
+        parallel = kwargs.pop("parallel_tool_calls", True)
+        prompt = self._chat_prompt(messages, tools)
+        template = getattr(self._client.llm.get_tokenizer(), "chat_template", None)
+        forced, reader = tool_request(tools, mode, parallel, lambda: resolve_parser(self.tool_call_parser, template))
+        if forced is not None:
+            kwargs["structured_outputs"] = forced
+        return prompt, self._params(kwargs), reader
 
     @staticmethod
     def _response(out: RequestOutput, delta: str | None = None) -> CompletionResponse:
@@ -129,9 +157,19 @@ class PagedBackendLLM(CustomLLM):
         return CompletionResponse(text=c.text, delta=delta, raw=raw)
 
     @staticmethod
-    def _chat(response: CompletionResponse) -> ChatResponse:
-        message = ChatMessage(role="assistant", content=response.text)
-        return ChatResponse(message=message, delta=response.delta, raw=response.raw)
+    def _chat(response: CompletionResponse, reader: ToolCallReader | None = None) -> ChatResponse:
+        """With tools, a finished response's text split into content and ``ToolCallBlock``s."""
+        raw = response.raw or {}
+        if reader is None or not reader.active or raw.get("finish_reason") is None:
+            message = ChatMessage(role="assistant", content=response.text)
+            return ChatResponse(message=message, delta=response.delta, raw=response.raw)
+        content, calls = reader.split(response.text)
+        blocks: list[Any] = [TextBlock(text=content)] if content else []
+        blocks += [
+            ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=json.loads(c.arguments)) for c in calls
+        ]
+        raw = {**raw, "finish_reason": reader.finish_reason(bool(calls), raw["finish_reason"])}
+        return ChatResponse(message=ChatMessage(role="assistant", blocks=blocks), delta=response.delta, raw=raw)
 
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
@@ -163,31 +201,73 @@ class PagedBackendLLM(CustomLLM):
     # ------------------------------------------------------------------ chat
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        (out,) = self._client.run_sync([self._chat_prompt(messages)], self._params(kwargs))
-        return self._chat(self._response(out))
+        prompt, params, reader = self._chat_request(messages, kwargs)
+        (out,) = self._client.run_sync([prompt], params)
+        return self._chat(self._response(out), reader)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        stream = self._client.stream_sync(self._chat_prompt(messages), self._params(kwargs))
-        return (self._chat(self._response(out, delta)) for delta, out in stream if delta or out.finished)
+        prompt, params, reader = self._chat_request(messages, kwargs)
+        held = _HeldChat(self, reader)
+        stream = self._client.stream_sync(prompt, params)
+        return (held.response(delta, out) for delta, out in stream if delta or out.finished)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        prompt = await asyncio.to_thread(self._chat_prompt, messages)  # may load the model; renders the template
-        (out,) = await self._client.run_async([prompt], self._params(kwargs))
-        return self._chat(self._response(out))
+        # may load the model; renders the template
+        prompt, params, reader = await asyncio.to_thread(self._chat_request, messages, kwargs)
+        (out,) = await self._client.run_async([prompt], params)
+        return self._chat(self._response(out), reader)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        prompt = await asyncio.to_thread(self._chat_prompt, messages)
-        stream = self._client.stream_async(prompt, self._params(kwargs))
+        prompt, params, reader = await asyncio.to_thread(self._chat_request, messages, kwargs)
+        held = _HeldChat(self, reader)
+        stream = self._client.stream_async(prompt, params)
 
         async def gen() -> ChatResponseAsyncGen:
             async for delta, out in stream:
                 if delta or out.finished:
-                    yield self._chat(self._response(out, delta))
+                    yield held.response(delta, out)
 
         return gen()
+
+    # ------------------------------------------------------------------ function calling
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """``chat``'s arguments: the history and the user's message, the tools in OpenAI's form, and the mode
+        (``tool_choice`` a tool's name; else ``"required"`` when ``tool_required``, else ``"auto"``)."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role="user", content=user_msg) if isinstance(user_msg, str) else user_msg)
+        specs = [tool.metadata.to_openai_tool() for tool in tools]
+        names = [spec["function"]["name"] for spec in specs]
+        if tool_choice is not None and tool_choice not in names:
+            raise ValueError(f"tool_choice must be one of the tools {names}, got {tool_choice!r}")
+        mode = tool_choice or ("required" if tool_required else "auto")
+        return {"messages": messages, "tools": specs or None, "tool_choice": mode,
+                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}  # fmt: skip
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        calls = [
+            ToolSelection(tool_id=b.tool_call_id or "", tool_name=b.tool_name, tool_kwargs=_kwargs(b.tool_kwargs))
+            for b in response.message.blocks
+            if isinstance(b, ToolCallBlock)
+        ]
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected at least one tool call, got none: {response.message.content!r}")
+        return calls
 
     # ------------------------------------------------------------------ structured
     def structured_predict(
@@ -229,6 +309,52 @@ class PagedBackendLLM(CustomLLM):
     ) -> Generator[Model, None, None]:
         """The object once its JSON is complete (one item: partial objects of a grammar-held output add little)."""
         yield self.structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+
+class _HeldChat:
+    """A chat stream's responses: with tools, text that may begin a call is held back from the deltas, and the
+    last response carries the calls."""
+
+    def __init__(self, llm: PagedBackendLLM, reader: ToolCallReader) -> None:
+        self.llm, self.reader, self.tools, self.content = llm, reader, reader.streamer(), ""
+
+    def response(self, delta: str, out: RequestOutput) -> ChatResponse:
+        if self.tools is None:
+            return self.llm._chat(self.llm._response(out, delta))
+        piece, _ = self.tools.feed(delta, final=out.finished)
+        self.content += piece
+        if out.finished:  # the whole text, split into content and calls
+            return self.llm._chat(self.llm._response(out, piece), self.reader)
+        return ChatResponse(message=ChatMessage(role="assistant", content=self.content), delta=piece)
+
+
+def _turn(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: text, an assistant's tool calls, a tool result's call id."""
+    turn: dict[str, Any] = {"role": message.role.value, "content": ""}
+    calls = []
+    for block in message.blocks:
+        if isinstance(block, TextBlock):
+            turn["content"] += block.text
+        elif isinstance(block, ToolCallBlock):
+            function = {"name": block.tool_name, "arguments": block.tool_kwargs}
+            calls.append({"id": block.tool_call_id, "type": "function", "function": function})
+        else:
+            raise ValueError(
+                f"only text content is supported, got a {type(block).__name__} in a {turn['role']} message"
+            )
+    if calls:
+        turn["tool_calls"] = calls
+    if "tool_call_id" in message.additional_kwargs:
+        turn["tool_call_id"] = message.additional_kwargs["tool_call_id"]
+    return turn
+
+
+def _kwargs(value: dict[str, Any] | str) -> dict[str, Any]:
+    """A call block's arguments as a dict (a block may hold them as JSON text)."""
+    parsed = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(parsed, dict):
+        raise ValueError(f"tool call arguments must be a JSON object, got {value!r}")
+    return parsed
 
 
 def _structured(output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,6 +1,12 @@
 """Tool calls: parsing what a chat model wrote (``parsers``) and forcing a call with a grammar (``forced``)."""
 
-from paged_backend.tool_calls.choice import ForcedCallStreamer, ToolCallReader, ToolStream
+from paged_backend.tool_calls.choice import (
+    ForcedCallStreamer,
+    ToolCallReader,
+    ToolStream,
+    resolve_parser,
+    tool_request,
+)
 from paged_backend.tool_calls.forced import forced_tool_format, parse_forced_tool_calls
 from paged_backend.tool_calls.parsers import (
     TOOL_CALL_PARSERS,
@@ -23,4 +29,6 @@ __all__ = [
     "infer_tool_call_parser",
     "parse_forced_tool_calls",
     "parse_tool_calls",
+    "resolve_parser",
+    "tool_request",
 ]

@@ -4,11 +4,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from paged_backend.tool_calls.forced import parse_forced_tool_calls
-from paged_backend.tool_calls.parsers import ToolCall, ToolCallStreamer, check_parser, parse_tool_calls
+from paged_backend.sampling_params import StructuredOutputsParams
+from paged_backend.tool_calls.forced import forced_tool_format, parse_forced_tool_calls
+from paged_backend.tool_calls.parsers import (
+    ToolCall,
+    ToolCallStreamer,
+    check_parser,
+    infer_tool_call_parser,
+    parse_tool_calls,
+)
 
 
 class ToolStream(Protocol):
@@ -66,3 +74,31 @@ class ToolCallReader:
         if called and reason == "stop" and self.mode in ("auto", "required"):
             return "tool_calls"
         return reason
+
+
+def tool_request(
+    tools: Sequence[Mapping[str, Any]] | None, mode: str | None, parallel: bool, parser: Callable[[], str]
+) -> tuple[StructuredOutputsParams | None, ToolCallReader]:
+    """For OpenAI-format ``tools`` and a ``mode``: the grammar of a forced call (or None) and the reader of the
+    outputs; ``parser()`` is asked for only under ``"auto"``."""
+    if not tools or mode in (None, "none"):
+        return None, ToolCallReader(None)
+    if mode == "auto":
+        return None, ToolCallReader("auto", parser())
+    parameters = {tool["function"]["name"]: tool["function"].get("parameters") for tool in tools}
+    return forced_tool_format(parameters, mode, parallel), ToolCallReader(mode)
+
+
+def resolve_parser(parser: str | None, chat_template: object) -> str:
+    """``parser`` if given, else the one whose marker ``chat_template`` uses; neither is a ``ValueError`` naming
+    ``tool_call_parser``."""
+    if parser is not None:
+        return check_parser(parser)
+    inferred = infer_tool_call_parser(chat_template if isinstance(chat_template, str) else "")
+    if inferred is None:
+        raise ValueError(
+            "tool_choice 'auto' (the default) needs tool_call_parser='hermes' | 'llama3_json' | 'mistral': the chat "
+            "template shows none of their markers; or force a call (tool_choice 'required' or a tool's name: a "
+            "grammar then holds it)"
+        )
+    return inferred
