@@ -26,6 +26,7 @@ EXPECTED = {
     "hf_generate_patch": "same tokens as HF's own generate: True",
     "memory_cap": "a prompt longer than max_model_len is refused",
     "structured_outputs": "every output follows its format: True",
+    "tool_calling": "every surface made its call: True",
 }
 
 
@@ -38,13 +39,14 @@ def test_every_example_is_listed() -> None:
     assert {p.stem for p in EXAMPLES} >= {
         "offline_inference", "memory_cap", "tensor_parallel", "awq_quantize", "openai_server", "large_batches",
         "multi_lora", "hf_generate_patch", "langchain_chat", "llama_index_query", "structured_outputs",
+        "tool_calling",
     }  # fmt: skip
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs(script: Path, cache_dir: Path, tmp_path: Path) -> None:
     args: list[str] = []
-    if script.stem == "openai_server":
+    if script.stem in ("openai_server", "tool_calling"):
         args = ["--port", str(free_port())]
     elif script.stem == "awq_quantize":  # its default output, a folder it makes in /tmp, is left for the user
         args = ["--output", str(tmp_path / "awq")]
