@@ -411,3 +411,19 @@ def test_langchain_tool_choice_values(choice: Any, mode: str) -> None:
     from paged_backend.integrations.langchain_messages import tool_mode
 
     assert tool_mode(choice, ["GetWeather"]) == mode
+
+
+def test_reasoning_goes_to_reasoning_content_whole_and_streamed() -> None:
+    """reasoning_parser="qwen3": <think>...</think> into additional_kwargs["reasoning_content"] (text made so by
+    a regex); the stream's chunks add up to the same message."""
+    chat = ChatPagedBackend(backend=shared_llm(), temperature=0, max_tokens=60, reasoning_parser="qwen3")
+    forced = {"structured_outputs": StructuredOutputsParams(regex="<think>hmm, cache</think>Paged")}
+    whole = chat.invoke("think", **forced)
+    assert (whole.content, whole.additional_kwargs) == ("Paged", {"reasoning_content": "hmm, cache"})
+    streamed = None
+    for chunk in chat.stream("think", **forced):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed is not None and streamed.content == "Paged"
+    assert streamed.additional_kwargs == {"reasoning_content": "hmm, cache"}
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        ChatPagedBackend(backend=shared_llm(), reasoning_parser="r1")

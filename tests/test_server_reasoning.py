@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 
 from paged_backend import LLM  # noqa: E402
 from paged_backend.entrypoints.openai.cli_args import ServerArgs  # noqa: E402
-from paged_backend.entrypoints.openai.reasoning import ReasoningSplitter, split_reasoning  # noqa: E402
+from paged_backend.reasoning import ReasoningSplitter, split_reasoning  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
 from tests.test_server import KEY, NAME, serving  # noqa: E402
 

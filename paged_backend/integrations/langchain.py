@@ -28,18 +28,22 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, Runn
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import ValidationInfo, field_validator
 
 from paged_backend.integrations.langchain_base import PagedBackendFields, batch_together, finish_info, usage_metadata
 from paged_backend.integrations.langchain_llm import PagedBackendLLM
 from paged_backend.integrations.langchain_messages import (
+    OutputStream,
     conversation,
     lc_tool_call_chunks,
     lc_tool_calls,
+    split_output,
     tool_mode,
 )
 from paged_backend.outputs import RequestOutput
+from paged_backend.reasoning import REASONING_PARSERS
 from paged_backend.sampling_params import SamplingParams, StructuredOutputsParams
-from paged_backend.tool_calls import ToolCall, ToolCallReader, ToolStream, resolve_parser, tool_request
+from paged_backend.tool_calls import TOOL_CALL_PARSERS, ToolCallReader, resolve_parser, tool_request
 
 
 class ChatPagedBackend(PagedBackendFields, BaseChatModel):
@@ -51,6 +55,17 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
     """How the model writes tool calls, read under ``tool_choice="auto"``: ``"hermes"`` (Hermes, Qwen),
     ``"llama3_json"`` (Llama 3.1+), ``"mistral"`` (vLLM's parsers); None: the one whose marker the chat template
     uses."""
+    reasoning_parser: str | None = None
+    """A thinking model's ``<think>...</think>`` into ``additional_kwargs["reasoning_content"]``:
+    ``"deepseek_r1"`` or ``"qwen3"`` (vLLM's parsers)."""
+
+    @field_validator("tool_call_parser", "reasoning_parser")
+    @classmethod
+    def _known_parser(cls, value: str | None, info: ValidationInfo) -> str | None:
+        allowed = TOOL_CALL_PARSERS if info.field_name == "tool_call_parser" else REASONING_PARSERS
+        if value is not None and value not in allowed:
+            raise ValueError(f"{info.field_name} must be one of {list(allowed)} or None, got {value!r}")
+        return value
 
     @property
     def _llm_type(self) -> str:
@@ -80,10 +95,11 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         usage = usage_metadata(out)
         generations = []
         for c in sorted(out.outputs, key=lambda c: c.index):
-            content, calls = reader.split(c.text)
+            reasoning, content, calls = split_output(c.text, self.reasoning_parser, reader)
             info = {**finish_info(c), "finish_reason": reader.finish_reason(bool(calls), c.finish_reason)}
             message = AIMessage(
-                content=content or "",
+                content=content,
+                additional_kwargs={"reasoning_content": reasoning} if reasoning else {},
                 tool_calls=lc_tool_calls(calls),
                 usage_metadata=usage,
                 response_metadata={"model_name": self.served_name, **info},
@@ -173,19 +189,20 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         failed = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=model) | parsed.with_fallbacks([failed], exception_key="parsing_error")
 
-    def _chunk(
-        self, delta: str, out: RequestOutput, reader: ToolCallReader, tools: ToolStream | None
-    ) -> ChatGenerationChunk | None:
-        """The chunk of a stream's new text; with tools, text that may begin a call is held and the calls come
-        whole in the last chunk's ``tool_call_chunks``. None: nothing to send yet."""
-        c, calls = out.outputs[0], list[ToolCall]()
-        if tools is not None:
-            delta, calls = tools.feed(delta, final=out.finished)
+    def _chunk(self, delta: str, out: RequestOutput, stream: OutputStream) -> ChatGenerationChunk | None:
+        """The chunk of a stream's new text (its thinking as ``reasoning_content``; with tools, text that may
+        begin a call held back, the calls whole in the last chunk's ``tool_call_chunks``). None: nothing yet."""
+        reasoning, content, calls = stream.feed(delta, final=out.finished)
+        extra = {"reasoning_content": reasoning} if reasoning else {}
         if not out.finished:
-            return ChatGenerationChunk(message=AIMessageChunk(content=delta)) if delta else None
-        info = {**finish_info(c), "finish_reason": reader.finish_reason(bool(calls), c.finish_reason)}
+            if not (content or reasoning):
+                return None
+            return ChatGenerationChunk(message=AIMessageChunk(content=content, additional_kwargs=extra))
+        c = out.outputs[0]
+        info = {**finish_info(c), "finish_reason": stream.reader.finish_reason(bool(calls), c.finish_reason)}
         message = AIMessageChunk(
-            content=delta,
+            content=content,
+            additional_kwargs=extra,
             tool_call_chunks=lc_tool_call_chunks(calls),
             usage_metadata=usage_metadata(out),
             response_metadata={"model_name": self.served_name, **info},
@@ -201,9 +218,9 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         prompt, params, reader = self._prepare(messages, stop, kwargs)
-        tools = reader.streamer()
+        stream = OutputStream(reader, self.reasoning_parser)
         for delta, out in self._client.stream_sync(prompt, params, self.timeout):
-            chunk = self._chunk(delta, out, reader, tools)
+            chunk = self._chunk(delta, out, stream)
             if chunk is not None:
                 if run_manager is not None and chunk.text:
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -217,9 +234,9 @@ class ChatPagedBackend(PagedBackendFields, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         prompt, params, reader = await asyncio.to_thread(self._prepare, messages, stop, kwargs)
-        tools = reader.streamer()
+        stream = OutputStream(reader, self.reasoning_parser)
         async for delta, out in self._client.stream_async(prompt, params, self.timeout):
-            chunk = self._chunk(delta, out, reader, tools)
+            chunk = self._chunk(delta, out, stream)
             if chunk is not None:
                 if run_manager is not None and chunk.text:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.messages import (
@@ -18,7 +19,8 @@ from langchain_core.messages import (
 from langchain_core.messages.tool import ToolCall as LCToolCall
 from langchain_core.messages.tool import ToolCallChunk
 
-from paged_backend.tool_calls import ToolCall
+from paged_backend.reasoning import ReasoningSplitter, split_reasoning
+from paged_backend.tool_calls import ToolCall, ToolCallReader, ToolStream
 
 _ROLES = ((HumanMessage, "user"), (AIMessage, "assistant"), (SystemMessage, "system"), (ToolMessage, "tool"))
 
@@ -85,6 +87,41 @@ def tool_mode(tool_choice: Any, names: list[str]) -> str:
             f"got {tool_choice!r}"
         )
     return name
+
+
+def split_output(
+    text: str, reasoning_parser: str | None, reader: ToolCallReader
+) -> tuple[str | None, str, list[ToolCall]]:
+    """A whole output's (reasoning, content, tool calls): the thinking first, then the calls in the rest."""
+    reasoning = None
+    if reasoning_parser is not None:
+        reasoning, text = split_reasoning(reasoning_parser, text)
+    content, calls = reader.split(text)
+    return reasoning, content or "", calls
+
+
+@dataclass
+class OutputStream:
+    """A streamed output, piece by piece: its thinking split off, then text that may begin a tool call held."""
+
+    reader: ToolCallReader
+    reasoning_parser: str | None
+    splitter: ReasoningSplitter | None = field(init=False)
+    tools: ToolStream | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.splitter = ReasoningSplitter(self.reasoning_parser) if self.reasoning_parser else None
+        self.tools = self.reader.streamer()
+
+    def feed(self, piece: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        """The new (reasoning, content) text and, at the end, the calls."""
+        reasoning = ""
+        if self.splitter is not None:
+            reasoning, piece = self.splitter.feed(piece, final=final)
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            piece, calls = self.tools.feed(piece, final=final)
+        return reasoning, piece, calls
 
 
 def lc_tool_calls(calls: list[ToolCall]) -> list[LCToolCall]:

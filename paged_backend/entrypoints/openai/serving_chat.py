@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 from paged_backend.entrypoints.openai.errors import APIError
 from paged_backend.entrypoints.openai.logprobs import chat_logprobs
 from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest
-from paged_backend.entrypoints.openai.reasoning import ReasoningSplitter, split_reasoning
 from paged_backend.entrypoints.openai.serving_completion import usage
 from paged_backend.entrypoints.openai.streams import merge, sse
 from paged_backend.entrypoints.openai.tools import tool_call_deltas, tool_reader
 from paged_backend.outputs import RequestOutput
+from paged_backend.reasoning import ReasoningSplitter, split_reasoning
 from paged_backend.tool_calls import ToolCallReader, ToolStream
 
 if TYPE_CHECKING:

@@ -1,5 +1,6 @@
-"""Reasoning parsers (vLLM's ``--reasoning-parser``): a thinking model's ``<think>...</think>`` goes to the
-message's ``reasoning_content``, the rest to ``content``, whole or as a stream's deltas.
+"""Reasoning parsers (the server's ``--reasoning-parser``, vLLM's; ``ChatPagedBackend(reasoning_parser=...)``): a
+thinking model's ``<think>...</think>`` goes to ``reasoning_content``, the rest to ``content``, whole or as a
+stream's deltas.
 
 ``deepseek_r1``: the chat template opens the thinking, so the output starts inside it (a ``<think>`` the model
 writes anyway is dropped); what precedes ``</think>`` is reasoning. ``qwen3``: thinking is what the model puts
