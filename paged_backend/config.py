@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_backend.reasoning import REASONING_PARSERS
+
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float", "half")
 QUANTIZATIONS = (None, "awq")
 LOAD_FORMATS = ("auto", "dummy")
@@ -82,6 +84,8 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"  # "dummy": the config's architecture with random weights (benchmarks), as in vLLM
     skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only, outputs without text
+    # deepseek_r1 or qwen3 (vLLM's): a structured output's grammar starts after the model's </think>
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         check_bool("trust_remote_code", self.trust_remote_code)
@@ -89,6 +93,7 @@ class ModelConfig:
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("load_format", self.load_format, LOAD_FORMATS)
         check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
+        check_choice("reasoning_parser", self.reasoning_parser, (None, *REASONING_PARSERS))
         check_int("max_model_len", self.max_model_len, 1, allow_none=True)
         check_int("seed", self.seed, 0, 2**63 - 1)
 

@@ -94,6 +94,13 @@ def test_tool_call_flags() -> None:
     assert parse_args(["M", "--tool-call-parser", "mistral"])[0].enable_auto_tool_choice is False
 
 
+def test_reasoning_parser_reaches_server_and_engine() -> None:
+    """The server splits the thinking off; the engine starts requested formats after it."""
+    server, engine = parse_args(["M", "--reasoning-parser", "qwen3"])
+    assert server.reasoning_parser == engine["reasoning_parser"] == "qwen3"
+    assert "reasoning_parser" not in parse_args(["M"])[1]
+
+
 def test_auto_tool_choice_needs_a_parser(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["M", "--enable-auto-tool-choice"])

@@ -18,6 +18,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 
 pytest.importorskip("xgrammar")
 
@@ -280,3 +281,51 @@ def test_grammar_compiler_is_made_once_across_threads(tokenizer) -> None:
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         made = list(pool.map(lambda _: processor.grammar_compiler(), range(16)))
     assert all(compiler is made[0] for compiler in made)
+
+
+def test_the_grammar_waits_for_the_end_of_thinking(tokenizer) -> None:
+    """With a reasoning parser, a matcher starts once </think> has been generated (its tokens in a run): before,
+    every token is allowed and none advances it; a prompt that holds the marker starts it at once."""
+    from paged_backend.structured_output.grammar import GrammarCompiler
+    from paged_backend.structured_output.reasoning_gate import END_OF_THINKING, ReasoningGate, contains
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    grammar = compiler.compile(StructuredOutputsParams(regex="[0-9]{3}"))
+    end = tuple(tokenizer.encode(END_OF_THINKING, add_special_tokens=False))
+    letters = tokenizer.encode("abc", add_special_tokens=False)
+
+    def allowed(gate: ReasoningGate) -> int:
+        bitmask = torch.full((1, (len(tokenizer) + 31) // 32), -1, dtype=torch.int32)
+        gate.fill_next_token_bitmask(bitmask, 0)
+        return sum(bin(word & 0xFFFFFFFF).count("1") for word in bitmask[0].tolist())
+
+    gate = ReasoningGate(compiler.matcher(grammar), end, ended=False)
+    everything = allowed(gate)
+    assert all(gate.accept_token(t) for t in [*letters, *end[:-1]]) and not gate.ended and not gate.is_terminated()
+    assert allowed(gate) == everything  # still thinking
+    assert gate.accept_token(end[-1]) and gate.ended
+    assert allowed(gate) < everything and not gate.accept_token(letters[0])  # now the regex holds
+    assert contains([5, *end, 7], end) and not contains(list(end[:-1]), end)
+    with pytest.raises(ValueError, match="at least one token"):
+        ReasoningGate(compiler.matcher(grammar), (), ended=False)
+
+
+def test_thinking_is_free_and_a_closed_thinking_prompt_holds_the_grammar(tokenizer) -> None:
+    """reasoning_parser="qwen3": greedy thinking under a grammar equals unconstrained greedy output (the random
+    model never writes </think>); a prompt whose template closed the thinking gets the format from the start."""
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, max_model_len=256, reasoning_parser="qwen3")
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    free, plain = llm.generate(
+        ["The cache", "The cache"],
+        [structured(max_tokens=24, regex="[0-9]{3}", temperature=0), SamplingParams(max_tokens=24, temperature=0)],
+        use_tqdm=False,
+    )
+    assert free.outputs[0].token_ids == plain.outputs[0].token_ids and not re.fullmatch(
+        "[0-9]{3}", free.outputs[0].text
+    )
+    closed = tokenizer.encode("The cache <think></think>", add_special_tokens=False)
+    assert any(closed[i : i + len(end)] == end for i in range(len(closed)))
+    (held,) = llm.generate({"prompt_token_ids": closed}, structured(regex="[0-9]{3}", temperature=0), use_tqdm=False)
+    assert re.fullmatch("[0-9]{3}", held.outputs[0].text)
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        LLM(tiny_model("llama"), tokenizer=tokenizer, reasoning_parser="r1")

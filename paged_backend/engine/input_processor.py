@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from paged_backend.config import EngineConfig, FieldError
-from paged_backend.core.sequence import Request, Sequence
+from paged_backend.core.sequence import GrammarState, Request, Sequence
 from paged_backend.lora.adapter import LoRAAdapter
 from paged_backend.lora.request import LoRARequest
 from paged_backend.sampling_params import SamplingParams
@@ -143,9 +143,19 @@ class InputProcessor:
             seq_id = next(self._seq_ids)
             seq = Sequence(seq_id, index, request, list(ids), len(ids), seq_id, generator)
             if grammar is not None:
-                seq.grammar = self.grammar_compiler().matcher(grammar)
+                seq.grammar = self._gated(self.grammar_compiler().matcher(grammar), ids)
             request.seqs.append(seq)
         return request
+
+    def _gated(self, matcher: GrammarState, prompt_ids: list[int]) -> GrammarState:
+        """With a reasoning parser, the grammar waits for the end of the model's thinking
+        (``structured_output/reasoning_gate.py``)."""
+        if self.config.model_config.reasoning_parser is None:
+            return matcher
+        from paged_backend.structured_output.reasoning_gate import END_OF_THINKING, ReasoningGate, contains
+
+        end_ids = tuple(self.hf_tokenizer.encode(END_OF_THINKING, add_special_tokens=False))
+        return ReasoningGate(matcher, end_ids, ended=contains(prompt_ids, end_ids))
 
     def grammar_compiler(self) -> GrammarCompiler:
         """Made for the first structured request (it reads the whole vocabulary), once, whichever thread asks."""

@@ -139,7 +139,8 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
         "--reasoning-parser",
         default=None,
         choices=["deepseek_r1", "qwen3"],
-        help="a thinking model's <think>...</think> goes to reasoning_content (vLLM's parsers of these names)",
+        help="a thinking model's <think>...</think> goes to reasoning_content, and a requested output format holds "
+        "only after it (vLLM's parsers of these names)",
     )
     parser.add_argument(
         "--enable-auto-tool-choice",
@@ -199,6 +200,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
     engine: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.tokenizer is not None:
         engine["tokenizer"] = args.tokenizer
+    if args.reasoning_parser is not None:  # the server splits the thinking off; the engine starts grammars after it
+        engine["reasoning_parser"] = args.reasoning_parser
     if args.worker_use_ray:
         engine["distributed_executor_backend"] = "ray"
     if args.lora_modules and not args.enable_lora:
