@@ -68,30 +68,27 @@ def test_a_named_function_is_always_called(client) -> None:
         assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_required_calls_one_of_the_tools(client, stream: bool) -> None:
+def test_required_calls_one_of_the_tools_whole_and_streamed(client) -> None:
+    """Exactly one call (parallel_tool_calls false) of one of the tools; streamed with the same seed, the deltas
+    add up to the same call and no delta carries its JSON as content."""
     kwargs = {"tool_choice": "required", "parallel_tool_calls": False, "temperature": 1.0, "seed": 5}
-    if not stream:
-        chat = ask(client, **kwargs)
-        (choice,) = chat.choices
-        calls, finish = choice.message.tool_calls, choice.finish_reason
-        assert choice.message.content is None
-    else:
-        calls_by_index: dict[int, dict] = {}
-        finish = None
-        for chunk in ask(client, stream=True, **kwargs):
-            (choice,) = chunk.choices
-            assert not choice.delta.content  # the call's JSON is never streamed as content
-            for delta in choice.delta.tool_calls or []:
-                entry = calls_by_index.setdefault(delta.index, {"name": "", "arguments": ""})
-                entry["name"] += delta.function.name or ""
-                entry["arguments"] += delta.function.arguments or ""
-            finish = choice.finish_reason or finish
-        calls = [type("Call", (), {"function": type("F", (), entry)}) for entry in calls_by_index.values()]
-    assert finish == "tool_calls" and len(calls) == 1  # parallel_tool_calls false: exactly one
-    name, arguments = calls[0].function.name, json.loads(calls[0].function.arguments)
+    (choice,) = ask(client, **kwargs).choices
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    name, arguments = call.function.name, json.loads(call.function.arguments)
     assert name in ("get_weather", "get_time")
     assert arguments == {} if name == "get_time" else arguments["city"] in ("Paris", "Oslo")
+    streamed: dict[int, dict] = {}
+    finish = None
+    for chunk in ask(client, stream=True, **kwargs):
+        (delta_choice,) = chunk.choices
+        assert not delta_choice.delta.content  # the call's JSON is never streamed as content
+        for delta in delta_choice.delta.tool_calls or []:
+            entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+        finish = delta_choice.finish_reason or finish
+    assert finish == "tool_calls" and list(streamed.values()) == [{"name": name, "arguments": call.function.arguments}]
 
 
 @pytest.mark.parametrize("stream", [False, True])
