@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -29,6 +32,10 @@ class LLM:
 
     ``model`` is a path, a hub id or a loaded ``PreTrainedModel`` (pass ``tokenizer=`` with it). Other keyword
     arguments are vLLM's engine arguments (see ``EngineConfig``); an unknown one is a TypeError.
+
+    The engine's memory (KV cache, graph pools, worker processes, its thread) is given back by ``shutdown()``,
+    by leaving ``with LLM(...) as llm:``, or once the ``LLM`` is garbage (``del llm``); the user's model object
+    is left as it was.
     """
 
     def __init__(self, model: str | PreTrainedModel, tokenizer: Any = None, **kwargs: Any) -> None:
@@ -39,10 +46,41 @@ class LLM:
         )
         tokenizer_name = tokenizer if isinstance(tokenizer, str) else None
         config = EngineConfig.from_kwargs(name, tokenizer=tokenizer_name, **kwargs)
-        self.llm_engine = LLMEngine(config, model, tokenizer)
+        self._engine: LLMEngine | None = LLMEngine(config, model, tokenizer)
         self._request_counter = itertools.count()
         self._engine_loop: EngineLoop | None = None
         self._stepping = threading.Lock()  # held by a direct run (generate before any loop exists)
+        self._loop_finalizer: weakref.finalize[Any, Any]
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("this LLM was shut down: its engine and memory are gone; make a new LLM")
+        return self._engine
+
+    def shutdown(self) -> None:
+        """Give the engine's memory back now: the engine loop stops (requests in flight on it end with
+        ``EngineDeadError``), tensor-parallel workers exit, LoRA's hooks come off the model, and the engine (its
+        KV cache and CUDA graphs) is dropped. The ``LLM`` is unusable afterwards; a second call does nothing."""
+        with self._stepping:  # after a direct run in progress on another thread
+            loop, self._engine_loop = self._engine_loop, None
+            engine, self._engine = self._engine, None
+        if loop is not None:
+            self._loop_finalizer.detach()  # it holds the loop, and so the engine
+            loop.shutdown(wait=True)
+        if engine is not None:
+            engine.shutdown()
+            device = engine.device
+            del engine, loop
+            gc.collect()  # the engine's own reference cycles, so that its tensors are freed before the next line
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def engine_loop(self) -> EngineLoop:
@@ -61,6 +99,8 @@ class LLM:
                     return self._engine_loop
                 raise RuntimeError("this LLM's engine loop is already running: start it once, before other users")
             self._engine_loop = EngineLoop(self.llm_engine, **loop_kwargs)
+            # The loop's thread holds the engine: once this LLM is garbage, stop it so the engine can go too.
+            self._loop_finalizer = weakref.finalize(self, self._engine_loop.shutdown, False)
             return self._engine_loop
 
     def next_request_id(self, prefix: str = "") -> str:

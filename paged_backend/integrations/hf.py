@@ -140,6 +140,13 @@ class PagedGenerate:
         """The ``LLMEngine`` behind the patched ``generate`` (built on first use)."""
         return self.built_llm().llm_engine
 
+    def close(self) -> None:
+        """Give the engine's memory back (``LLM.shutdown``); a later call builds a new engine."""
+        with self.lock:
+            llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()
+
     # ------------------------------------------------------------------ the call
     def __call__(
         self,
@@ -334,7 +341,8 @@ def patch(model: PreTrainedModel, tokenizer: Any = None, fallback: str = "warn",
 
 
 def unpatch(model: PreTrainedModel) -> None:
-    """Restore the ``generate`` the model had before ``patch``; a model that is not patched is left alone."""
+    """Restore the ``generate`` the model had before ``patch`` and give the engine's memory back (its KV cache,
+    threads, workers); a model that is not patched is left alone."""
     current = model.__dict__.get("generate")
     if current is None or not hasattr(current, _MARK):
         return
@@ -343,13 +351,15 @@ def unpatch(model: PreTrainedModel) -> None:
         del model.generate
     else:
         model.generate = handle.previous
+    handle.close()
 
 
 @contextlib.contextmanager
 def patched(
     model: PreTrainedModel, tokenizer: Any = None, fallback: str = "warn", **engine_kwargs: Any
 ) -> Iterator[PagedGenerate]:
-    """``with patched(model): ...`` runs ``model.generate`` on the paged engine inside the block."""
+    """``with patched(model): ...`` runs ``model.generate`` on the paged engine inside the block; leaving it
+    restores ``generate`` and gives the engine's memory back."""
     handle = patch(model, tokenizer, fallback, **engine_kwargs)
     try:
         yield handle
