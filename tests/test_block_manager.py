@@ -170,15 +170,16 @@ def test_kv_waste_counts_shared_blocks_once() -> None:
 
 class PrefixCacheMachine(SequencesMachine):
     """Sequences over a two-token alphabet (so prefixes repeat) are admitted through the prefix cache, extended,
-    forked and freed. A model of every block's KV content checks that a cache hit and every cached block hold
-    exactly the KV that recomputing would give (a slot's KV depends on every token up to its own), through
-    copy-on-write and eviction."""
+    forked and freed, and the model's weights change (``reset_prefix_cache``). A model of every block's KV
+    content checks that a cache hit and every cached block hold exactly the KV that recomputing would give (a
+    slot's KV depends on every token up to its own, and on the weights), through copy-on-write and eviction."""
 
     @initialize(num_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 4]))
     def setup(self, num_blocks: int, block_size: int) -> None:
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
         self.seqs: dict[int, list[int]] = {}  # seq id -> tokens, all computed
-        self.content: dict[int, list[tuple | None]] = {}  # block id -> the token prefix each slot's KV encodes
+        self.content: dict[int, list[tuple | None]] = {}  # block id -> (weights, token prefix) each slot encodes
+        self.weights = 0  # bumped when the model's weights change
 
     def _write(self, seq_id: int, start: int, copies: list[tuple[int, int]]) -> None:
         bs, table, tokens = self.bm.block_size, self.bm.get_block_table(seq_id), self.seqs[seq_id]
@@ -187,7 +188,7 @@ class PrefixCacheMachine(SequencesMachine):
         for pos in range(start, len(tokens)):
             block_id = table[pos // bs]
             assert self.bm.blocks[block_id].ref_count == 1, "a shared block was written"
-            self.content.setdefault(block_id, [None] * bs)[pos % bs] = tuple(tokens[: pos + 1])
+            self.content.setdefault(block_id, [None] * bs)[pos % bs] = (self.weights, tuple(tokens[: pos + 1]))
         self.bm.cache_full_blocks(seq_id, tokens, len(tokens))
 
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=12))
@@ -195,8 +196,8 @@ class PrefixCacheMachine(SequencesMachine):
         bs = self.bm.block_size
         cached = self.bm.find_cached_prefix(tokens)
         for j, block_id in enumerate(cached):
-            expected = [tuple(tokens[: j * bs + i + 1]) for i in range(bs)]
-            assert self.content[block_id] == expected, "a cache hit holds the KV of another prefix"
+            expected = [(self.weights, tuple(tokens[: j * bs + i + 1])) for i in range(bs)]
+            assert self.content[block_id] == expected, "a cache hit holds the KV of another prefix, or old weights"
         if self.bm.num_blocks_to_admit(len(tokens), cached) > self.bm.num_free_blocks:
             return
         seq_id = self.new_id()
@@ -216,6 +217,11 @@ class PrefixCacheMachine(SequencesMachine):
             self.seqs[seq_id] += extra
             self._write(seq_id, old, copies)
 
+    @rule()
+    def change_weights(self) -> None:
+        self.weights += 1
+        self.bm.reset_prefix_cache()
+
     @invariant()
     def accounting(self) -> None:
         bm = self.bm
@@ -229,7 +235,7 @@ class PrefixCacheMachine(SequencesMachine):
             assert (block.block_id in free) <= (block.prefix_id is None)
         for key, block_id in bm.cached_blocks.items():
             assert bm.blocks[block_id].key == key
-            assert tuple(prefix[-1] for prefix in self.content[block_id]) == key[1], "a cached block changed"
+            assert tuple(slot[1][-1] for slot in self.content[block_id]) == key[1], "a cached block changed"
 
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase

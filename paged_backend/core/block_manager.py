@@ -272,6 +272,17 @@ class BlockManager:
                 else:
                     self.evictable[block_id] = None
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (KV computed before the model's weights changed): no later sequence reuses
+        one. Blocks in use stay with their sequences; cached free ones go back to the pool."""
+        for block_id in self.evictable:
+            self.blocks[block_id].prefix_id = None
+            self.free_block_ids.append(block_id)
+        self.evictable.clear()
+        for block in self.blocks:
+            block.key = None
+        self.cached_blocks.clear()
+
     def _take_free_block(self) -> int:
         if self.free_block_ids:
             block_id = self.free_block_ids.popleft()

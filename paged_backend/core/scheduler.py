@@ -86,6 +86,11 @@ class Scheduler:
         self.waiting.append(first)
         request.unforked = request.seqs[1:]
 
+    def reset_prefix_cache(self) -> None:
+        """Cached prefixes hold KV of the weights they were computed with: after the weights change, none is
+        reused."""
+        self.block_manager.reset_prefix_cache()
+
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

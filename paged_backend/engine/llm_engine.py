@@ -95,6 +95,7 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.scheduler = Scheduler(self.config, block_manager)
+        self._weights_version = -1  # the parameters' summed in-place versions at the last step
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.input_processor = InputProcessor(
             self.config,
@@ -181,6 +182,8 @@ class LLMEngine:
         """Run one step; return the (cumulative) outputs of every request that advanced, or with
         ``finished_only`` just of those that finished (a snapshot of every running request each step costs more
         than the step's bookkeeping when nobody streams)."""
+        if self._weights_changed():
+            self.scheduler.reset_prefix_cache()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if self.scheduler.has_unfinished_seqs():
@@ -200,6 +203,15 @@ class LLMEngine:
             return self.output_processor.make_outputs(updates, finished_only)
         except Exception as error:
             raise StepError(self._step_failed(scheduler_output, error, retry=False), error) from error
+
+    def _weights_changed(self) -> bool:
+        """Whether a parameter was updated in place since the last step (each in-place update bumps its tensor's
+        version: ``optimizer.step()`` does; writes through ``.data`` do not, see ``LLM.reset_prefix_cache``)."""
+        if not self.config.cache_config.enable_prefix_caching:
+            return False
+        version = sum(param._version for param in self.model.parameters())
+        changed, self._weights_version = version != self._weights_version, version
+        return changed
 
     def _step_failed(self, scheduler_output: SchedulerOutput, error: Exception, retry: bool) -> list[str]:
         """A step raised. Unrecoverable (the device's own error): raise it. Else the requests it touched are

@@ -76,6 +76,16 @@ class LLM:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prompt prefixes (vLLM's name). The engine does this itself when a parameter is
+        updated in place through the tensor (``optimizer.step()``, ``param.copy_``); a write through ``.data``
+        bypasses the tensor's version, so after one call this before the next ``generate``."""
+        if self._engine_loop is not None:
+            self._engine_loop.call_sync(lambda engine: engine.scheduler.reset_prefix_cache())
+        else:
+            with self._stepping:
+                self.llm_engine.scheduler.reset_prefix_cache()
+
     def __enter__(self) -> LLM:
         return self
 

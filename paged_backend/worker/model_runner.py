@@ -37,6 +37,7 @@ from paged_backend.worker.prompt_logprobs import prompt_logprobs
 from paged_backend.worker.sampler import Sampler, to_host
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs, pad_step_inputs
 from paged_backend.worker.structured_output import apply_grammar_bitmask, fill_grammar_bitmask
+from paged_backend.worker.weights import WeightAddresses
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class ModelRunner:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.regions: RegionalCompile | None = None
         self.graphs: CUDAGraphRunner | None = None
+        self.weights: WeightAddresses | None = None
         self.calibrate_kv_scales = False  # the warm-ups below never calibrate
         if device.type == "cuda" and not enforce_eager:
             self.compile()
@@ -88,6 +90,11 @@ class ModelRunner:
                 self.graphs = None
         # After the warm-ups: the first real step (a prefill: nothing decodes before one) sets the fp8 scales.
         self.calibrate_kv_scales = calculate_kv_scales and cache_engine.kv_scales is not None
+        self.record_weights()
+
+    def record_weights(self) -> None:
+        """Where the parameters are now, when packed projections or CUDA graphs will read them there."""
+        self.weights = WeightAddresses(self.model) if self.regions is not None or self.graphs is not None else None
 
     # ------------------------------------------------------------------ set-up
     def compile(self, backend: str | CompilerFn = "inductor") -> None:
@@ -123,6 +130,7 @@ class ModelRunner:
             self.regions.num_fused_groups,
             time.perf_counter() - start,
         )
+        self.record_weights()
 
     @staticmethod
     def _warmup_inputs() -> StepInputs:
@@ -147,6 +155,8 @@ class ModelRunner:
         """The step's cache moves, its forward (or round of forwards), then sampling. A tensor-parallel rank other
         than 0 gets the batch without its sequences: it runs the forwards and samples nothing."""
         batch, seqs = scheduler_output.batch, scheduler_output.sampling_seqs
+        if self.weights is not None:
+            self.weights.check()
         self.cache_engine.swap_out(batch.blocks_to_swap_out)  # before the freed blocks are written again
         self.cache_engine.swap_in(batch.blocks_to_swap_in)
         self.cache_engine.copy_blocks(batch.blocks_to_copy)

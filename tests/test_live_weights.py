@@ -1,0 +1,76 @@
+"""Live training weights: the engine runs the user's parameters in place, so after ``optimizer.step()`` the next
+``generate`` uses the new weights (with the layers compiled and sibling projections packed, as on a GPU) and
+equals HF ``generate`` on the updated model; a parameter replaced instead of updated stops the next step with an
+error naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_backend import LLM, SamplingParams
+from tests.conftest import capturing_backend, hf_greedy, ragged_prompts, tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def compiled_llm(model, tokenizer) -> LLM:
+    """The engine with its decoder layers compiled and q/k/v, gate/up packed (dynamo only, so it runs here)."""
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_model_len=128)
+    runner = llm.llm_engine.executor.model_runner
+    runner.compile(capturing_backend([]))
+    assert runner.regions is not None and runner.regions.num_fused_groups > 0
+    return llm
+
+
+def train_step(model, optimizer, seed: int) -> None:
+    """One AdamW step of language modelling on a random batch (in place, as trainers do)."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = torch.randint(3, model.config.vocab_size, (4, 12), generator=generator)
+    model.train()
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model.eval()
+
+
+def test_generate_follows_each_optimizer_step(tokenizer) -> None:
+    model = tiny_model("llama")
+    llm = compiled_llm(model, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    prompts = ragged_prompts(4, seed=3)
+    previous = None
+    for step in range(3):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        tokens = [out.outputs[0].token_ids for out in outs]
+        assert tokens == [hf_greedy(model, p, 8) for p in prompts], f"after {step} optimizer steps"
+        assert tokens != previous  # the step changed the weights the engine reads
+        previous = tokens
+        train_step(model, optimizer, seed=step)
+
+
+def test_a_replaced_parameter_is_an_error_naming_it(tokenizer) -> None:
+    model = tiny_model("llama")
+    llm = compiled_llm(model, tokenizer)
+    llm.generate({"prompt_token_ids": [1, 5, 9]}, GREEDY, use_tqdm=False)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)  # new tensors: packed views and graphs would read the old ones
+    with pytest.raises(Exception, match=r"parameter model\.\S+ was replaced .*assign=True"):
+        llm.generate({"prompt_token_ids": [1, 5, 9]}, GREEDY, use_tqdm=False)
+
+
+def test_writes_through_data_need_reset_prefix_cache(tokenizer) -> None:
+    """A write through ``.data`` leaves no trace in the tensor's version: the cached prefixes of the old weights
+    would be reused until ``reset_prefix_cache()``."""
+    model = tiny_model("llama")
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_model_len=128)
+    prompt = list(range(3, 40))  # fills cached blocks
+    llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data.mul_(1.5)
+    llm.reset_prefix_cache()
+    (out,) = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+    assert llm.stats().get("num_prompt_tokens_cached", 0) == 0
