@@ -13,6 +13,8 @@ from typing import Any
 
 from paged_backend.reasoning import REASONING_PARSERS
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float", "half")
 QUANTIZATIONS = (None, "awq")
 LOAD_FORMATS = ("auto", "dummy")
@@ -86,6 +88,10 @@ class ModelConfig:
     skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts only, outputs without text
     # deepseek_r1 or qwen3 (vLLM's): a structured output's grammar starts after the model's </think>
     reasoning_parser: str | None = None
+    # vLLM's: reported logprobs come from the model's own logits ("raw_logprobs"), or from the distribution a
+    # token was drawn from, after penalties, temperature and top-k / top-p / min-p ("processed_logprobs": what an
+    # RL trainer's importance ratio wants)
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         check_bool("trust_remote_code", self.trust_remote_code)
@@ -94,6 +100,7 @@ class ModelConfig:
         check_choice("load_format", self.load_format, LOAD_FORMATS)
         check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
         check_choice("reasoning_parser", self.reasoning_parser, (None, *REASONING_PARSERS))
+        check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         check_int("max_model_len", self.max_model_len, 1, allow_none=True)
         check_int("seed", self.seed, 0, 2**63 - 1)
 

@@ -74,3 +74,25 @@ def test_writes_through_data_need_reset_prefix_cache(tokenizer) -> None:
     (out,) = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
     assert llm.stats().get("num_prompt_tokens_cached", 0) == 0
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_sampled_logprobs_match_the_trainers_forward(tokenizer, mode: str) -> None:
+    """An RL trainer scores the finished sequences with its own forward: each sampled token's reported logprob
+    equals it (fp32 on CPU) — the model's own distribution by default (vLLM's "raw_logprobs"), or, with
+    ``logprobs_mode="processed_logprobs"``, the tempered one the token was drawn from (as TRL divides its logits
+    by the temperature)."""
+    model = tiny_model("llama")
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_model_len=128, logprobs_mode=mode)
+    prompts = ragged_prompts(4, seed=7)
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=10, logprobs=0)
+    temperature = 1.0 if mode == "raw_logprobs" else 0.7
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        sample = out.outputs[0]
+        ours = torch.tensor([entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)])
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(sample.token_ids)])).logits[0, len(prompt) - 1 : -1]
+        theirs = torch.log_softmax(logits.float() / temperature, -1).gather(1, torch.tensor(sample.token_ids)[:, None])
+        torch.testing.assert_close(ours, theirs[:, 0], atol=1e-4, rtol=0)  # paged vs dense attention: ~2e-5
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        LLM(model, tokenizer=tokenizer, logprobs_mode="raw_logits")

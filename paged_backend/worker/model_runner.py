@@ -61,12 +61,13 @@ class ModelRunner:
         lora_manager: LoRAManager | None = None,
         seed: int = 0,
         calculate_kv_scales: bool = False,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
         self.cache_engine = cache_engine
         self.device = device
         self.lora_manager = lora_manager
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, raw_logprobs=logprobs_mode == "raw_logprobs")
         self.block_size = cache_engine.block_size
         self.switch = PagedAttentionSwitch(model, cache_engine.kv_caches, cache_engine.kv_scales)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters

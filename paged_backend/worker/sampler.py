@@ -105,8 +105,11 @@ def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[Any], li
 class Sampler:
     """Turns the last-token logits of each sampling sequence into a token, its logprob and top-k logprobs."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, raw_logprobs: bool = True) -> None:
         self.device = device
+        # Reported logprobs: the model's own distribution (vLLM's default "raw_logprobs"), or the one each token
+        # was drawn from. Without requested logprobs, a token's logprob (cumulative_logprob) is the drawn one's.
+        self.raw_logprobs = raw_logprobs
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -121,6 +124,9 @@ class Sampler:
         logits = logits.float()
         n, vocab = logits.shape
         params = [s.params for s in seqs]
+        reported = None
+        if self.raw_logprobs and any(p.logprobs is not None for p in params):
+            reported = logits.log_softmax(-1)  # before penalties, stop-token bars, temperature and filters
         dev = logits.device
         barred = [
             i
@@ -169,6 +175,8 @@ class Sampler:
             rows = torch.tensor(random_rows, device=logits.device)
             tokens[rows] = (logprobs[rows].exp() / q).argmax(dim=-1)
 
+        if reported is not None:
+            logprobs = reported
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # [N]
         token_list, chosen_list = to_host(tokens, chosen)
         results = [SampleResult(t, lp) for t, lp in zip(token_list, chosen_list)]

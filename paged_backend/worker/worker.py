@@ -112,6 +112,7 @@ class Worker:
             lora_manager=self.lora_manager,
             seed=config.model_config.seed,
             calculate_kv_scales=config.cache_config.calculate_kv_scales,
+            logprobs_mode=config.model_config.logprobs_mode,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
