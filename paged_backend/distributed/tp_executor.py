@@ -140,6 +140,14 @@ class TPExecutor:
         self.group.send("execute_model", scheduler_output.to_wire())
         return self.driver_worker.execute_model(scheduler_output)
 
+    def sleep(self) -> None:
+        self.group.send("sleep")
+        self.driver_worker.sleep()
+
+    def wake_up(self) -> None:
+        self.group.send("wake_up")  # the ranks capture their graphs together: the captures all-reduce
+        self.driver_worker.wake_up()
+
     def is_recoverable(self, error: Exception) -> bool:
         """Never: the other ranks may be waiting in a collective that rank 0 left, or be past a step it failed."""
         return False

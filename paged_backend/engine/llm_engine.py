@@ -96,6 +96,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.config, block_manager)
         self._weights_version = -1  # the parameters' summed in-place versions at the last step
+        self.asleep = False  # sleep(): no KV cache until wake_up()
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.input_processor = InputProcessor(
             self.config,
@@ -151,6 +152,8 @@ class LLMEngine:
         """Validate and queue a request; nothing is queued when validation fails. ``keep_logits`` keeps each
         generated token's raw logits row in the outputs (for HF's ``output_logits``; its batches then run one
         step at a time)."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (sleep()): call wake_up() before adding requests")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = self.input_processor.process(request_id, prompt, params, lora_request, keep_logits)
@@ -203,6 +206,28 @@ class LLMEngine:
             return self.output_processor.make_outputs(updates, finished_only)
         except Exception as error:
             raise StepError(self._step_failed(scheduler_output, error, retry=False), error) from error
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, level 1: the KV cache, its cached prefixes and the CUDA graphs are freed; the
+        weights are the user's model's and stay. Only an idle engine sleeps; until ``wake_up`` it takes no
+        requests."""
+        if level != 1:
+            raise ValueError(
+                f"sleep level must be 1, got {level!r}: level 2 would also move weights off the device, and the "
+                "weights here are the user's model's (move the model yourself)"
+            )
+        if self.scheduler.has_unfinished_seqs():
+            raise RuntimeError("the engine has requests in flight: let them finish or abort them before sleep()")
+        if not self.asleep:
+            self.scheduler.reset_prefix_cache()  # the KV they point to is about to go
+            self.executor.sleep()
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """The KV cache allocated again (and the CUDA graphs captured again); requests are taken again."""
+        if self.asleep:
+            self.executor.wake_up()
+            self.asleep = False
 
     def _weights_changed(self) -> bool:
         """Whether a parameter was updated in place since the last step (each in-place update bumps its tensor's

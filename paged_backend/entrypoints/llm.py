@@ -80,11 +80,24 @@ class LLM:
         """Forget the cached prompt prefixes (vLLM's name). The engine does this itself when a parameter is
         updated in place through the tensor (``optimizer.step()``, ``param.copy_``); a write through ``.data``
         bypasses the tensor's version, so after one call this before the next ``generate``."""
+        self._on_engine(lambda engine: engine.scheduler.reset_prefix_cache())
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: free the KV cache and the CUDA graphs, keeping the weights (they are the user's
+        model's), e.g. while a trainer needs the memory. Only while no request is in flight; until ``wake_up()``
+        requests are refused with an error saying so."""
+        self._on_engine(lambda engine: engine.sleep(level))
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (CUDA graphs are captured again) after ``sleep()``."""
+        self._on_engine(lambda engine: engine.wake_up())
+
+    def _on_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` between steps: on the engine loop's thread once it runs, else here."""
         if self._engine_loop is not None:
-            self._engine_loop.call_sync(lambda engine: engine.scheduler.reset_prefix_cache())
-        else:
-            with self._stepping:
-                self.llm_engine.scheduler.reset_prefix_cache()
+            return self._engine_loop.call_sync(fn)
+        with self._stepping:
+            return fn(self.llm_engine)
 
     def __enter__(self) -> LLM:
         return self

@@ -71,6 +71,24 @@ class CacheEngine:
             for _ in range(spec.num_layers if num_cpu_blocks else 0)
         ]
 
+    def release(self) -> None:
+        """Give the device cache's memory back, keeping the tensors (what refers to them stays valid in shape;
+        their contents are gone). The swap space is host memory and stays."""
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.untyped_storage().resize_(0)
+            v_cache.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        """Allocate the device cache again (zeros) after ``release``: new memory, so new addresses."""
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                cache.untyped_storage().resize_(cache.numel() * cache.element_size())
+                cache.zero_()
+
+    @property
+    def released(self) -> bool:
+        return self.kv_caches[0][0].untyped_storage().nbytes() == 0 if self.kv_caches else False
+
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy (device block, CPU block) pairs to the swap space."""
         if not mapping:

@@ -74,23 +74,43 @@ class ModelRunner:
         self.regions: RegionalCompile | None = None
         self.graphs: CUDAGraphRunner | None = None
         self.weights: WeightAddresses | None = None
+        self._recapture = False  # sleep() dropped CUDA graphs that wake_up() captures again
         self.calibrate_kv_scales = False  # the warm-ups below never calibrate
+        # Block-table width at least 2: a compiled dimension of size 1 would be specialised on.
+        self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
         if device.type == "cuda" and not enforce_eager:
             self.compile()
-            with torch.inference_mode():  # static buffers must be inference tensors, like every step's inputs
-                # Block-table width at least 2: a compiled dimension of size 1 would be specialised on.
-                width = max(2, math.ceil(max_model_len / self.block_size))
-                self.graphs = CUDAGraphRunner(self._model_forward, max_num_seqs, width, device, num_scheduler_steps)
-            try:
-                with torch.inference_mode(), self.switch, self._compiled():
-                    self.graphs.capture()
-            except Exception as exc:  # noqa: BLE001 - steps still run, without graphs
-                logger.warning(
-                    "CUDA graph capture failed (%s: %s); decode steps run without graphs", type(exc).__name__, exc
-                )
-                self.graphs = None
+            self.capture_graphs()
         # After the warm-ups: the first real step (a prefill: nothing decodes before one) sets the fp8 scales.
         self.calibrate_kv_scales = calculate_kv_scales and cache_engine.kv_scales is not None
+        self.record_weights()
+
+    def capture_graphs(self) -> None:
+        """Capture the decode CUDA graphs (they read the KV cache and the weights at today's addresses)."""
+        max_num_seqs, width, num_scheduler_steps = self._graph_shape
+        with torch.inference_mode():  # static buffers must be inference tensors, like every step's inputs
+            self.graphs = CUDAGraphRunner(self._model_forward, max_num_seqs, width, self.device, num_scheduler_steps)
+        try:
+            with torch.inference_mode(), self.switch, self._compiled():
+                self.graphs.capture()
+        except Exception as exc:  # noqa: BLE001 - steps still run, without graphs
+            logger.warning(
+                "CUDA graph capture failed (%s: %s); decode steps run without graphs", type(exc).__name__, exc
+            )
+            self.graphs = None
+
+    def sleep(self) -> None:
+        """Free the KV cache and the CUDA graphs (and their memory pools); the weights are the user's and stay."""
+        self._recapture, self.graphs = self.graphs is not None, None
+        self.cache_engine.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again and, where there were CUDA graphs, capture them anew (new addresses)."""
+        self.cache_engine.restore()
+        if self._recapture:
+            self.capture_graphs()
         self.record_weights()
 
     def record_weights(self) -> None:

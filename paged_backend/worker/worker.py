@@ -50,6 +50,10 @@ class Executor(Protocol):
 
     def shutdown(self) -> None: ...
 
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
 
 class Worker:
     def __init__(self, model: PreTrainedModel, device: torch.device, world_size: int = 1) -> None:
@@ -117,6 +121,12 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def sleep(self) -> None:
+        self.model_runner.sleep()
+
+    def wake_up(self) -> None:
+        self.model_runner.wake_up()
 
     def is_recoverable(self, error: Exception) -> bool:
         """Any error but the device's own: after an illegal address or a device-side assert the CUDA context is
