@@ -10,6 +10,7 @@ import torch
 
 from paged_backend import LLM, SamplingParams
 from tests.conftest import capturing_backend, hf_greedy, ragged_prompts, tiny_model
+from tests.fixtures.tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -96,3 +97,13 @@ def test_sampled_logprobs_match_the_trainers_forward(tokenizer, mode: str) -> No
         torch.testing.assert_close(ours, theirs[:, 0], atol=1e-4, rtol=0)  # paged vs dense attention: ~2e-5
     with pytest.raises(ValueError, match="logprobs_mode must be one of"):
         LLM(model, tokenizer=tokenizer, logprobs_mode="raw_logits")
+
+
+def test_a_model_made_under_inference_mode_runs(tokenizer) -> None:
+    """Its parameters are inference tensors, which keep no version counter: the in-place check skips them."""
+    with torch.inference_mode():
+        model = build_tiny_model("llama", vocab_size=len(tokenizer))
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=128)
+    assert all(param.is_inference() for param in model.parameters())
+    (out,) = llm.generate({"prompt_token_ids": [1, 5, 9]}, GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(model, [1, 5, 9], 8)

@@ -234,7 +234,8 @@ class LLMEngine:
         version: ``optimizer.step()`` does; writes through ``.data`` do not, see ``LLM.reset_prefix_cache``)."""
         if not self.config.cache_config.enable_prefix_caching:
             return False
-        version = sum(param._version for param in self.model.parameters())
+        # Inference tensors (a model made under torch.inference_mode) keep no version: they count as unchanged.
+        version = sum(param._version for param in self.model.parameters() if not param.is_inference())
         changed, self._weights_version = version != self._weights_version, version
         return changed
 
