@@ -149,9 +149,13 @@ class SchedulerConfig:
     # What preemption does with a request's KV: "swap" copies its blocks to swap_space (pinned CPU memory) and
     # back; "recompute" drops them and prefills again. None: swap on a GPU when swap_space > 0, else recompute.
     preemption_mode: str | None = None
+    # vLLM's: above 0, a request's prompt goes in chunks of at most this many tokens a step, so that a long prompt
+    # arriving beside running decodes lengthens each of their steps by at most this much (inter-token latency)
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, allow_none=True)
         check_int("num_scheduler_steps", self.num_scheduler_steps, 1, 64)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

@@ -48,6 +48,15 @@ def test_greedy_matches_hf_with_preemption_and_chunked_prefill(arch: str, tokeni
     assert stats["num_chunked_prefill_steps"] > 0, stats
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_greedy_matches_hf_with_capped_prefill_chunks(arch: str, tokenizer) -> None:
+    """long_prefill_token_threshold: every prompt goes in chunks of at most 3 tokens beside the decodes."""
+    model = tiny_model(arch)
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, long_prefill_token_threshold=3)
+    _check(llm, model, ragged_prompts(4, seed=6))
+    assert llm.stats()["num_chunked_prefill_steps"] > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2", "qwen2"])
 def test_greedy_matches_hf_with_multi_step_decoding(arch: str, tokenizer, monkeypatch) -> None:
     """Decode steps run 8 at a time on the device: sequences that finish (EOS, max_tokens, max_model_len) in

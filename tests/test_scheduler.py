@@ -73,6 +73,22 @@ def test_chunked_prefill_respects_the_token_budget_and_samples_at_the_end() -> N
     assert request.seqs[0].num_computed_tokens == 20 and request.seqs[0].token_ids[-1] == 7
 
 
+def test_long_prefill_token_threshold_caps_each_prompt_chunk() -> None:
+    """Beside a decode, two new prompts go in chunks of at most 5 tokens each, within the step's budget; decodes
+    (one token) are never cut."""
+    scheduler = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=5)
+    decoding = add(scheduler, [1, 2, 3], max_tokens=20)
+    assert run(scheduler).batch.num_scheduled_tokens == [3]  # 3 <= 5: one chunk
+    add(scheduler, list(range(1, 13)))
+    add(scheduler, list(range(20, 27)))
+    chunks = []
+    for _ in range(3):
+        output = run(scheduler)
+        assert output.seqs[0] is decoding.seqs[0]
+        chunks.append(output.batch.num_scheduled_tokens)
+    assert chunks == [[1, 5, 5], [1, 5, 2], [1, 1, 2]]  # the short prompt now decodes, before the long one
+
+
 def test_decodes_go_before_prefills_in_a_shared_budget() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=6)
     first = add(scheduler, [1, 2, 3])

@@ -83,7 +83,7 @@ def test_help_documents_vllm_flags() -> None:
         "--no-enable-prefix-caching --enable-lora --lora-modules --max-loras --max-lora-rank --served-model-name "
         "--api-key --chat-template --seed --max-waiting-requests --worker-use-ray --kv-cache-memory-gib "
         "--num-kv-blocks --max-request-body-mb --shutdown-timeout --kv-cache-dtype --calculate-kv-scales "
-        "--reasoning-parser --enable-auto-tool-choice --tool-call-parser --logprobs-mode"
+        "--reasoning-parser --enable-auto-tool-choice --tool-call-parser --logprobs-mode --long-prefill-token-threshold"
     ).split():
         assert flag in text, flag
 

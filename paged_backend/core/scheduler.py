@@ -68,6 +68,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.num_scheduler_steps = config.scheduler_config.num_scheduler_steps
+        self.long_prefill_token_threshold = config.scheduler_config.long_prefill_token_threshold
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -146,6 +147,13 @@ class Scheduler:
         self.num_chunked_prefill_steps += sum(1 for seq, n in plan.scheduled.items() if n < seq.num_uncomputed_tokens)
         return self._make_output(plan)
 
+    def _chunk(self, seq: Sequence, plan: _Plan) -> int:
+        """The sequence's tokens this step: what it has left, within the step's budget and the chunk cap."""
+        num_new = min(seq.num_uncomputed_tokens, plan.budget)
+        if 0 < self.long_prefill_token_threshold < num_new:
+            return self.long_prefill_token_threshold
+        return num_new
+
     def _schedule_running(self, plan: _Plan, include: Callable[[Sequence], bool] | None) -> None:
         """Running sequences: decodes first, then unfinished prefills; oldest first within each."""
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival)):
@@ -153,7 +161,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or (include is not None and not include(seq)):
                 continue  # preempted earlier in this loop, or not in this step
-            num_new = min(seq.num_uncomputed_tokens, plan.budget)
+            num_new = self._chunk(seq, plan)
             if num_new == 1 and self.block_manager.has_private_slot(seq.seq_id, seq.num_computed_tokens):
                 plan.add(seq, 1, [])  # a decode whose slot is already allocated and not shared
                 continue
@@ -197,7 +205,7 @@ class Scheduler:
                 self.swapped.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                num_new = min(seq.num_uncomputed_tokens, plan.budget)
+                num_new = self._chunk(seq, plan)
                 copies = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new) if num_new else None
                 if copies is not None:  # else it runs from the next step on, like any running sequence
                     plan.add(seq, num_new, copies)
@@ -233,7 +241,7 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
                 self.num_prompt_tokens_admitted += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_prompt_tokens
-            num_new = min(seq.num_uncomputed_tokens, plan.budget)
+            num_new = self._chunk(seq, plan)
             copies = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             assert copies is not None  # its blocks were counted above
             del self.waiting[index]

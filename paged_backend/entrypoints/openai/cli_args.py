@@ -42,6 +42,7 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--max-loras", int, "LoRA adapters in one batch (default 4)"),
     ("--max-lora-rank", int, "largest LoRA rank (default 16)"),
     ("--seed", int, "seed of unseeded sampling (default 0)"),
+    ("--long-prefill-token-threshold", int, "prompt tokens of one request per step, 0: no cap (default 0)"),
     ("--logprobs-mode", str, "raw_logprobs (the model's, default) or processed_logprobs (the sampled distribution's)"),
     ("--num-scheduler-steps", int, "greedy decode steps per scheduling round (default 8)"),
     ("--preemption-mode", str, "swap or recompute (default: swap on a GPU with swap space)"),
