@@ -39,6 +39,12 @@ def tiny_model(arch: str, vocab_size: int = 512):
     return _MODELS[arch]
 
 
+def fresh_model(tokenizer, arch: str = "llama"):
+    """A model of its own, for tests that change its weights or wrap it: the session-cached one must not carry
+    that into other tests."""
+    return build_tiny_model(arch, vocab_size=len(tokenizer))
+
+
 def ragged_prompts(block_size: int, seed: int = 0, vocab_size: int = 512) -> list[list[int]]:
     """Prompts of 1, bs-1, bs, bs+1 tokens and several blocks, from non-special token ids."""
     rng = random.Random(seed)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from paged_backend import LLM, SamplingParams
-from tests.conftest import capturing_backend, hf_greedy, ragged_prompts, tiny_model
+from tests.conftest import capturing_backend, fresh_model, hf_greedy, ragged_prompts
 from tests.fixtures.tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -37,7 +37,7 @@ def train_step(model, optimizer, seed: int) -> None:
 
 
 def test_generate_follows_each_optimizer_step(tokenizer) -> None:
-    model = tiny_model("llama")
+    model = fresh_model(tokenizer)
     llm = compiled_llm(model, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
     prompts = ragged_prompts(4, seed=3)
@@ -52,7 +52,7 @@ def test_generate_follows_each_optimizer_step(tokenizer) -> None:
 
 
 def test_a_replaced_parameter_is_an_error_naming_it(tokenizer) -> None:
-    model = tiny_model("llama")
+    model = fresh_model(tokenizer)
     llm = compiled_llm(model, tokenizer)
     llm.generate({"prompt_token_ids": [1, 5, 9]}, GREEDY, use_tqdm=False)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -64,7 +64,7 @@ def test_a_replaced_parameter_is_an_error_naming_it(tokenizer) -> None:
 def test_writes_through_data_need_reset_prefix_cache(tokenizer) -> None:
     """A write through ``.data`` leaves no trace in the tensor's version: the cached prefixes of the old weights
     would be reused until ``reset_prefix_cache()``."""
-    model = tiny_model("llama")
+    model = fresh_model(tokenizer)
     llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_model_len=128)
     prompt = list(range(3, 40))  # fills cached blocks
     llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
@@ -83,7 +83,7 @@ def test_sampled_logprobs_match_the_trainers_forward(tokenizer, mode: str) -> No
     equals it (fp32 on CPU) — the model's own distribution by default (vLLM's "raw_logprobs"), or, with
     ``logprobs_mode="processed_logprobs"``, the tempered one the token was drawn from (as TRL divides its logits
     by the temperature)."""
-    model = tiny_model("llama")
+    model = fresh_model(tokenizer)
     llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_model_len=128, logprobs_mode=mode)
     prompts = ragged_prompts(4, seed=7)
     params = SamplingParams(temperature=0.7, seed=11, max_tokens=10, logprobs=0)

@@ -17,7 +17,7 @@ import torch
 from paged_backend import LLM, SamplingParams
 from paged_backend.engine.engine_loop import EngineDeadError
 from paged_backend.integrations.hf import patch, patched, unpatch
-from tests.conftest import hf_greedy, tiny_model
+from tests.conftest import fresh_model, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 PROMPT = {"prompt_token_ids": [1, 5, 9, 13]}
@@ -40,7 +40,7 @@ def engine_ref(llm: LLM) -> weakref.ref:
 
 
 def small_llm(tokenizer) -> LLM:
-    return LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64)
+    return LLM(fresh_model(tokenizer), tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64)
 
 
 def test_shutdown_drops_the_engine_and_refuses_later_calls(tokenizer) -> None:
@@ -84,7 +84,7 @@ def test_del_llm_frees_the_engine(tokenizer, start_loop: bool) -> None:
     ids=["unpatch", "close"],
 )
 def test_unpatch_frees_the_engine(tokenizer, release: Callable) -> None:
-    model = tiny_model("llama")
+    model = fresh_model(tokenizer)
     handle = patch(model, tokenizer, device="cpu", block_size=4, num_kv_blocks=64, max_model_len=64)
     ids = torch.tensor([[1, 5, 9, 13]])
     expected = hf_greedy(model, [1, 5, 9, 13], 4)
@@ -96,7 +96,7 @@ def test_unpatch_frees_the_engine(tokenizer, release: Callable) -> None:
 
 
 def test_each_patched_block_leaves_no_engine(tokenizer) -> None:
-    model = tiny_model("llama")
+    model = fresh_model(tokenizer)
     refs = []
     for _ in range(3):
         with patched(model, tokenizer, device="cpu", block_size=4, num_kv_blocks=64, max_model_len=64) as handle:

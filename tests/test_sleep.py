@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from paged_backend import LLM, SamplingParams
-from tests.conftest import hf_greedy, tiny_model
+from tests.conftest import fresh_model, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 PROMPT = list(range(3, 40))  # fills cached blocks
@@ -15,7 +15,7 @@ PROMPT = list(range(3, 40))  # fills cached blocks
 
 @pytest.mark.parametrize("through_loop", [False, True])
 def test_sleep_frees_the_cache_and_wake_up_restores_it(tokenizer, through_loop: bool) -> None:
-    model = tiny_model("llama")
+    model = fresh_model(tokenizer)
     llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=128)
     if through_loop:
         llm.engine_loop.call_sync(lambda engine: None)  # sleep and wake go between the loop's steps
@@ -35,7 +35,7 @@ def test_sleep_frees_the_cache_and_wake_up_restores_it(tokenizer, through_loop: 
 
 
 def test_only_an_idle_engine_sleeps_and_only_at_level_1(tokenizer) -> None:
-    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=128)
+    llm = LLM(fresh_model(tokenizer), tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=128)
     llm.llm_engine.add_request("r", {"prompt_token_ids": PROMPT}, GREEDY)
     with pytest.raises(RuntimeError, match="requests in flight"):
         llm.sleep()

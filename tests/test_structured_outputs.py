@@ -329,3 +329,20 @@ def test_thinking_is_free_and_a_closed_thinking_prompt_holds_the_grammar(tokeniz
     assert re.fullmatch("[0-9]{3}", held.outputs[0].text)
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         LLM(tiny_model("llama"), tokenizer=tokenizer, reasoning_parser="r1")
+
+
+def test_special_tokens_never_fill_a_string(tokenizer) -> None:
+    """xgrammar reads an added special token as its literal text ("<pad>"), which a JSON string would take; the
+    output's text skips special tokens, so the string would come out shorter than the schema allows. Inside a
+    string the grammar allows none of them (the stop token ends the output, as before)."""
+    from paged_backend.structured_output.grammar import GrammarCompiler, hidden_special_ids
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    hidden = hidden_special_ids(tokenizer) - {tokenizer.eos_token_id}
+    assert hidden and hidden <= set(compiler.info.special_token_ids)
+    matcher = compiler.matcher(compiler.compile(StructuredOutputsParams(json={"type": "string", "minLength": 3})))
+    assert matcher.accept_token(tokenizer.convert_tokens_to_ids('"'))
+    bitmask = torch.full((1, (len(tokenizer) + 31) // 32), -1, dtype=torch.int32)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    allowed = {t for t in range(len(tokenizer)) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1}
+    assert tokenizer.convert_tokens_to_ids("a") in allowed and not allowed & hidden

@@ -44,6 +44,23 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         xgr = _xgrammar()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        hidden = hidden_special_ids(tokenizer) - set(stop_token_ids) - set(self.info.special_token_ids)
+        if hidden:
+            # xgrammar reads an added special token (<pad>, <s>, a chat marker) as its literal text, so a JSON
+            # string could take it, and the output's text (special tokens skipped) would then break the schema.
+            # A token whose text is empty is one xgrammar never allows: the vocabulary as xgrammar reads it
+            # (``get_vocab``), those tokens emptied.
+            encoded = [""] * vocab_size
+            for token, index in tokenizer.get_vocab().items():
+                if index < vocab_size and index not in hidden:
+                    encoded[index] = token
+            self.info = xgr.TokenizerInfo(
+                encoded,
+                vocab_type=self.info.vocab_type,
+                vocab_size=vocab_size,
+                stop_token_ids=stop_token_ids,
+                add_prefix_space=self.info.add_prefix_space,
+            )
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=True, cache_limit_bytes=_CACHE_LIMIT_BYTES)
         self.vocab_size = vocab_size
         self._schemas: dict[tuple[str, bool], xgrammar.CompiledGrammar] = {}
@@ -85,6 +102,15 @@ class GrammarCompiler:
     def matcher(self, grammar: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
         """A fresh matcher: one per sample, as each sample's tokens differ."""
         return _xgrammar().GrammarMatcher(grammar)
+
+
+def hidden_special_ids(tokenizer: Any) -> set[int]:
+    """The tokens a decode with ``skip_special_tokens`` leaves out: the named special tokens and every added token
+    marked special."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(index for index, token in decoder.items() if getattr(token, "special", False))
+    return ids
 
 
 def ebnf_literal(text: str) -> str:
