@@ -225,6 +225,27 @@ def test_chat_applies_the_template(llm, tokenizer) -> None:
     assert single.outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
+def test_chat_continues_a_message_and_passes_tools_and_template_kwargs(llm, tokenizer) -> None:
+    """vLLM's chat() arguments: continue_final_message, tools and chat_template_kwargs reach the template."""
+    template = (
+        "{% if tools %}[{{ tools | length }} tools]{% endif %}{{ flavour | default('') }}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if not loop.last %}</s>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}</s><|assistant|>{% endif %}"
+    )
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    (out,) = llm.chat(
+        conversation, params, use_tqdm=False, chat_template=template, add_generation_prompt=False,
+        continue_final_message=True, tools=[tool], chat_template_kwargs={"flavour": "~"},
+    )  # fmt: skip
+    assert out.prompt == "[1 tools]~<|user|>Hi</s><|assistant|>Hel"  # the last message left open
+    with pytest.raises(ValueError, match="cannot both be True"):
+        llm.chat(conversation, params, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+        llm.chat(conversation, params, chat_template_kwargs={"tools": []})
+
+
 def test_model_from_a_path_matches_hf(tmp_path, tokenizer) -> None:
     model = tiny_model("qwen3")
     model.save_pretrained(tmp_path)

@@ -25,6 +25,9 @@ from paged_backend.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Message = Mapping[str, Any]
+# What chat() passes to the template itself: chat_template_kwargs may not set these.
+_TEMPLATE_ARGUMENTS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                       "chat_template", "tools"}  # fmt: skip
 
 
 class LLM:
@@ -160,13 +163,26 @@ class LLM:
         lora_request: Any = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate. As vLLM's:
+        ``continue_final_message`` continues the last (assistant) message instead of opening a new one, ``tools``
+        (OpenAI's tool dicts) and ``chat_template_kwargs`` reach the template."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer: pass tokenizer=... to LLM")
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts or of conversations")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
+        extra = dict(chat_template_kwargs or {})
+        taken = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {taken}: they are chat()'s own arguments")
+        if tools:
+            extra["tools"] = tools
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts: list[PromptType] = []
         for conversation in conversations:
@@ -174,7 +190,9 @@ class LLM:
                 list(conversation),  # type: ignore[arg-type]  # transformers says dict[str, str]; content may be parts
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                **extra,
             )
             if not isinstance(text, str):  # tokenize=False renders text
                 raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
