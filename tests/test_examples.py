@@ -27,6 +27,7 @@ EXPECTED = {
     "memory_cap": "a prompt longer than max_model_len is refused",
     "structured_outputs": "every output follows its format: True",
     "tool_calling": "every surface made its call: True",
+    "trl_grpo": "every rollout ran on the engine: True",
 }
 
 
@@ -39,7 +40,7 @@ def test_every_example_is_listed() -> None:
     assert {p.stem for p in EXAMPLES} >= {
         "offline_inference", "memory_cap", "tensor_parallel", "awq_quantize", "openai_server", "large_batches",
         "multi_lora", "hf_generate_patch", "langchain_chat", "llama_index_query", "structured_outputs",
-        "tool_calling",
+        "tool_calling", "trl_grpo",
     }  # fmt: skip
 
 

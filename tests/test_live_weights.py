@@ -36,11 +36,12 @@ def train_step(model, optimizer, seed: int) -> None:
     model.eval()
 
 
-def test_generate_follows_each_optimizer_step(tokenizer) -> None:
+@pytest.mark.parametrize("fused", [False, True])  # a fused step bumps no version counter: the step hook sees it
+def test_generate_follows_each_optimizer_step(tokenizer, fused: bool) -> None:
     model = fresh_model(tokenizer)
     llm = compiled_llm(model, tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    prompts = ragged_prompts(4, seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2, fused=fused)
+    prompts = [*ragged_prompts(4, seed=3), list(range(3, 40))]  # the last fills cached blocks
     previous = None
     for step in range(3):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)

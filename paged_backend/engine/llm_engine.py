@@ -24,6 +24,7 @@ from paged_backend.core.sequence import SequenceStatus
 from paged_backend.distributed.tp_executor import TPExecutor
 from paged_backend.engine.input_processor import InputProcessor, PromptType
 from paged_backend.engine.output_processor import OutputProcessor
+from paged_backend.engine.weight_updates import WeightUpdates
 from paged_backend.lora.request import LoRARequest
 from paged_backend.model_loader import causal_lm_class, load_hf_config, load_model, load_tokenizer, model_max_length
 from paged_backend.outputs import RequestOutput
@@ -95,7 +96,9 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.scheduler = Scheduler(self.config, block_manager)
-        self._weights_version = -1  # the parameters' summed in-place versions at the last step
+        # Cached prefixes hold KV of the weights they were computed with (see engine/weight_updates.py).
+        prefix_caching = self.config.cache_config.enable_prefix_caching
+        self.weight_updates = WeightUpdates(self.model) if prefix_caching else None
         self.asleep = False  # sleep(): no KV cache until wake_up()
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.input_processor = InputProcessor(
@@ -185,7 +188,7 @@ class LLMEngine:
         """Run one step; return the (cumulative) outputs of every request that advanced, or with
         ``finished_only`` just of those that finished (a snapshot of every running request each step costs more
         than the step's bookkeeping when nobody streams)."""
-        if self._weights_changed():
+        if self.weight_updates is not None and self.weight_updates.changed():
             self.scheduler.reset_prefix_cache()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -228,16 +231,6 @@ class LLMEngine:
         if self.asleep:
             self.executor.wake_up()
             self.asleep = False
-
-    def _weights_changed(self) -> bool:
-        """Whether a parameter was updated in place since the last step (each in-place update bumps its tensor's
-        version: ``optimizer.step()`` does; writes through ``.data`` do not, see ``LLM.reset_prefix_cache``)."""
-        if not self.config.cache_config.enable_prefix_caching:
-            return False
-        # Inference tensors (a model made under torch.inference_mode) keep no version: they count as unchanged.
-        version = sum(param._version for param in self.model.parameters() if not param.is_inference())
-        changed, self._weights_version = version != self._weights_version, version
-        return changed
 
     def _step_failed(self, scheduler_output: SchedulerOutput, error: Exception, retry: bool) -> list[str]:
         """A step raised. Unrecoverable (the device's own error): raise it. Else the requests it touched are
