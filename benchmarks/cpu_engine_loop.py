@@ -58,7 +58,7 @@ def measure(mode: str, workload: str, repeats: int) -> list[float]:
 
     else:
         if mode == "served":
-            from paged_backend.engine.engine_loop import call_in_fresh_thread
+            from paged_backend.engine.fresh_thread import call_in_fresh_thread
 
             llm = call_in_fresh_thread(lambda: LLM(path, max_model_len=512, device="cpu"))
         else:

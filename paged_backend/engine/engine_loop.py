@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from paged_backend.engine.llm_engine import StepError
 from paged_backend.outputs import RequestOutput
@@ -352,34 +352,6 @@ class EngineLoop:
             if settle is not None:
                 with contextlib.suppress(RuntimeError):
                     settle(None, EngineDeadError(f"the engine stopped: {exc!r}"))
-
-
-_T = TypeVar("_T")
-
-
-def call_in_fresh_thread(fn: Callable[[], _T]) -> _T:
-    """``fn()`` on a thread that ends when it returns (its result or exception comes back here).
-
-    For building an engine that only the engine loop will step, on CPU: OpenMP's thread team belongs to the thread
-    that first computes, for that thread's life. Loading the model on the caller's thread leaves a team there; the
-    loop thread's own team then makes more OpenMP threads than cores, and libgomp parks its threads after every
-    parallel region instead of spinning, so each of a step's many small ops pays a wake-up. A thread that ends
-    takes its team with it, and the loop's team is then the only one."""
-    result: list[_T] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
-            error.append(exc)
-
-    thread = threading.Thread(target=target, name="paged-backend-load", daemon=True)  # Ctrl-C need not wait
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

@@ -341,7 +341,7 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
     DEBUG)."""
     import uvicorn
 
-    from paged_backend.engine.engine_loop import call_in_fresh_thread
+    from paged_backend.engine.fresh_thread import call_in_fresh_thread
     from paged_backend.entrypoints.llm import LLM
     from paged_backend.entrypoints.openai.shutdown import GracefulServer
 
