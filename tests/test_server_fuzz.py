@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from paged_backend.chat_template import OWN_ARGUMENTS
+
 schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("fastapi")
 
@@ -133,8 +135,7 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
         "guided_choice",
         "guided_grammar",
     )
-    reserved = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template", "tools"}
-    if chat and reserved & set(body.get("chat_template_kwargs") or {}):
+    if chat and OWN_ARGUMENTS & set(body.get("chat_template_kwargs") or {}):
         broken.add("chat_template_kwargs")  # what the server itself passes to the template
     asked = {name for name in formats if body.get(name) not in (None, {"type": "text"})}
     if chat:  # completions ignore tools and tool_choice (unknown fields there, as in vLLM)

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from paged_backend.chat_template import chat_template_kwargs as template_variables
 from paged_backend.config import EngineConfig
 from paged_backend.engine.engine_loop import EngineLoop
 from paged_backend.engine.input_processor import check_text
@@ -25,9 +26,6 @@ from paged_backend.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Message = Mapping[str, Any]
-# What chat() passes to the template itself: chat_template_kwargs may not set these.
-_TEMPLATE_ARGUMENTS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-                       "chat_template", "tools"}  # fmt: skip
 
 
 class LLM:
@@ -177,10 +175,7 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts or of conversations")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
-        extra = dict(chat_template_kwargs or {})
-        taken = sorted(set(extra) & _TEMPLATE_ARGUMENTS)
-        if taken:
-            raise ValueError(f"chat_template_kwargs may not set {taken}: they are chat()'s own arguments")
+        extra = template_variables(chat_template_kwargs)
         if tools:
             extra["tools"] = tools
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)

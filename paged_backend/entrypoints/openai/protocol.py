@@ -27,6 +27,7 @@ from pydantic import (
     field_validator,
 )
 
+from paged_backend.chat_template import chat_template_kwargs
 from paged_backend.config import FieldError
 from paged_backend.entrypoints.openai.structured_outputs import StructuredOutputRequest
 from paged_backend.entrypoints.openai.tools import NAME_PATTERN, ToolFields, template_arguments
@@ -40,7 +41,6 @@ from paged_backend.sampling_params import (
 )
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-_TEMPLATE_ARGUMENTS = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template", "tools"}
 _SET_HERE = {"max_tokens", "logprobs", "prompt_logprobs", "structured_outputs", "guided_decoding"}
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -280,11 +280,7 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
 
     def template_kwargs(self) -> dict[str, Any]:
         """``chat_template_kwargs``, which may not set what the server itself passes to the template."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        taken = sorted(set(kwargs) & _TEMPLATE_ARGUMENTS)
-        if taken:
-            raise FieldError("chat_template_kwargs", f"chat_template_kwargs may not set {taken}")
-        return kwargs
+        return chat_template_kwargs(self.chat_template_kwargs)
 
     @field_validator("top_logprobs")
     @classmethod
