@@ -245,13 +245,36 @@ def test_corpus_covers_the_features() -> None:
     assert nested >= 5 and len(list(itertools.islice(schema_corpus(), 60))) == 60
 
 
-def test_greedy_structured_rows_take_single_steps(llm: LLM) -> None:
-    """A batch of greedy structured requests alone would suit a multi-step round, whose tokens skip the host's
-    mask: they take single steps, so every token follows the grammar."""
+def test_greedy_structured_rows_run_in_masked_multi_step_rounds(tokenizer, monkeypatch) -> None:
+    """Greedy structured requests run in multi-step rounds, each step masked through forks of the rows' grammars
+    that the host advances one step behind the device: the tokens are those of single steps, every one allowed.
+    The batch mixes grammars that end inside a round (choices), rows cut by max_tokens, and an unconstrained
+    row."""
+    from paged_backend.worker.structured_output import RoundGrammars
+
+    steps_masked: list[int] = []
+    apply = RoundGrammars.apply
+    monkeypatch.setattr(RoundGrammars, "apply", lambda self, k, logits: (steps_masked.append(k), apply(self, k, logits)))
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 8, "maxItems": 8}
-    params = structured(json=schema, disable_any_whitespace=True, temperature=0)
-    for out in llm.generate(PROMPTS, params, use_tqdm=False):
-        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    params = [structured(json=schema, disable_any_whitespace=True, temperature=0)] * 3
+    params += [structured(choice=["yes", "no", "maybe so"], temperature=0), structured(regex="[a-z]{40}", max_tokens=11, temperature=0)]
+    params += [SamplingParams(temperature=0, max_tokens=20)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+
+    def run(num_scheduler_steps: int) -> list[list[int]]:
+        engine = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_scheduler_steps=num_scheduler_steps)
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        assert_idle(engine)
+        for out in outs[:3]:
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        assert outs[3].outputs[0].text in ("yes", "no", "maybe so")
+        assert re.fullmatch("[a-z]+", outs[4].outputs[0].text) and len(outs[4].outputs[0].token_ids) == 11
+        return [list(out.outputs[0].token_ids) for out in outs]
+
+    single = run(1)
+    assert not steps_masked
+    assert run(8) == single
+    assert max(steps_masked) >= 4  # rounds ran, their later steps masked from tokens read back
 
 
 def test_min_tokens_past_a_finished_grammar_ends_that_sample_alone(llm: LLM) -> None:

@@ -1,9 +1,10 @@
 """Multi-step rounds: several greedy decode steps run back to back on the device, one host read at the end.
 
-A round suits a batch where every sequence decodes one token greedily without penalties, logprobs, kept logits,
-a ``min_tokens`` barrier or a grammar (whose mask the host computes from each token): each step's argmax can
-feed the next forward on the device and be checked for stops afterwards. The first token of a request goes out
-alone (time to first token).
+A round suits a batch where every sequence decodes one token greedily without penalties, logprobs, kept logits
+or a ``min_tokens`` barrier: each step's argmax can feed the next forward on the device and be checked for stops
+afterwards. A grammar's mask needs the previous token on the host: the worker reads each step's tokens while
+the next forward runs (worker/structured_output.py), on one device only (other tensor-parallel ranks would
+choose their tokens unmasked). The first token of a request goes out alone (time to first token).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from paged_backend.core.scheduler_output import BlockMoves
 from paged_backend.core.sequence import Sequence
 
 
-def can_run_ahead(seq: Sequence) -> bool:
+def can_run_ahead(seq: Sequence, grammar_rounds: bool) -> bool:
     params = seq.params
     return (
         seq.num_uncomputed_tokens == 1
@@ -23,17 +24,22 @@ def can_run_ahead(seq: Sequence) -> bool:
         and params.logprobs is None
         and not seq.request.keep_logits
         and seq.num_output_tokens >= params.min_tokens
-        and seq.grammar is None
+        and (grammar_rounds or seq.grammar is None)
     )
 
 
 def plan_round(
-    seqs: list[Sequence], num_new_tokens: list[int], max_steps: int, max_model_len: int, block_manager: BlockManager
+    seqs: list[Sequence],
+    num_new_tokens: list[int],
+    max_steps: int,
+    max_model_len: int,
+    block_manager: BlockManager,
+    grammar_rounds: bool = True,
 ) -> tuple[list[int] | None, BlockMoves]:
     """How many steps each sequence takes in one round (None: a normal step), and the copy-on-write copies its
     extra slots need. A sequence takes no more steps than ``max_tokens`` and ``max_model_len`` leave it, nor more
     than the blocks it can get hold."""
-    if not seqs or any(n != 1 for n in num_new_tokens) or not all(can_run_ahead(seq) for seq in seqs):
+    if not seqs or any(n != 1 for n in num_new_tokens) or not all(can_run_ahead(seq, grammar_rounds) for seq in seqs):
         return None, []
     steps: list[int] = []
     copies: BlockMoves = []

@@ -68,6 +68,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.num_scheduler_steps = config.scheduler_config.num_scheduler_steps
+        self.grammar_rounds = config.parallel_config.tensor_parallel_size == 1  # see multi_step.py
         self.long_prefill_token_threshold = config.scheduler_config.long_prefill_token_threshold
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -258,7 +259,7 @@ class Scheduler:
         if self.num_scheduler_steps > 1 and not (blocks_to_copy or plan.swap_out or plan.swap_in or prompt_rows):
             # The round's extra slots may copy shared blocks: those copies are made even when it does not run.
             num_steps, blocks_to_copy = plan_round(
-                seqs, num_new, self.num_scheduler_steps, self.max_model_len, self.block_manager
+                seqs, num_new, self.num_scheduler_steps, self.max_model_len, self.block_manager, self.grammar_rounds
             )
         tokens: list[int] = []
         sampling_rows: list[int] = []
@@ -350,6 +351,8 @@ class Scheduler:
             self.run_alone.difference_update(seq.request for seq in output.sampling_seqs)
         for row, seq in enumerate(output.sampling_seqs):
             tokens = runner_output.sampled_token_ids[row]
+            if runner_output.grammars and runner_output.grammars[row] is not None:
+                seq.grammar = runner_output.grammars[row]  # the round's, which took these tokens already
             taken, finish = append_tokens(seq, tokens, in_round, self.max_model_len)
             if finish is not None:
                 self.finish_seq(seq, *finish)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from paged_backend.core.sequence import Sequence
+from paged_backend.core.sequence import GrammarState, Sequence
 from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.request import LoRARequest
 
@@ -82,6 +82,8 @@ class ModelRunnerOutput:
     logits: list[torch.Tensor | None] = field(default_factory=list)  # raw rows, for requests that keep them
     # batch row -> the prompt logprobs of its new tokens' next tokens (see ScheduledBatch.prompt_logprob_rows)
     prompt_logprobs: dict[int, LogprobsArrays] = field(default_factory=dict)
+    # a round's grammars, already advanced by its tokens (the sequence takes them in place of its own)
+    grammars: list[GrammarState | None] = field(default_factory=list)
 
 
 @dataclass

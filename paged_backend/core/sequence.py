@@ -30,6 +30,8 @@ class GrammarState(Protocol):
 
     def fill_next_token_bitmask(self, bitmask: Any, index: int) -> Any: ...
 
+    def fork(self) -> GrammarState: ...  # an independent copy at the same place (a multi-step round's own)
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()

@@ -35,6 +35,11 @@ class ReasoningGate:
         self.ended = self._tail == self.end_ids
         return True
 
+    def fork(self) -> ReasoningGate:
+        gate = ReasoningGate(self.matcher.fork(), self.end_ids, self.ended)
+        gate._tail = self._tail
+        return gate
+
     def is_terminated(self) -> bool:
         return self.ended and self.matcher.is_terminated()
 

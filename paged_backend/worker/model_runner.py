@@ -36,7 +36,7 @@ from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.prompt_logprobs import prompt_logprobs
 from paged_backend.worker.sampler import Sampler, to_host
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs, pad_step_inputs
-from paged_backend.worker.structured_output import apply_grammar_bitmask, fill_grammar_bitmask
+from paged_backend.worker.structured_output import RoundGrammars, apply_grammar_bitmask, fill_grammar_bitmask
 from paged_backend.worker.weights import WeightAddresses
 
 logger = logging.getLogger(__name__)
@@ -184,18 +184,22 @@ class ModelRunner:
         inputs = build_step_inputs(batch, self.block_size)
         if batch.num_steps is not None:
             with self._lora_step(batch, [1] * batch.num_seqs, scheduler_output.seqs):
-                tokens, logprobs = self._run_round(inputs, batch.num_steps)
+                grammars = RoundGrammars.of(seqs, batch.num_steps, self.device)
+                tokens, logprobs = self._run_round(inputs, batch.num_steps, grammars)
                 if not seqs:
                     return ModelRunnerOutput()
                 token_rows, logprob_rows = to_host(tokens, logprobs)  # [K][B] each: one host read a round
             steps = batch.num_steps
-            return ModelRunnerOutput(  # row i's first num_steps[i] tokens
-                [list(row[:n]) for row, n in zip(zip(*token_rows), steps)],
+            sampled = [list(row[:n]) for row, n in zip(zip(*token_rows), steps)]  # row i's first num_steps[i]
+            return ModelRunnerOutput(
+                sampled,
                 [list(row[:n]) for row, n in zip(zip(*logprob_rows), steps)],
+                grammars=[] if grammars is None else grammars.advanced(sampled),
             )
         with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
             logits = self.run(inputs, use_graphs=not batch.prompt_logprob_rows)
-        grammar_mask = fill_grammar_bitmask(seqs, logits.shape[-1])  # on the host while the forward runs
+        # on the host while the forward runs
+        grammar_mask = fill_grammar_bitmask(seqs, logits.shape[-1], pin=self.device.type == "cuda")
         prompt = {}
         if batch.prompt_logprob_rows:
             num_prompt = sum(count for _, count in batch.prompt_logprob_rows)
@@ -279,21 +283,31 @@ class ModelRunner:
         self.calibrate_kv_scales = False  # set once the step's forward went through (a failed one calibrates again)
         return logits[:n]
 
-    def _run_round(self, inputs: StepInputs, num_steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_round(
+        self, inputs: StepInputs, num_steps: list[int], grammars: RoundGrammars | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``max(num_steps)`` decode steps from ``inputs`` (step 0; row i takes ``num_steps[i]``)."""
         per_row = np.asarray(num_steps, dtype=np.int64)
         steps = [inputs]
         steps += [advance_decode_inputs(inputs, k, per_row, self.block_size) for k in range(1, max(num_steps))]
-        return self.run_decode_steps(steps)
+        return self.run_decode_steps(steps, grammars)
 
-    def run_decode_steps(self, steps: list[StepInputs]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy decode steps back to back, each fed the previous one's tokens on the device; no host sync.
-        Returns the sampled tokens and their logprobs, ``[K, B]`` each."""
+    def run_decode_steps(
+        self, steps: list[StepInputs], grammars: RoundGrammars | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy decode steps back to back, each fed the previous one's tokens on the device. Returns the sampled
+        tokens and their logprobs, ``[K, B]`` each. No host sync, except that rows under a grammar wait for the
+        previous step's tokens (while the device runs the next forward) to mask each step."""
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
         previous = None
         for k, inputs in enumerate(steps):
-            token, logprob = greedy_tokens(self.run(inputs, previous, k))  # [B], [B]
+            logits = self.run(inputs, previous, k)
+            if grammars is not None:
+                grammars.apply(k, logits)
+            token, logprob = greedy_tokens(logits)  # [B], [B]
+            if grammars is not None:
+                grammars.sampled(token)
             tokens.append(token)
             logprobs.append(logprob)
             previous = token
