@@ -3,17 +3,23 @@ tokens may come next) while the device runs the step's forward, then applied to 
 
 In a multi-step round the host keeps one step behind the device: step k's forward is queued first, then the
 host reads step k - 1's tokens (a copy that finished before that forward started), advances a fork of each
-row's grammar with them and fills step k's mask while the forward runs. The forks are the runner's own: the
-scheduler advances each sequence's grammar when it takes the round's tokens, as it does after any step."""
+row's grammar with them and fills step k's mask while the forward runs. After the round the scheduler takes
+the forks in place of the sequences' grammars (``Replayed``: they only check the tokens they already took).
+Matchers fill their masks in one call on xgrammar's threads and take their tokens in one call."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from paged_backend.core.sequence import GrammarState
 from paged_backend.core.sequence import Sequence as Seq
+
+if TYPE_CHECKING:
+    import xgrammar
 
 # [rows, ceil(V / 32)] int32 (bit set: allowed), and the rows it covers (None: all)
 Bitmask = tuple[torch.Tensor, list[int] | None]
@@ -26,11 +32,47 @@ def fill_grammar_bitmask(seqs: Sequence[Seq], vocab_size: int, pin: bool = False
     if not rows:
         return None
     bitmask = _full_bitmask(len(seqs), vocab_size, pin)
-    for row in rows:
-        grammar = seqs[row].grammar
-        assert grammar is not None
-        grammar.fill_next_token_bitmask(bitmask, row)
+    fill_rows(bitmask, [(row, seqs[row].grammar) for row in rows])
     return bitmask, rows
+
+
+def fill_rows(bitmask: torch.Tensor, rows: Sequence[tuple[int, GrammarState | None]]) -> None:
+    """Fill each ``(row, grammar)``'s row of ``bitmask``: xgrammar's matchers in one call on its threads, any
+    other grammar (a reasoning gate) alone."""
+    import xgrammar
+
+    matchers, indices = [], []
+    for row, grammar in rows:
+        if isinstance(grammar, Replayed) and grammar.replayed:
+            grammar = grammar.grammar
+        if isinstance(grammar, xgrammar.GrammarMatcher):
+            matchers.append(grammar)
+            indices.append(row)
+        elif grammar is not None:
+            grammar.fill_next_token_bitmask(bitmask, row)
+    if matchers:
+        _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, indices)
+
+
+def accept_tokens(pairs: Sequence[tuple[GrammarState, int]]) -> list[bool]:
+    """Each grammar takes its token: xgrammar's matchers in one call, any other grammar alone."""
+    import xgrammar
+
+    matchers = [grammar for grammar, _ in pairs if isinstance(grammar, xgrammar.GrammarMatcher)]
+    if len(matchers) == len(pairs):
+        return xgrammar.BatchGrammarMatcher.batch_accept_token(matchers, [token for _, token in pairs])
+    return [grammar.accept_token(token) for grammar, token in pairs]
+
+
+_local = threading.local()  # a batch matcher per thread: engines on different threads fill at once
+
+
+def _batch_matcher() -> xgrammar.BatchGrammarMatcher:
+    if not hasattr(_local, "matcher"):
+        import xgrammar
+
+        _local.matcher = xgrammar.BatchGrammarMatcher("auto")  # half the host's cores
+    return _local.matcher
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, mask: Bitmask) -> None:
@@ -74,15 +116,14 @@ class RoundGrammars:
         else:
             if self.event is not None:
                 self.event.synchronize()  # the last step's tokens, not this step's forward
-            for row, token in enumerate(self.tokens.tolist()):
-                grammar = self.forks[row]
-                if grammar is None or step > self.num_steps[row] or grammar.is_terminated():
-                    continue
-                self._take(row, grammar, token)
+            tokens = self.tokens.tolist()
+            taking = list(self._live(step - 1))
+            for (row, _), accepted in zip(taking, accept_tokens([(g, tokens[row]) for row, g in taking])):
+                if not accepted:
+                    raise RuntimeError(f"a multi-step round sampled a token row {row}'s grammar refuses")
+                self.taken[row] += 1
         self.bitmask.fill_(-1)
-        for row, grammar in enumerate(self.forks):
-            if grammar is not None and step < self.num_steps[row] and not grammar.is_terminated():
-                grammar.fill_next_token_bitmask(self.bitmask, row)
+        fill_rows(self.bitmask, [(row, g) for row, g in self._live(step)])
         apply_grammar_bitmask(logits, (self.bitmask, None))
 
     def advanced(self, token_rows: list[list[int]]) -> list[GrammarState | None]:
@@ -93,10 +134,11 @@ class RoundGrammars:
             for grammar, tokens, taken in zip(self.forks, token_rows, self.taken)
         ]
 
-    def _take(self, row: int, grammar: GrammarState, token: int) -> None:
-        if not grammar.accept_token(token):
-            raise RuntimeError(f"a multi-step round sampled token {token}, which row {row}'s grammar refuses")
-        self.taken[row] += 1
+    def _live(self, step: int) -> Iterator[tuple[int, GrammarState]]:
+        """The rows whose grammar chooses step ``step``'s token: within their steps, grammar not ended."""
+        for row, grammar in enumerate(self.forks):
+            if grammar is not None and step < self.num_steps[row] and not grammar.is_terminated():
+                yield row, grammar
 
     def sampled(self, tokens: torch.Tensor) -> None:
         """Step's tokens [B] (on the device): copied to the host behind them, for the next step's masks."""
@@ -118,8 +160,12 @@ class Replayed:
             return token_id == self.tokens[self.cursor - 1]
         return self.grammar.accept_token(token_id)
 
+    @property
+    def replayed(self) -> bool:
+        return self.cursor >= len(self.tokens)
+
     def is_terminated(self) -> bool:  # a grammar that ended did so on the last token it took
-        return self.cursor >= len(self.tokens) and self.grammar.is_terminated()
+        return self.replayed and self.grammar.is_terminated()
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> object:
         return self.grammar.fill_next_token_bitmask(bitmask, index)
