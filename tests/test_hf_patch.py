@@ -49,17 +49,16 @@ def test_greedy_left_padded_batch_equals_hf(tokenizer, arch: str) -> None:
     assert torch.equal(engine_only(model, tokenizer, ids, attention_mask=mask, max_new_tokens=12), expected)
 
 
-def test_right_padding_continues_the_real_tokens(tokenizer) -> None:
-    """HF warns that right padding is wrong for decoder-only models (it predicts from a pad position); the
-    patched generate continues each row's real tokens, laid out after the padded prompt as HF lays it out."""
+def test_right_padding_goes_to_hf(tokenizer) -> None:
+    """HF generates after a right-padded prompt's padding (its first token comes from a pad position): the
+    engine cannot lay a row out that way, so the call runs on HF's generate, after a warning naming it."""
     model = tiny_model("llama")
     width = max(map(len, PROMPTS))
     ids = torch.tensor([p + [PAD] * (width - len(p)) for p in PROMPTS])
     mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in PROMPTS])
-    out = engine_only(model, tokenizer, ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    left_ids, left_mask = left_padded(PROMPTS)
-    expected = unpatched(model, left_ids, attention_mask=left_mask, max_new_tokens=10, do_sample=False)
-    assert torch.equal(out[:, :width], ids) and torch.equal(out[:, width:], expected[:, width:])
+    expected = unpatched(model, ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    with patched(model, tokenizer, **ENGINE), pytest.warns(UserWarning, match="pads a row on the right"):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False), expected)
 
 
 def test_eos_lists_min_new_tokens_and_max_length(tokenizer) -> None:
@@ -249,3 +248,52 @@ def test_patch_is_idempotent_and_unpatch_restores() -> None:
     with pytest.raises(ValueError, match="fallback"):
         patch(model, fallback="ignore")
     assert "generate" not in model.__dict__
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_return_dict_carries_hf_cache(tokenizer, arch: str) -> None:
+    """With ``return_dict_in_generate`` (and ``use_cache``, HF's default) HF returns its cache: the patched call
+    returns the same class and length, with HF's keys and values at every unpadded position; one row ends early
+    (EOS) and is continued with padding, as HF does."""
+    from paged_backend.integrations.hf_outputs import _CACHE_FIELD
+
+    model = tiny_model(arch)
+    ids, mask = left_padded(PROMPTS)
+    greedy = unpatched(model, ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    eos = int(greedy[1, ids.shape[1] + 2])  # the second row's third new token ends it
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    expected = unpatched(model, ids, eos_token_id=eos, pad_token_id=PAD, **kwargs)
+    out = engine_only(model, tokenizer, ids, eos_token_id=eos, pad_token_id=PAD, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    ours, theirs = getattr(out, _CACHE_FIELD), getattr(expected, _CACHE_FIELD)
+    assert type(ours) is type(theirs) and ours.get_seq_length() == theirs.get_seq_length()
+    full = torch.cat([mask, torch.ones(len(PROMPTS), out.sequences.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+    real = full[:, :-1].bool()
+    for mine, hf in zip(ours.layers, theirs.layers):
+        for a, b in ((mine.keys, hf.keys), (mine.values, hf.values)):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a.transpose(1, 2)[real], b.transpose(1, 2)[real], atol=1e-4, rtol=1e-4)
+    plain = engine_only(model, tokenizer, ids, use_cache=False, **kwargs)
+    assert getattr(plain, _CACHE_FIELD) is None
+
+
+def test_hf_argument_edge_cases_as_hf(tokenizer) -> None:
+    """Accept what HF accepts (a negative EOS id, which never matches, with HF's warning; top_p=0, which keeps the
+    most likely token), raise what HF raises (do_sample with temperature 0: HF's message; 1-D input_ids: HF's
+    own error, through its generate), and send cache implementations other than the dynamic one to HF."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    for kwargs in (dict(eos_token_id=-1, do_sample=False), dict(do_sample=True, top_p=0.0)):
+        expected = unpatched(model, ids, attention_mask=mask, max_new_tokens=8, **kwargs)
+        assert torch.equal(
+            engine_only(model, tokenizer, ids, attention_mask=mask, max_new_tokens=8, **kwargs), expected
+        )
+    dynamic = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="dynamic")
+    assert torch.equal(engine_only(model, tokenizer, ids, **dynamic), unpatched(model, ids, **dynamic))
+    with patched(model, tokenizer, **ENGINE):
+        with pytest.raises(ValueError, match=r"`temperature` \(=0.0\) has to be a strictly positive float"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, temperature=0.0)
+        with pytest.warns(UserWarning, match="2-D tensor"), pytest.raises(IndexError):
+            model.generate(torch.tensor(PROMPTS[0]), max_new_tokens=4)
+        with pytest.warns(UserWarning, match="cache_implementation='static'"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, cache_implementation="static")

@@ -254,10 +254,15 @@ def test_greedy_structured_rows_run_in_masked_multi_step_rounds(tokenizer, monke
 
     steps_masked: list[int] = []
     apply = RoundGrammars.apply
-    monkeypatch.setattr(RoundGrammars, "apply", lambda self, k, logits: (steps_masked.append(k), apply(self, k, logits)))
+    monkeypatch.setattr(
+        RoundGrammars, "apply", lambda self, k, logits: (steps_masked.append(k), apply(self, k, logits))
+    )
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 8, "maxItems": 8}
     params = [structured(json=schema, disable_any_whitespace=True, temperature=0)] * 3
-    params += [structured(choice=["yes", "no", "maybe so"], temperature=0), structured(regex="[a-z]{40}", max_tokens=11, temperature=0)]
+    params += [
+        structured(choice=["yes", "no", "maybe so"], temperature=0),
+        structured(regex="[a-z]{40}", max_tokens=11, temperature=0),
+    ]
     params += [SamplingParams(temperature=0, max_tokens=20)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
 

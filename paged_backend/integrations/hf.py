@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from paged_backend.integrations.hf_outputs import hf_output, hf_processors, step_logits
+from paged_backend.integrations.hf_outputs import hf_cache, hf_output, hf_processors, step_logits
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
@@ -60,7 +60,6 @@ _HONOURED = {
     "output_scores",
     "output_logits",
     "use_cache",
-    "cache_implementation",
     "transformers_version",
     "_from_model_config",
 }
@@ -91,6 +90,7 @@ _NEUTRAL = {
     "num_beam_groups": 1,
     "diversity_penalty": 0.0,
     "guidance_scale": 1.0,
+    "cache_implementation": "dynamic",  # the cache HF returns by default (hf_cache); others go to HF's generate
 }
 _FLAGS_OFF = ("output_attentions", "output_hidden_states")
 # generate() arguments that carry objects the engine cannot run.
@@ -178,10 +178,12 @@ class PagedGenerate:
             else:
                 reason = "stop_strings need the tokenizer: pass it to patch()"
                 return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
         mask = attention_mask(input_ids, model_kwargs.get("attention_mask"), config)
-        eos = [] if config.eos_token_id is None else list(torch.tensor(config.eos_token_id).view(-1).tolist())
+        real = mask.ne(0).int()
+        if bool((real.cummax(dim=1).values > real).any()):
+            reason = "attention_mask pads a row on the right (HF generates after the padding)"
+            return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
+        eos = eos_token_ids(config)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
         width = input_ids.shape[1]
         if config.max_new_tokens is not None:
@@ -193,6 +195,8 @@ class PagedGenerate:
             max_new = config.max_length - width
         if max_new < 1:  # HF's own generate says what is wrong with the lengths
             return self._fall_back("no tokens left to generate", inputs, generation_config, streamer, kwargs)
+        padding = mask.ne(0).int().argmax(dim=1).repeat_interleave(config.num_return_sequences or 1)
+        processors = hf_processors(config, width, padding.to(input_ids.device))  # raises what HF's would
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
         params = [sampling_params(config, eos, max_new, width) for _ in prompts]
         if streamer is not None:
@@ -211,19 +215,23 @@ class PagedGenerate:
             streamer.end()
         if not config.return_dict_in_generate:
             return sequences
+        cache = None
+        if config.use_cache is not False:
+            prompt_mask = mask.repeat_interleave(config.num_return_sequences or 1, dim=0).to(sequences.device)
+            # a forward of the model as HF runs it: on the loop thread, between the engine's steps
+            loop = self.built_llm().engine_loop
+            cache = loop.call_sync(functools.partial(_cache, self.model, sequences, prompt_mask))
         if not keep_logits:
-            return hf_output(sequences)
+            return hf_output(sequences, cache=cache)
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         logits = step_logits(completions, new, sequences.device)
         scores = None
         if config.output_scores:
-            padding = mask.ne(0).int().argmax(dim=1).repeat_interleave(config.num_return_sequences or 1)
-            processors = hf_processors(config, width, padding.to(sequences.device))
             scores = tuple(
                 processors(sequences[:, : width + t], row.clone())  # type: ignore[arg-type]  # as in hf_output
                 for t, row in enumerate(logits)
             )
-        return hf_output(sequences, scores, logits if config.output_logits else None)
+        return hf_output(sequences, scores, logits if config.output_logits else None, cache)
 
     def _run(
         self, prompts: list[list[int]], params: list[SamplingParams], streamer: Any, keep_logits: bool = False
@@ -264,10 +272,14 @@ class PagedGenerate:
         return llm.engine_loop.call_sync(original)
 
 
+def _cache(model: PreTrainedModel, sequences: torch.Tensor, prompt_mask: torch.Tensor, _: object) -> Any:
+    return hf_cache(model, sequences, prompt_mask)
+
+
 def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any], input_ids: Any) -> str | None:
     """Why the engine cannot run this call, or None."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2) or input_ids.numel() == 0:
-        return "input_ids must be a 1-D or 2-D tensor of token ids"
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
+        return "input_ids must be a 2-D tensor of token ids [batch, length]"
     if config.num_beams != 1:
         return f"num_beams={config.num_beams} (beam search)"
     for flag in _FLAGS_OFF:
@@ -295,6 +307,18 @@ def attention_mask(input_ids: torch.Tensor, mask: torch.Tensor | None, config: G
     return torch.ones_like(input_ids)
 
 
+def eos_token_ids(config: GenerationConfig) -> list[int]:
+    """The config's EOS ids. A negative id never matches a token: HF warns and generates to the length limit."""
+    eos = [] if config.eos_token_id is None else list(torch.tensor(config.eos_token_id).view(-1).tolist())
+    if any(token < 0 for token in eos):
+        logger.warning(
+            "`eos_token_id` should consist of positive integers, but is %s. Your generation will not stop until the "
+            "maximum length is reached. Depending on other flags, it may even crash.",
+            torch.tensor(eos),
+        )
+    return [token for token in eos if token >= 0]
+
+
 def sampling_params(config: GenerationConfig, eos: list[int], max_new: int, width: int) -> SamplingParams:
     """One row's SamplingParams. EOS comes from the config alone (``ignore_eos`` keeps the engine's own set out).
     Sampled rows draw their seed from torch's global generator, so ``torch.manual_seed`` reproduces them."""
@@ -312,10 +336,11 @@ def sampling_params(config: GenerationConfig, eos: list[int], max_new: int, widt
     )
     if not config.do_sample:
         return SamplingParams(temperature=0.0, **common)
+    top_p = config.top_p if config.top_p is not None else 1.0
     return SamplingParams(
         temperature=config.temperature if config.temperature is not None else 1.0,
-        top_k=config.top_k or -1,
-        top_p=config.top_p if config.top_p is not None else 1.0,
+        top_k=1 if top_p == 0 else config.top_k or -1,  # HF's top_p=0 keeps the most likely token alone
+        top_p=top_p or 1.0,
         min_p=config.min_p or 0.0,
         seed=int(torch.randint(0, 2**62, (1,)).item()),
         **common,

@@ -4,6 +4,7 @@ to them for the settings the engine honours)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -24,15 +25,38 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 _REPETITION_ARGS = inspect.signature(RepetitionPenaltyLogitsProcessor.__init__).parameters
 
 
+_OUTPUT_FIELDS = {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)}
+_CACHE_FIELD = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"  # renamed in transformers 5.2x
+
+
 def hf_output(
     sequences: torch.Tensor,
     scores: tuple[torch.Tensor, ...] | None = None,
     logits: tuple[torch.Tensor, ...] | None = None,
+    cache: Any = None,
 ) -> GenerateDecoderOnlyOutput:
     """HF's output dataclass over the engine's tensors."""
     # transformers types int64 tensors as torch.LongTensor, which no torch operation is typed to return, and the
     # per-step tuples as 1-tuples
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)  # type: ignore[arg-type]
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,  # type: ignore[arg-type]
+        scores=scores,  # type: ignore[arg-type]
+        logits=logits,  # type: ignore[arg-type]
+        **{_CACHE_FIELD: cache},
+    )
+
+
+def hf_cache(model: Any, sequences: torch.Tensor, prompt_mask: torch.Tensor) -> Any:
+    """The cache HF's ``generate`` returns: keys and values of every token but the last, its class and layout
+    (left padding kept, finished rows continued with padding), from one forward of the model over the output
+    sequences with HF's positions (the mask's running count). Equal to HF's at every unpadded position, up to
+    the rounding of one forward against HF's step-by-step ones."""
+    new = sequences.shape[1] - prompt_mask.shape[1]
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], new)], dim=1)[:, :-1]
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    with torch.no_grad():
+        out = model(sequences[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True)
+    return out.get("cache", None) if "cache" in out else out.get("past_key_values", None)
 
 
 def step_logits(completions: list[Any], num_steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
