@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paged_backend.config import FieldError, check_bool, check_float, check_int
 
@@ -17,6 +18,15 @@ MAX_FLOAT32 = 3.4028234663852886e38
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-30, 1e30
 # Temperatures below this are greedy (as in vLLM): dividing by them overflows the logits.
 SAMPLING_EPS = 1e-5
+
+if TYPE_CHECKING:
+    import torch
+
+    # vLLM's (v0) per-request logits processor: (output token ids, logits [V]) or (prompt token ids, output token
+    # ids, logits [V]) -> logits [V], called on the host for the request's row at every step, before penalties.
+    LogitsProcessor = (
+        Callable[[list[int], torch.Tensor], torch.Tensor] | Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
+    )
 
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")  # json_object=False asks for nothing
@@ -102,6 +112,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None  # deprecated: vLLM's older name, moved to structured_outputs
+    logits_processors: list[LogitsProcessor] | None = None  # vLLM v0's: each runs on the host at every step
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -168,6 +179,13 @@ class SamplingParams:
         check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
         check_bool("skip_special_tokens", self.skip_special_tokens)
         check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if not isinstance(self.logits_processors, (list, tuple, type(None))) or not all(
+            callable(f) for f in self.logits_processors or []
+        ):
+            raise FieldError(
+                "logits_processors", f"logits_processors must be a list of callables, got {self.logits_processors!r}"
+            )
+        self.logits_processors = list(self.logits_processors or [])
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise FieldError(
                 "structured_outputs",

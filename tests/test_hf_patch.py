@@ -180,15 +180,17 @@ def test_unsupported_calls_fall_back_to_hf(tokenizer) -> None:
     model = tiny_model("llama")
     ids, mask = left_padded(PROMPTS[:2])
     beam = dict(attention_mask=mask, max_new_tokens=6, num_beams=3)
-    ngram = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, no_repeat_ngram_size=2)
+    typical = dict(attention_mask=mask, max_new_tokens=12, do_sample=True, typical_p=0.5)
     expected_beam = unpatched(model, ids, **beam)
-    expected_ngram = unpatched(model, ids, **ngram)
+    torch.manual_seed(3)
+    expected_typical = unpatched(model, ids, **typical)
     with patched(model, tokenizer, **ENGINE):
         with pytest.warns(UserWarning, match="num_beams=3") as record:
             assert torch.equal(model.generate(ids, **beam), expected_beam)
         assert len(record) == 1
-        with pytest.warns(UserWarning, match="no_repeat_ngram_size=2"):
-            assert torch.equal(model.generate(ids, **ngram), expected_ngram)
+        torch.manual_seed(3)
+        with pytest.warns(UserWarning, match="typical_p=0.5"):
+            assert torch.equal(model.generate(ids, **typical), expected_typical)
     with patched(model, tokenizer, fallback="error", **ENGINE), pytest.raises(NotImplementedError, match="num_beams"):
         model.generate(ids, **beam)
 
@@ -297,3 +299,33 @@ def test_hf_argument_edge_cases_as_hf(tokenizer) -> None:
             model.generate(torch.tensor(PROMPTS[0]), max_new_tokens=4)
         with pytest.warns(UserWarning, match="cache_implementation='static'"):
             model.generate(ids, attention_mask=mask, max_new_tokens=4, cache_implementation="static")
+
+
+def test_hf_processors_run_on_the_engine(tokenizer) -> None:
+    """No-repeat n-grams, bad words (one token and several), sequence bias, suppressed tokens (always and at the
+    first step), a forced EOS and renormalized scores run on the engine through HF's own processors, row by row:
+    greedy tokens and scores equal HF's. Each setting is taken from the unconstrained output, so that it acts."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    width = ids.shape[1]
+    base = dict(attention_mask=mask, max_new_tokens=10, do_sample=False)
+    free = unpatched(model, ids, **base)[:, width:].tolist()
+    settings = [
+        dict(no_repeat_ngram_size=2),
+        dict(bad_words_ids=[[free[0][2]], free[1][:2]]),
+        dict(sequence_bias={(free[2][0],): -5.0, tuple(free[3][:2]): -10.0}),
+        dict(suppress_tokens=[free[0][0], free[1][1]], begin_suppress_tokens=[free[2][0]]),
+        dict(forced_eos_token_id=free[3][0]),
+    ]
+    for setting in settings:
+        expected = unpatched(model, ids, **base, **setting)
+        assert torch.equal(engine_only(model, tokenizer, ids, **base, **setting), expected), setting
+        assert not torch.equal(expected[:, width:], torch.tensor(free)), setting  # it acted
+    scored = dict(base, return_dict_in_generate=True, output_scores=True, renormalize_logits=True, **settings[1])
+    expected = unpatched(model, ids, **scored)
+    out = engine_only(model, tokenizer, ids, **scored)
+    assert torch.equal(out.sequences, expected.sequences)
+    for ours, theirs in zip(out.scores, expected.scores):
+        finite = torch.isfinite(theirs)
+        assert torch.equal(finite, torch.isfinite(ours))
+        torch.testing.assert_close(ours[finite], theirs[finite], atol=1e-4, rtol=1e-4)

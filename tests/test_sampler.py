@@ -151,3 +151,35 @@ def test_greedy_fast_path_matches_the_general_path() -> None:
     for a, b in zip(fast, general):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-6)
         assert a.top_logprobs is None
+
+
+def test_logits_processors_run_on_their_row_only(tokenizer) -> None:
+    """vLLM v0's per-request ``logits_processors``: with two parameters a processor gets the output so far, with
+    three the prompt first; each changes its own request's row at every step (so a greedy batch beside it keeps
+    its tokens), and the request takes single steps rather than multi-step rounds."""
+    from paged_backend import LLM
+    from tests.conftest import tiny_model
+
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, max_model_len=64)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    free = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def ban_first(output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        logits[free[0][0]] = float("-inf")  # the token greedy decoding chose first
+        return logits
+
+    def record(prompt: list[int], output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        seen.append((list(prompt), list(output)))
+        return logits
+
+    banned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logits_processors=[ban_first, record])
+    outs = llm.generate(prompts, [banned, greedy], use_tqdm=False)
+    tokens = list(outs[0].outputs[0].token_ids)
+    assert free[0][0] not in tokens and tokens != free[0]
+    assert list(outs[1].outputs[0].token_ids) == free[1]
+    assert [prompt for prompt, _ in seen] == [[5, 6, 7, 8]] * 8
+    assert [output for _, output in seen] == [tokens[:i] for i in range(8)]  # one call a step
+    with pytest.raises(ValueError, match="logits_processors must be a list of callables"):
+        SamplingParams(logits_processors=[1])

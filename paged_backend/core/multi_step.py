@@ -1,10 +1,11 @@
 """Multi-step rounds: several greedy decode steps run back to back on the device, one host read at the end.
 
-A round suits a batch where every sequence decodes one token greedily without penalties, logprobs, kept logits
-or a ``min_tokens`` barrier: each step's argmax can feed the next forward on the device and be checked for stops
-afterwards. A grammar's mask needs the previous token on the host: the worker reads each step's tokens while
-the next forward runs (worker/structured_output.py), on one device only (other tensor-parallel ranks would
-choose their tokens unmasked). The first token of a request goes out alone (time to first token).
+A round suits a batch where every sequence decodes one token greedily without penalties, logits processors,
+logprobs, kept logits or a ``min_tokens`` barrier: each step's argmax can feed the next forward on the device
+and be checked for stops afterwards. A grammar's mask needs the previous token on the host: the worker reads
+each step's tokens while the next forward runs (worker/structured_output.py), on one device only (other
+tensor-parallel ranks would choose their tokens unmasked). The first token of a request goes out alone (time to
+first token).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def can_run_ahead(seq: Sequence, grammar_rounds: bool) -> bool:
         and seq.num_output_tokens > 0
         and params.greedy
         and not params.has_penalties
+        and not params.logits_processors
         and params.logprobs is None
         and not seq.request.keep_logits
         and seq.num_output_tokens >= params.min_tokens

@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from paged_backend.integrations.hf_outputs import hf_cache, hf_output, hf_processors, step_logits
+from paged_backend.integrations.hf_outputs import RowProcessors, hf_cache, hf_output, hf_processors, step_logits
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
@@ -61,6 +61,17 @@ _HONOURED = {
     "output_logits",
     "use_cache",
     "transformers_version",
+    # run on the engine by HF's own processors, per row (hf_outputs.RowProcessors)
+    "sequence_bias",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "renormalize_logits",  # scores only: it does not change which token is chosen
     "_from_model_config",
 }
 # Fields that only act with beam search or an assistant model (both fall back on their own), or on how HF compiles.
@@ -85,7 +96,6 @@ _NEUTRAL = {
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
     "encoder_repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
     "encoder_no_repeat_ngram_size": 0,
     "num_beam_groups": 1,
     "diversity_penalty": 0.0,
@@ -195,10 +205,15 @@ class PagedGenerate:
             max_new = config.max_length - width
         if max_new < 1:  # HF's own generate says what is wrong with the lengths
             return self._fall_back("no tokens left to generate", inputs, generation_config, streamer, kwargs)
-        padding = mask.ne(0).int().argmax(dim=1).repeat_interleave(config.num_return_sequences or 1)
+        config.max_length = width + max_new  # as HF sets it (its forced EOS comes at the last token)
+        pads = mask.ne(0).int().argmax(dim=1)
+        padding = pads.repeat_interleave(config.num_return_sequences or 1)
         processors = hf_processors(config, width, padding.to(input_ids.device))  # raises what HF's would
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
-        params = [sampling_params(config, eos, max_new, width) for _ in prompts]
+        params = [
+            sampling_params(config, eos, max_new, width, RowProcessors.of(processors, row[:n].tolist()))
+            for row, n in zip(input_ids, pads.tolist())
+        ]
         if streamer is not None:
             streamer.put(input_ids.cpu())
         keep_logits = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
@@ -290,6 +305,9 @@ def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any], input_id
             continue
         if name not in _NEUTRAL or value != _NEUTRAL[name]:
             return f"{name}={value!r}"
+    penalty = config.repetition_penalty not in (None, 1.0)
+    if penalty and config.exponential_decay_length_penalty is not None:  # see hf_outputs.RowProcessors
+        return "exponential_decay_length_penalty with repetition_penalty"
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
     if extra:
         return f"model arguments {extra}"
@@ -319,9 +337,12 @@ def eos_token_ids(config: GenerationConfig) -> list[int]:
     return [token for token in eos if token >= 0]
 
 
-def sampling_params(config: GenerationConfig, eos: list[int], max_new: int, width: int) -> SamplingParams:
+def sampling_params(
+    config: GenerationConfig, eos: list[int], max_new: int, width: int, row_processors: RowProcessors | None = None
+) -> SamplingParams:
     """One row's SamplingParams. EOS comes from the config alone (``ignore_eos`` keeps the engine's own set out).
-    Sampled rows draw their seed from torch's global generator, so ``torch.manual_seed`` reproduces them."""
+    Sampled rows draw their seed from torch's global generator, so ``torch.manual_seed`` reproduces them.
+    ``row_processors``: HF's processors the sampler has no equivalent of, run on the row at every step."""
     n = config.num_return_sequences or 1
     min_new = config.min_new_tokens if config.min_new_tokens is not None else max(0, (config.min_length or 0) - width)
     common = dict(
@@ -333,6 +354,7 @@ def sampling_params(config: GenerationConfig, eos: list[int], max_new: int, widt
         stop=config.stop_strings,
         include_stop_str_in_output=True,
         repetition_penalty=config.repetition_penalty or 1.0,
+        logits_processors=None if row_processors is None else [row_processors],
     )
     if not config.do_sample:
         return SamplingParams(temperature=0.0, **common)

@@ -11,11 +11,22 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    LogitsProcessor,
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -74,19 +85,28 @@ def step_logits(completions: list[Any], num_steps: int, device: torch.device) ->
 
 
 def hf_processors(config: GenerationConfig, width: int, padding: torch.Tensor) -> LogitsProcessorList:
-    """HF's processors and warpers for the settings the engine honours, in HF's order and with HF's arguments
-    (left padding is not penalised; ``min_new_tokens`` overrides ``min_length``), so ``scores`` are what HF
-    reports for the same logits. ``padding``: each row's number of pad tokens."""
+    """HF's processors and warpers for the call, in HF's order and with HF's arguments (left padding is not
+    penalised; ``min_new_tokens`` overrides ``min_length``), so ``scores`` are what HF reports for the same logits;
+    building them raises HF's errors for bad values. ``padding``: each row's number of pad tokens;
+    ``config.max_length``: the prompt's width plus the new tokens."""
     eos = config.eos_token_id
+    device = padding.device
     processors = LogitsProcessorList()
+    if config.sequence_bias is not None:
+        processors.append(SequenceBiasLogitsProcessor(sequence_bias=config.sequence_bias))
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
         extra = {"prompt_ignore_length": padding} if "prompt_ignore_length" in _REPETITION_ARGS else {}
         processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, **extra))
+    if config.no_repeat_ngram_size is not None and config.no_repeat_ngram_size > 0:
+        processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+    if config.bad_words_ids is not None:
+        processors.append(NoBadWordsLogitsProcessor(config.bad_words_ids, eos))
     min_length = config.min_new_tokens + width if config.min_new_tokens is not None else config.min_length
     if eos is not None and min_length is not None and min_length > 0:
         processors.append(MinLengthLogitsProcessor(min_length, eos))
     if eos is not None and config.min_new_tokens is not None and config.min_new_tokens > 0:
         processors.append(MinNewTokensLengthLogitsProcessor(width, config.min_new_tokens, eos))
+    processors += _forcing_processors(config, width, device)
     if config.do_sample:
         if config.temperature is not None and config.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(config.temperature))
@@ -96,4 +116,61 @@ def hf_processors(config: GenerationConfig, width: int, padding: torch.Tensor) -
             processors.append(TopPLogitsWarper(config.top_p))
         if config.min_p is not None:
             processors.append(MinPLogitsWarper(config.min_p))
+    if config.renormalize_logits is True:
+        processors.append(LogitNormalization())
     return processors
+
+
+def _forcing_processors(config: GenerationConfig, width: int, device: torch.device) -> list[LogitsProcessor]:
+    """HF's processors between the length bars and the warpers: forced tokens, invalid values, the length
+    penalty, suppressed tokens."""
+    out: list[LogitsProcessor] = []
+    if config.forced_bos_token_id is not None:
+        out.append(ForcedBOSTokenLogitsProcessor(config.forced_bos_token_id))
+    if config.forced_eos_token_id is not None:
+        out.append(ForcedEOSTokenLogitsProcessor(config.max_length, config.forced_eos_token_id, device=str(device)))
+    if config.remove_invalid_values is True:
+        out.append(InfNanRemoveLogitsProcessor())
+    if config.exponential_decay_length_penalty is not None:
+        out.append(ExponentialDecayLengthPenalty(config.exponential_decay_length_penalty, config.eos_token_id, width))
+    if config.suppress_tokens is not None:
+        out.append(SuppressTokensLogitsProcessor(config.suppress_tokens, device=str(device)))
+    if config.begin_suppress_tokens is not None:
+        begin = width if (width > 1 or config.forced_bos_token_id is None) else width + 1
+        out.append(SuppressTokensAtBeginLogitsProcessor(config.begin_suppress_tokens, begin, device=str(device)))
+    return out
+
+
+# What the engine's sampler does itself (or what does not change which token is chosen: LogitNormalization).
+_NATIVE = (
+    RepetitionPenaltyLogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    LogitNormalization,
+)
+
+
+class RowProcessors:
+    """HF's processors that the engine's sampler has no equivalent of (n-gram and bad-word bans, sequence bias,
+    suppressed and forced tokens), as a request's logits processor: run on its row at every step with the ids HF
+    would pass for that row (its left padding, prompt and output so far). They run before the sampler's
+    penalty, temperature and filters; HF runs all but the sequence bias after its repetition penalty, which
+    chooses the same tokens: a ban's −inf and a forced token's 0 stay what they are under the penalty (the call
+    goes to HF when a length penalty and a repetition penalty would both change the EOS logit)."""
+
+    def __init__(self, processors: LogitsProcessorList, prefix: list[int]) -> None:
+        self.processors, self.prefix = processors, prefix
+
+    @staticmethod
+    def of(processors: LogitsProcessorList, prefix: list[int]) -> RowProcessors | None:
+        """None when every processor is one the engine does itself."""
+        rest = LogitsProcessorList(p for p in processors if not isinstance(p, _NATIVE))
+        return RowProcessors(rest, prefix) if rest else None
+
+    def __call__(self, prompt: list[int], output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        ids = torch.tensor([self.prefix + prompt + output], dtype=torch.long, device=logits.device)
+        return self.processors(ids, logits[None])[0]  # type: ignore[arg-type]  # a LongTensor, as in hf_output

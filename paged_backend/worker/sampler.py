@@ -9,6 +9,7 @@ distribution the token was drawn from (temperature 1 and no filtering for greedy
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,18 @@ def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[Any], li
     return ints, both[1]
 
 
+def apply_logits_processors(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+    """The request's own logits processors on its row ``logits`` [V], in order (vLLM v0's: a processor with three
+    parameters also gets the prompt's tokens)."""
+    prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
+    for processor in seq.params.logits_processors or []:
+        if len(inspect.signature(processor).parameters) == 3:
+            logits = processor(prompt, output, logits)  # type: ignore[call-arg,arg-type]
+        else:
+            logits = processor(output, logits)  # type: ignore[call-arg,arg-type]
+    return logits
+
+
 class Sampler:
     """Turns the last-token logits of each sampling sequence into a token, its logprob and top-k logprobs."""
 
@@ -128,12 +141,15 @@ class Sampler:
         if self.raw_logprobs and any(p.logprobs is not None for p in params):
             reported = logits.log_softmax(-1)  # before penalties, stop-token bars, temperature and filters
         dev = logits.device
+        for i, seq in enumerate(seqs):
+            if params[i].logits_processors:
+                logits[i] = apply_logits_processors(seq, logits[i])
         barred = [
             i
             for i, (seq, p) in enumerate(zip(seqs, params))
             if seq.num_output_tokens < p.min_tokens and seq.request.stop_token_ids
         ]
-        if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params) and not barred:
+        if all(p.greedy and not p.has_penalties and p.logprobs is None for p in params) and not barred:  # argmax
             return self._greedy(logits)
 
         if any(p.has_penalties for p in params):
