@@ -92,6 +92,8 @@ class ModelConfig:
     # token was drawn from, after penalties, temperature and top-k / top-p / min-p ("processed_logprobs": what an
     # RL trainer's importance ratio wants)
     logprobs_mode: str = "raw_logprobs"
+    # vLLM's: prompts may be embeddings ({"prompt_embeds": [L, hidden] tensor}) instead of token ids
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         check_bool("trust_remote_code", self.trust_remote_code)
@@ -101,6 +103,7 @@ class ModelConfig:
         check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
         check_choice("reasoning_parser", self.reasoning_parser, (None, *REASONING_PARSERS))
         check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        check_bool("enable_prompt_embeds", self.enable_prompt_embeds)
         check_int("max_model_len", self.max_model_len, 1, allow_none=True)
         check_int("seed", self.seed, 0, 2**63 - 1)
 
@@ -226,6 +229,10 @@ class EngineConfig:
         if self.scheduler_config.preemption_mode == "swap" and self.cache_config.swap_space == 0:
             raise FieldError(
                 "preemption_mode", "preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)"
+            )
+        if self.model_config.enable_prompt_embeds and self.parallel_config.tensor_parallel_size > 1:
+            raise FieldError(
+                "enable_prompt_embeds", "enable_prompt_embeds needs tensor_parallel_size=1 (embeddings stay on rank 0)"
             )
 
     @classmethod

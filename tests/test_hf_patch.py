@@ -329,3 +329,29 @@ def test_hf_processors_run_on_the_engine(tokenizer) -> None:
         finite = torch.isfinite(theirs)
         assert torch.equal(finite, torch.isfinite(ours))
         torch.testing.assert_close(ours[finite], theirs[finite], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_inputs_embeds_run_on_the_engine(tokenizer, with_ids: bool) -> None:
+    """``inputs_embeds`` (left-padded, a little off the vocabulary's embeddings) run on the engine as prompt
+    embeddings: HF's sequences (the new tokens alone, or after the input ids when those are given too) and its
+    cache; with output_scores the call goes to HF."""
+    from paged_backend.integrations.hf_outputs import _CACHE_FIELD
+
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    noise = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    embeds = model.get_input_embeddings().weight.detach()[ids] + 0.05 * noise
+    kwargs = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    if with_ids:
+        kwargs["input_ids"] = ids
+    expected = unpatched(model, **kwargs, return_dict_in_generate=True)
+    out = engine_only(model, tokenizer, **kwargs, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert out.sequences.shape[1] == (ids.shape[1] if with_ids else 0) + 8
+    ours, theirs = getattr(out, _CACHE_FIELD), getattr(expected, _CACHE_FIELD)
+    real = torch.cat([mask, torch.ones(len(PROMPTS), 8, dtype=mask.dtype)], 1)[:, :-1].bool()
+    for mine, hf in zip(ours.layers, theirs.layers):
+        torch.testing.assert_close(mine.keys.transpose(1, 2)[real], hf.keys.transpose(1, 2)[real], atol=1e-4, rtol=1e-4)
+    with patched(model, tokenizer, **ENGINE), pytest.warns(UserWarning, match="inputs_embeds with output_scores"):
+        model.generate(**kwargs, return_dict_in_generate=True, output_scores=True)

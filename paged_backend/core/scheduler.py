@@ -231,7 +231,8 @@ class Scheduler:
             if self.running and len(self.running) + to_fork + 1 + len(seq.request.unforked) > self.max_num_seqs:
                 break
             # a cached prefix has no logits: a request still missing prompt logprobs computes its whole prompt
-            cached = [] if seq.request.needs_prompt_logprobs else bm.find_cached_prefix(seq.token_ids, seq.lora_id)
+            uncached = seq.request.needs_prompt_logprobs or not seq.request.cacheable
+            cached = [] if uncached else bm.find_cached_prefix(seq.token_ids, seq.lora_id)
             needed = bm.num_blocks_to_admit(len(seq.token_ids), cached)
             watermark = bm.watermark_blocks if self.running else 0
             if bm.num_free_blocks - needed < watermark:
@@ -381,6 +382,8 @@ class Scheduler:
         bs, known = bm.block_size, bm.prefix_ids_of
         for seq in seqs:
             ids = known.get(seq.seq_id)
+            if not seq.request.cacheable:
+                continue
             if ids is None or (len(ids) + 1) * bs <= seq.num_computed_tokens:
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.lora_id)
 

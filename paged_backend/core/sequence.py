@@ -129,6 +129,9 @@ class Request:
     prompt_logprobs: list[LogprobsArrays] | None = None
     num_prompt_logprobs: int = 0  # prompt tokens with their entry so far
     own_stop_token_ids: frozenset[int] = field(init=False)  # the request's stop_token_ids, as a set
+    # [L, hidden] on the model's device: the prompt as embeddings (prompt_token_ids then hold L placeholder ids,
+    # which no forward reads and no prefix-cache hash may use)
+    prompt_embeds: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.own_stop_token_ids = frozenset(self.params.stop_token_id_list)
@@ -143,6 +146,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(seq.status.finished for seq in self.seqs)
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether its blocks may enter or come from the prefix cache: not when its prompt is embeddings."""
+        return self.prompt_embeds is None
 
     @property
     def stop_token_ids(self) -> frozenset[int]:

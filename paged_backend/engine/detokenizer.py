@@ -32,9 +32,11 @@ INITIAL_CONTEXT_TOKENS = 5
 
 
 def init_offsets(seq: Sequence) -> None:
-    """Start decoding right after the prompt, using its last tokens as context."""
+    """Start decoding right after the prompt, using its last tokens as context (none when the prompt was
+    embeddings: its ids are placeholders)."""
     seq.read_offset = seq.num_prompt_tokens
-    seq.prefix_offset = max(seq.num_prompt_tokens - INITIAL_CONTEXT_TOKENS, 0)
+    context = INITIAL_CONTEXT_TOKENS if seq.request.prompt_embeds is None else 0
+    seq.prefix_offset = max(seq.num_prompt_tokens - context, 0)
 
 
 def detokenize_incrementally(tokenizer: Tokenizer, seq: Sequence, num_tokens: int) -> str:

@@ -69,6 +69,7 @@ class InputProcessor:
         device: torch.device,
         adapters: AdapterSource | None,
         hf_tokenizer: Any = None,
+        embedding: torch.nn.Embedding | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -77,6 +78,7 @@ class InputProcessor:
         self.device = device  # where a seeded request's generator lives: it draws on the logits' device
         self.adapters = adapters
         self.hf_tokenizer = hf_tokenizer  # what structured outputs read the vocabulary from
+        self.embedding = embedding  # the model's input embedding: the width and dtype prompt embeddings take
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self._seq_ids = itertools.count()
@@ -119,7 +121,8 @@ class InputProcessor:
             )
         else:
             params = params.clone()  # checked again (fields may have changed), and out of the caller's reach
-        text, ids = self.tokenize(prompt)
+        embeds = self.prompt_embeds(prompt, params)
+        text, ids = (None, [0] * embeds.shape[0]) if embeds is not None else self.tokenize(prompt)
         self._check(ids, params)
         grammar = None
         if params.structured_outputs is not None:
@@ -134,6 +137,7 @@ class InputProcessor:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             keep_logits=keep_logits,
             arrival_time=time.monotonic(),
+            prompt_embeds=embeds,
         )
         for index in range(params.num_samples):
             generator = None
@@ -146,6 +150,26 @@ class InputProcessor:
                 seq.grammar = self._gated(self.grammar_compiler().matcher(grammar), ids)
             request.seqs.append(seq)
         return request
+
+    def prompt_embeds(self, prompt: PromptType, params: SamplingParams) -> torch.Tensor | None:
+        """``{"prompt_embeds": tensor}``'s embeddings ([L, hidden], floating point), on the model's device in its
+        dtype; None for a prompt of text or token ids."""
+        if not isinstance(prompt, Mapping) or "prompt_embeds" not in prompt:
+            return None
+        if not self.config.model_config.enable_prompt_embeds or self.embedding is None:
+            raise FieldError("prompt_embeds", "prompt_embeds need LLM(..., enable_prompt_embeds=True)")
+        embeds = prompt["prompt_embeds"]
+        if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point() or embeds.dim() != 2:
+            raise FieldError("prompt_embeds", "prompt_embeds must be a 2-D floating-point tensor [tokens, hidden]")
+        weight = self.embedding.weight
+        if embeds.shape[1] != weight.shape[1] or embeds.shape[0] == 0:
+            raise FieldError(
+                "prompt_embeds",
+                f"prompt_embeds must have shape [tokens >= 1, {weight.shape[1]}], got {list(embeds.shape)}",
+            )
+        if params.prompt_logprobs is not None:
+            raise FieldError("prompt_logprobs", "prompt_logprobs need the prompt's tokens: prompt_embeds have none")
+        return embeds.detach().to(weight.device, weight.dtype)
 
     def _gated(self, matcher: GrammarState, prompt_ids: list[int]) -> GrammarState:
         """With a reasoning parser, the grammar waits for the end of the model's thinking

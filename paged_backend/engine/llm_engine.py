@@ -14,6 +14,7 @@ import logging
 import weakref
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from paged_backend.config import EngineConfig
@@ -109,6 +110,7 @@ class LLMEngine:
             self.device,
             self.lora_manager,
             hf_tokenizer=self.tokenizer,
+            embedding=self._input_embedding(),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests = self.output_processor.requests  # unfinished requests by id
@@ -125,6 +127,13 @@ class LLMEngine:
         """Stop tensor-parallel workers now and take LoRA's hooks off the model (both also happen when the
         engine is garbage-collected)."""
         self._finalizer()
+
+    def _input_embedding(self) -> torch.nn.Embedding | None:
+        """The model's input embedding, when prompts may be embeddings."""
+        if not self.config.model_config.enable_prompt_embeds:
+            return None
+        embedding = self.model.get_input_embeddings()
+        return embedding if isinstance(embedding, torch.nn.Embedding) else None
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()

@@ -155,7 +155,7 @@ def make_request_output(request: Request, prompt_logprobs: SequenceOf[PromptLogp
     return RequestOutput(
         request_id=request.request_id,
         prompt=request.prompt,
-        prompt_token_ids=list(request.prompt_token_ids),
+        prompt_token_ids=list(request.prompt_token_ids) if request.prompt_embeds is None else [],
         outputs=outputs,
         finished=request.finished,
         prompt_logprobs=prompt_logprobs,

@@ -57,16 +57,21 @@ def hf_output(
     )
 
 
-def hf_cache(model: Any, sequences: torch.Tensor, prompt_mask: torch.Tensor) -> Any:
+def hf_cache(model: Any, prompt: torch.Tensor, new: torch.Tensor, prompt_mask: torch.Tensor) -> Any:
     """The cache HF's ``generate`` returns: keys and values of every token but the last, its class and layout
-    (left padding kept, finished rows continued with padding), from one forward of the model over the output
-    sequences with HF's positions (the mask's running count). Equal to HF's at every unpadded position, up to
-    the rounding of one forward against HF's step-by-step ones."""
-    new = sequences.shape[1] - prompt_mask.shape[1]
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], new)], dim=1)[:, :-1]
+    (left padding kept, finished rows continued with padding), from one forward of the model over the prompt
+    (ids [B, L], or embeddings [B, L, hidden]) and the ``new`` tokens [B, T], with HF's positions (the mask's
+    running count). Equal to HF's at every unpadded position, up to the rounding of one forward against HF's
+    step-by-step ones."""
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(new.shape)], dim=1)[:, :-1]
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with torch.no_grad():
-        out = model(sequences[:, :-1], attention_mask=mask, position_ids=positions, use_cache=True)
+        if prompt.dim() == 3:
+            embeds = torch.cat([prompt, model.get_input_embeddings()(new).to(prompt.dtype)], dim=1)[:, :-1]
+            inputs = {"inputs_embeds": embeds}
+        else:
+            inputs = {"input_ids": torch.cat([prompt, new], dim=1)[:, :-1]}
+        out = model(**inputs, attention_mask=mask, position_ids=positions, use_cache=True)
     return out.get("cache", None) if "cache" in out else out.get("past_key_values", None)
 
 

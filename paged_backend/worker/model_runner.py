@@ -48,6 +48,22 @@ _WARMUP_LOGITS_INDICES = [3, 6]
 _WARMUP_WIDTH = 5
 
 
+EmbedsPieces = Sequence[tuple[int, torch.Tensor]]  # (flat token offset, [n, hidden] embeddings) of a step
+
+
+def prompt_embeds_pieces(scheduler_output: SchedulerOutput) -> list[tuple[int, torch.Tensor]]:
+    """Where the step's tokens come from prompt embeddings: each row's scheduled positions that fall inside its
+    request's ``prompt_embeds``, as (offset in the flattened batch, their embeddings)."""
+    batch, pieces, offset = scheduler_output.batch, [], 0
+    for row, seq in enumerate(scheduler_output.seqs):
+        count, start = batch.num_scheduled_tokens[row], batch.num_computed_tokens[row]
+        embeds = seq.request.prompt_embeds
+        if embeds is not None and start < embeds.shape[0]:
+            pieces.append((offset, embeds[start : start + count]))
+        offset += count
+    return pieces
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -196,8 +212,9 @@ class ModelRunner:
                 [list(row[:n]) for row, n in zip(zip(*logprob_rows), steps)],
                 grammars=[] if grammars is None else grammars.advanced(sampled),
             )
+        embeds = prompt_embeds_pieces(scheduler_output)
         with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
-            logits = self.run(inputs, use_graphs=not batch.prompt_logprob_rows)
+            logits = self.run(inputs, use_graphs=not batch.prompt_logprob_rows and not embeds, prompt_embeds=embeds)
         # on the host while the forward runs
         grammar_mask = fill_grammar_bitmask(seqs, logits.shape[-1], pin=self.device.type == "cuda")
         prompt = {}
@@ -261,11 +278,13 @@ class ModelRunner:
         input_ids: torch.Tensor | None = None,
         step_index: int = 0,
         use_graphs: bool = True,
+        prompt_embeds: EmbedsPieces = (),
     ) -> torch.Tensor:
         """One step; returns ``[N, V]``. ``input_ids`` [T] on the device replaces ``inputs.input_ids``
         (multi-step decoding feeds the previous step's sampled tokens without a trip to the host);
         ``step_index`` is the step's place in such a run. ``use_graphs=False`` when the logits wanted are not one
-        per row, last token each (prompt logprobs): a graph returns exactly those."""
+        per row, last token each (prompt logprobs), or when ``prompt_embeds`` replace some tokens' embeddings: a
+        graph returns exactly those logits from token ids."""
         if use_graphs and self.graphs is not None and self.graphs.can_run(inputs):
             with self.switch:  # [B, V]: every decode sequence samples
                 return self.graphs.run(inputs, input_ids, step_index % self.graphs.staging.shape[0])
@@ -279,7 +298,7 @@ class ModelRunner:
         calibrate = self.calibrate_kv_scales
         # The calibrating step runs eagerly: compiled code would keep the flag it was traced with.
         with self.switch, self.switch.calibrating() if calibrate else self._compiled():
-            logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices)
+            logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices, prompt_embeds)
         self.calibrate_kv_scales = False  # set once the step's forward went through (a failed one calibrates again)
         return logits[:n]
 
@@ -319,10 +338,17 @@ class ModelRunner:
         positions: torch.Tensor,  # [T]
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N]
+        prompt_embeds: EmbedsPieces = (),
     ) -> torch.Tensor:  # [N, V]
-        kwargs = {"logits_to_keep": logits_indices} if self.takes_logits_to_keep else {}
+        kwargs: dict[str, object] = {"logits_to_keep": logits_indices} if self.takes_logits_to_keep else {}
+        if prompt_embeds:  # the tokens' embeddings, with the prompt embeddings' rows in place of theirs
+            embeds = self.model.get_input_embeddings()(input_ids)
+            for offset, piece in prompt_embeds:
+                embeds[offset : offset + piece.shape[0]] = piece
+            kwargs["inputs_embeds"] = embeds[None]
+        else:
+            kwargs["input_ids"] = input_ids[None]
         out = self.model(
-            input_ids=input_ids[None],
             position_ids=positions[None],
             use_cache=False,
             attn_metadata=metadata,

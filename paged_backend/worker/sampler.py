@@ -103,10 +103,15 @@ def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[Any], li
     return ints, both[1]
 
 
+def prompt_tokens(seq: Sequence) -> list[int]:
+    """The prompt's token ids; none when the prompt was embeddings (its ids are placeholders)."""
+    return seq.token_ids[: seq.num_prompt_tokens] if seq.request.prompt_embeds is None else []
+
+
 def apply_logits_processors(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
     """The request's own logits processors on its row ``logits`` [V], in order (vLLM v0's: a processor with three
     parameters also gets the prompt's tokens)."""
-    prompt, output = seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids
+    prompt, output = prompt_tokens(seq), seq.output_token_ids
     for processor in seq.params.logits_processors or []:
         if len(inspect.signature(processor).parameters) == 3:
             logits = processor(prompt, output, logits)  # type: ignore[call-arg,arg-type]
@@ -155,7 +160,7 @@ class Sampler:
         if any(p.has_penalties for p in params):
             logits = apply_penalties(
                 logits,
-                [s.token_ids[: s.num_prompt_tokens] if p.repetition_penalty != 1 else [] for s, p in zip(seqs, params)],
+                [prompt_tokens(s) if p.repetition_penalty != 1 else [] for s, p in zip(seqs, params)],
                 [s.output_token_ids for s in seqs],
                 torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev),
                 torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev),

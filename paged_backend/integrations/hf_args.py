@@ -1,0 +1,237 @@
+"""HF's ``generate`` arguments as engine requests: which settings the engine honours, the prompts (token ids or
+embeddings, left padding dropped), each row's SamplingParams, and why a call goes to HF's own ``generate``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+
+from paged_backend.integrations.hf_outputs import RowProcessors, hf_processors
+from paged_backend.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_LENGTH = 20  # GenerationConfig's historic default: HF reads it as 20 new tokens
+
+# GenerationConfig fields the engine honours, or that do not change the result.
+_HONOURED = {
+    "max_new_tokens",
+    "max_length",
+    "min_new_tokens",
+    "min_length",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "num_return_sequences",
+    "num_beams",
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+    "decoder_start_token_id",
+    "stop_strings",
+    "return_dict_in_generate",
+    "output_scores",
+    "output_logits",
+    "use_cache",
+    "transformers_version",
+    # run on the engine by HF's own processors, per row (hf_outputs.RowProcessors)
+    "sequence_bias",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "remove_invalid_values",
+    "exponential_decay_length_penalty",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "renormalize_logits",  # scores only: it does not change which token is chosen
+    "_from_model_config",
+}
+# Fields that only act with beam search or an assistant model (both fall back on their own), or on how HF compiles.
+_NO_EFFECT = {
+    "early_stopping",
+    "length_penalty",
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold",
+    "assistant_lookbehind",
+    "target_lookbehind",
+    "assistant_early_exit",
+    "max_matching_ngram_size",
+    "compile_config",
+    "disable_compile",
+    "cache_config",
+    "return_legacy_cache",
+}
+# Values at which the other logits processors do nothing (besides None and False).
+_NEUTRAL = {
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "encoder_repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+    "guidance_scale": 1.0,
+    "cache_implementation": "dynamic",  # the cache HF returns by default (hf_cache); others go to HF's generate
+}
+_FLAGS_OFF = ("output_attentions", "output_hidden_states")
+# generate() arguments that carry objects the engine cannot run.
+OBJECT_ARGUMENTS = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "assistant_model",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "synced_gpus",
+)
+_MODEL_KWARGS = {"attention_mask", "tokenizer", "use_cache", "inputs_embeds"}
+
+
+def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
+    """Why the engine cannot run this call's settings, or None."""
+    if config.num_beams != 1:
+        return f"num_beams={config.num_beams} (beam search)"
+    for flag in _FLAGS_OFF:
+        if getattr(config, flag, False):
+            return f"{flag}=True"
+    for name, value in config.to_diff_dict().items():
+        if name in _HONOURED or name in _NO_EFFECT or value is None or value is False:
+            continue
+        if name not in _NEUTRAL or value != _NEUTRAL[name]:
+            return f"{name}={value!r}"
+    penalty = config.repetition_penalty not in (None, 1.0)
+    if penalty and config.exponential_decay_length_penalty is not None:  # see hf_outputs.RowProcessors
+        return "exponential_decay_length_penalty with repetition_penalty"
+    extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
+    if extra:
+        return f"model arguments {extra}"
+    return None
+
+
+def attention_mask(input_ids: torch.Tensor, mask: torch.Tensor | None, config: GenerationConfig) -> torch.Tensor:
+    """The given mask, or HF's inference: padding where the pad token appears, when it is not also EOS."""
+    if mask is not None:
+        return mask.view(input_ids.shape)
+    pad, eos = config.pad_token_id, config.eos_token_id
+    eos_ids = [] if eos is None else torch.tensor(eos).view(-1).tolist()
+    if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
+        return input_ids.ne(pad).long()
+    return torch.ones_like(input_ids)
+
+
+def eos_token_ids(config: GenerationConfig) -> list[int]:
+    """The config's EOS ids. A negative id never matches a token: HF warns and generates to the length limit."""
+    eos = [] if config.eos_token_id is None else list(torch.tensor(config.eos_token_id).view(-1).tolist())
+    if any(token < 0 for token in eos):
+        logger.warning(
+            "`eos_token_id` should consist of positive integers, but is %s. Your generation will not stop until the "
+            "maximum length is reached. Depending on other flags, it may even crash.",
+            torch.tensor(eos),
+        )
+    return [token for token in eos if token >= 0]
+
+
+def sampling_params(
+    config: GenerationConfig, eos: list[int], max_new: int, width: int, row_processors: RowProcessors | None = None
+) -> SamplingParams:
+    """One row's SamplingParams. EOS comes from the config alone (``ignore_eos`` keeps the engine's own set out).
+    Sampled rows draw their seed from torch's global generator, so ``torch.manual_seed`` reproduces them.
+    ``row_processors``: HF's processors the sampler has no equivalent of, run on the row at every step."""
+    n = config.num_return_sequences or 1
+    min_new = config.min_new_tokens if config.min_new_tokens is not None else max(0, (config.min_length or 0) - width)
+    common = dict(
+        n=n,
+        max_tokens=max_new,
+        min_tokens=min(min_new, max_new),
+        stop_token_ids=eos,
+        ignore_eos=True,
+        stop=config.stop_strings,
+        include_stop_str_in_output=True,
+        repetition_penalty=config.repetition_penalty or 1.0,
+        logits_processors=None if row_processors is None else [row_processors],
+    )
+    if not config.do_sample:
+        return SamplingParams(temperature=0.0, **common)
+    top_p = config.top_p if config.top_p is not None else 1.0
+    return SamplingParams(
+        temperature=config.temperature if config.temperature is not None else 1.0,
+        top_k=1 if top_p == 0 else config.top_k or -1,  # HF's top_p=0 keeps the most likely token alone
+        top_p=top_p or 1.0,
+        min_p=config.min_p or 0.0,
+        seed=int(torch.randint(0, 2**62, (1,)).item()),
+        **common,
+    )
+
+
+@dataclass
+class GenerateCall:
+    """One ``generate`` call as engine requests, and what HF's output is built from."""
+
+    prompts: list[dict[str, Any]]  # engine prompts: token ids, or embeddings
+    params: list[SamplingParams]
+    prefix: torch.Tensor  # [B, W] the ids HF's sequences start with (the input ids; none for embeddings alone)
+    prompt: torch.Tensor  # [B, L] input ids or [B, L, hidden] embeddings, padding included (HF's cache covers it)
+    mask: torch.Tensor  # [B, L] attention mask
+    processors: LogitsProcessorList  # HF's, for the call's scores
+    pad: int
+    max_new: int
+
+
+def plan_call(
+    model: Any, inputs: Any, config: GenerationConfig, model_kwargs: dict[str, Any], default_length: bool
+) -> GenerateCall | str:
+    """The call's requests, or why the engine cannot run it. ``config`` is HF's merged config (its
+    ``max_length`` set as HF sets it); ``default_length``: no max_length was given anywhere."""
+    input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
+    reason = unsupported(config, model_kwargs)
+    if reason is not None:
+        return reason
+    embeds = model_kwargs.get("inputs_embeds")
+    prompt = embeds if embeds is not None else input_ids
+    if embeds is not None and (config.output_scores or (input_ids is not None and config.repetition_penalty != 1)):
+        return "inputs_embeds with output_scores, or with input_ids and repetition_penalty"
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != (3 if embeds is not None else 2) or not prompt.numel():
+        return "input_ids must be a 2-D tensor of token ids [batch, length] (inputs_embeds: [batch, length, hidden])"
+    ids_for_mask = prompt if embeds is None else torch.ones(prompt.shape[:2], dtype=torch.long, device=prompt.device)
+    mask = attention_mask(ids_for_mask, model_kwargs.get("attention_mask"), config)
+    real = mask.ne(0).int()
+    if bool((real.cummax(dim=1).values > real).any()):
+        return "attention_mask pads a row on the right (HF generates after the padding)"
+    width = prompt.shape[1]
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    elif default_length:
+        limit = getattr(model.config, "max_position_embeddings", None)
+        max_new = config.max_length if limit is None else min(config.max_length, limit - width)
+    else:
+        max_new = config.max_length - width
+    if max_new < 1:  # HF's own generate says what is wrong with the lengths
+        return "no tokens left to generate"
+    config.max_length = width + max_new  # as HF sets it (its forced EOS comes at the last token)
+    pads = real.argmax(dim=1)
+    padding = pads.repeat_interleave(config.num_return_sequences or 1)
+    processors = hf_processors(config, width, padding.to(prompt.device))  # raises what HF's would
+    eos = eos_token_ids(config)
+    rows = [row[m.bool()] for row, m in zip(prompt, mask)]
+    if embeds is not None:
+        if RowProcessors.of(processors, []) is not None:  # they would read the prompt's ids
+            return "inputs_embeds with generation settings run by HF's processors"
+        prompts = [{"prompt_embeds": row} for row in rows]
+        row_processors: list[RowProcessors | None] = [None] * len(rows)
+    else:
+        prompts = [{"prompt_token_ids": row.tolist()} for row in rows]
+        row_processors = [RowProcessors.of(processors, row[:n].tolist()) for row, n in zip(prompt, pads.tolist())]
+    params = [sampling_params(config, eos, max_new, width, rp) for rp in row_processors]
+    prefix = input_ids if input_ids is not None else torch.zeros(len(rows), 0, dtype=torch.long, device=prompt.device)
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    return GenerateCall(prompts, params, prefix, prompt, mask, processors, pad, max_new)
