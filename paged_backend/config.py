@@ -94,6 +94,9 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"
     # vLLM's: prompts may be embeddings ({"prompt_embeds": [L, hidden] tensor}) instead of token ids
     enable_prompt_embeds: bool = False
+    # a request's tokens and logprobs independent of its batch, chunking, prefix hits and preemption
+    # (worker/batch_invariant.py: exact, eager and slow)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         check_bool("trust_remote_code", self.trust_remote_code)
@@ -104,6 +107,9 @@ class ModelConfig:
         check_choice("reasoning_parser", self.reasoning_parser, (None, *REASONING_PARSERS))
         check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         check_bool("enable_prompt_embeds", self.enable_prompt_embeds)
+        check_bool("batch_invariant", self.batch_invariant)
+        if self.batch_invariant and self.quantization is not None:
+            raise FieldError("batch_invariant", "batch_invariant runs unquantized linear layers: quantization=None")
         check_int("max_model_len", self.max_model_len, 1, allow_none=True)
         check_int("seed", self.seed, 0, 2**63 - 1)
 
@@ -229,6 +235,12 @@ class EngineConfig:
         if self.scheduler_config.preemption_mode == "swap" and self.cache_config.swap_space == 0:
             raise FieldError(
                 "preemption_mode", "preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)"
+            )
+        if self.model_config.batch_invariant and (
+            self.lora_config.enable_lora or self.parallel_config.tensor_parallel_size > 1
+        ):
+            raise FieldError(
+                "batch_invariant", "batch_invariant needs enable_lora=False and tensor_parallel_size=1 (for now)"
             )
         if self.model_config.enable_prompt_embeds and self.parallel_config.tensor_parallel_size > 1:
             raise FieldError(

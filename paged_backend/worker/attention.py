@@ -18,6 +18,7 @@ import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from paged_backend.kernels.ops import paged_attention, paged_attention_op, write_kv_cache, write_kv_cache_op
+from paged_backend.worker.batch_invariant import exact_attention
 
 ATTN_IMPLEMENTATION = "paged_backend"
 # Inside the engine's forward each attention module carries its layer's (k_cache, v_cache) under this name. Reading
@@ -40,6 +41,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, new-token offsets per sequence
     context_lens: torch.Tensor  # [B] int64, cached + new tokens per sequence
+    exact: bool = False  # batch_invariant: each query over exactly its keys, alone (worker/batch_invariant.py)
 
 
 def paged_attention_forward(
@@ -101,7 +103,8 @@ def paged_attention_forward(
         )
     else:
         write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping, k_scale, v_scale)
-        out = paged_attention(
+        attend = exact_attention if attn_metadata.exact else paged_attention
+        out = attend(
             q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scaling, sliding_window, softcap, k_scale, v_scale
         )
     return out.unsqueeze(0), None  # [1, T, H, D]

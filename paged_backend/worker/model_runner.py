@@ -22,13 +22,16 @@ import torch
 from torch._dynamo.backends.registry import CompilerFn
 from transformers import PreTrainedModel
 
+from paged_backend.config import FieldError
 from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput
 from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.kernels.greedy import greedy_tokens
 from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
+from paged_backend.quantization.awq import AWQLinear
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
+from paged_backend.worker.batch_invariant import BatchInvariantMode
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
@@ -71,6 +74,7 @@ class ModelRunner:
         cache_engine: CacheEngine,
         device: torch.device,
         enforce_eager: bool = True,
+        batch_invariant: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
         num_scheduler_steps: int = 1,
@@ -80,6 +84,9 @@ class ModelRunner:
         logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
+        if batch_invariant and any(isinstance(m, AWQLinear) for m in model.modules()):
+            raise FieldError("batch_invariant", "batch_invariant runs unquantized linear layers: this model is AWQ")
         self.cache_engine = cache_engine
         self.device = device
         self.lora_manager = lora_manager
@@ -292,12 +299,13 @@ class ModelRunner:
         if self.regions is not None:
             short = inputs.num_seqs < 2 or inputs.num_tokens < 2
             inputs = pad_step_inputs(inputs, 1 if short else 0, min_logits=2, min_width=2)
-        d = inputs.to(self.device)
+        d = inputs.to(self.device, exact=self.batch_invariant)
         if input_ids is not None:
             d.input_ids = torch.cat([input_ids, d.input_ids[input_ids.shape[0] :]])  # keeps any padding token
         calibrate = self.calibrate_kv_scales
         # The calibrating step runs eagerly: compiled code would keep the flag it was traced with.
-        with self.switch, self.switch.calibrating() if calibrate else self._compiled():
+        invariant = BatchInvariantMode() if self.batch_invariant else contextlib.nullcontext()
+        with self.switch, self.switch.calibrating() if calibrate else self._compiled(), invariant:
             logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices, prompt_embeds)
         self.calibrate_kv_scales = False  # set once the step's forward went through (a failed one calibrates again)
         return logits[:n]

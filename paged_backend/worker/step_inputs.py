@@ -39,7 +39,7 @@ class StepInputs:
     def decode_only(self) -> bool:
         return self.num_tokens == self.num_seqs
 
-    def to(self, device: torch.device) -> DeviceInputs:
+    def to(self, device: torch.device, exact: bool = False) -> DeviceInputs:
         def to(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to(device, non_blocking=True)
 
@@ -48,6 +48,7 @@ class StepInputs:
             block_tables=to(self.block_tables),
             cu_seqlens_q=to(self.cu_seqlens_q),
             context_lens=to(self.context_lens),
+            exact=exact,
         )
         return DeviceInputs(to(self.input_ids), to(self.positions), metadata, to(self.logits_indices))
 

@@ -122,6 +122,12 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
     )
     parser.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=None,
+        help="a request's output independent of its batch (exact and slow: eager, a row at a time)",
+    )
+    parser.add_argument(
         "--disable-custom-all-reduce",
         action="store_true",
         default=None,
@@ -197,6 +203,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         "enforce_eager",
         "calculate_kv_scales",
         "enable_lora",
+        "batch_invariant",
         "disable_custom_all_reduce",
     ]
     engine: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}

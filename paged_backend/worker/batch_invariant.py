@@ -1,0 +1,90 @@
+"""``batch_invariant=True``: a request's tokens and logprobs do not depend on the other requests in its steps,
+on how its prompt was chunked, on prefix-cache hits or on preemption.
+
+A token's result changes with its batch only where a reduction's order does: a matrix product picks its blocking
+(and so the order it sums in) by the number of rows, and the attention's reference twin pads each group's
+contexts to the longest, so the softmax and the weighted sum run over rows of the batch's length. Here each row
+of every linear layer is computed alone, as a batch of one (``F.linear``, the ``torch.addmm`` of GPT-2's Conv1D,
+``torch.matmul`` by a 2-D weight), and each query attends over exactly the keys it sees, one query at a time:
+every reduction then has the shape its own token gives it. Elementwise work, the row-wise norms and the
+sampler's per-row softmax need nothing. Steps run eagerly (no compiled layers, no CUDA graphs). This is the
+exact path, not a fast one: a matrix product becomes one vector product per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``product`` of each row of ``x`` [..., K] alone, stacked back to [..., N]."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.cat([product(flat[i : i + 1]) for i in range(flat.shape[0])])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class BatchInvariantMode(TorchFunctionMode):
+    """Inside: linear layers computed a row at a time (see the module's docstring)."""
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear and args[0].numel():
+            weight = args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return _rows(args[0], lambda row: F.linear(row, weight, bias))
+        if func is torch.addmm and not kwargs and len(args) == 3 and args[1].numel():
+            bias, x, weight = args
+            return _rows(x, lambda row: torch.addmm(bias, row, weight))
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and not kwargs and len(args) == 2:
+            x, weight = args
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 2 and x.numel():
+                return _rows(x, lambda row: torch.matmul(row, weight))
+        return func(*args, **kwargs)
+
+
+def exact_attention(
+    query: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    cu_seqlens_q: torch.Tensor,  # [B + 1]
+    context_lens: torch.Tensor,  # [B]
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,  # [Hkv], fp8 caches only
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """Paged attention, one query at a time over exactly the keys it sees (its window's), in fp32: each
+    reduction's length is the token's own context, whatever else the step holds."""
+    out = torch.empty_like(query)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    per_kv = query.shape[1] // num_kv_heads
+    starts, contexts = cu_seqlens_q.tolist(), context_lens.tolist()
+    for row, context in enumerate(contexts):
+        num_new = starts[row + 1] - starts[row]
+        if num_new == 0:
+            continue
+        positions = torch.arange(context, device=query.device)
+        slots = block_tables[row, positions // block_size].long() * block_size + positions % block_size
+        keys = k_cache.flatten(0, 1)[slots].float()  # [C, Hkv, D]
+        values = v_cache.flatten(0, 1)[slots].float()
+        if k_scale is not None and v_scale is not None:
+            keys, values = keys * k_scale[:, None], values * v_scale[:, None]
+        keys, values = keys.repeat_interleave(per_kv, dim=1), values.repeat_interleave(per_kv, dim=1)  # [C, H, D]
+        for j in range(num_new):
+            position = context - num_new + j
+            first = 0 if sliding_window is None else max(0, position - sliding_window + 1)
+            scores = torch.einsum("hd,chd->hc", query[starts[row] + j].float(), keys[first : position + 1]) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            probs = torch.softmax(scores, dim=-1)
+            out[starts[row] + j] = torch.einsum("hc,chd->hd", probs, values[first : position + 1]).to(out.dtype)
+    return out

@@ -1,0 +1,75 @@
+"""``batch_invariant=True``: a request's tokens and logprobs are the same alone and inside batches of other
+requests, with its prompt chunked, served from the prefix cache or preempted — to the last bit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from paged_backend import LLM, SamplingParams
+from tests.conftest import assert_idle, tiny_model
+
+RNG = random.Random(0)
+TARGET = [RNG.randrange(1, 500) for _ in range(37)]
+OTHERS = [[RNG.randrange(1, 500) for _ in range(RNG.randint(5, 60))] for _ in range(64)]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True, logprobs=3)
+
+
+def target_output(arch: str, others: list[list[int]], params: SamplingParams, **engine_kwargs: object) -> list:
+    """The target request's tokens and its logprob entries, run first beside ``others``."""
+    llm = LLM(tiny_model(arch), batch_invariant=True, block_size=4, max_model_len=128, **engine_kwargs)
+    prompts = [{"prompt_token_ids": TARGET}] + [{"prompt_token_ids": p} for p in others]
+    out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    assert_idle(llm)
+    return [list(out.token_ids), [{t: (e.logprob, e.rank) for t, e in entry.items()} for entry in out.logprobs]]
+
+
+def test_alone_and_in_any_batch_alike() -> None:
+    alone = target_output("llama", [], GREEDY)
+    assert target_output("llama", OTHERS[:1], GREEDY) == alone
+    assert target_output("llama", OTHERS[:7], GREEDY, num_scheduler_steps=1) == alone
+    assert target_output("llama", OTHERS, GREEDY) == alone  # 64 others
+    assert target_output("llama", OTHERS[:16], GREEDY, max_num_batched_tokens=16, max_num_seqs=8) == alone  # chunked
+    assert target_output("llama", OTHERS[:8], GREEDY, num_kv_blocks=40, preemption_mode="recompute") == alone
+
+
+@pytest.mark.parametrize("arch,params", [("gpt2", GREEDY), ("llama", SAMPLED)], ids=["gpt2", "seeded"])
+def test_other_layers_and_seeded_sampling(arch: str, params: SamplingParams) -> None:
+    """GPT-2's Conv1D layers (torch.addmm) and seeded sampling keep the guarantee."""
+    alone = target_output(arch, [], params)
+    assert target_output(arch, OTHERS[:12], params, max_num_batched_tokens=16, max_num_seqs=8) == alone
+
+
+def test_prefix_cache_hits_change_nothing() -> None:
+    llm = LLM(tiny_model("llama"), batch_invariant=True, block_size=4, max_model_len=128)
+    prompts = [{"prompt_token_ids": TARGET}] + [{"prompt_token_ids": p} for p in OTHERS[:8]]
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    cached = llm.stats()["num_prompt_tokens_cached"]
+    again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # its prompt's blocks come from the cache
+    assert llm.stats()["num_prompt_tokens_cached"] > cached
+    ours, theirs = first[0].outputs[0], again[0].outputs[0]
+    assert ours.token_ids == theirs.token_ids
+    assert [{t: e.logprob for t, e in d.items()} for d in ours.logprobs] == [
+        {t: e.logprob for t, e in d.items()} for d in theirs.logprobs
+    ]
+
+
+def test_greedy_still_equals_hf() -> None:
+    import torch
+
+    model = tiny_model("llama")
+    llm = LLM(model, batch_invariant=True, block_size=4, max_model_len=128)
+    (out,) = llm.generate({"prompt_token_ids": TARGET}, GREEDY, use_tqdm=False)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([TARGET]), max_new_tokens=16, do_sample=False, eos_token_id=None)
+    assert list(out.outputs[0].token_ids) == hf[0, len(TARGET) :].tolist()
+
+
+def test_what_it_cannot_run_is_refused() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="batch_invariant runs unquantized linear layers"):
+        LLM(model, batch_invariant=True, quantization="awq")
+    with pytest.raises(ValueError, match="batch_invariant needs enable_lora=False"):
+        LLM(model, batch_invariant=True, enable_lora=True)
