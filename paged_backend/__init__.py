@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from paged_backend.engine.llm_engine import LLMEngine
     from paged_backend.entrypoints.llm import LLM, PagedGenerationBackend
     from paged_backend.integrations.hf import patch, patched, unpatch
+    from paged_backend.worker.batch_invariant import batch_invariant_forward
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "patch",
     "unpatch",
     "patched",
+    "batch_invariant_forward",
 ]
 
 _LAZY = {
@@ -41,6 +43,7 @@ _LAZY = {
     "patch": "paged_backend.integrations.hf",
     "unpatch": "paged_backend.integrations.hf",
     "patched": "paged_backend.integrations.hf",
+    "batch_invariant_forward": "paged_backend.worker.batch_invariant",
 }
 
 

@@ -73,3 +73,36 @@ def test_what_it_cannot_run_is_refused() -> None:
         LLM(model, batch_invariant=True, quantization="awq")
     with pytest.raises(ValueError, match="batch_invariant needs enable_lora=False"):
         LLM(model, batch_invariant=True, enable_lora=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_trainer_logprobs_equal_the_sampled_ones(arch: str) -> None:
+    """RL parity: the sampled tokens' logprobs (``logprobs=0``) against the trainer's forward over the finished
+    sequences — close on the default engine beside a plain HF forward, bit-equal with ``batch_invariant=True``
+    and the model's forward under ``batch_invariant_forward`` (with autograd on: a trainer's forward)."""
+    import torch
+
+    from paged_backend.worker.batch_invariant import batch_invariant_forward
+
+    model = tiny_model(arch)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [TARGET, OTHERS[0], OTHERS[1]]
+
+    def trainer_logprobs(prompt: list[int], tokens: list[int], exact: bool) -> list[float]:
+        ids = torch.tensor([prompt + tokens])
+        with batch_invariant_forward(model) if exact else torch.enable_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        assert logits.requires_grad  # the trainer's own forward, not an inference-mode copy
+        return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+    for exact in (False, True):
+        llm = LLM(model, batch_invariant=exact, block_size=4, max_model_len=128)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            tokens = list(out.outputs[0].token_ids)
+            sampled = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, tokens)]
+            theirs = trainer_logprobs(prompt, tokens, exact)
+            if exact:
+                assert sampled == theirs
+            else:
+                assert max(abs(a - b) for a, b in zip(sampled, theirs)) < 1e-4

@@ -13,12 +13,14 @@ exact path, not a fast one: a matrix product becomes one vector product per toke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from transformers import AttentionInterface, PretrainedConfig
 
 
 def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -78,13 +80,77 @@ def exact_attention(
         values = v_cache.flatten(0, 1)[slots].float()
         if k_scale is not None and v_scale is not None:
             keys, values = keys * k_scale[:, None], values * v_scale[:, None]
-        keys, values = keys.repeat_interleave(per_kv, dim=1), values.repeat_interleave(per_kv, dim=1)  # [C, H, D]
+        keys = keys.repeat_interleave(per_kv, dim=1).contiguous()  # [C, H, D]
+        values = values.repeat_interleave(per_kv, dim=1).contiguous()
         for j in range(num_new):
             position = context - num_new + j
             first = 0 if sliding_window is None else max(0, position - sliding_window + 1)
-            scores = torch.einsum("hd,chd->hc", query[starts[row] + j].float(), keys[first : position + 1]) * scale
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            probs = torch.softmax(scores, dim=-1)
-            out[starts[row] + j] = torch.einsum("hc,chd->hd", probs, values[first : position + 1]).to(out.dtype)
+            query_row = query[starts[row] + j].float()
+            attended = attend_one(query_row, keys[first : position + 1], values[first : position + 1], scale, softcap)
+            out[starts[row] + j] = attended.to(out.dtype)
     return out
+
+
+def attend_one(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """One query [H, D] over exactly the keys and values [C, H, D] it sees, in fp32: [H, D]."""
+    scores = torch.einsum("hd,chd->hc", query, keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.einsum("hc,chd->hd", torch.softmax(scores, dim=-1), values)
+
+
+# ---------------------------------------------------------------------------------------------------- trainer side
+EXACT_ATTENTION = "paged_backend_exact"
+
+
+def exact_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, L, D]
+    key: torch.Tensor,  # [B, Hkv, L, D]
+    value: torch.Tensor,  # [B, Hkv, L, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF's attention as the engine's batch-invariant steps compute it (``attend_one``, query by query),
+    differentiable: causal over unpadded sequences (the mask is not read)."""
+    batch, heads, length, _ = query.shape
+    per_kv = heads // key.shape[1]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    keys = key.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()  # [B, L, H, D]
+    values = value.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()
+    rows = []
+    for b in range(batch):
+        for p in range(length):
+            first = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+            rows.append(
+                attend_one(query[b, :, p].float(), keys[b, first : p + 1], values[b, first : p + 1], scale, softcap)
+            )
+    return torch.stack(rows).view(batch, length, heads, -1).to(query.dtype), None
+
+
+AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
+
+
+@contextlib.contextmanager
+def batch_invariant_forward(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, the model's own (differentiable) forward computes as ``batch_invariant=True`` steps do: a trainer's
+    logprobs over unpadded sequences equal, bit for bit, the ones the engine reported while sampling them (fp32
+    on a CPU). Each linear layer runs a row at a time and the attention a query at a time: slow."""
+    configs = {
+        id(c): c for c in [getattr(m, "config", None) for m in model.modules()] if isinstance(c, PretrainedConfig)
+    }
+    previous = {key: c._attn_implementation_internal for key, c in configs.items()}
+    for c in configs.values():
+        c._attn_implementation_internal = EXACT_ATTENTION
+    try:
+        with BatchInvariantMode():
+            yield
+    finally:
+        for key, c in configs.items():
+            c._attn_implementation_internal = previous[key]
