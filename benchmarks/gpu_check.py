@@ -3,7 +3,10 @@ fp32 models of every tested architecture (full-precision dots in fp32), eagerly 
 + CUDA graphs (``--compiled`` picks the architectures; default all); with ``--lora``, a batch mixing the base
 model and a PEFT adapter on all seven projections, against the PEFT-merged model; with ``--awq``, an AWQ
 checkpoint against its dequantized model; with ``--fp8-kv``, ``kv_cache_dtype="fp8"`` (scales of 1, and from the
-first step with ``calculate_kv_scales``) against HF reading keys and values through the same fp8 round trip.
+first step with ``calculate_kv_scales``) against HF reading keys and values through the same fp8 round trip;
+with ``--paths``, prompt embeddings against HF ``generate(inputs_embeds=...)`` (compiled engine: their steps run
+without graphs), greedy JSON-schema requests in multi-step rounds against single steps, and ``batch_invariant=True``
+(one request alone against it beside 63 others, tokens and logprobs).
 The kernels' own tests run with ``python -m pytest tests/test_kernels.py tests/test_fp8_kv_cache.py`` on the
 same machine; speed is ``benchmarks/throughput.py``.
 
@@ -195,12 +198,59 @@ def fp8_kv_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     return rows
 
 
+def paths_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
+    """Prompt embeddings, grammar rounds and batch invariance on the GPU (see the module's docstring)."""
+    from paged_backend import StructuredOutputsParams
+
+    rows = []
+    model = build_tiny_model("llama", vocab_size=len(tokenizer)).cuda()
+    prompts = tiny_prompts()
+    weight = model.get_input_embeddings().weight.detach()
+    embeds = [weight[p] + 0.05 * torch.randn(len(p), weight.shape[1], device="cuda") for p in prompts]
+    llm = LLM(model, tokenizer=tokenizer, enable_prompt_embeds=True, **SMALL_ENGINE)
+    outs = llm.generate(
+        [{"prompt_embeds": e} for e in embeds], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
+    )
+    refs = []
+    for e in embeds:
+        ref = model.generate(inputs_embeds=e[None], max_new_tokens=16, do_sample=False, eos_token_id=2, pad_token_id=0)
+        ref = ref[0].tolist()
+        refs.append(ref[: ref.index(2) + 1] if 2 in ref else ref)
+    rows.append(engine_row("llama embeds", False, llm, outs, refs))
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 6}
+    json_params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema))
+    by_steps = []
+    for steps in (1, 8):
+        llm = LLM(model, tokenizer=tokenizer, num_scheduler_steps=steps, max_model_len=80)
+        by_steps.append(
+            [
+                o.outputs[0].token_ids
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], json_params, use_tqdm=False)
+            ]
+        )
+        llm.llm_engine.shutdown()
+    rows.append(("llama json", "rounds=single", sum(a == b for a, b in zip(*by_steps)), len(prompts), 0, 0))
+    invariant = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    others = [[random.Random(i).randrange(3, 512) for _ in range(5 + i % 40)] for i in range(63)]
+    results = []
+    for batch in ([], others):
+        llm = LLM(model, tokenizer=tokenizer, batch_invariant=True, max_model_len=80)
+        out = llm.generate([{"prompt_token_ids": p} for p in [prompts[-1], *batch]], invariant, use_tqdm=False)[
+            0
+        ].outputs[0]
+        results.append((out.token_ids, [{t: e.logprob for t, e in d.items()} for d in out.logprobs]))
+        llm.llm_engine.shutdown()
+    rows.append(("llama invariant", "alone=in 64", int(results[0] == results[1]), 1, 0, 0))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="greedy equality with HF generate on the GPU")
     parser.add_argument("--compiled", default=",".join(TINY_CONFIGS), help="architectures also run compiled")
     parser.add_argument("--lora", action="store_true", help="also a base + PEFT adapter batch (needs peft)")
     parser.add_argument("--awq", action="store_true", help="also an AWQ checkpoint against its dequantized model")
     parser.add_argument("--fp8-kv", action="store_true", help="also an fp8 KV cache against HF reading fp8 values")
+    parser.add_argument("--paths", action="store_true", help="also prompt embeddings, grammar rounds, batch_invariant")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.info("torch %s, %s", torch.__version__, torch.cuda.get_device_name())
@@ -213,6 +263,8 @@ def main() -> None:
         rows += awq_equality(tokenizer)
     if args.fp8_kv:
         rows += fp8_kv_equality(tokenizer)
+    if args.paths:
+        rows += paths_equality(tokenizer)
     for arch, mode, matches, total, preempted, swapped in rows:
         logger.info(
             "greedy == HF generate on GPU: %-8s %-16s %d/%d prompts (%d preemptions, %d swapped out)",
