@@ -184,7 +184,6 @@ class GenerateCall:
     mask: torch.Tensor  # [B, L] attention mask
     processors: LogitsProcessorList  # HF's, for the call's scores
     pad: int
-    max_new: int
 
 
 def plan_call(
@@ -234,4 +233,4 @@ def plan_call(
     params = [sampling_params(config, eos, max_new, width, rp) for rp in row_processors]
     prefix = input_ids if input_ids is not None else torch.zeros(len(rows), 0, dtype=torch.long, device=prompt.device)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    return GenerateCall(prompts, params, prefix, prompt, mask, processors, pad, max_new)
+    return GenerateCall(prompts, params, prefix, prompt, mask, processors, pad)
