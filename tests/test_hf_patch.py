@@ -355,3 +355,24 @@ def test_inputs_embeds_run_on_the_engine(tokenizer, with_ids: bool) -> None:
         torch.testing.assert_close(mine.keys.transpose(1, 2)[real], hf.keys.transpose(1, 2)[real], atol=1e-4, rtol=1e-4)
     with patched(model, tokenizer, **ENGINE), pytest.warns(UserWarning, match="inputs_embeds with output_scores"):
         model.generate(**kwargs, return_dict_in_generate=True, output_scores=True)
+
+
+def test_scores_of_rows_that_end_early_are_hf(tokenizer) -> None:
+    """HF keeps computing a finished row (fed padding) and reports those scores; when a row ends before the
+    others, the call runs on HF's generate, with the torch RNG as the call found it (so a seeded sampled call
+    gives HF's own sample)."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    greedy = unpatched(model, ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    eos = int(greedy[1, ids.shape[1] + 1])  # the second row's second new token ends it
+    for sampled in (False, True):
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=sampled, eos_token_id=eos, pad_token_id=PAD)
+        kwargs.update(return_dict_in_generate=True, output_scores=True)
+        torch.manual_seed(5)
+        expected = unpatched(model, ids, **kwargs)
+        with patched(model, tokenizer, **ENGINE), pytest.warns(UserWarning, match="a row ended before the others"):
+            torch.manual_seed(5)
+            out = model.generate(ids, **kwargs)
+        assert torch.equal(out.sequences, expected.sequences)
+        for ours, theirs in zip(out.scores, expected.scores):
+            assert torch.equal(ours, theirs)

@@ -93,6 +93,7 @@ class PagedGenerate:
         if reason is not None:
             return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
         hf_kwargs = {k: v for k, v in kwargs.items() if k not in OBJECT_ARGUMENTS}
+        rng = torch.get_rng_state()  # sampled rows draw their seeds from it: a late fall-back restores it
         # As HF decides before merging: no max_length anywhere means "20 new tokens", not 20 in all.
         configs = (generation_config, self.model.generation_config)
         default_length = kwargs.get("max_length") is None and all(
@@ -120,6 +121,11 @@ class PagedGenerate:
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         n = config.num_return_sequences or 1
         new = max(len(c.token_ids) for c in completions)
+        if keep_logits and any(len(c.token_ids) < new for c in completions):
+            # HF keeps computing a finished row, fed padding, and reports those logits; the engine ended it
+            torch.set_rng_state(rng)
+            reason = "a row ended before the others and its scores/logits after that are HF's of feeding it padding"
+            return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
         width = call.prefix.shape[1]
         sequences = torch.full((len(completions), width + new), call.pad, dtype=torch.long, device=call.prefix.device)
         sequences[:, :width] = call.prefix.repeat_interleave(n, dim=0)

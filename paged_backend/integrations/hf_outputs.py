@@ -76,17 +76,9 @@ def hf_cache(model: Any, prompt: torch.Tensor, new: torch.Tensor, prompt_mask: t
 
 
 def step_logits(completions: list[Any], num_steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """HF's ``logits``: one ``[rows, V]`` fp32 tensor per step. A row that already finished holds NaN at later
-    steps (HF has the logits of feeding it padding there)."""
-    vocab = completions[0].logits[0].shape[-1]
-    steps = []
-    for t in range(num_steps):
-        step = torch.full((len(completions), vocab), float("nan"))
-        for r, c in enumerate(completions):
-            if t < len(c.logits):
-                step[r] = c.logits[t]
-        steps.append(step.to(device))
-    return tuple(steps)
+    """HF's ``logits``: one ``[rows, V]`` fp32 tensor per step (every row has all steps: a call whose rows end
+    at different steps goes to HF, which has the logits of feeding a finished row padding)."""
+    return tuple(torch.stack([c.logits[t] for c in completions]).float().to(device) for t in range(num_steps))
 
 
 def hf_processors(config: GenerationConfig, width: int, padding: torch.Tensor) -> LogitsProcessorList:
