@@ -280,9 +280,10 @@ def test_return_dict_carries_hf_cache(tokenizer, arch: str) -> None:
 
 
 def test_hf_argument_edge_cases_as_hf(tokenizer) -> None:
-    """Accept what HF accepts (a negative EOS id, which never matches, with HF's warning; top_p=0, which keeps the
-    most likely token), raise what HF raises (do_sample with temperature 0: HF's message; 1-D input_ids: HF's
-    own error, through its generate), and send cache implementations other than the dynamic one to HF."""
+    """Accept what HF accepts (a negative EOS id, which never matches, with HF's warning; top_p=0, which keeps
+    the most likely token; top_p above 1, which filters nothing), raise what HF raises (do_sample with
+    temperature 0: HF's message; 1-D input_ids: HF's own error, through its generate), and send cache
+    implementations other than the dynamic one to HF."""
     model = tiny_model("llama")
     ids, mask = left_padded(PROMPTS)
     for kwargs in (dict(eos_token_id=-1, do_sample=False), dict(do_sample=True, top_p=0.0)):
@@ -290,6 +291,8 @@ def test_hf_argument_edge_cases_as_hf(tokenizer) -> None:
         assert torch.equal(
             engine_only(model, tokenizer, ids, attention_mask=mask, max_new_tokens=8, **kwargs), expected
         )
+    wide = engine_only(model, tokenizer, ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_p=1.5)
+    assert wide.shape == (len(PROMPTS), ids.shape[1] + 4)
     dynamic = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="dynamic")
     assert torch.equal(engine_only(model, tokenizer, ids, **dynamic), unpatched(model, ids, **dynamic))
     with patched(model, tokenizer, **ENGINE):

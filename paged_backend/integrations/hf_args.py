@@ -166,7 +166,7 @@ def sampling_params(
     return SamplingParams(
         temperature=config.temperature if config.temperature is not None else 1.0,
         top_k=1 if top_p == 0 else config.top_k or -1,  # HF's top_p=0 keeps the most likely token alone
-        top_p=top_p or 1.0,
+        top_p=top_p if 0 < top_p < 1 else 1.0,  # HF filters only below 1
         min_p=config.min_p or 0.0,
         seed=int(torch.randint(0, 2**62, (1,)).item()),
         **common,
