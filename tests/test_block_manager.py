@@ -159,6 +159,26 @@ def test_prefix_cache_reuses_full_blocks_and_evicts_least_recently_used() -> Non
     assert bm.num_free_blocks == 4
 
 
+def test_a_sequence_running_across_a_weight_change_is_never_cached() -> None:
+    """Its first token's KV came from the old weights, and every later token attends to it: when its block
+    fills after the reset, no entry is made (nor for a sample forked from it); a sequence started afterwards is
+    cached again."""
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    assert bm.allocate_slots(0, 0, 1) == []
+    bm.reset_prefix_cache()
+    bm.fork(0, 1)
+    assert bm.allocate_slots(0, 1, 3) is not None  # a copy-on-write copy of the shared block
+    assert bm.allocate_slots(1, 1, 3) == []
+    bm.cache_full_blocks(0, [0, 0, 1, 0], 4)
+    bm.cache_full_blocks(1, [0, 0, 1, 0], 4)
+    assert bm.find_cached_prefix([0, 0, 1, 0, 0]) == [] and bm.num_cached_blocks == 0
+    bm.free(0)
+    bm.free(1)
+    assert bm.allocate_slots(2, 0, 4) == []
+    bm.cache_full_blocks(2, [0, 0, 1, 0], 4)
+    assert bm.find_cached_prefix([0, 0, 1, 0, 0]) == bm.get_block_table(2)
+
+
 def test_kv_waste_counts_shared_blocks_once() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     bm.allocate_slots(0, 0, 6)  # 6 tokens in 2 blocks

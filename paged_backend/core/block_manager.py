@@ -56,6 +56,7 @@ class BlockManager:
         self.cached_blocks: dict[BlockKey, int] = {}
         self.block_tables: dict[int, list[int]] = {}
         self.prefix_ids_of: dict[int, list[int]] = {}  # seq id -> prefix_id of each of its leading full blocks
+        self.stale_seq_ids: set[int] = set()  # sequences that computed KV before a reset: never cached again
         self._next_prefix_id = itertools.count()
         # Swap space: CPU blocks of preempted sequences, reference counted like device blocks.
         self.num_cpu_blocks = num_cpu_blocks
@@ -135,7 +136,7 @@ class BlockManager:
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, lora_id: int = 0) -> None:
         """Register the sequence's blocks that its computed tokens have filled since the last call. A block
         whose prefix is already cached elsewhere stays unregistered; the sequence continues from that entry."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq_id in self.stale_seq_ids:
             return
         ids = self.prefix_ids_of.setdefault(seq_id, [])
         table = self.block_tables.get(seq_id, [])
@@ -201,6 +202,8 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         self.block_tables[child_seq_id] = table
         self.prefix_ids_of[child_seq_id] = list(self.prefix_ids_of.get(parent_seq_id, []))
+        if parent_seq_id in self.stale_seq_ids:
+            self.stale_seq_ids.add(child_seq_id)
 
     def undo_copies(self, seq_id: int, copies: list[tuple[int, int]]) -> None:
         """Take back copy-on-write copies that will not be made (the sequence is preempted in the step that
@@ -263,6 +266,7 @@ class BlockManager:
         for cpu_id in self.cpu_block_tables.pop(seq_id, []):
             self._release_cpu_block(cpu_id)
         self.prefix_ids_of.pop(seq_id, None)
+        self.stale_seq_ids.discard(seq_id)
         for block_id in reversed(self.block_tables.pop(seq_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -274,7 +278,10 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (KV computed before the model's weights changed): no later sequence reuses
-        one. Blocks in use stay with their sequences; cached free ones go back to the pool."""
+        one. Blocks in use stay with their sequences; cached free ones go back to the pool. A sequence that holds
+        blocks now (on the device or swapped out) computed some of its KV with the old weights, and the tokens
+        after them attend to it: none of its blocks is offered to the cache again."""
+        self.stale_seq_ids.update(self.block_tables, self.cpu_block_tables)
         for block_id in self.evictable:
             self.blocks[block_id].prefix_id = None
             self.free_block_ids.append(block_id)
