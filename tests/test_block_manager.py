@@ -174,6 +174,14 @@ def test_a_sequence_running_across_a_weight_change_is_never_cached() -> None:
     assert bm.find_cached_prefix([0, 0, 1, 0, 0]) == [] and bm.num_cached_blocks == 0
     bm.free(0)
     bm.free(1)
+    swapped = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=True, num_cpu_blocks=2)
+    assert swapped.allocate_slots(0, 0, 1) == []
+    swapped.reset_prefix_cache()
+    swapped.swap_out([0])
+    swapped.swap_in([0])
+    assert swapped.allocate_slots(0, 1, 3) == []
+    swapped.cache_full_blocks(0, [0, 0, 1, 0], 4)
+    assert swapped.num_cached_blocks == 0  # swapping out and in keeps it stale
     assert bm.allocate_slots(2, 0, 4) == []
     bm.cache_full_blocks(2, [0, 0, 1, 0], 4)
     assert bm.find_cached_prefix([0, 0, 1, 0, 0]) == bm.get_block_table(2)

@@ -101,7 +101,7 @@ def test_placeholder_ids_stay_out_of_the_prefix_cache_and_penalties() -> None:
     assert seen == [[], []]
 
 
-def test_bad_embedding_prompts_are_named() -> None:
+def test_bad_embedding_prompts_are_named(tokenizer) -> None:
     model = tiny_model("llama")
     hidden = model.config.hidden_size
     with pytest.raises(ValueError, match=r"prompt_embeds need LLM\(\.\.\., enable_prompt_embeds=True\)"):
@@ -113,6 +113,12 @@ def test_bad_embedding_prompts_are_named() -> None:
     scored = SamplingParams(max_tokens=1, prompt_logprobs=1)
     with pytest.raises(ValueError, match="prompt_logprobs need the prompt's tokens"):
         llm.generate({"prompt_embeds": torch.zeros(3, hidden)}, scored, use_tqdm=False)
+    from paged_backend import StructuredOutputsParams
+
+    gated = LLM(model, tokenizer=tokenizer, enable_prompt_embeds=True, reasoning_parser="qwen3", max_model_len=64)
+    regex = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    with pytest.raises(ValueError, match="prompt_embeds cannot take structured_outputs under a reasoning_parser"):
+        gated.generate({"prompt_embeds": torch.zeros(3, hidden)}, regex, use_tqdm=False)
     with pytest.raises(ValueError, match="enable_prompt_embeds needs tensor_parallel_size=1"):
         LLM(model, enable_prompt_embeds=True, tensor_parallel_size=2)
     assert_idle(llm)

@@ -232,8 +232,11 @@ class BlockManager:
                     mapping[block_id] = self.cpu_free_block_ids.popleft()
                 self.cpu_ref_counts[mapping[block_id]] += 1
                 cpu_table.append(mapping[block_id])
+            stale = seq_id in self.stale_seq_ids
             self.free(seq_id)
             self.cpu_block_tables[seq_id] = cpu_table
+            if stale:  # its KV travels to the CPU and back: still never cached
+                self.stale_seq_ids.add(seq_id)
         return list(mapping.items())
 
     def num_blocks_to_swap_in(self, seq_ids: list[int]) -> int:

@@ -156,8 +156,14 @@ class InputProcessor:
         dtype; None for a prompt of text or token ids."""
         if not isinstance(prompt, Mapping) or "prompt_embeds" not in prompt:
             return None
-        if not self.config.model_config.enable_prompt_embeds or self.embedding is None:
+        if not self.config.model_config.enable_prompt_embeds:
             raise FieldError("prompt_embeds", "prompt_embeds need LLM(..., enable_prompt_embeds=True)")
+        if self.embedding is None:
+            raise FieldError("prompt_embeds", "prompt_embeds need a model whose input embedding is an nn.Embedding")
+        if params.structured_outputs is not None and self.config.model_config.reasoning_parser is not None:
+            raise FieldError(  # the gate reads the prompt's tokens to see whether its thinking is closed
+                "prompt_embeds", "prompt_embeds cannot take structured_outputs under a reasoning_parser"
+            )
         embeds = prompt["prompt_embeds"]
         if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point() or embeds.dim() != 2:
             raise FieldError("prompt_embeds", "prompt_embeds must be a 2-D floating-point tensor [tokens, hidden]")
@@ -169,7 +175,9 @@ class InputProcessor:
             )
         if params.prompt_logprobs is not None:
             raise FieldError("prompt_logprobs", "prompt_logprobs need the prompt's tokens: prompt_embeds have none")
-        return embeds.detach().to(weight.device, weight.dtype)
+        # a copy on the host, out of the caller's reach (chunks and recomputes read it later); each step moves
+        # its rows to the device, so queued requests hold no device memory the KV sizing did not count
+        return embeds.detach().to(device="cpu", dtype=weight.dtype, copy=True)
 
     def _gated(self, matcher: GrammarState, prompt_ids: list[int]) -> GrammarState:
         """With a reasoning parser, the grammar waits for the end of the model's thinking

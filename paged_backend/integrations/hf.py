@@ -103,18 +103,25 @@ class PagedGenerate:
         config, model_kwargs = prepare(copy.deepcopy(generation_config), **hf_kwargs)
         if model_kwargs.get("inputs_embeds") is not None and not self.engine_kwargs.get("enable_prompt_embeds"):
             return self._fall_back("inputs_embeds is set", inputs, generation_config, streamer, kwargs)
-        call = plan_call(self.model, inputs, config, model_kwargs, default_length)
-        if isinstance(call, str):
-            return self._fall_back(call, inputs, generation_config, streamer, kwargs)
         if config.stop_strings and self.tokenizer is None:
             if self.llm is None and model_kwargs.get("tokenizer") is not None:
                 self.tokenizer = model_kwargs["tokenizer"]  # the engine, built now, detokenizes with it
             else:
                 reason = "stop_strings need the tokenizer: pass it to patch()"
                 return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
+        keep_logits = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
+        if keep_logits and streamer is not None:  # a late fall-back (rows ending apart) would stream twice
+            reason = "a streamer with output_scores or output_logits"
+            return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
+        call = plan_call(self.model, inputs, config, model_kwargs, default_length)
+        if isinstance(call, str):
+            return self._fall_back(call, inputs, generation_config, streamer, kwargs)
+        if "prompt_embeds" in call.prompts[0] and self.built_llm().llm_engine.input_processor.embedding is None:
+            torch.set_rng_state(rng)
+            reason = "inputs_embeds on a model whose input embedding is not an nn.Embedding"
+            return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
         if streamer is not None:
             streamer.put(call.prefix.cpu())
-        keep_logits = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
         outputs = self._run(call.prompts, call.params, streamer, keep_logits)
         if streamer is not None:
             streamer.end()

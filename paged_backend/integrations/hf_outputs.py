@@ -71,7 +71,8 @@ def hf_cache(model: Any, prompt: torch.Tensor, new: torch.Tensor, prompt_mask: t
             inputs = {"inputs_embeds": embeds}
         else:
             inputs = {"input_ids": torch.cat([prompt, new], dim=1)[:, :-1]}
-        out = model(**inputs, attention_mask=mask, position_ids=positions, use_cache=True)
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        out = model(**inputs, attention_mask=mask, position_ids=positions, use_cache=True, **keep)
     return out.get("cache", None) if "cache" in out else out.get("past_key_values", None)
 
 

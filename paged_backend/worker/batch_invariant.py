@@ -65,7 +65,9 @@ def exact_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Paged attention, one query at a time over exactly the keys it sees (its window's), in fp32: each
-    reduction's length is the token's own context, whatever else the step holds."""
+    reduction's length is the token's own context, whatever else the step holds. A window or softcap of 0 is
+    none, as in the Triton kernel."""
+    sliding_window, softcap = sliding_window or None, softcap or None
     out = torch.empty_like(query)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     per_kv = query.shape[1] // num_kv_heads
@@ -121,6 +123,7 @@ def exact_attention_forward(
     differentiable: causal over unpadded sequences (the mask is not read)."""
     batch, heads, length, _ = query.shape
     per_kv = heads // key.shape[1]
+    sliding_window, softcap = sliding_window or None, softcap or None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     keys = key.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()  # [B, L, H, D]
     values = value.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()

@@ -352,7 +352,7 @@ class ModelRunner:
         if prompt_embeds:  # the tokens' embeddings, with the prompt embeddings' rows in place of theirs
             embeds = self.model.get_input_embeddings()(input_ids)
             for offset, piece in prompt_embeds:
-                embeds[offset : offset + piece.shape[0]] = piece
+                embeds[offset : offset + piece.shape[0]] = piece.to(embeds.device)
             kwargs["inputs_embeds"] = embeds[None]
         else:
             kwargs["input_ids"] = input_ids[None]

@@ -144,7 +144,7 @@ class RoundGrammars:
         """Step's tokens [B] (on the device): copied to the host behind them, for the next step's masks."""
         self.tokens.copy_(tokens, non_blocking=True)
         if self.event is not None:
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(tokens.device))
 
 
 class Replayed:
