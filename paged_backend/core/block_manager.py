@@ -56,7 +56,7 @@ class BlockManager:
         self.cached_blocks: dict[BlockKey, int] = {}
         self.block_tables: dict[int, list[int]] = {}
         self.prefix_ids_of: dict[int, list[int]] = {}  # seq id -> prefix_id of each of its leading full blocks
-        self.stale_seq_ids: set[int] = set()  # sequences that computed KV before a reset: never cached again
+        self.uncached_seq_ids: set[int] = set()  # sequences whose blocks never enter the cache (stop_caching)
         self._next_prefix_id = itertools.count()
         # Swap space: CPU blocks of preempted sequences, reference counted like device blocks.
         self.num_cpu_blocks = num_cpu_blocks
@@ -136,7 +136,7 @@ class BlockManager:
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, lora_id: int = 0) -> None:
         """Register the sequence's blocks that its computed tokens have filled since the last call. A block
         whose prefix is already cached elsewhere stays unregistered; the sequence continues from that entry."""
-        if not self.enable_prefix_caching or seq_id in self.stale_seq_ids:
+        if not self.enable_prefix_caching or seq_id in self.uncached_seq_ids:
             return
         ids = self.prefix_ids_of.setdefault(seq_id, [])
         table = self.block_tables.get(seq_id, [])
@@ -202,8 +202,8 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         self.block_tables[child_seq_id] = table
         self.prefix_ids_of[child_seq_id] = list(self.prefix_ids_of.get(parent_seq_id, []))
-        if parent_seq_id in self.stale_seq_ids:
-            self.stale_seq_ids.add(child_seq_id)
+        if parent_seq_id in self.uncached_seq_ids:
+            self.uncached_seq_ids.add(child_seq_id)
 
     def undo_copies(self, seq_id: int, copies: list[tuple[int, int]]) -> None:
         """Take back copy-on-write copies that will not be made (the sequence is preempted in the step that
@@ -232,11 +232,11 @@ class BlockManager:
                     mapping[block_id] = self.cpu_free_block_ids.popleft()
                 self.cpu_ref_counts[mapping[block_id]] += 1
                 cpu_table.append(mapping[block_id])
-            stale = seq_id in self.stale_seq_ids
+            uncached = seq_id in self.uncached_seq_ids
             self.free(seq_id)
             self.cpu_block_tables[seq_id] = cpu_table
-            if stale:  # its KV travels to the CPU and back: still never cached
-                self.stale_seq_ids.add(seq_id)
+            if uncached:  # its KV travels to the CPU and back: still never cached
+                self.uncached_seq_ids.add(seq_id)
         return list(mapping.items())
 
     def num_blocks_to_swap_in(self, seq_ids: list[int]) -> int:
@@ -269,7 +269,7 @@ class BlockManager:
         for cpu_id in self.cpu_block_tables.pop(seq_id, []):
             self._release_cpu_block(cpu_id)
         self.prefix_ids_of.pop(seq_id, None)
-        self.stale_seq_ids.discard(seq_id)
+        self.uncached_seq_ids.discard(seq_id)
         for block_id in reversed(self.block_tables.pop(seq_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -279,12 +279,17 @@ class BlockManager:
                 else:
                     self.evictable[block_id] = None
 
+    def stop_caching(self, seq_id: int) -> None:
+        """The sequence's blocks never enter the prefix cache (nor those of samples forked from it), until it is
+        freed: its KV is not what its token ids say (old weights, or a prompt given as embeddings)."""
+        self.uncached_seq_ids.add(seq_id)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (KV computed before the model's weights changed): no later sequence reuses
         one. Blocks in use stay with their sequences; cached free ones go back to the pool. A sequence that holds
         blocks now (on the device or swapped out) computed some of its KV with the old weights, and the tokens
         after them attend to it: none of its blocks is offered to the cache again."""
-        self.stale_seq_ids.update(self.block_tables, self.cpu_block_tables)
+        self.uncached_seq_ids.update(self.block_tables, self.cpu_block_tables)
         for block_id in self.evictable:
             self.blocks[block_id].prefix_id = None
             self.free_block_ids.append(block_id)

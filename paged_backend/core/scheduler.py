@@ -238,6 +238,8 @@ class Scheduler:
             if bm.num_free_blocks - needed < watermark:
                 break
             bm.allocate_cached_prefix(seq.seq_id, cached)
+            if not seq.request.cacheable:
+                bm.stop_caching(seq.seq_id)
             seq.num_computed_tokens = len(cached) * bm.block_size
             if seq.num_cached_prompt_tokens is None:  # first admission: count the prompt tokens it reuses
                 seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
@@ -382,8 +384,6 @@ class Scheduler:
         bs, known = bm.block_size, bm.prefix_ids_of
         for seq in seqs:
             ids = known.get(seq.seq_id)
-            if not seq.request.cacheable:
-                continue
             if ids is None or (len(ids) + 1) * bs <= seq.num_computed_tokens:
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.lora_id)
 

@@ -129,8 +129,8 @@ class Request:
     prompt_logprobs: list[LogprobsArrays] | None = None
     num_prompt_logprobs: int = 0  # prompt tokens with their entry so far
     own_stop_token_ids: frozenset[int] = field(init=False)  # the request's stop_token_ids, as a set
-    # [L, hidden] on the model's device: the prompt as embeddings (prompt_token_ids then hold L placeholder ids,
-    # which no forward reads and no prefix-cache hash may use)
+    # [L, hidden] on the host: the prompt as embeddings (prompt_token_ids then hold L placeholder ids, which no
+    # forward reads and no prefix-cache hash may use)
     prompt_embeds: torch.Tensor | None = None
 
     def __post_init__(self) -> None:

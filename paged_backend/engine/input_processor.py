@@ -152,7 +152,7 @@ class InputProcessor:
         return request
 
     def prompt_embeds(self, prompt: PromptType, params: SamplingParams) -> torch.Tensor | None:
-        """``{"prompt_embeds": tensor}``'s embeddings ([L, hidden], floating point), on the model's device in its
+        """``{"prompt_embeds": tensor}``'s embeddings ([L, hidden], floating point), a host copy in the model's
         dtype; None for a prompt of text or token ids."""
         if not isinstance(prompt, Mapping) or "prompt_embeds" not in prompt:
             return None

@@ -10,6 +10,7 @@ distribution the token was drawn from (temperature 1 and no filtering for greedy
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,12 +109,29 @@ def prompt_tokens(seq: Sequence) -> list[int]:
     return seq.token_ids[: seq.num_prompt_tokens] if seq.request.prompt_embeds is None else []
 
 
+_TAKES_PROMPT: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _takes_prompt(processor: Any) -> bool:
+    """Whether a logits processor has vLLM v0's three parameters (read once per processor, not at every step;
+    held weakly, so a finished request's processors are not kept alive)."""
+    try:
+        return _TAKES_PROMPT[processor]
+    except (KeyError, TypeError):  # not seen yet, or not weakly referable
+        takes = len(inspect.signature(processor).parameters) == 3
+        try:
+            _TAKES_PROMPT[processor] = takes
+        except TypeError:
+            pass
+        return takes
+
+
 def apply_logits_processors(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
     """The request's own logits processors on its row ``logits`` [V], in order (vLLM v0's: a processor with three
     parameters also gets the prompt's tokens)."""
     prompt, output = prompt_tokens(seq), seq.output_token_ids
     for processor in seq.params.logits_processors or []:
-        if len(inspect.signature(processor).parameters) == 3:
+        if _takes_prompt(processor):
             logits = processor(prompt, output, logits)  # type: ignore[call-arg,arg-type]
         else:
             logits = processor(output, logits)  # type: ignore[call-arg,arg-type]
