@@ -6,7 +6,9 @@ checkpoint against its dequantized model; with ``--fp8-kv``, ``kv_cache_dtype="f
 first step with ``calculate_kv_scales``) against HF reading keys and values through the same fp8 round trip;
 with ``--paths``, prompt embeddings against HF ``generate(inputs_embeds=...)`` (compiled engine: their steps run
 without graphs), greedy JSON-schema requests in multi-step rounds against single steps, and ``batch_invariant=True``
-(one request alone against it beside 63 others, tokens and logprobs).
+(one request alone against it beside 63 others, tokens and logprobs), and async scheduling against the
+synchronous engine (64 prompts with stops inside rounds). Engines on the GPU schedule asynchronously by default,
+so every row above runs with it unless it says otherwise.
 The kernels' own tests run with ``python -m pytest tests/test_kernels.py tests/test_fp8_kv_cache.py`` on the
 same machine; speed is ``benchmarks/throughput.py``.
 
@@ -220,8 +222,9 @@ def paths_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 6}
     json_params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema))
     by_steps = []
+    del llm
     for steps in (1, 8):
-        llm = LLM(model, tokenizer=tokenizer, num_scheduler_steps=steps, max_model_len=80)
+        llm = LLM(model, tokenizer=tokenizer, num_scheduler_steps=steps, max_model_len=80, num_kv_blocks=1024)
         by_steps.append(
             [
                 o.outputs[0].token_ids
@@ -234,14 +237,43 @@ def paths_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     others = [[random.Random(i).randrange(3, 512) for _ in range(5 + i % 40)] for i in range(63)]
     results = []
     for batch in ([], others):
-        llm = LLM(model, tokenizer=tokenizer, batch_invariant=True, max_model_len=80)
+        llm = LLM(model, tokenizer=tokenizer, batch_invariant=True, max_model_len=80, num_kv_blocks=1024)
         out = llm.generate([{"prompt_token_ids": p} for p in [prompts[-1], *batch]], invariant, use_tqdm=False)[
             0
         ].outputs[0]
         results.append((out.token_ids, [{t: e.logprob for t, e in d.items()} for d in out.logprobs]))
         llm.llm_engine.shutdown()
     rows.append(("llama invariant", "alone=in 64", int(results[0] == results[1]), 1, 0, 0))
-    return rows
+    return rows + async_equality(tokenizer, model)
+
+
+def async_equality(tokenizer, model) -> list[tuple[str, str, int, int, int, int]]:
+    """Async scheduling (rounds queued behind rounds, CUDA graphs, compiled) against the synchronous engine on
+    64 prompts with stop tokens, EOS and ragged lengths ending inside rounds; fails if no round was queued."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 60))] for _ in range(64)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(8, 60), stop_token_ids=[rng.randrange(3, 512)])
+        for _ in prompts
+    ]
+    results, continued = [], [0]
+    for async_scheduling in (False, True):
+        llm = LLM(model, tokenizer=tokenizer, max_model_len=160, num_kv_blocks=2048, async_scheduling=async_scheduling)
+        executor = llm.llm_engine.executor
+        launch = executor.execute_model_async
+
+        def counting(scheduler_output, launch=launch):
+            continued[0] += scheduler_output.batch.prev_rows is not None
+            return launch(scheduler_output)
+
+        executor.execute_model_async = counting
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        llm.llm_engine.shutdown()
+        del llm
+    logger.info("async scheduling: %d rounds queued behind another", continued[0])
+    matches = sum(a == b for a, b in zip(*results)) if continued[0] else 0
+    return [("llama async", "async=sync", matches, len(prompts), 0, 0)]
 
 
 def main() -> None:

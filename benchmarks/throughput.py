@@ -332,9 +332,45 @@ def profile_kernels(llm: LLM, prompts: list[list[int]], max_tokens: int, top: in
     }
 
 
+def decode_gpu_busy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """How busy the GPU is once every prompt is in (the decode phase): the union of its kernels' time over the
+    span from the first kernel of that phase to the last (torch.profiler, CUDA activity only; kernels inside CUDA
+    graphs count). What is not busy is the host: scheduling, reading tokens, outputs, launches."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    step, started = engine.step, []
+
+    def profiled_step(*args: Any, **kwargs: Any) -> Any:
+        scheduler = engine.scheduler
+        if not started and not scheduler.waiting and all(s.num_uncomputed_tokens <= 1 for s in scheduler.running):
+            prof.start()
+            started.append(True)
+        return step(*args, **kwargs)
+
+    engine.step = profiled_step
+    try:
+        run_paged(llm, prompts, max_tokens)
+    finally:
+        engine.step = step
+        torch.cuda.synchronize()
+        if started:
+            prof.stop()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:  # the union of the kernels' intervals
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = spans[-1][1] - spans[0][0]
+    return {"decode_span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3, "gpu_busy_fraction": busy / span}
+
+
 # ---------------------------------------------------------------------------------------------------- report
 COLORS = {
     "paged": "#2a7",
+    "paged_sync": "#6b9",
     "paged_fp8kv": "#1a5",
     "hf_patched": "#8c8",
 }  # this library's engine, directly and under HF's generate
@@ -354,7 +390,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         "ttft_1024_ms": "TTFT, 1,024 tokens (ms)",
     }
     for ax, (key, values) in zip(axes[0], panels):
-        names = [n for n in values if values[n] is not None]
+        names = [n for n in values if isinstance(values[n], float)]  # the medians, not the "_runs" lists
         bars = ax.bar(names, [values[n] for n in names], color=[COLORS.get(n, "#888") for n in names])
         ax.bar_label(bars, fmt="%.0f" if key != "ttft_1024_ms" else "%.1f")
         ax.set_title(titles[key], fontsize=10)
@@ -394,8 +430,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--backends",
         default="paged,hf,hf_cb,hf_static",
-        help="comma list of paged, paged_fp8kv (kv_cache_dtype='fp8'), hf_patched (HF generate patched onto the "
-        "engine), hf, hf_cb, hf_static",
+        help="comma list of paged, paged_sync (async_scheduling=False), paged_fp8kv (kv_cache_dtype='fp8'), "
+        "hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
     )
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (the workload: 256)")
@@ -413,7 +449,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     workloads = args.workload.split(",")
     backends = args.backends.split(",")
-    known_backends = {"paged", "paged_fp8kv", "hf_patched", "hf", "hf_cb", "hf_static"}
+    known_backends = {"paged", "paged_sync", "paged_fp8kv", "hf_patched", "hf", "hf_cb", "hf_static"}
     unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - known_backends
     if unknown:
         parser.error(f"unknown workload or backend: {sorted(unknown)}")
@@ -479,19 +515,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for workload in ("w1", "w2"):
             if workload in workloads:
                 measure(workload, backend, lambda prompts, max_tokens: run_paged(llm, prompts, max_tokens))
-        if backend == "paged":
-            if "ttft" in workloads:
-                results["ttft_1024_ms"] = measure_ttft(llm, model, vocab)
-                logger.info("ttft: %s", results["ttft_1024_ms"])
-            if args.breakdown:
-                results["breakdown"] = {
+        if backend == "paged" and "ttft" in workloads:
+            results["ttft_1024_ms"] = measure_ttft(llm, model, vocab)
+            logger.info("ttft: %s", results["ttft_1024_ms"])
+        if args.breakdown and backend in ("paged", "paged_sync"):
+            breakdown = results.setdefault("breakdown", {})[backend] = {
+                "w1_decode": decode_gpu_busy(llm, w1_prompts(vocab, args.num_prompts, seed=4), args.max_tokens),
+            }
+            logger.info("%s W1 decode phase: %s", backend, breakdown["w1_decode"])
+            if not llm.llm_engine.async_scheduling:  # the executor seam is timed where it returns the output
+                breakdown |= {
                     "graph_replay_ms": graph_replay_ms(llm),
                     "w1_prefill_only_s": run_paged(llm, w1_prompts(vocab, args.num_prompts, seed=3), 1)[1],
                     "w1": step_breakdown(llm, w1_prompts(vocab, args.num_prompts, seed=2), args.max_tokens),
                     "w2": step_breakdown(llm, [one_prompt(vocab, 128, seed=3)], args.max_tokens),
                 }
-            if args.profile is not None:
-                profile_decode(llm, vocab, args.profile)
+        if backend == "paged" and args.profile is not None:
+            profile_decode(llm, vocab, args.profile)
         save()
         llm.llm_engine.shutdown()
 
@@ -502,6 +542,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "paged" in backends:
         measure_engine("paged", base_args)
         release_engine("paged engine")  # its last reference went with measure_engine's frame
+    if "paged_sync" in backends:
+        measure_engine("paged_sync", {**base_args, "async_scheduling": False})
+        release_engine("synchronous engine")
     if "paged_fp8kv" in backends:
         measure_engine("paged_fp8kv", {**base_args, "kv_cache_dtype": "fp8"})
         release_engine("fp8-cache engine")
@@ -522,7 +565,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hf_cb": lambda prompts, max_tokens: run_hf_cb(model, prompts, max_tokens),
         "hf_static": lambda prompts, max_tokens: run_hf(model, prompts, max_tokens, static=True),
     }
-    for backend in [b for b in backends if b not in ("paged", "paged_fp8kv", "hf_patched")]:
+    for backend in [b for b in backends if b not in ("paged", "paged_sync", "paged_fp8kv", "hf_patched")]:
         for workload in ("w1", "w2"):
             if workload in workloads and not (backend == "hf_static" and workload == "w1"):  # W2 only
                 measure(workload, backend, runners[backend])

@@ -161,9 +161,15 @@ class SchedulerConfig:
     # vLLM's: above 0, a request's prompt goes in chunks of at most this many tokens a step, so that a long prompt
     # arriving beside running decodes lengthens each of their steps by at most this much (inter-token latency)
     long_prefill_token_threshold: int = 0
+    # vLLM's: the next multi-step round is queued on the device before the host reads this one's tokens, so the
+    # host's bookkeeping runs while the device computes (a row that stopped meanwhile is computed for nothing).
+    # None: on for a single GPU, off elsewhere (a CPU computes the queued round before it can read this one).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.async_scheduling is not None:
+            check_bool("async_scheduling", self.async_scheduling)
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, allow_none=True)
         check_int("num_scheduler_steps", self.num_scheduler_steps, 1, 64)
@@ -242,6 +248,8 @@ class EngineConfig:
             raise FieldError(
                 "batch_invariant", "batch_invariant needs enable_lora=False and tensor_parallel_size=1 (for now)"
             )
+        if self.scheduler_config.async_scheduling and self.parallel_config.tensor_parallel_size > 1:
+            raise FieldError("async_scheduling", "async_scheduling needs tensor_parallel_size=1 (for now)")
         if self.model_config.enable_prompt_embeds and self.parallel_config.tensor_parallel_size > 1:
             raise FieldError(
                 "enable_prompt_embeds", "enable_prompt_embeds needs tensor_parallel_size=1 (embeddings stay on rank 0)"

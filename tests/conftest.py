@@ -16,8 +16,21 @@ if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on CPU; this must be set before any kernel is decorated.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from paged_backend.config import EngineConfig
 from paged_backend.demo_checkpoint import build_tiny_tokenizer
 from tests.fixtures.tiny_models import build_tiny_model
+
+if os.environ.get("PAGED_BACKEND_TEST_ASYNC_SCHEDULING") == "1":
+    # The whole suite with async scheduling on wherever it is allowed (its own tests always have it on):
+    #   PAGED_BACKEND_TEST_ASYNC_SCHEDULING=1 python -m pytest
+    _from_kwargs = EngineConfig.from_kwargs.__func__  # type: ignore[attr-defined]
+
+    def _async_from_kwargs(cls, model, **kwargs):
+        if kwargs.get("tensor_parallel_size", 1) == 1:
+            kwargs.setdefault("async_scheduling", True)
+        return _from_kwargs(cls, model, **kwargs)
+
+    EngineConfig.from_kwargs = classmethod(_async_from_kwargs)  # type: ignore[method-assign, assignment]
 
 EOS = 2
 # TP=2 engines run on two CPU processes (gloo) without CUDA and on two GPUs with it: a one-GPU machine cannot
@@ -122,6 +135,27 @@ def peak_in_flight(engine, hold_until: int | None = None, patience_s: float = 30
         yield peak
     finally:
         engine.step, engine.add_request = step, add_request
+
+
+def before_each_step(executor, hook, monkeypatch=None) -> None:
+    """Call ``hook(scheduler_output)`` before the executor runs each step, through whichever of its seams the
+    engine uses (``execute_model``, or ``execute_model_async`` with async scheduling); a hook that raises makes
+    the step fail there. With ``monkeypatch``, undone at the test's end."""
+
+    def wrap(name: str) -> None:
+        run = getattr(executor, name)
+
+        def hooked(scheduler_output):
+            hook(scheduler_output)
+            return run(scheduler_output)
+
+        if monkeypatch is None:
+            setattr(executor, name, hooked)
+        else:
+            monkeypatch.setattr(executor, name, hooked)
+
+    wrap("execute_model")
+    wrap("execute_model_async")
 
 
 def capturing_backend(graphs: list):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paged_backend import LLM, SamplingParams
-from tests.conftest import EOS, assert_idle, hf_greedy, ragged_prompts, tiny_model
+from tests.conftest import EOS, assert_idle, before_each_step, hf_greedy, ragged_prompts, tiny_model
 from tests.fixtures.tiny_models import TINY_CONFIGS
 
 ARCHS = sorted(TINY_CONFIGS)
@@ -65,14 +65,12 @@ def test_greedy_matches_hf_with_multi_step_decoding(arch: str, tokenizer, monkey
     llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=24, max_model_len=40, num_scheduler_steps=8)
     engine = llm.llm_engine
     runs = []
-    execute_model = engine.executor.execute_model
 
     def record_rounds(scheduler_output):
         if scheduler_output.batch.num_steps is not None:
             runs.append(scheduler_output.batch.num_steps)
-        return execute_model(scheduler_output)
 
-    monkeypatch.setattr(engine.executor, "execute_model", record_rounds)
+    before_each_step(engine.executor, record_rounds, monkeypatch)
     prompts = ragged_prompts(4, seed=5)
     max_tokens = [3, 9, 17, 30, 5, 12, 20, 25]
     outs = llm.generate(

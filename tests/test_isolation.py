@@ -12,7 +12,7 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.engine.engine_loop import EngineDeadError, RequestFailedError
 from paged_backend.engine.llm_engine import StepError
 from paged_backend.sampling_params import MAX_FLOAT32, MAX_INT64
-from tests.conftest import assert_idle, hf_greedy, tiny_model
+from tests.conftest import assert_idle, before_each_step, hf_greedy, tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
@@ -26,21 +26,18 @@ def make_llm(tokenizer, **kwargs) -> LLM:
 def fail_when(llm: LLM, request_id: str, error: Exception, times: int = 1) -> list[list[str]]:
     """Make the executor raise ``error`` in the first ``times`` steps that run ``request_id`` (any request: "*");
     returns the request ids of every step it ran, failed or not, with each failed step's marked by a "!" entry."""
-    executor = llm.llm_engine.executor
-    original = executor.execute_model
     steps: list[list[str]] = []
     failures = [0]
 
-    def execute_model(scheduler_output):
+    def fail(scheduler_output):
         ids = sorted({seq.request.request_id for seq in scheduler_output.seqs})
         steps.append(ids)
         if (request_id in ids or request_id == "*") and failures[0] < times:
             failures[0] += 1
             steps[-1] = [*ids, "!"]
             raise error
-        return original(scheduler_output)
 
-    executor.execute_model = execute_model  # type: ignore[method-assign]
+    before_each_step(llm.llm_engine.executor, fail)
     return steps
 
 
@@ -240,16 +237,15 @@ def test_a_failed_step_amid_swaps_leaves_the_others_exact(tokenizer, fail_at: in
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     llm = make_llm(tokenizer, num_kv_blocks=16, preemption_mode="swap", swap_space=0.01)
     engine, executor = llm.llm_engine, llm.llm_engine.executor
-    original, calls, swaps = executor.execute_model, [0], [0]
+    calls, swaps = [0], [0]
 
-    def execute_model(scheduler_output):
+    def fail(scheduler_output):
         calls[0] += 1
         swaps[0] += bool(scheduler_output.batch.blocks_to_swap_out or scheduler_output.batch.blocks_to_swap_in)
         if calls[0] == fail_at:
             raise RuntimeError("boom")
-        return original(scheduler_output)
 
-    executor.execute_model = execute_model  # type: ignore[method-assign]
+    before_each_step(executor, fail)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     finished, failed = {}, []
@@ -271,9 +267,9 @@ def test_a_failed_swap_in_offers_no_block_to_the_prefix_cache(tokenizer) -> None
     prompts = [[3 + (i * 7 + j) % 500 for j in range(10 + i)] for i in range(6)]
     llm = make_llm(tokenizer, num_kv_blocks=16, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=True)
     engine, executor = llm.llm_engine, llm.llm_engine.executor
-    original, swapped = executor.execute_model, []
+    swapped = []
 
-    def execute_model(scheduler_output):
+    def fail(scheduler_output):
         moves = scheduler_output.batch.blocks_to_swap_in
         if moves:  # every swap-in fails: the first time its requests are redone, the second time they fail
             swapped.extend([*seq.token_ids[: seq.num_computed_tokens], 7] for seq in scheduler_output.swapped_seqs)
@@ -281,9 +277,8 @@ def test_a_failed_swap_in_offers_no_block_to_the_prefix_cache(tokenizer) -> None
             for k, v in executor.model_runner.cache_engine.kv_caches:
                 k[targets], v[targets] = torch.randn_like(k[targets]), torch.randn_like(v[targets])
             raise RuntimeError("boom")
-        return original(scheduler_output)
 
-    executor.execute_model = execute_model  # type: ignore[method-assign]
+    before_each_step(executor, fail)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=20))
     _, failed = run_all(llm)

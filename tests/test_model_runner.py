@@ -11,7 +11,7 @@ from paged_backend.kernels.ops import paged_attention_op, write_kv_cache_op
 from paged_backend.worker.attention import KV_CACHE_ATTR
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner, capture_sizes, fits_decode_graph
 from paged_backend.worker.step_inputs import build_step_inputs, pad_step_inputs
-from tests.conftest import assert_idle, capturing_backend, hf_greedy, ragged_prompts, tiny_model
+from tests.conftest import assert_idle, before_each_step, capturing_backend, hf_greedy, ragged_prompts, tiny_model
 
 
 def test_capture_sizes() -> None:
@@ -25,13 +25,11 @@ def test_capture_sizes() -> None:
 
 def _observe_steps(engine, monkeypatch, check) -> None:
     """Call ``check(scheduler_output, inputs)`` on every step the engine runs, through its executor's entry."""
-    execute_model = engine.executor.execute_model
 
     def observed(scheduler_output):
         check(scheduler_output, build_step_inputs(scheduler_output.batch, engine.config.block_size))
-        return execute_model(scheduler_output)
 
-    monkeypatch.setattr(engine.executor, "execute_model", observed)
+    before_each_step(engine.executor, observed, monkeypatch)
 
 
 def test_only_real_decode_steps_replay_graphs(tokenizer, monkeypatch) -> None:

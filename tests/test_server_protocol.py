@@ -21,7 +21,7 @@ from paged_backend.entrypoints.openai.cli_args import ServerArgs  # noqa: E402
 from paged_backend.entrypoints.openai.errors import SafeJSONResponse  # noqa: E402
 from paged_backend.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs, finite  # noqa: E402
 from paged_backend.outputs import CompletionOutput, Logprob  # noqa: E402
-from tests.conftest import tiny_model  # noqa: E402
+from tests.conftest import before_each_step, tiny_model  # noqa: E402
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -291,14 +291,14 @@ def test_chat_top_logprobs_count_in_a_response(client) -> None:
 
 # ------------------------------------------------------------------ a request the engine failed
 def _fail_next_step(llm: LLM, monkeypatch) -> None:
-    executor = llm.llm_engine.executor
-    real = executor.execute_model
+    failed = []
 
-    def once(*args, **kwargs):
-        monkeypatch.setattr(executor, "execute_model", real)
-        raise ValueError("a bad value in the step")
+    def once(scheduler_output) -> None:
+        if not failed:
+            failed.append(True)
+            raise ValueError("a bad value in the step")
 
-    monkeypatch.setattr(executor, "execute_model", once)
+    before_each_step(llm.llm_engine.executor, once, monkeypatch)
 
 
 def test_a_failed_request_is_an_openai_500_and_the_server_goes_on(tokenizer, monkeypatch) -> None:

@@ -21,7 +21,7 @@ from paged_backend import LLM  # noqa: E402
 from paged_backend.entrypoints.openai.api_server import OpenAIServer, build_app  # noqa: E402
 from paged_backend.entrypoints.openai.cli_args import ServerArgs  # noqa: E402
 from paged_backend.entrypoints.openai.tokenization import chars_per_token_bound  # noqa: E402
-from tests.conftest import tiny_model  # noqa: E402
+from tests.conftest import before_each_step, tiny_model  # noqa: E402
 
 MAX_LEN = 512  # the tiny model's own limit: streams of ~500 tokens
 BODY_CAP_MB = 16
@@ -346,16 +346,14 @@ def test_streams_disconnects_and_abandoned_requests_leave_nothing_behind(server,
 # ---------------------------------------------------------------------------------------------- failing steps
 def test_a_step_failure_ends_its_stream_with_a_500_event(server, monkeypatch) -> None:
     base, executor = server.base, server.llm.llm_engine.executor
-    real = executor.execute_model
     calls = {"n": 0}
 
-    def failing(*args: Any, **kwargs: Any) -> Any:
+    def failing(scheduler_output: Any) -> None:
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("a bad value in one step")
-        return real(*args, **kwargs)
 
-    monkeypatch.setattr(executor, "execute_model", failing)
+    before_each_step(executor, failing, monkeypatch)
     body = {"model": "tiny", "prompt": "a b", "max_tokens": 50, "stream": True, "ignore_eos": True, "temperature": 1}
     response = httpx.post(base + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200

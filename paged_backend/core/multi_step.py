@@ -30,6 +30,20 @@ def can_run_ahead(seq: Sequence, grammar_rounds: bool) -> bool:
     )
 
 
+def _steps_left(seq: Sequence, ahead: int, max_steps: int, max_model_len: int) -> int:
+    """Steps a sequence may still take once ``ahead`` more tokens are in: what ``max_tokens`` and
+    ``max_model_len`` leave it, at most ``max_steps`` (0: it ends within those tokens)."""
+    left = max_model_len - len(seq.token_ids) - ahead
+    if seq.params.max_tokens is not None:
+        left = min(left, seq.params.max_tokens - seq.num_output_tokens - ahead)
+    return max(0, min(max_steps, left))
+
+
+def _few_idle(steps: list[int]) -> bool:
+    """A round runs max(steps) forwards for the whole batch: not worth it when most rows would idle."""
+    return 2 * sum(steps) >= max(steps) * len(steps)
+
+
 def plan_round(
     seqs: list[Sequence],
     num_new_tokens: list[int],
@@ -46,18 +60,50 @@ def plan_round(
     steps: list[int] = []
     copies: BlockMoves = []
     for seq in seqs:
-        left = max_model_len - len(seq.token_ids)
-        if seq.params.max_tokens is not None:
-            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
-        n = max(1, min(max_steps, left))
+        n = max(1, _steps_left(seq, 0, max_steps, max_model_len))
         if n > 1:
             planned = block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
             if planned is None:  # no free blocks for all n: as many steps as its blocks already hold
-                capacity = len(block_manager.get_block_table(seq.seq_id)) * block_manager.block_size
-                n = max(1, min(n, capacity - seq.num_computed_tokens))
+                n = max(1, min(n, _capacity(seq, block_manager) - seq.num_computed_tokens))
             else:
                 copies += planned
         steps.append(n)
-    # A round runs max(steps) forwards for the whole batch: not worth it when most rows would idle.
-    worth_it = max(steps) > 1 and 2 * sum(steps) >= max(steps) * len(steps)
-    return (steps if worth_it else None), copies
+    return (steps if max(steps) > 1 and _few_idle(steps) else None), copies
+
+
+def plan_continuation(
+    seqs: list[Sequence],
+    num_steps: list[int],
+    max_steps: int,
+    max_model_len: int,
+    block_manager: BlockManager,
+) -> tuple[list[int], list[int]] | None:
+    """The round after the one in flight (where ``seqs`` take ``num_steps``), planned before that round's tokens
+    are known, as if none of them stops there: (its rows' indices in that round, their steps), or None when it
+    cannot go ahead. A row that ends at that round's length limit is left out; one that a stop token ends there is
+    computed for nothing. Rows needing a copy-on-write copy or a block that is not free stop it (a normal step
+    copies or preempts once the tokens are known)."""
+    if any(seq.grammar is not None or not can_run_ahead(seq, False) for seq in seqs):
+        return None  # a grammar's mask needs the previous token on the host
+    rows: list[int] = []
+    steps: list[int] = []
+    for row, (seq, ahead) in enumerate(zip(seqs, num_steps)):
+        n = _steps_left(seq, ahead, max_steps, max_model_len)
+        if n == 0:
+            continue  # it ends in the round in flight
+        start = seq.num_computed_tokens + ahead
+        planned = block_manager.allocate_slots(seq.seq_id, start, n)
+        if planned is None:  # no free blocks for all n: as many steps as its blocks already hold
+            n = min(n, _capacity(seq, block_manager) - start)
+            planned = block_manager.allocate_slots(seq.seq_id, start, n) if n > 0 else None
+        if planned is None or planned:
+            if planned:
+                block_manager.undo_copies(seq.seq_id, planned)
+            return None
+        rows.append(row)
+        steps.append(n)
+    return (rows, steps) if rows and _few_idle(steps) else None
+
+
+def _capacity(seq: Sequence, block_manager: BlockManager) -> int:
+    return len(block_manager.get_block_table(seq.seq_id)) * block_manager.block_size

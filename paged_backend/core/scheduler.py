@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
-from paged_backend.core.multi_step import plan_round
+from paged_backend.core.multi_step import plan_continuation, plan_round
 from paged_backend.core.prompt_logprobs import prompt_logprob_rows, take_prompt_logprobs
 from paged_backend.core.scheduler_output import (
     BlockMoves,
@@ -147,6 +147,41 @@ class Scheduler:
             self._schedule_waiting(plan, include)
         self.num_chunked_prefill_steps += sum(1 for seq, n in plan.scheduled.items() if n < seq.num_uncomputed_tokens)
         return self._make_output(plan)
+
+    def schedule_continuation(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """The multi-step round that follows ``in_flight`` (a round queued on the device, its tokens not read yet),
+        for async scheduling: its sequences again, each from the token that round ends with (its rows read
+        ``prev_rows``), planned as if none stops there (multi_step.plan_continuation). None when the next step
+        must be a normal one: a request is waiting or swapped out or must run alone, the batch would change, or a
+        row needs what only a normal step does."""
+        num_steps = in_flight.batch.num_steps
+        if num_steps is None or self.waiting or self.swapped or self.run_alone:
+            return None
+        live = [row for row, seq in enumerate(in_flight.seqs) if seq.status is SequenceStatus.RUNNING]
+        if len(live) != len(self.running):
+            return None  # a sequence that did not run in that round would wait
+        plan = plan_continuation(
+            [in_flight.seqs[row] for row in live],
+            [num_steps[row] for row in live],
+            self.num_scheduler_steps,
+            self.max_model_len,
+            self.block_manager,
+        )
+        if plan is None:
+            return None
+        rows, steps = [live[i] for i in plan[0]], plan[1]
+        seqs = [in_flight.seqs[row] for row in rows]
+        batch = ScheduledBatch(
+            input_token_ids=[0] * len(seqs),  # not known yet: the device has them (prev_rows)
+            num_computed_tokens=[seq.num_computed_tokens + num_steps[row] for seq, row in zip(seqs, rows)],
+            num_scheduled_tokens=[1] * len(seqs),
+            block_tables=[self.block_manager.get_block_table(seq.seq_id) for seq in seqs],
+            sampling_rows=list(range(len(seqs))),
+            num_steps=steps,
+            lora_requests=None if self.max_loras is None else [seq.request.lora_request for seq in seqs],
+            prev_rows=rows,
+        )
+        return SchedulerOutput(batch, seqs, list(seqs))
 
     def _chunk(self, seq: Sequence, plan: _Plan) -> int:
         """The sequence's tokens this step: what it has left, within the step's budget and the chunk cap."""
@@ -353,6 +388,8 @@ class Scheduler:
         if self.run_alone:  # a step that sampled them succeeded: they rejoin the batch
             self.run_alone.difference_update(seq.request for seq in output.sampling_seqs)
         for row, seq in enumerate(output.sampling_seqs):
+            if seq.status.finished:  # ended (or aborted) while a round queued behind its last one ran
+                continue
             tokens = runner_output.sampled_token_ids[row]
             if runner_output.grammars and runner_output.grammars[row] is not None:
                 seq.grammar = runner_output.grammars[row]  # the round's, which took these tokens already

@@ -41,6 +41,9 @@ class ScheduledBatch:
     # Rows whose prompt logprobs are asked: (row, how many of its new tokens, from the first, have a prompt token
     # next). Their logits come first, in this order, before the sampling rows'.
     prompt_logprob_rows: list[tuple[int, int]] = field(default_factory=list)
+    # Async scheduling: a round queued behind the previous round, before its tokens were read. Row i's first
+    # input is the last token row prev_rows[i] of that round sampled (on the device; input_token_ids hold zeros).
+    prev_rows: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -25,6 +25,7 @@ from paged_backend.distributed.all_reduce import TPAllReduce
 from paged_backend.distributed.tp_group import Messages, TPGroup, init_groups, min_over_ranks, tp_device
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_loader.sharded import check_tp_support, load_shard
+from paged_backend.worker.async_output import AsyncModelRunnerOutput, ReadyOutput
 from paged_backend.worker.cache_engine import KVCacheSpec
 from paged_backend.worker.worker import Worker
 
@@ -139,6 +140,10 @@ class TPExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.group.send("execute_model", scheduler_output.to_wire())
         return self.driver_worker.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Every step at once: a round queued behind another would need every rank's tokens (not supported)."""
+        return ReadyOutput(self.execute_model(scheduler_output))
 
     def sleep(self) -> None:
         self.group.send("sleep")

@@ -30,6 +30,7 @@ from paged_backend.lora.request import LoRARequest
 from paged_backend.model_loader import causal_lm_class, load_hf_config, load_model, load_tokenizer, model_max_length
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
+from paged_backend.worker.async_output import AsyncModelRunnerOutput, ReadyOutput
 from paged_backend.worker.attention import check_model_supported
 from paged_backend.worker.kv_sizing import num_cpu_blocks, num_gpu_blocks
 from paged_backend.worker.worker import Executor, Worker
@@ -101,6 +102,9 @@ class LLMEngine:
         prefix_caching = self.config.cache_config.enable_prefix_caching
         self.weight_updates = WeightUpdates(self.model) if prefix_caching else None
         self.asleep = False  # sleep(): no KV cache until wake_up()
+        self.async_scheduling = self._async_scheduling()
+        # async scheduling: a round queued on the device, its tokens not read yet (the next step reads them)
+        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.input_processor = InputProcessor(
             self.config,
@@ -127,6 +131,15 @@ class LLMEngine:
         """Stop tensor-parallel workers now and take LoRA's hooks off the model (both also happen when the
         engine is garbage-collected)."""
         self._finalizer()
+
+    def _async_scheduling(self) -> bool:
+        """On where asked; by default on a single GPU (a CPU would compute a queued round before it could read
+        the one before it) whenever rounds run."""
+        asked = self.config.scheduler_config.async_scheduling
+        rounds = self.config.scheduler_config.num_scheduler_steps > 1
+        if asked is None:
+            return rounds and self.device.type == "cuda" and self.config.parallel_config.tensor_parallel_size == 1
+        return asked
 
     def _input_embedding(self) -> torch.nn.Embedding | None:
         """The model's input embedding, when prompts may be embeddings."""
@@ -196,17 +209,26 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one step; return the (cumulative) outputs of every request that advanced, or with
         ``finished_only`` just of those that finished (a snapshot of every running request each step costs more
-        than the step's bookkeeping when nobody streams)."""
+        than the step's bookkeeping when nobody streams). With async scheduling a multi-step round's successor is
+        queued on the device before its tokens are read (``_queue_next``): the step after collects it."""
         if self.weight_updates is not None and self.weight_updates.changed():
             self.scheduler.reset_prefix_cache()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            if self.scheduler.has_unfinished_seqs():
-                raise RuntimeError("scheduler made no progress although requests are waiting")
-            return []
+        in_flight, self._in_flight = self._live_in_flight(), None
+        if in_flight is None:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                if self.scheduler.has_unfinished_seqs():
+                    raise RuntimeError("scheduler made no progress although requests are waiting")
+                return []
+        else:
+            scheduler_output = in_flight[0]
         try:
-            runner_output = self.executor.execute_model(scheduler_output)
-        except Exception as error:
+            pending = self._execute(scheduler_output) if in_flight is None else in_flight[1]
+            if self.async_scheduling:
+                self._in_flight = self._queue_next(scheduler_output)
+            runner_output = pending.get_output()
+        except Exception as error:  # no token of the step was taken: its requests are redone, or fail
+            self._in_flight = None
             failed = self._step_failed(scheduler_output, error, retry=True)
             if failed:
                 raise StepError(failed, error) from error
@@ -215,9 +237,38 @@ class LLMEngine:
             updates = self.scheduler.update_from_output(scheduler_output, runner_output)
             for hit in self.output_processor.process_tokens(updates):
                 self.scheduler.finish_seq(hit.seq, SequenceStatus.FINISHED_STOPPED, hit.stop, hit.num_tokens)
+            self._in_flight = self._live_in_flight()
             return self.output_processor.make_outputs(updates, finished_only)
         except Exception as error:
+            self._in_flight = None
             raise StepError(self._step_failed(scheduler_output, error, retry=False), error) from error
+
+    def _live_in_flight(self) -> tuple[SchedulerOutput, AsyncModelRunnerOutput] | None:
+        """The queued round, unless every row of it has ended (or was aborted) meanwhile: then its work is
+        dropped unread."""
+        if self._in_flight is None or all(seq.status.finished for seq in self._in_flight[0].seqs):
+            return None
+        return self._in_flight
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        if self.async_scheduling:
+            return self.executor.execute_model_async(scheduler_output)
+        return ReadyOutput(self.executor.execute_model(scheduler_output))
+
+    def _queue_next(self, in_flight: SchedulerOutput) -> tuple[SchedulerOutput, AsyncModelRunnerOutput] | None:
+        """Queue the round after ``in_flight`` (a round whose tokens are not read yet), when the scheduler plans
+        one (``Scheduler.schedule_continuation``). If queueing it fails, the next step is a normal one, which
+        runs the same tokens again (and reports its own error, if any)."""
+        continuation = self.scheduler.schedule_continuation(in_flight)
+        if continuation is None:
+            return None
+        try:
+            return continuation, self.executor.execute_model_async(continuation)
+        except Exception as error:
+            if not self.executor.is_recoverable(error):
+                raise
+            logger.warning("queueing the next round failed (%r): the next step schedules anew", error, exc_info=error)
+            return None
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode, level 1: the KV cache, its cached prefixes and the CUDA graphs are freed; the
@@ -232,6 +283,7 @@ class LLMEngine:
             raise RuntimeError("the engine has requests in flight: let them finish or abort them before sleep()")
         if not self.asleep:
             self.scheduler.reset_prefix_cache()  # the KV they point to is about to go
+            self._in_flight = None  # a queued round of rows that all ended: dropped unread
             self.executor.sleep()
             self.asleep = True
 

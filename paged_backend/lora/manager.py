@@ -103,7 +103,8 @@ class LoRAManager:
         self.token_lora_indices = torch.full((max_num_tokens,), -1, dtype=torch.long, device=device)
         # Written on the host, copied without a sync: the previous copy has run by the time the engine (or, under
         # tensor parallelism, the previous step's all-reduces) read back the previous step.
-        self._staging = torch.empty(max_num_tokens, dtype=torch.long, pin_memory=device.type == "cuda")
+        # Two pinned buffers, used in turn: a step may be queued while the previous one's copy is still pending.
+        self._staging = torch.empty(2, max_num_tokens, dtype=torch.long, pin_memory=device.type == "cuda")
         self.num_loads = 0  # adapters read from disk
         self.num_activations = 0  # adapters copied into a device index
         self._steps = 0
@@ -167,13 +168,14 @@ class LoRAManager:
         self.token_lora_indices.fill_(-1)
 
     def _write_token_lora_indices(self, per_token: np.ndarray | None) -> None:
-        full = self._staging.numpy()
+        staging = self._staging[self._steps % 2]
+        full = staging.numpy()
         full.fill(-1)
         if per_token is not None:
             if per_token.shape[0] > full.shape[0]:
                 raise ValueError(f"{per_token.shape[0]} tokens in one step; LoRA indices hold {full.shape[0]}")
             full[: per_token.shape[0]] = per_token
-        self.token_lora_indices.copy_(self._staging, non_blocking=True)
+        self.token_lora_indices.copy_(staging, non_blocking=True)
 
     def _index_for(self, adapter: LoRAAdapter) -> int:
         if adapter.int_id in self.index_to_lora_id:

@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
 from paged_backend.quantization.awq import AWQLinear
+from paged_backend.worker.async_output import AsyncModelRunnerOutput, PendingRound, ReadyOutput
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.worker.batch_invariant import BatchInvariantMode
 from paged_backend.worker.cache_engine import CacheEngine
@@ -37,7 +39,7 @@ from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.prompt_logprobs import prompt_logprobs
-from paged_backend.worker.sampler import Sampler, to_host
+from paged_backend.worker.sampler import Sampler
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs, pad_step_inputs
 from paged_backend.worker.structured_output import RoundGrammars, apply_grammar_bitmask, fill_grammar_bitmask
 from paged_backend.worker.weights import WeightAddresses
@@ -98,6 +100,8 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None
         self.weights: WeightAddresses | None = None
         self._recapture = False  # sleep() dropped CUDA graphs that wake_up() captures again
+        self._last_round: tuple[torch.Tensor, list[int]] | None = None  # its tokens [K, B] and rows' steps
+        self._round_parity = 0  # which half of the graphs' staging buffers the last round used
         self.calibrate_kv_scales = False  # the warm-ups below never calibrate
         # Block-table width at least 2: a compiled dimension of size 1 would be specialised on.
         self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
@@ -112,7 +116,10 @@ class ModelRunner:
         """Capture the decode CUDA graphs (they read the KV cache and the weights at today's addresses)."""
         max_num_seqs, width, num_scheduler_steps = self._graph_shape
         with torch.inference_mode():  # static buffers must be inference tensors, like every step's inputs
-            self.graphs = CUDAGraphRunner(self._model_forward, max_num_seqs, width, self.device, num_scheduler_steps)
+            # two rounds' worth of staging buffers: see run_decode_steps
+            self.graphs = CUDAGraphRunner(
+                self._model_forward, max_num_seqs, width, self.device, 2 * num_scheduler_steps
+            )
         try:
             with torch.inference_mode(), self.switch, self._compiled():
                 self.graphs.capture()
@@ -194,31 +201,53 @@ class ModelRunner:
         return self.regions if self.regions is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ the step
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The step's cache moves, its forward (or round of forwards), then sampling. A tensor-parallel rank other
-        than 0 gets the batch without its sequences: it runs the forwards and samples nothing."""
-        batch, seqs = scheduler_output.batch, scheduler_output.sampling_seqs
+        return self.execute_model_async(scheduler_output).get_output()
+
+    @torch.inference_mode()
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """The step's cache moves, its forward (or round of forwards), then sampling. A multi-step round is only
+        queued: its tokens are read by ``get_output``, after the next round may have been queued behind it. A
+        tensor-parallel rank other than 0 gets the batch without its sequences: it runs the forwards and samples
+        nothing."""
+        batch = scheduler_output.batch
         if self.weights is not None:
             self.weights.check()
         self.cache_engine.swap_out(batch.blocks_to_swap_out)  # before the freed blocks are written again
         self.cache_engine.swap_in(batch.blocks_to_swap_in)
         self.cache_engine.copy_blocks(batch.blocks_to_copy)
         inputs = build_step_inputs(batch, self.block_size)
-        if batch.num_steps is not None:
-            with self._lora_step(batch, [1] * batch.num_seqs, scheduler_output.seqs):
-                grammars = RoundGrammars.of(seqs, batch.num_steps, self.device)
-                tokens, logprobs = self._run_round(inputs, batch.num_steps, grammars)
-                if not seqs:
-                    return ModelRunnerOutput()
-                token_rows, logprob_rows = to_host(tokens, logprobs)  # [K][B] each: one host read a round
-            steps = batch.num_steps
-            sampled = [list(row[:n]) for row, n in zip(zip(*token_rows), steps)]  # row i's first num_steps[i]
-            return ModelRunnerOutput(
-                sampled,
-                [list(row[:n]) for row, n in zip(zip(*logprob_rows), steps)],
-                grammars=[] if grammars is None else grammars.advanced(sampled),
-            )
+        if batch.num_steps is None:
+            self._last_round = None
+            return ReadyOutput(self._execute_step(inputs, scheduler_output))
+        seqs = scheduler_output.sampling_seqs
+        first = self._round_inputs(batch.prev_rows)
+        with self._lora_step(batch, [1] * batch.num_seqs, scheduler_output.seqs):
+            grammars = RoundGrammars.of(seqs, batch.num_steps, self.device)
+            tokens, logprobs = self._run_round(inputs, batch.num_steps, grammars, first)
+        self._last_round = (tokens, batch.num_steps)
+        return PendingRound(tokens, logprobs, batch.num_steps, grammars, sampling=bool(seqs))
+
+    def _round_inputs(self, prev_rows: list[int] | None) -> torch.Tensor | None:
+        """A round queued behind the previous one starts from the last token each of its rows sampled there."""
+        if prev_rows is None:
+            return None
+        if self._last_round is None:
+            raise RuntimeError("a round that continues the previous round, but the previous step was no round")
+        tokens, num_steps = self._last_round
+        last_step = torch.tensor([num_steps[row] - 1 for row in prev_rows])
+        rows = torch.tensor(prev_rows)
+        return tokens[self._to_device(last_step), self._to_device(rows)]
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor's copy on the device, queued without waiting for the device (from pinned memory)."""
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _execute_step(self, inputs: StepInputs, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """A single step: its forward, then sampling on the host."""
+        batch, seqs = scheduler_output.batch, scheduler_output.sampling_seqs
         embeds = prompt_embeds_pieces(scheduler_output)
         with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
             logits = self.run(inputs, use_graphs=not batch.prompt_logprob_rows and not embeds, prompt_embeds=embeds)
@@ -283,18 +312,18 @@ class ModelRunner:
         self,
         inputs: StepInputs,
         input_ids: torch.Tensor | None = None,
-        step_index: int = 0,
+        staging_index: int = 0,
         use_graphs: bool = True,
         prompt_embeds: EmbedsPieces = (),
     ) -> torch.Tensor:
         """One step; returns ``[N, V]``. ``input_ids`` [T] on the device replaces ``inputs.input_ids``
-        (multi-step decoding feeds the previous step's sampled tokens without a trip to the host);
-        ``step_index`` is the step's place in such a run. ``use_graphs=False`` when the logits wanted are not one
-        per row, last token each (prompt logprobs), or when ``prompt_embeds`` replace some tokens' embeddings: a
-        graph returns exactly those logits from token ids."""
+        (multi-step decoding feeds the previous step's sampled tokens without a trip to the host); steps queued
+        without a host sync between them use different ``staging_index`` values (the graphs' pinned buffers).
+        ``use_graphs=False`` when the logits wanted are not one per row, last token each (prompt logprobs), or
+        when ``prompt_embeds`` replace some tokens' embeddings: a graph returns exactly those logits from token ids."""
         if use_graphs and self.graphs is not None and self.graphs.can_run(inputs):
             with self.switch:  # [B, V]: every decode sequence samples
-                return self.graphs.run(inputs, input_ids, step_index % self.graphs.staging.shape[0])
+                return self.graphs.run(inputs, input_ids, staging_index)
         n = inputs.logits_indices.shape[0]
         if self.regions is not None:
             short = inputs.num_seqs < 2 or inputs.num_tokens < 2
@@ -311,25 +340,38 @@ class ModelRunner:
         return logits[:n]
 
     def _run_round(
-        self, inputs: StepInputs, num_steps: list[int], grammars: RoundGrammars | None = None
+        self,
+        inputs: StepInputs,
+        num_steps: list[int],
+        grammars: RoundGrammars | None = None,
+        first_input_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``max(num_steps)`` decode steps from ``inputs`` (step 0; row i takes ``num_steps[i]``)."""
         per_row = np.asarray(num_steps, dtype=np.int64)
+        if self.device.type == "cuda":  # every step's copy of the tables is queued, not waited for
+            inputs = replace(inputs, block_tables=inputs.block_tables.pin_memory())
         steps = [inputs]
         steps += [advance_decode_inputs(inputs, k, per_row, self.block_size) for k in range(1, max(num_steps))]
-        return self.run_decode_steps(steps, grammars)
+        return self.run_decode_steps(steps, grammars, first_input_ids)
 
     def run_decode_steps(
-        self, steps: list[StepInputs], grammars: RoundGrammars | None = None
+        self,
+        steps: list[StepInputs],
+        grammars: RoundGrammars | None = None,
+        first_input_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy decode steps back to back, each fed the previous one's tokens on the device. Returns the sampled
-        tokens and their logprobs, ``[K, B]`` each. No host sync, except that rows under a grammar wait for the
-        previous step's tokens (while the device runs the next forward) to mask each step."""
+        """Greedy decode steps back to back, each fed the previous one's tokens on the device (the first fed
+        ``first_input_ids`` [B] on the device, when given). Returns the sampled tokens and their logprobs,
+        ``[K, B]`` each. No host sync, except that rows under a grammar wait for the previous step's tokens (while
+        the device runs the next forward) to mask each step. Two rounds may be queued at once: they take turns
+        on the CUDA graphs' pinned staging buffers."""
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
-        previous = None
+        previous = first_input_ids
+        self._round_parity ^= 1
+        first_staging = self._round_parity * self._graph_shape[2]  # num_scheduler_steps buffers each
         for k, inputs in enumerate(steps):
-            logits = self.run(inputs, previous, k)
+            logits = self.run(inputs, previous, first_staging + k)
             if grammars is not None:
                 grammars.apply(k, logits)
             token, logprob = greedy_tokens(logits)  # [B], [B]

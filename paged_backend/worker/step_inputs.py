@@ -40,8 +40,8 @@ class StepInputs:
         return self.num_tokens == self.num_seqs
 
     def to(self, device: torch.device, exact: bool = False) -> DeviceInputs:
-        def to(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.to(device, non_blocking=True)
+        def to(tensor: torch.Tensor) -> torch.Tensor:  # from pinned memory: queued, never waiting for the device
+            return (tensor.pin_memory() if device.type == "cuda" else tensor).to(device, non_blocking=True)
 
         metadata = AttentionMetadata(
             slot_mapping=to(self.slot_mapping),

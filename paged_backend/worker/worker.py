@@ -16,6 +16,7 @@ from paged_backend.config import EngineConfig, FieldError
 from paged_backend.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from paged_backend.lora.manager import LoRAManager, max_lora_tokens
 from paged_backend.model_loader.tp_plan import head_layout
+from paged_backend.worker.async_output import AsyncModelRunnerOutput
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.profiler import gpu_blocks_that_fit
@@ -42,6 +43,10 @@ class Executor(Protocol):
     def initialize_cache(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """``execute_model``, except that a multi-step round is only queued (async scheduling)."""
+        ...
 
     def is_recoverable(self, error: Exception) -> bool:
         """Whether the engine can go on after ``execute_model`` raised ``error`` (failing only that step's
@@ -122,6 +127,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        return self.model_runner.execute_model_async(scheduler_output)
 
     def sleep(self) -> None:
         self.model_runner.sleep()

@@ -122,6 +122,12 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
     )
     parser.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queue the next decode round before reading this one's tokens (default: on for one GPU)",
+    )
+    parser.add_argument(
         "--batch-invariant",
         action="store_true",
         default=None,
@@ -203,6 +209,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         "enforce_eager",
         "calculate_kv_scales",
         "enable_lora",
+        "async_scheduling",
         "batch_invariant",
         "disable_custom_all_reduce",
     ]

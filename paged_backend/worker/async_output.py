@@ -1,0 +1,68 @@
+"""A step's output before the host has read it: vLLM v1's ``AsyncModelRunnerOutput``.
+
+A multi-step round's tokens stay on the device until ``get_output``: they are copied into pinned host memory
+behind the round's last step and an event marks the copy, so reading them waits for that round only, not for
+a round queued behind it (async scheduling). Other steps sample on the host as they run and are ready at once.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from paged_backend.core.scheduler_output import ModelRunnerOutput
+from paged_backend.worker.structured_output import RoundGrammars
+
+
+class AsyncModelRunnerOutput(Protocol):
+    def get_output(self) -> ModelRunnerOutput:
+        """The step's output; waits for the device when it has not finished the step yet."""
+        ...
+
+
+class ReadyOutput:
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self.output
+
+
+class PendingRound:
+    """A queued round's sampled tokens and their logprobs, ``[K, B]`` each on the device; row ``i`` keeps its
+    first ``num_steps[i]``. A tensor-parallel rank other than 0 samples nothing: its output is empty."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        num_steps: list[int],
+        grammars: RoundGrammars | None,
+        sampling: bool,
+    ) -> None:
+        self.num_steps, self.grammars = num_steps, grammars
+        self.host: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+        if sampling:  # one copy for both (token ids < 2**53 are exact in float64)
+            both = torch.stack([tokens.double(), logprobs.double()])  # [2, K, B]
+            on_gpu = both.device.type == "cuda"
+            self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=on_gpu)
+            self.host.copy_(both, non_blocking=on_gpu)
+            if on_gpu:
+                self.event = torch.cuda.Event()
+                self.event.record(torch.cuda.current_stream(both.device))
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self.host is None:
+            return ModelRunnerOutput()
+        if self.event is not None:
+            self.event.synchronize()
+        token_rows, logprob_rows = self.host.tolist()  # [K][B] each
+        steps = self.num_steps
+        sampled = [[int(t) for t in row[:n]] for row, n in zip(zip(*token_rows), steps)]  # row i's first steps[i]
+        return ModelRunnerOutput(
+            sampled,
+            [list(row[:n]) for row, n in zip(zip(*logprob_rows), steps)],
+            grammars=[] if self.grammars is None else self.grammars.advanced(sampled),
+        )

@@ -1,0 +1,231 @@
+"""Async scheduling: a multi-step round queued before the host reads the round in front of it gives exactly the
+tokens, text and finish reasons of the synchronous engine and of HF ``generate`` — with stop tokens and stop
+strings inside the round in flight, preemption, prefix-cache hits and a request aborted while its round runs.
+
+On CPU a queued round is computed before the one in front of it is read, so these tests see the bookkeeping,
+not the overlap; the GPU check runs the same engine on CUDA (benchmarks/gpu_check.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.config import EngineConfig, FieldError
+from paged_backend.core.block_manager import BlockManager
+from paged_backend.core.multi_step import plan_continuation
+from paged_backend.core.sequence import Request, Sequence, SequenceStatus
+from paged_backend.entrypoints.openai.cli_args import parse_args
+from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tiny_model
+
+
+def count_continuations(llm: LLM) -> list[int]:
+    """How many queued rounds continued the round in front of them (``[n]``, updated as the engine runs)."""
+    executor = llm.llm_engine.executor
+    launch, count = executor.execute_model_async, [0]
+
+    def counting(scheduler_output):
+        count[0] += scheduler_output.batch.prev_rows is not None
+        return launch(scheduler_output)
+
+    executor.execute_model_async = counting  # type: ignore[method-assign]
+    return count
+
+
+def summary(outputs) -> list[tuple]:
+    return [
+        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+        for o in outputs
+    ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
+def test_greedy_matches_hf_generate(arch: str, tokenizer) -> None:
+    """Ragged prompts, rows that end at EOS or at different lengths inside a round in flight."""
+    model = tiny_model(arch)
+    prompts = ragged_prompts(4, seed=11)
+    lengths = [13, 24, 5, 31, 17, 9, 28, 20]
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, num_scheduler_steps=4, async_scheduling=True)
+    continued = count_continuations(llm)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, n, output in zip(prompts, lengths, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, n)
+    assert continued[0] > 3
+    assert_idle(llm)
+
+
+def test_equals_sync_with_stops_preemption_and_prefix_hits(tokenizer) -> None:
+    """Stop tokens, stop strings, EOS, min_tokens and max_model_len land inside rounds that a queued round
+    follows; few blocks force preemption; a repeated prompt hits the prefix cache; a seeded sampled request
+    makes single steps in between."""
+    model = tiny_model("llama")
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(4, seed=7)]
+    prompts.append(prompts[4])  # a prefix-cache hit once the first one's blocks are cached
+
+    def generate(async_scheduling: bool, params: list[SamplingParams], num_kv_blocks: int = 80):
+        llm = LLM(
+            model,
+            tokenizer=tokenizer,
+            block_size=4,
+            num_kv_blocks=num_kv_blocks,
+            max_model_len=40,
+            num_scheduler_steps=8,
+            async_scheduling=async_scheduling,
+            max_num_seqs=4,
+        )
+        continued = count_continuations(llm) if async_scheduling else [0]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert_idle(llm)
+        return summary(outputs), continued[0], llm.stats()
+
+    plain = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True) for _ in prompts]
+    reference, _, _ = generate(False, plain)
+    params = list(plain)
+    params[0] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[reference[0][0][6]])
+    params[1] = SamplingParams(temperature=0, max_tokens=30, stop=[reference[1][1][5:8]])
+    params[2] = SamplingParams(temperature=0, max_tokens=38, ignore_eos=True)  # reaches max_model_len
+    params[3] = SamplingParams(temperature=0, max_tokens=30, min_tokens=9, stop_token_ids=[reference[3][0][2]])
+    params[5] = SamplingParams(temperature=0.8, seed=3, max_tokens=12)
+    params[6] = SamplingParams(temperature=0, max_tokens=30)  # may end at EOS
+    for num_kv_blocks in (80, 24):  # 24 blocks of 4 tokens: sequences are preempted
+        sync, _, sync_stats = generate(False, params, num_kv_blocks)
+        asynchronous, continued, stats = generate(True, params, num_kv_blocks)
+        assert asynchronous == sync
+        assert continued > 0
+        assert stats["num_prompt_tokens_cached"] == sync_stats["num_prompt_tokens_cached"] > 0
+    assert sync_stats["num_preemptions"] > 0
+    assert sync[0][2:] == ("stop", params[0].stop_token_ids[0]) and sync[1][2] == "stop"
+
+
+def test_abort_while_its_round_is_in_flight(tokenizer) -> None:
+    """A request aborted between the step that queued its next round and the step that reads it: it reports
+    nothing more, its blocks are freed, and the others go on as if it had never been there."""
+    model = tiny_model("llama")
+    prompts = ragged_prompts(4, seed=5)[:3]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def run(async_scheduling: bool, abort_at: int | None) -> dict[str, list[int]]:
+        llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, async_scheduling=async_scheduling)
+        engine = llm.llm_engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        tokens: dict[str, list[int]] = {}
+        steps, aborted = 0, False
+        while engine.has_unfinished_requests():
+            if steps == abort_at:
+                assert engine._in_flight is not None  # the round that would give "1" its next tokens
+                engine.abort_request("1")
+                aborted = True
+            for output in engine.step():
+                assert not (aborted and output.request_id == "1")
+                tokens[output.request_id] = output.outputs[0].token_ids
+            steps += 1
+        assert_idle(llm)
+        return tokens
+
+    reference = run(False, None)
+    aborted = run(True, 4)
+    assert aborted["0"] == reference["0"] and aborted["2"] == reference["2"]
+    assert aborted["1"] == reference["1"][: len(aborted["1"])] and len(aborted["1"]) < 40
+
+
+def test_nothing_left_in_flight_when_every_row_stopped(tokenizer) -> None:
+    """A round queued behind one in which every row stops is dropped unread: the engine is idle at once."""
+    model = tiny_model("llama")
+    prompt = ragged_prompts(4, seed=2)[4]
+    reference = hf_greedy(model, prompt, 20)
+    stop = reference[9]
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64, async_scheduling=True)
+    engine = llm.llm_engine
+    engine.add_request(
+        "a", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop])
+    )
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == reference[: reference.index(stop) + 1]
+    assert engine._in_flight is None and engine.step() == []
+    assert_idle(llm)
+
+
+def _seqs(lengths: list[int], max_tokens: list[int], bm: BlockManager) -> list[Sequence]:
+    seqs = []
+    for i, (length, limit) in enumerate(zip(lengths, max_tokens)):
+        request = Request(str(i), None, [5] * 4, SamplingParams(temperature=0, max_tokens=limit))
+        seq = Sequence(i, 0, request, [5] * length, 4, arrival=i, status=SequenceStatus.RUNNING)
+        seq.num_computed_tokens = length - 1
+        request.seqs = [seq]
+        assert bm.allocate_slots(i, 0, length) == []
+        seqs.append(seq)
+    return seqs
+
+
+def test_plan_continuation() -> None:
+    """Rows ending at their length limit in the round in flight are left out; the others get slots after that
+    round's; no continuation where a slot needs a block that is not free."""
+    bm = BlockManager(64, 4)
+    seqs = _seqs([6, 6, 6], [3, 10, 30], bm)  # 2 tokens out so far: max_tokens leave 1, 8 and 28
+    assert plan_continuation(seqs, [1, 4, 4], 4, 100, bm) == ([1, 2], [4, 4])
+    assert len(bm.get_block_table(2)) * 4 >= 6 - 1 + 4 + 4  # slots up to the continuation's last token
+    assert plan_continuation(seqs, [1, 4, 4], 4, 12, bm) == ([1, 2], [2, 2])  # max_model_len 12
+    assert plan_continuation(seqs[:1], [1], 4, 100, bm) is None  # nothing left to run
+    full = BlockManager(2, 4)
+    seq = _seqs([6], [30], full)  # 8 slots: the round in flight fills up to slot 5 + its steps
+    assert plan_continuation(seq, [2], 4, 100, full) == ([0], [1])  # slot 7 is the last its blocks hold
+    assert plan_continuation(seq, [3], 4, 100, full) is None  # slot 8 needs a third block
+
+
+def test_config_and_server_flag() -> None:
+    with pytest.raises(FieldError, match="async_scheduling must be True or False"):
+        EngineConfig.from_kwargs("m", async_scheduling="yes")
+    with pytest.raises(FieldError, match="async_scheduling needs tensor_parallel_size=1"):
+        EngineConfig.from_kwargs("m", async_scheduling=True, tensor_parallel_size=2)
+    assert parse_args(["m", "--async-scheduling"])[1]["async_scheduling"] is True
+    assert parse_args(["m", "--no-async-scheduling"])[1]["async_scheduling"] is False
+    assert "async_scheduling" not in parse_args(["m"])[1]
+
+
+@pytest.mark.skipif(
+    os.environ.get("PAGED_BACKEND_TEST_ASYNC_SCHEDULING") == "1", reason="the suite runs with it forced on"
+)
+def test_off_by_default_on_cpu(tokenizer) -> None:
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, num_kv_blocks=32)
+    assert llm.llm_engine.async_scheduling is False
+
+
+@pytest.mark.parametrize("failing", ["queue", "read"])
+def test_a_failed_queued_round_or_read_is_redone(failing: str, tokenizer, caplog) -> None:
+    """Queueing a round behind another fails once: the next step is a normal one. Reading a round fails once:
+    its requests are redone alone, as after any failed step. Either way every output is exactly HF's."""
+    model = tiny_model("llama")
+    prompts = ragged_prompts(4, seed=13)[:4]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, async_scheduling=True)
+    executor = llm.llm_engine.executor
+    launch, failures = executor.execute_model_async, []
+
+    class FailingRead:
+        def get_output(self):
+            failures.append("read")
+            raise RuntimeError("boom")
+
+    def flaky(scheduler_output):
+        continues = scheduler_output.batch.prev_rows is not None
+        if continues and not failures and failing == "queue":
+            failures.append("queue")
+            raise RuntimeError("boom")
+        pending = launch(scheduler_output)
+        return FailingRead() if continues and not failures and failing == "read" else pending
+
+    executor.execute_model_async = flaky  # type: ignore[method-assign]
+    with caplog.at_level("WARNING"):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert failures == [failing]
+    messages = [record.getMessage() for record in caplog.records if "boom" in record.getMessage()]
+    step_failed = any(m.startswith("a step of") for m in messages)  # its requests redone alone
+    assert messages and step_failed == (failing == "read")
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 24)
+    assert_idle(llm)
