@@ -91,7 +91,9 @@ def w1_prompts(vocab: int, num_prompts: int, seed: int = 0) -> list[list[int]]:
 
 
 def one_prompt(vocab: int, length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
+    """A prompt of its own for each (length, seed): prompts of one seed and different lengths share no prefix
+    (which the prefix cache would serve; ``run_paged`` refuses any hit)."""
+    rng = random.Random(f"{length}/{seed}")
     return [rng.randrange(vocab) for _ in range(length)]
 
 
