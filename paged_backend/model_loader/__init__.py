@@ -1,8 +1,10 @@
 """Loading the model and tokenizer an engine runs: one dispatcher over where the weights come from.
 
 ``load_model`` picks the source: the user's model object (``hf.py``, adopted as is), an AWQ checkpoint
-(``awq.py``), random weights from the config alone (``dummy.py``), or any other checkpoint through transformers
-(``hf.py``). One tensor-parallel rank's slice of a model is ``sharded.load_shard``, which cuts by ``tp_plan.py``.
+(``awq.py``), a compressed-tensors one (``compressed_tensors.py``), random weights from the config alone
+(``dummy.py``), or any other checkpoint through transformers (``hf.py``; with ``quantization="fp8"`` its linears
+quantized once loaded). One tensor-parallel rank's slice of a model is ``sharded.load_shard``, which cuts by
+``tp_plan.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from transformers import PreTrainedModel
 
 from paged_backend.config import EngineConfig
 from paged_backend.model_loader.awq import load_awq_model
+from paged_backend.model_loader.compressed_tensors import load_compressed_tensors_model
 from paged_backend.model_loader.dummy import dummy_model
 from paged_backend.model_loader.hf import (
     adopt_model,
@@ -25,6 +28,7 @@ from paged_backend.model_loader.hf import (
     model_max_length,
     resolve_device,
 )
+from paged_backend.quantization.fp8 import quantize_fp8
 
 __all__ = ["causal_lm_class", "load_hf_config", "load_model", "load_tokenizer", "looks_local", "model_max_length"]
 
@@ -48,14 +52,20 @@ def load_model(
     dtype = checkpoint_dtype(config, hf_config, device)
     dummy = config.model_config.load_format == "dummy"
     trust = config.model_config.trust_remote_code
-    if checkpoint_quantization(config, hf_config, model) == "awq":
+    quantization = checkpoint_quantization(config, hf_config, model)
+    if quantization in ("awq", "compressed-tensors"):
         if dummy:
             raise ValueError(
-                "load_format='dummy' does not make AWQ weights: quantize a model with "
-                "paged_backend.quantization.awq_quantize.quantize"
+                f"load_format='dummy' does not make {quantization} weights: quantize a model with "
+                "paged_backend.quantization.awq_quantize.quantize, or llm-compressor"
             )
-        awq_device = torch.device("cpu") if keep_on_cpu else device
-        return load_awq_model(hf_config, model, dtype, awq_device, trust), device
+        load_device = torch.device("cpu") if keep_on_cpu else device
+        load = load_awq_model if quantization == "awq" else load_compressed_tensors_model
+        return load(hf_config, model, dtype, load_device, trust), device
     if dummy:
-        return dummy_model(hf_config, dtype, device, config.model_config.seed, trust), device
-    return load_pretrained(config, model, dtype, device, keep_on_cpu), device
+        loaded = dummy_model(hf_config, dtype, device, config.model_config.seed, trust)
+    else:
+        loaded = load_pretrained(config, model, dtype, device, keep_on_cpu)
+    if quantization == "fp8":
+        quantize_fp8(loaded)
+    return loaded, device

@@ -3,7 +3,8 @@
 The model is built from its config with parameters on the meta device, every convertible ``nn.Linear`` (see
 ``quantization/awq.py``) becomes an empty ``AWQLinear``, and the safetensors files fill it, each tensor checked
 against the shape the config implies: a checkpoint that disagrees with its own config fails naming the tensor,
-instead of producing garbage. transformers itself is never asked to quantize.
+instead of producing garbage. transformers itself is never asked to quantize. ``load_quantized_weights`` also
+fills compressed-tensors checkpoints (``compressed_tensors.py``), whose tensors arrive converted to our layers'.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -20,10 +22,9 @@ from paged_backend.model_loader.dummy import meta_model
 from paged_backend.model_loader.hf import checkpoint_files
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.quantization.awq import AWQConfig, AWQLinear, convertible_linears
+from paged_backend.quantization.fp8 import FP8Linear
 
 logger = logging.getLogger(__name__)
-
-AWQ_TENSORS = ("qweight", "qzeros", "scales")
 
 
 def replace_linears(model: nn.Module, awq: AWQConfig) -> list[str]:
@@ -62,48 +63,54 @@ def _targets(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str]], set[st
 def _store(
     module: nn.Module, attr: str, key: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Put one checkpoint tensor in place: AWQ's packed tensors as stored (scales in fp16), parameters in ``dtype``,
-    other buffers as they are; a shape or packed dtype unlike the config's fails with the tensor's name."""
-    expected = module.expected_shapes().get(attr) if isinstance(module, AWQLinear) else None
-    shape = expected or tuple(getattr(module, attr).shape)
+    """Put one checkpoint tensor in place: a quantized layer's packed buffers as that layer checks them (shape and
+    dtype), parameters in ``dtype``, other buffers as they are; a shape unlike the config's fails with the tensor's
+    name."""
+    if isinstance(module, (AWQLinear, FP8Linear)) and attr in module.expected_shapes() and attr != "bias":
+        module.load_buffer(attr, tensor, key, device)
+        return
+    shape = tuple(getattr(module, attr).shape)
     if tuple(tensor.shape) != shape:
-        raise ValueError(f"AWQ checkpoint tensor {key} has shape {tuple(tensor.shape)}, expected {shape}")
-    if attr in AWQ_TENSORS and isinstance(module, AWQLinear):
-        want = torch.int32 if attr != "scales" else torch.float16
-        if (attr != "scales" and tensor.dtype != torch.int32) or (attr == "scales" and not tensor.is_floating_point()):
-            raise ValueError(f"AWQ checkpoint tensor {key} has dtype {tensor.dtype}, expected {want}")
-        module._buffers[attr] = tensor.to(device=device, dtype=want)
-    elif attr in module._parameters:
+        raise ValueError(f"checkpoint tensor {key} has shape {tuple(tensor.shape)}, expected {shape}")
+    if attr in module._parameters:
         module._parameters[attr] = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
     else:
         module._buffers[attr] = tensor.to(device=device)
 
 
-@torch.no_grad()
-def load_awq_weights(model: PreTrainedModel, folder: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Fill a meta-built model (with ``AWQLinear`` modules) from the checkpoint's tensors on ``device``: packed
-    tensors as stored (scales in fp16), everything else in ``dtype``. A tensor that is missing, unexpected or shaped
-    unlike the config says fails with its name."""
+def checkpoint_tensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's safetensors files, by name, on the CPU, one at a time."""
     from safetensors import safe_open
 
-    targets, persistent = _targets(model)
-    loaded: set[str] = set()
     for path in checkpoint_files(folder):
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                if key not in targets:
-                    raise ValueError(f"AWQ checkpoint tensor {key} matches no parameter of {type(model).__name__}")
-                module, attr = targets[key]
-                _store(module, attr, key, f.get_tensor(key), dtype, device)
-                loaded.add(key)
+                yield key, f.get_tensor(key)
+
+
+@torch.no_grad()
+def load_quantized_weights(
+    model: PreTrainedModel, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
+) -> None:
+    """Fill a meta-built model (with quantized layers) from a checkpoint's tensors on ``device``: packed buffers as
+    their layers take them, everything else in ``dtype``. A tensor that is missing, unexpected or shaped unlike
+    the config says fails with its name."""
+    targets, persistent = _targets(model)
+    loaded: set[str] = set()
+    for key, tensor in tensors:
+        if key not in targets:
+            raise ValueError(f"checkpoint tensor {key} matches no parameter of {type(model).__name__}")
+        module, attr = targets[key]
+        _store(module, attr, key, tensor, dtype, device)
+        loaded.add(key)
     tied = _tied_keys(model)
     missing = sorted(persistent - loaded - tied)
     if missing:
-        raise ValueError(f"AWQ checkpoint is missing tensor(s) {missing[:5]}")
+        raise ValueError(f"the checkpoint is missing tensor(s) {missing[:5]}")
     for module in model.modules():  # non-persistent buffers (RoPE's) were made on the CPU
         for attr, buffer in module._buffers.items():
             if buffer is not None and buffer.device.type == "meta":
-                raise ValueError(f"AWQ checkpoint is missing buffer {attr} of {type(module).__name__}")
+                raise ValueError(f"the checkpoint is missing buffer {attr} of {type(module).__name__}")
             if buffer is not None:
                 module._buffers[attr] = buffer.to(device)
     if tied:
@@ -142,7 +149,7 @@ def load_awq_model(
     del plain.quantization_config  # transformers must not try to quantize (it would need gptqmodel)
     model = meta_model(plain, dtype, trust_remote_code)
     names = replace_linears(model, awq)
-    load_awq_weights(model, resolve_checkpoint_folder(name), dtype, device)
+    load_quantized_weights(model, checkpoint_tensors(resolve_checkpoint_folder(name)), dtype, device)
     set_module_attribute(model, "awq_config", awq)
     logger.info("AWQ int4: %d linears, group size %d", len(names), awq.group_size)
     return model.eval()

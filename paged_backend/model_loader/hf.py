@@ -107,21 +107,32 @@ def load_hf_config(config: EngineConfig, name: str) -> PretrainedConfig:
     return _from_pretrained(AutoConfig, name, trust_remote_code=config.model_config.trust_remote_code)
 
 
+CHECKPOINT_METHODS = ("awq", "compressed-tensors")  # quantization a checkpoint carries (in its config)
+
+
 def checkpoint_quantization(config: EngineConfig, hf_config: PretrainedConfig, name: str) -> str | None:
-    """``awq`` when asked for or when the checkpoint's ``quantization_config`` says so; None otherwise."""
+    """The quantization to load with: ``awq`` or ``compressed-tensors`` when asked for or when the checkpoint's
+    ``quantization_config`` says so (the two must agree), ``fp8`` when asked for on an unquantized checkpoint; None
+    otherwise. A checkpoint quantized by another method fails, naming it."""
     qc = getattr(hf_config, "quantization_config", None)
     method = None
     if qc is not None:
         method = str((qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method", "")).lower() or None
     asked = config.model_config.quantization
-    if asked == "awq" and method != "awq":
+    if method is not None and method not in CHECKPOINT_METHODS:
         raise ValueError(
-            f"quantization='awq' needs an AWQ checkpoint, but {name}'s config.json has "
-            f"{'no quantization_config' if method is None else f'quant_method={method!r}'}"
+            f"{name}'s config.json has quantization_config.quant_method={method!r}: supported are "
+            f"{list(CHECKPOINT_METHODS)}"
         )
-    if method == "awq" and asked is None:
-        logger.info("%s is an AWQ checkpoint (quantization_config): loading it as quantization='awq'", name)
-    return "awq" if method == "awq" else None
+    if asked is not None and asked != (method or "fp8"):
+        raise ValueError(
+            f"quantization={asked!r} does not match {name}'s config.json, which has "
+            f"{'no quantization_config' if method is None else f'quant_method={method!r}'}"
+            + (" (quantization='fp8' quantizes an unquantized checkpoint)" if asked == "fp8" else "")
+        )
+    if method is not None and asked is None:
+        logger.info("%s is a %s checkpoint (quantization_config): loading it as such", name, method)
+    return method or asked
 
 
 def checkpoint_dtype(config: EngineConfig, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:

@@ -66,7 +66,7 @@ class AWQLinear(nn.Module):
     group_size: int
     qweight: torch.Tensor  # [in, out / 8] int32, buffer
     qzeros: torch.Tensor  # [in / group_size, out / 8] int32, buffer
-    scales: torch.Tensor  # [in / group_size, out] fp16, buffer
+    scales: torch.Tensor  # [in / group_size, out] fp16 (AutoAWQ's; a compressed-tensors checkpoint's own float), buffer
     bias: nn.Parameter | None
 
     def __init__(
@@ -94,6 +94,16 @@ class AWQLinear(nn.Module):
             "scales": (groups, self.out_features),
         }
         return shapes | ({"bias": (self.out_features,)} if self.bias is not None else {})
+
+    def load_buffer(self, attr: str, tensor: torch.Tensor, key: str, device: torch.device) -> None:
+        """A checkpoint's tensor for one of the packed buffers, checked against the layer's shape and dtype: packed
+        ints as int32, scales in their own float dtype (AutoAWQ writes fp16; the kernels read any)."""
+        expected = self.expected_shapes()[attr]
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"checkpoint tensor {key} has shape {tuple(tensor.shape)}, expected {expected}")
+        if (attr == "scales") != tensor.is_floating_point() or (attr != "scales" and tensor.dtype != torch.int32):
+            raise ValueError(f"checkpoint tensor {key} has dtype {tensor.dtype}, expected int32 or a float for scales")
+        self._buffers[attr] = tensor.to(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features)  # [M, K]

@@ -31,6 +31,7 @@ from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
 from paged_backend.quantization.awq import AWQLinear
+from paged_backend.quantization.fp8 import FP8Linear
 from paged_backend.worker.async_output import AsyncModelRunnerOutput, PendingRound, ReadyOutput
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.worker.batch_invariant import BatchInvariantMode
@@ -87,8 +88,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.batch_invariant = batch_invariant
-        if batch_invariant and any(isinstance(m, AWQLinear) for m in model.modules()):
-            raise FieldError("batch_invariant", "batch_invariant runs unquantized linear layers: this model is AWQ")
+        if batch_invariant and any(isinstance(m, (AWQLinear, FP8Linear)) for m in model.modules()):
+            raise FieldError("batch_invariant", "batch_invariant runs unquantized linear layers: this model's are not")
         self.cache_engine = cache_engine
         self.device = device
         self.lora_manager = lora_manager

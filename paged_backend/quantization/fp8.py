@@ -1,0 +1,133 @@
+"""FP8 linear layers: float8_e4m3fn weights with a scale per output channel; activations in the model's dtype, or
+quantized per token at run time (``dynamic_activations``, compressed-tensors' ``FP8_DYNAMIC``, vLLM's online
+``quantization="fp8"``).
+
+On a GPU with fp8 matrix units (compute capability 8.9 or later) ``y = x @ W.T`` is one ``torch._scaled_mm``
+of fp8 operands with the activation's per-token and the weight's per-channel scales; elsewhere its torch twin
+(``fp8_linear_torch``) computes the same quantities in float32: the activation rounded through fp8 per token, the
+weight dequantized. Weight-only checkpoints (no activation scheme), and models in another dtype than bfloat16
+(the fp8 GEMM's row-wise scales write bfloat16), run the twin on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros, not NaN
+
+
+def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] as fp8 with one float32 scale per row (``x ≈ q * scale``): the row's largest magnitude maps to
+    fp8's largest value."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(_MIN_SCALE)  # [M, 1]
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_linear_torch(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N] float32
+    dynamic_activations: bool,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    if dynamic_activations:
+        q, scale = quantize_per_row(x)
+        x32 = q.float() * scale
+    else:
+        x32 = x.float()
+    return (x32 @ (weight.float() * weight_scale[:, None]).T).to(x.dtype)
+
+
+def fp8_linear_scaled_mm(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """One fp8 GEMM on the GPU's fp8 units (dynamic activations), bias added in the epilogue."""
+    q, scale = quantize_per_row(x)
+    return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], bias=bias, out_dtype=x.dtype)
+
+
+def has_fp8_matmul(device: torch.device | str) -> bool:
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class FP8Linear(nn.Module):
+    """``nn.Linear``'s interface over fp8 weights: ``y = x @ (W * s).T + bias``, ``x`` per token through fp8 when
+    ``dynamic_activations``."""
+
+    weight: torch.Tensor  # [out, in] float8_e4m3fn, buffer
+    weight_scale: torch.Tensor  # [out] float32, buffer
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dynamic_activations: bool,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.dynamic_activations = dynamic_activations
+        self.fp8_matmul = False  # the weight's device has fp8 matrix units (set where the weight lands)
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, dynamic_activations: bool = True) -> FP8Linear:
+        """``linear``'s weight quantized per output channel (vLLM's online ``quantization="fp8"``)."""
+        device = linear.weight.device
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dynamic_activations, device)
+        q, scale = quantize_per_row(linear.weight.detach())
+        layer._buffers["weight"], layer._buffers["weight_scale"] = q, scale[:, 0]
+        layer.fp8_matmul = has_fp8_matmul(device)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+        return layer
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {"weight": (self.out_features, self.in_features), "weight_scale": (self.out_features,)}
+        return shapes | ({"bias": (self.out_features,)} if self.bias is not None else {})
+
+    def load_buffer(self, attr: str, tensor: torch.Tensor, key: str, device: torch.device) -> None:
+        """A checkpoint's tensor for one of the packed buffers, checked against the layer's shape and dtype."""
+        if tuple(tensor.shape) != self.expected_shapes()[attr]:
+            expected = self.expected_shapes()[attr]
+            raise ValueError(f"checkpoint tensor {key} has shape {tuple(tensor.shape)}, expected {expected}")
+        if attr == "weight" and tensor.dtype != FP8:
+            raise ValueError(f"checkpoint tensor {key} has dtype {tensor.dtype}, expected {FP8}")
+        self._buffers[attr] = tensor.to(device=device, dtype=FP8 if attr == "weight" else torch.float32)
+        self.fp8_matmul = has_fp8_matmul(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        flat = x.reshape(-1, self.in_features)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.dynamic_activations and self.fp8_matmul and x.dtype == torch.bfloat16:
+            y = fp8_linear_scaled_mm(flat, self.weight, self.weight_scale, bias)
+        else:
+            y = fp8_linear_torch(flat, self.weight, self.weight_scale, self.dynamic_activations)
+            if bias is not None:
+                y = y + bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        dynamic = ", activations per token" if self.dynamic_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{dynamic}"
+
+
+@torch.no_grad()
+def quantize_fp8(model: nn.Module) -> int:
+    """vLLM's online ``quantization="fp8"``: every ``nn.Linear`` but the output embedding becomes an ``FP8Linear``
+    (weights per output channel, activations per token at run time), in place; returns how many."""
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    output = get_output_embeddings() if callable(get_output_embeddings) else None
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not output]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, FP8Linear.from_linear(getattr(parent, child)))
+    return len(names)

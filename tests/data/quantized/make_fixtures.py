@@ -1,0 +1,101 @@
+"""Makes the quantized checkpoints under this folder with the real producer, llm-compressor, in an environment of
+its own (it pins versions the project does not), and beside each the producer's own dequantized weights: what the
+tests hold our loader to.
+
+    python -m venv /tmp/qenv && /tmp/qenv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1 transformers==5.17.0
+    /tmp/qenv/bin/python tests/data/quantized/make_fixtures.py
+
+Each checkpoint is a tiny random Llama (fp32, hidden 128, two layers, the tiny tokenizer's 512 tokens), quantized
+by ``llmcompressor.oneshot`` and saved compressed (``save_compressed=True``); ``reference.safetensors`` holds every
+quantized linear's weight as transformers decompresses it (``CompressedTensorsConfig(run_compressed=False)``).
+The versions used are written to ``versions.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+HERE = Path(__file__).resolve().parent
+
+CONFIG = LlamaConfig(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+
+def weight_only(num_bits: int, kind: str, strategy: str, symmetric: bool, group_size: int | None) -> dict:
+    weights = {"num_bits": num_bits, "type": kind, "strategy": strategy, "symmetric": symmetric}
+    if group_size is not None:
+        weights["group_size"] = group_size
+    return {"group_0": {"targets": ["Linear"], "weights": weights}}
+
+
+def schemes() -> dict[str, dict]:
+    """Fixture name -> QuantizationModifier arguments."""
+    return {
+        "w4a16_group128": {"scheme": "W4A16"},  # int4, symmetric, groups of 128 (llm-compressor's preset)
+        "w4a16_asym_group32": {"config_groups": weight_only(4, "int", "group", False, 32)},
+        "w4a16_channel": {"config_groups": weight_only(4, "int", "channel", True, None)},
+        "fp8_dynamic": {"scheme": "FP8_DYNAMIC"},  # fp8 weights per channel, activations per token at run time
+    }
+
+
+def make(name: str, arguments: dict) -> None:
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CONFIG).eval()
+    # Random normal weights large enough that int4 rounding moves the greedy choices (so the test can fail).
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0, 0.08)
+    out = HERE / name
+    shutil.rmtree(out, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as base:  # oneshot reads the model's config back from its folder
+        model.save_pretrained(base)
+        model = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+        oneshot(model=model, recipe=QuantizationModifier(targets="Linear", ignore=["lm_head"], **arguments))
+        model.save_pretrained(out, save_compressed=True)
+    decompressed = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=CompressedTensorsConfig(run_compressed=False), torch_dtype=torch.float32
+    )
+    reference = {
+        f"{module_name}.weight": module.weight.detach().float().contiguous()
+        for module_name, module in decompressed.named_modules()
+        if isinstance(module, torch.nn.Linear) and module_name != "lm_head"
+    }
+    save_file(reference, str(out / "reference.safetensors"))
+    print(name, sorted(p.name for p in out.iterdir()))
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(schemes())
+    for name in names:
+        make(name, schemes()[name])
+    packages = ["llmcompressor", "compressed-tensors", "transformers", "torch"]
+    (HERE / "versions.json").write_text(json.dumps({p: version(p) for p in packages}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

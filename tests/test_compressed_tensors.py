@@ -1,0 +1,155 @@
+"""compressed-tensors checkpoints made by llm-compressor itself (``tests/data/quantized``, see its
+``make_fixtures.py``): int4 per group (symmetric, and with zero points) and per channel, and FP8 with dynamic
+per-token activations. The engine's greedy output equals HF ``generate`` on the producer's own dequantized
+weights (saved beside each checkpoint), with the activations rounded through fp8 per token for FP8; also
+vLLM's online ``quantization="fp8"``, and schemes we do not run failing at load with their name."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, LlamaForCausalLM
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.kernels.awq_format import dequantize
+from paged_backend.quantization.awq import AWQLinear
+from paged_backend.quantization.fp8 import FP8Linear
+from tests.conftest import hf_greedy, ragged_prompts
+from tests.fixtures.tiny_models import build_tiny_model
+
+FIXTURES = Path(__file__).parent / "data" / "quantized"
+INT4 = ["w4a16_group128", "w4a16_asym_group32", "w4a16_channel"]
+FP8_MAX = 448.0
+
+
+def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
+    """What FP8_DYNAMIC does to a linear's input: each token scaled so its largest magnitude is fp8's largest,
+    rounded to float8_e4m3fn, scaled back (written here from the scheme's definition, not from the library)."""
+    scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+def reference_model(folder: Path, fp8_inputs: bool) -> LlamaForCausalLM:
+    """A plain fp32 HF model: the checkpoint's unquantized tensors and the producer's dequantized linears."""
+    config = AutoConfig.from_pretrained(folder)
+    del config.quantization_config
+    model = LlamaForCausalLM(config).eval()
+    reference = load_file(folder / "reference.safetensors")
+    quantized = {key.rsplit(".", 1)[0] for key in reference}
+    state = {k: v for k, v in load_file(folder / "model.safetensors").items() if k.rsplit(".", 1)[0] not in quantized}
+    model.load_state_dict(state | reference, strict=True)
+    if fp8_inputs:
+        for name in quantized:
+            model.get_submodule(name).register_forward_pre_hook(lambda _, args: (fake_quantize_per_token(args[0]),))
+    return model
+
+
+def greedy_outputs(llm: LLM, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.mark.parametrize("name", INT4)
+def test_int4_repacked_for_our_kernels_dequantizes_to_the_producers_weights(name: str, tokenizer) -> None:
+    llm = LLM(str(FIXTURES / name), tokenizer=tokenizer, num_kv_blocks=64)
+    reference = load_file(FIXTURES / name / "reference.safetensors")
+    layers = {n: m for n, m in llm.llm_engine.model.named_modules() if isinstance(m, AWQLinear)}
+    assert set(layers) == {key.rsplit(".", 1)[0] for key in reference}  # lm_head (ignored) stays a Linear
+    for module_name, layer in layers.items():
+        ours = dequantize(layer.qweight, layer.qzeros, layer.scales, torch.float32).T
+        torch.testing.assert_close(ours, reference[f"{module_name}.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", [*INT4, "fp8_dynamic"])
+def test_greedy_equals_hf_on_the_producers_dequantized_model(name: str, tokenizer) -> None:
+    folder = FIXTURES / name
+    llm = LLM(str(folder), tokenizer=tokenizer, block_size=4, num_kv_blocks=128)
+    kind = FP8Linear if name.startswith("fp8") else AWQLinear
+    assert any(isinstance(m, kind) for m in llm.llm_engine.model.modules())
+    reference = reference_model(folder, fp8_inputs=name.startswith("fp8"))
+    prompts = ragged_prompts(4, seed=21)
+    for prompt, ours in zip(prompts, greedy_outputs(llm, prompts)):
+        assert ours == hf_greedy(reference, prompt, 12)
+
+
+def test_fp8_weights_and_scales_are_the_checkpoints(tokenizer) -> None:
+    folder = FIXTURES / "fp8_dynamic"
+    llm = LLM(str(folder), tokenizer=tokenizer, num_kv_blocks=64)
+    stored = load_file(folder / "model.safetensors")
+    reference = load_file(folder / "reference.safetensors")
+    for module_name, layer in llm.llm_engine.model.named_modules():
+        if isinstance(layer, FP8Linear):
+            assert layer.dynamic_activations
+            assert torch.equal(layer.weight.view(torch.uint8), stored[f"{module_name}.weight"].view(torch.uint8))
+            dequantized = layer.weight.float() * layer.weight_scale[:, None]
+            torch.testing.assert_close(dequantized, reference[f"{module_name}.weight"], rtol=0, atol=0)
+
+
+def test_online_fp8_quantizes_an_unquantized_checkpoint(tokenizer, tmp_path) -> None:
+    """``quantization="fp8"``: each linear's weight per output channel through fp8, activations per token."""
+    model = build_tiny_model("llama", vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), tokenizer=tokenizer, quantization="fp8", block_size=4, num_kv_blocks=128)
+    assert sum(isinstance(m, FP8Linear) for m in llm.llm_engine.model.modules()) == 7 * model.config.num_hidden_layers
+    reference = copy.deepcopy(model)
+    for name, module in reference.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            with torch.no_grad():  # per output channel: each row through fp8 like a token
+                module.weight.copy_(fake_quantize_per_token(module.weight))
+            module.register_forward_pre_hook(lambda _, args: (fake_quantize_per_token(args[0]),))
+    prompts = ragged_prompts(4, seed=22)
+    for prompt, ours in zip(prompts, greedy_outputs(llm, prompts)):
+        assert ours == hf_greedy(reference, prompt, 12)
+
+
+def _with_config(tmp_path: Path, change) -> Path:
+    folder = tmp_path / "changed"
+    shutil.copytree(FIXTURES / "w4a16_group128", folder)
+    config = json.loads((folder / "config.json").read_text())
+    change(config["quantization_config"])
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8), "8-bit int"),
+        (lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"), "activation ordering"),
+        (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+        (lambda qc: qc["config_groups"].update(group_1=qc["config_groups"]["group_0"]), "exactly one scheme"),
+        (lambda qc: qc.update(quant_method="gptq"), "quant_method='gptq'"),
+        (lambda qc: qc["config_groups"]["group_0"].update(format="marlin-24"), "format 'marlin-24'"),
+    ],
+)
+def test_schemes_we_do_not_run_fail_at_load_naming_them(change, message: str, tokenizer, tmp_path) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(str(_with_config(tmp_path, change)), tokenizer=tokenizer, num_kv_blocks=64)
+
+
+def test_quantization_argument_must_match_the_checkpoint(tokenizer) -> None:
+    with pytest.raises(ValueError, match="quantization='awq' does not match"):
+        LLM(str(FIXTURES / "w4a16_group128"), tokenizer=tokenizer, quantization="awq", num_kv_blocks=64)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)), reason="needs fp8 matrix units"
+)
+def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
+    """torch._scaled_mm with per-token and per-channel scales against the float32 twin, bf16 activations."""
+    from paged_backend.quantization.fp8 import fp8_linear_scaled_mm, fp8_linear_torch, quantize_per_row
+
+    torch.manual_seed(0)
+    for m, k, n in [(1, 4096, 1024), (7, 256, 512), (256, 4096, 14336)]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        weight, scale = quantize_per_row(torch.randn(n, k, device="cuda") * 0.02)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        ours = fp8_linear_scaled_mm(x, weight, scale[:, 0], bias).float()
+        twin = fp8_linear_torch(x, weight, scale[:, 0], True).float() + bias.float()
+        torch.testing.assert_close(ours, twin, rtol=2e-2, atol=2e-2)
