@@ -2,7 +2,8 @@
 ``make_fixtures.py``): int4 per group (symmetric, and with zero points) and per channel, and FP8 with dynamic
 per-token activations. The engine's greedy output equals HF ``generate`` on the producer's own dequantized
 weights (saved beside each checkpoint), with the activations rounded through fp8 per token for FP8; also
-vLLM's online ``quantization="fp8"``, and schemes we do not run failing at load with their name."""
+vLLM's online ``quantization="fp8"``, and schemes we do not run failing at load with their name. The engines run
+on the CPU, HF's oracle's device, also on a GPU machine; there the fp8 GEMM is checked against its twin."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def greedy_outputs(llm: LLM, prompts: list[list[int]], max_tokens: int = 12) -> 
 
 @pytest.mark.parametrize("name", INT4)
 def test_int4_repacked_for_our_kernels_dequantizes_to_the_producers_weights(name: str, tokenizer) -> None:
-    llm = LLM(str(FIXTURES / name), tokenizer=tokenizer, num_kv_blocks=64)
+    llm = LLM(str(FIXTURES / name), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
     reference = load_file(FIXTURES / name / "reference.safetensors")
     layers = {n: m for n, m in llm.llm_engine.model.named_modules() if isinstance(m, AWQLinear)}
     assert set(layers) == {key.rsplit(".", 1)[0] for key in reference}  # lm_head (ignored) stays a Linear
@@ -69,7 +70,7 @@ def test_int4_repacked_for_our_kernels_dequantizes_to_the_producers_weights(name
 @pytest.mark.parametrize("name", [*INT4, "fp8_dynamic"])
 def test_greedy_equals_hf_on_the_producers_dequantized_model(name: str, tokenizer) -> None:
     folder = FIXTURES / name
-    llm = LLM(str(folder), tokenizer=tokenizer, block_size=4, num_kv_blocks=128)
+    llm = LLM(str(folder), tokenizer=tokenizer, block_size=4, num_kv_blocks=128, device="cpu")
     kind = FP8Linear if name.startswith("fp8") else AWQLinear
     assert any(isinstance(m, kind) for m in llm.llm_engine.model.modules())
     reference = reference_model(folder, fp8_inputs=name.startswith("fp8"))
@@ -80,7 +81,7 @@ def test_greedy_equals_hf_on_the_producers_dequantized_model(name: str, tokenize
 
 def test_fp8_weights_and_scales_are_the_checkpoints(tokenizer) -> None:
     folder = FIXTURES / "fp8_dynamic"
-    llm = LLM(str(folder), tokenizer=tokenizer, num_kv_blocks=64)
+    llm = LLM(str(folder), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
     stored = load_file(folder / "model.safetensors")
     reference = load_file(folder / "reference.safetensors")
     for module_name, layer in llm.llm_engine.model.named_modules():
@@ -95,7 +96,7 @@ def test_online_fp8_quantizes_an_unquantized_checkpoint(tokenizer, tmp_path) -> 
     """``quantization="fp8"``: each linear's weight per output channel through fp8, activations per token."""
     model = build_tiny_model("llama", vocab_size=len(tokenizer))
     model.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), tokenizer=tokenizer, quantization="fp8", block_size=4, num_kv_blocks=128)
+    llm = LLM(str(tmp_path), tokenizer=tokenizer, quantization="fp8", block_size=4, num_kv_blocks=128, device="cpu")
     assert sum(isinstance(m, FP8Linear) for m in llm.llm_engine.model.modules()) == 7 * model.config.num_hidden_layers
     reference = copy.deepcopy(model)
     for name, module in reference.named_modules():
@@ -130,12 +131,12 @@ def _with_config(tmp_path: Path, change) -> Path:
 )
 def test_schemes_we_do_not_run_fail_at_load_naming_them(change, message: str, tokenizer, tmp_path) -> None:
     with pytest.raises(ValueError, match=message):
-        LLM(str(_with_config(tmp_path, change)), tokenizer=tokenizer, num_kv_blocks=64)
+        LLM(str(_with_config(tmp_path, change)), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
 
 
 def test_quantization_argument_must_match_the_checkpoint(tokenizer) -> None:
     with pytest.raises(ValueError, match="quantization='awq' does not match"):
-        LLM(str(FIXTURES / "w4a16_group128"), tokenizer=tokenizer, quantization="awq", num_kv_blocks=64)
+        LLM(str(FIXTURES / "w4a16_group128"), tokenizer=tokenizer, quantization="awq", num_kv_blocks=64, device="cpu")
 
 
 @pytest.mark.skipif(
