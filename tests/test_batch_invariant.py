@@ -73,6 +73,9 @@ def test_what_it_cannot_run_is_refused() -> None:
         LLM(model, batch_invariant=True, quantization="awq")
     with pytest.raises(ValueError, match="batch_invariant needs enable_lora=False"):
         LLM(model, batch_invariant=True, enable_lora=True)
+    # a token's experts' outputs are gathered and summed across the batch: refused (it was not invariant)
+    with pytest.raises(ValueError, match="mixture-of-experts models .num_local_experts > 1."):
+        LLM(tiny_model("mixtral"), batch_invariant=True)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

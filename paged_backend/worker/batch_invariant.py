@@ -30,6 +30,27 @@ def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> t
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+MOE_CONFIG_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_batch_invariant_supported(model: torch.nn.Module) -> None:
+    """What the mode cannot make invariant fails here: quantized linear layers (their kernels are not row-wise)
+    and mixture-of-experts models (the experts' outputs are gathered and summed across the batch's tokens)."""
+    from paged_backend.config import FieldError
+    from paged_backend.quantization.awq import AWQLinear
+    from paged_backend.quantization.fp8 import FP8Linear
+
+    if any(isinstance(m, (AWQLinear, FP8Linear)) for m in model.modules()):
+        raise FieldError("batch_invariant", "batch_invariant runs unquantized linear layers: this model's are not")
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if isinstance(config, PretrainedConfig) else None
+    experts = [f for f in MOE_CONFIG_FIELDS if (getattr(text, f, None) or 0) > 1]
+    if experts:
+        raise FieldError(
+            "batch_invariant", f"batch_invariant does not run mixture-of-experts models ({experts[0]} > 1) yet"
+        )
+
+
 class BatchInvariantMode(TorchFunctionMode):
     """Inside: linear layers computed a row at a time (see the module's docstring)."""
 

@@ -23,18 +23,15 @@ import torch
 from torch._dynamo.backends.registry import CompilerFn
 from transformers import PreTrainedModel
 
-from paged_backend.config import FieldError
 from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput
 from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.kernels.greedy import greedy_tokens
 from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
-from paged_backend.quantization.awq import AWQLinear
-from paged_backend.quantization.fp8 import FP8Linear
 from paged_backend.worker.async_output import AsyncModelRunnerOutput, PendingRound, ReadyOutput
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
-from paged_backend.worker.batch_invariant import BatchInvariantMode
+from paged_backend.worker.batch_invariant import BatchInvariantMode, check_batch_invariant_supported
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
@@ -88,8 +85,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.batch_invariant = batch_invariant
-        if batch_invariant and any(isinstance(m, (AWQLinear, FP8Linear)) for m in model.modules()):
-            raise FieldError("batch_invariant", "batch_invariant runs unquantized linear layers: this model's are not")
+        if batch_invariant:
+            check_batch_invariant_supported(model)
         self.cache_engine = cache_engine
         self.device = device
         self.lora_manager = lora_manager
