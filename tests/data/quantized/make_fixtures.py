@@ -94,7 +94,10 @@ def main() -> None:
     for name in names:
         make(name, schemes()[name])
     packages = ["llmcompressor", "compressed-tensors", "transformers", "torch"]
-    (HERE / "versions.json").write_text(json.dumps({p: version(p) for p in packages}, indent=2) + "\n")
+    path = HERE / "versions.json"
+    versions = json.loads(path.read_text()) if path.exists() else {}
+    versions["llmcompressor"] = {p: version(p) for p in packages}
+    path.write_text(json.dumps(versions, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""compressed-tensors checkpoints made by llm-compressor itself (``tests/data/quantized``, see its
-``make_fixtures.py``): int4 per group (symmetric, and with zero points) and per channel, and FP8 with dynamic
-per-token activations. The engine's greedy output equals HF ``generate`` on the producer's own dequantized
-weights (saved beside each checkpoint), with the activations rounded through fp8 per token for FP8; also
-vLLM's online ``quantization="fp8"``, and schemes we do not run failing at load with their name. The engines run
-on the CPU, HF's oracle's device, also on a GPU machine; there the fp8 GEMM is checked against its twin."""
+"""Quantized checkpoints made by the real producers (``tests/data/quantized``; its ``make_fixtures.py`` and
+``make_autoawq_fixtures.py`` made them, ``versions.json`` says with what): llm-compressor's compressed-tensors
+int4 per group (symmetric, and with zero points) and per channel, and FP8 with dynamic per-token activations;
+AutoAWQ's GEMM checkpoint. The engine's greedy output equals HF ``generate`` on the producer's own dequantized
+weights (saved beside each checkpoint), with the activations rounded through fp8 per token for FP8; also vLLM's
+online ``quantization="fp8"``, and schemes we do not run failing at load with their name. The engines run on the
+CPU, HF's oracle's device, also on a GPU machine; there the fp8 GEMM is checked against its twin."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from tests.conftest import hf_greedy, ragged_prompts
 from tests.fixtures.tiny_models import build_tiny_model
 
 FIXTURES = Path(__file__).parent / "data" / "quantized"
-INT4 = ["w4a16_group128", "w4a16_asym_group32", "w4a16_channel"]
+INT4 = ["w4a16_group128", "w4a16_asym_group32", "w4a16_channel", "autoawq_group128"]
 FP8_MAX = 448.0
 
 
@@ -63,7 +64,9 @@ def test_int4_repacked_for_our_kernels_dequantizes_to_the_producers_weights(name
     layers = {n: m for n, m in llm.llm_engine.model.named_modules() if isinstance(m, AWQLinear)}
     assert set(layers) == {key.rsplit(".", 1)[0] for key in reference}  # lm_head (ignored) stays a Linear
     for module_name, layer in layers.items():
-        ours = dequantize(layer.qweight, layer.qzeros, layer.scales, torch.float32).T
+        ours = dequantize(layer.qweight, layer.qzeros, layer.scales, torch.float32).T  # exact: (q - z) * s
+        if name.startswith("autoawq"):  # AutoAWQ's dequantize_gemm multiplies in fp16: its rounding of the same
+            ours = ours.half().float()
         torch.testing.assert_close(ours, reference[f"{module_name}.weight"], rtol=0, atol=0)
 
 
@@ -154,3 +157,26 @@ def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
         ours = fp8_linear_scaled_mm(x, weight, scale[:, 0], bias).float()
         twin = fp8_linear_torch(x, weight, scale[:, 0], True).float() + bias.float()
         torch.testing.assert_close(ours, twin, rtol=2e-2, atol=2e-2)
+
+
+def test_our_awq_writer_matches_autoawqs_format(tokenizer, tmp_path) -> None:
+    """What ``awq_quantize.quantize`` writes for the fixture's architecture has AutoAWQ's tensor names, packed
+    dtypes and shapes, and its ``quantization_config`` (transformers reads AWQ checkpoints by these)."""
+    from safetensors import safe_open
+
+    from paged_backend.demo_checkpoint import CORPUS
+    from paged_backend.quantization.awq_quantize import quantize
+
+    theirs = FIXTURES / "autoawq_group128"
+    config = json.loads((theirs / "config.json").read_text())
+    shape = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")}
+    model = build_tiny_model("llama", vocab_size=config["vocab_size"], **shape)
+    quantize(model, tokenizer, str(tmp_path), calib_texts=CORPUS, group_size=128, seq_len=64)
+    ours_config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert ours_config == config["quantization_config"]
+    with safe_open(theirs / "model.safetensors", "pt") as a, safe_open(tmp_path / "model.safetensors", "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for key in a.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+            if key.rsplit(".", 1)[1] in ("qweight", "qzeros", "scales"):
+                ta, tb = a.get_tensor(key), b.get_tensor(key)
+                assert (ta.dtype, ta.shape) == (tb.dtype, tb.shape), key
