@@ -44,7 +44,11 @@ def reference_model(folder: Path, fp8_inputs: bool) -> LlamaForCausalLM:
     model = LlamaForCausalLM(config).eval()
     reference = load_file(folder / "reference.safetensors")
     quantized = {key.rsplit(".", 1)[0] for key in reference}
-    state = {k: v for k, v in load_file(folder / "model.safetensors").items() if k.rsplit(".", 1)[0] not in quantized}
+    state = {
+        k: v
+        for k, v in load_file(folder / "model.safetensors").items()
+        if k.rsplit(".", 1)[0] not in quantized and not k.endswith(("k_scale", "v_scale"))  # KV cache's, not HF's
+    }
     model.load_state_dict(state | reference, strict=True)
     if fp8_inputs:
         for name in quantized:
@@ -80,6 +84,55 @@ def test_greedy_equals_hf_on_the_producers_dequantized_model(name: str, tokenize
     prompts = ragged_prompts(4, seed=21)
     for prompt, ours in zip(prompts, greedy_outputs(llm, prompts)):
         assert ours == hf_greedy(reference, prompt, 12)
+
+
+def test_a_checkpoints_fp8_kv_cache_scales_start_an_fp8_cache(tokenizer) -> None:
+    """llm-compressor's ``kv_cache_scheme`` (one static scale per layer for keys, one for values): with
+    ``kv_cache_dtype="fp8"`` the cache holds k / k_scale, and greedy output equals HF attending to keys and values
+    through that fp8 round trip; with the default cache dtype the scales are not used."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from tests.fixtures.fp8_kv import round_trip
+
+    folder = FIXTURES / "fp8_dynamic_kv"
+    stored = load_file(folder / "model.safetensors")
+    config = AutoConfig.from_pretrained(folder)
+    heads = config.num_key_value_heads
+    scales = {
+        i: tuple(stored[f"model.layers.{i}.self_attn.{kind}_scale"].float().expand(heads) for kind in ("k", "v"))
+        for i in range(config.num_hidden_layers)
+    }
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        k_scale, v_scale = scales[module.layer_idx]
+        key, value = round_trip(key, k_scale), round_trip(value, v_scale)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("fp8_kv_checkpoint_scales", attention)
+    AttentionMaskInterface.register("fp8_kv_checkpoint_scales", sdpa_mask)
+    reference = reference_model(folder, fp8_inputs=True)
+    reference.set_attn_implementation("fp8_kv_checkpoint_scales")
+    llm = LLM(str(folder), tokenizer=tokenizer, kv_cache_dtype="fp8", block_size=4, num_kv_blocks=128, device="cpu")
+    engine_scales = llm.llm_engine.executor.model_runner.cache_engine.kv_scales
+    assert [(k.tolist(), v.tolist()) for k, v in engine_scales] == [
+        (k.tolist(), v.tolist()) for k, v in scales.values()
+    ]
+    prompts = ragged_prompts(4, seed=23)
+    for prompt, ours in zip(prompts, greedy_outputs(llm, prompts)):
+        assert ours == hf_greedy(reference, prompt, 12)
+    plain = LLM(str(folder), tokenizer=tokenizer, block_size=4, num_kv_blocks=128, device="cpu")
+    assert plain.llm_engine.executor.model_runner.cache_engine.kv_scales is None
+    with pytest.raises(ValueError, match="the checkpoint has its own KV-cache scales"):
+        LLM(
+            str(folder),
+            tokenizer=tokenizer,
+            kv_cache_dtype="fp8",
+            calculate_kv_scales=True,
+            num_kv_blocks=64,
+            device="cpu",
+        )
 
 
 def test_fp8_weights_and_scales_are_the_checkpoints(tokenizer) -> None:
@@ -126,7 +179,7 @@ def _with_config(tmp_path: Path, change) -> Path:
     [
         (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8), "8-bit int"),
         (lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"), "activation ordering"),
-        (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+        (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "head"}), "kv_cache_scheme"),
         (lambda qc: qc["config_groups"].update(group_1=qc["config_groups"]["group_0"]), "exactly one scheme"),
         (lambda qc: qc.update(quant_method="gptq"), "quant_method='gptq'"),
         (lambda qc: qc["config_groups"]["group_0"].update(format="marlin-24"), "format 'marlin-24'"),

@@ -17,7 +17,7 @@ from paged_backend.model_loader.awq import checkpoint_tensors, load_quantized_we
 from paged_backend.model_loader.dummy import meta_model
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.quantization.awq import AWQLinear
-from paged_backend.quantization.compressed_tensors import CompressedTensorsScheme
+from paged_backend.quantization.compressed_tensors import KV_CACHE_SCALES_ATTR, CompressedTensorsScheme
 from paged_backend.quantization.fp8 import FP8Linear
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,22 @@ def _quantized_layer(scheme: CompressedTensorsScheme, name: str, linear: nn.Line
         return AWQLinear(linear.in_features, linear.out_features, scheme.group_size_of(linear), bias, device="meta")
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from exc
+
+
+def _scales_by_layer(model: nn.Module, scales: dict[str, dict[str, torch.Tensor]]) -> dict[int, tuple[float, float]]:
+    """Each attention layer's (k_scale, v_scale), by its ``layer_idx``; every layer must have both."""
+    by_layer: dict[int, tuple[float, float]] = {}
+    for module_name, module in model.named_modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if not isinstance(layer_idx, int) or not hasattr(module, "k_proj"):
+            continue
+        found = scales.pop(module_name, {})
+        if set(found) != {"k_scale", "v_scale"} or any(t.numel() != 1 for t in found.values()):
+            raise ValueError(f"compressed-tensors checkpoint: {module_name} lacks a single k_scale and v_scale")
+        by_layer[layer_idx] = (float(found["k_scale"]), float(found["v_scale"]))
+    if scales or not by_layer:
+        raise ValueError(f"compressed-tensors checkpoint: KV-cache scales of unknown modules {sorted(scales)[:3]}")
+    return by_layer
 
 
 def load_compressed_tensors_model(
@@ -47,8 +63,11 @@ def load_compressed_tensors_model(
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, _quantized_layer(scheme, module_name, linear))
-    tensors = scheme.convert(checkpoint_tensors(resolve_checkpoint_folder(name)), set(linears))
+    kv_scales: dict[str, dict[str, torch.Tensor]] = {}
+    tensors = scheme.convert(checkpoint_tensors(resolve_checkpoint_folder(name)), set(linears), kv_scales)
     load_quantized_weights(model, tensors, dtype, device)
     set_module_attribute(model, "compressed_tensors_scheme", scheme)
+    if scheme.kv_cache_scales:
+        set_module_attribute(model, KV_CACHE_SCALES_ATTR, _scales_by_layer(model, kv_scales))
     logger.info("compressed-tensors %s (%s): %d linears", scheme.format, scheme.strategy, len(linears))
     return model.eval()

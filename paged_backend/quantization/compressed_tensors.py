@@ -26,6 +26,9 @@ from paged_backend.kernels.awq_format import pack
 FORMATS = ("pack-quantized", "float-quantized")
 INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 FP8_PARTS = ("weight", "weight_scale")
+# The model attribute holding a checkpoint's fp8 KV-cache scales: {layer_idx: (k_scale, v_scale)}, the cache
+# holding k / k_scale (the worker starts an fp8 cache with them)
+KV_CACHE_SCALES_ATTR = "checkpoint_kv_cache_scales"
 
 
 def _unsupported(setting: str, value: object, allowed: str) -> ValueError:
@@ -40,15 +43,25 @@ class CompressedTensorsScheme:
     symmetric: bool
     dynamic_activations: bool  # fp8: activations quantized per token at run time
     ignore: tuple[str, ...] = ()  # module names, or "re:" + a pattern, that stay unquantized
+    kv_cache_scales: bool = False  # attention modules carry k_scale and v_scale (an fp8 KV cache's, static)
 
     @classmethod
     def from_hf(cls, quantization_config: Any) -> CompressedTensorsScheme:
         qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
         if str(qc.get("quant_method", "")).lower() != "compressed-tensors":
             raise _unsupported("quant_method", qc.get("quant_method"), "'compressed-tensors'")
-        for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        for key in ("sparsity_config", "transform_config"):
             if qc.get(key):
                 raise _unsupported(key, qc[key], "none")
+        kv_cache = qc.get("kv_cache_scheme")
+        if kv_cache and not (
+            kv_cache.get("num_bits") == 8
+            and kv_cache.get("type") == "float"
+            and kv_cache.get("strategy") == "tensor"
+            and not kv_cache.get("dynamic")
+            and kv_cache.get("symmetric", True)
+        ):
+            raise _unsupported("kv_cache_scheme", kv_cache, "none, or fp8 with one static scale per layer")
         groups = qc.get("config_groups") or {}
         if len(groups) != 1:
             raise _unsupported("config_groups", sorted(groups), "exactly one scheme")
@@ -62,7 +75,7 @@ class CompressedTensorsScheme:
         if weights.get("actorder") or weights.get("dynamic") or weights.get("block_structure"):
             raise _unsupported("weights", weights, "static weights without activation ordering or blocks")
         scheme = cls._int4(weights) if fmt == "pack-quantized" else cls._fp8(weights, group.get("input_activations"))
-        return cls(fmt, *scheme, ignore=tuple(qc.get("ignore") or ()))
+        return cls(fmt, *scheme, ignore=tuple(qc.get("ignore") or ()), kv_cache_scales=bool(kv_cache))
 
     @staticmethod
     def _int4(weights: dict[str, Any]) -> tuple[str, int | None, bool, bool]:
@@ -106,15 +119,22 @@ class CompressedTensorsScheme:
         return linear.in_features if self.group_size is None else self.group_size
 
     def convert(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], quantized: set[str]
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        quantized: set[str],
+        kv_scales: dict[str, dict[str, torch.Tensor]],
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors with each quantized linear's parts turned into our layer's buffers
-        (``AWQLinear``'s or ``FP8Linear``'s), once all of its parts have been read; other tensors pass as they are."""
+        (``AWQLinear``'s or ``FP8Linear``'s), once all of its parts have been read; an attention module's
+        ``k_scale`` and ``v_scale`` go to ``kv_scales`` (by module); other tensors pass as they are."""
         parts = INT4_PARTS if self.format == "pack-quantized" else FP8_PARTS
         needed = set(parts) - ({"weight_zero_point"} if self.symmetric else set())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors:
             module, _, attr = key.rpartition(".")
+            if self.kv_cache_scales and attr in ("k_scale", "v_scale"):
+                kv_scales.setdefault(module, {})[attr] = tensor.float().reshape(-1)
+                continue
             if module not in quantized or attr not in parts:
                 yield key, tensor
                 continue

@@ -7,6 +7,7 @@ tensor-parallel ``TPExecutor`` (``distributed/tp_executor.py``), whose every ran
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Protocol
 
 import torch
@@ -16,10 +17,13 @@ from paged_backend.config import EngineConfig, FieldError
 from paged_backend.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from paged_backend.lora.manager import LoRAManager, max_lora_tokens
 from paged_backend.model_loader.tp_plan import head_layout
+from paged_backend.quantization.compressed_tensors import KV_CACHE_SCALES_ATTR
 from paged_backend.worker.async_output import AsyncModelRunnerOutput
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.profiler import gpu_blocks_that_fit
+
+logger = logging.getLogger(__name__)
 
 # torch's own type for device errors, where this torch has one (2.8 and later)
 _DEVICE_ERRORS: tuple[type[Exception], ...] = tuple(
@@ -110,6 +114,7 @@ class Worker:
         cache_engine = CacheEngine(
             self.kv_cache_spec(config), num_gpu_blocks, config.block_size, self.device, num_cpu_blocks
         )
+        self._use_checkpoint_kv_scales(config, cache_engine)
         self._model_runner = ModelRunner(
             self.model,
             cache_engine,
@@ -124,6 +129,26 @@ class Worker:
             calculate_kv_scales=config.cache_config.calculate_kv_scales,
             logprobs_mode=config.model_config.logprobs_mode,
         )
+
+    def _use_checkpoint_kv_scales(self, config: EngineConfig, cache_engine: CacheEngine) -> None:
+        """A checkpoint's own fp8 KV-cache scales (compressed-tensors' ``kv_cache_scheme``) start an fp8 cache;
+        with another cache dtype they are not used, and the log says so."""
+        scales: dict[int, tuple[float, float]] | None = getattr(self.model, KV_CACHE_SCALES_ATTR, None)
+        if not scales:
+            return
+        if cache_engine.kv_scales is None:
+            logger.info("the checkpoint has fp8 KV-cache scales: they apply with kv_cache_dtype='fp8'")
+            return
+        if config.cache_config.calculate_kv_scales:
+            raise FieldError(
+                "calculate_kv_scales",
+                "the checkpoint has its own KV-cache scales: calculate_kv_scales=True would replace them (choose one)",
+            )
+        for layer, (k_scale, v_scale) in enumerate(cache_engine.kv_scales):
+            if layer not in scales:
+                raise ValueError(f"the checkpoint's KV-cache scales lack layer {layer}")
+            k_scale.fill_(scales[layer][0])
+            v_scale.fill_(scales[layer][1])
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

@@ -55,7 +55,31 @@ def schemes() -> dict[str, dict]:
         "w4a16_asym_group32": {"config_groups": weight_only(4, "int", "group", False, 32)},
         "w4a16_channel": {"config_groups": weight_only(4, "int", "channel", True, None)},
         "fp8_dynamic": {"scheme": "FP8_DYNAMIC"},  # fp8 weights per channel, activations per token at run time
+        # and an fp8 KV cache with a static scale per layer for keys and for values, calibrated on random tokens
+        "fp8_dynamic_kv": {"scheme": "FP8_DYNAMIC", "kv_cache_scheme": KV_CACHE_SCHEME},
     }
+
+
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def word_tokenizer():
+    """A tokenizer of the model's 512 ids (oneshot wants one beside a dataset; the dataset is already ids)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(CONFIG.vocab_size)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), pad_token="t0")
+
+
+def calibration_dataset():
+    """Random token ids: enough for the KV cache's observers to see keys and values."""
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, CONFIG.vocab_size, (16, 48), generator=generator).tolist()
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 48 for _ in ids]})
 
 
 def make(name: str, arguments: dict) -> None:
@@ -75,7 +99,18 @@ def make(name: str, arguments: dict) -> None:
     with tempfile.TemporaryDirectory() as base:  # oneshot reads the model's config back from its folder
         model.save_pretrained(base)
         model = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
-        oneshot(model=model, recipe=QuantizationModifier(targets="Linear", ignore=["lm_head"], **arguments))
+        recipe = QuantizationModifier(targets="Linear", ignore=["lm_head"], **arguments)
+        if "kv_cache_scheme" in arguments:
+            oneshot(
+                model=model,
+                recipe=recipe,
+                dataset=calibration_dataset(),
+                processor=word_tokenizer(),
+                num_calibration_samples=16,
+                max_seq_length=48,
+            )
+        else:
+            oneshot(model=model, recipe=recipe)
         model.save_pretrained(out, save_compressed=True)
     decompressed = AutoModelForCausalLM.from_pretrained(
         out, quantization_config=CompressedTensorsConfig(run_compressed=False), torch_dtype=torch.float32
