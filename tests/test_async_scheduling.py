@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.config import EngineConfig, FieldError
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.multi_step import plan_continuation
 from paged_backend.core.sequence import Request, Sequence, SequenceStatus
+from paged_backend.engine.llm_engine import StepError
 from paged_backend.entrypoints.openai.cli_args import parse_args
 from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tiny_model
 
@@ -56,47 +58,72 @@ def test_greedy_matches_hf_generate(arch: str, tokenizer) -> None:
     assert_idle(llm)
 
 
-def test_equals_sync_with_stops_preemption_and_prefix_hits(tokenizer) -> None:
-    """Stop tokens, stop strings, EOS, min_tokens and max_model_len land inside rounds that a queued round
-    follows; few blocks force preemption; a repeated prompt hits the prefix cache; a seeded sampled request
-    makes single steps in between."""
-    model = tiny_model("llama")
+def count_dead_rows(llm: LLM) -> list[int]:
+    """How many rows of read rounds belonged to sequences that had ended before the read (``[n]``): a queued
+    round's rows that a stop in the round in front of it made void."""
+    scheduler = llm.llm_engine.scheduler
+    update, count = scheduler.update_from_output, [0]
+
+    def counting(output, runner_output):
+        count[0] += sum(seq.status.finished for seq in output.sampling_seqs)
+        return update(output, runner_output)
+
+    scheduler.update_from_output = counting  # type: ignore[method-assign]
+    return count
+
+
+def generate_both(tokenizer, prompts, params, **engine_kwargs) -> tuple[list, list, dict[str, int]]:
+    """(synchronous outputs, async outputs, the async engine's counts and stats)."""
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_model("llama"), tokenizer=tokenizer, async_scheduling=async_scheduling, **engine_kwargs)
+        continued, dead = count_continuations(llm), count_dead_rows(llm)
+        results.append(summary(llm.generate(prompts, params, use_tqdm=False)))
+        assert_idle(llm)
+    return results[0], results[1], {"continued": continued[0], "dead": dead[0], **llm.stats()}
+
+
+STOPS = dict(block_size=4, max_model_len=40, num_scheduler_steps=8)
+
+
+def stop_params(tokenizer, prompts) -> list[SamplingParams]:
+    """Stop tokens, a stop string, min_tokens and max_model_len, each landing inside a multi-step round."""
+    plain = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True) for _ in prompts]
+    reference, _, _ = generate_both(tokenizer, prompts, plain, num_kv_blocks=200, **STOPS)
+    params = list(plain)
+    params[0] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[reference[0][0][12]])
+    params[1] = SamplingParams(temperature=0, max_tokens=30, stop=[reference[1][1][12:15]])
+    params[2] = SamplingParams(temperature=0, max_tokens=38, ignore_eos=True)  # reaches max_model_len
+    params[3] = SamplingParams(temperature=0, max_tokens=30, min_tokens=11, stop_token_ids=[reference[3][0][2]])
+    params[6] = SamplingParams(temperature=0, max_tokens=30)  # may end at EOS
+    return params
+
+
+def test_stops_inside_the_round_in_front_of_a_queued_one(tokenizer) -> None:
+    """Every request runs at once: rows that stop in a round are still in the round queued behind it, which
+    computes them for nothing; the outputs equal the synchronous engine's."""
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(4, seed=7)]
+    params = stop_params(tokenizer, prompts)
+    sync, asynchronous, counts = generate_both(tokenizer, prompts, params, num_kv_blocks=200, **STOPS)
+    assert asynchronous == sync
+    assert counts["continued"] > 2 and counts["dead"] > 0
+    assert sync[0][2:] == ("stop", params[0].stop_token_ids[0]) and sync[1][2] == "stop"
+    assert sync[2][2] == "length"
+
+
+@pytest.mark.parametrize("num_kv_blocks", [80, 24])  # 24 blocks of 4 tokens: sequences are preempted
+def test_equals_sync_with_a_backlog_preemption_and_prefix_hits(num_kv_blocks: int, tokenizer) -> None:
+    """More requests than places (a round is queued only while the batch is full and no row leaves it), few
+    blocks, a repeated prompt served from the prefix cache, a seeded sampled request taking single steps."""
     prompts = [{"prompt_token_ids": p} for p in ragged_prompts(4, seed=7)]
     prompts.append(prompts[4])  # a prefix-cache hit once the first one's blocks are cached
-
-    def generate(async_scheduling: bool, params: list[SamplingParams], num_kv_blocks: int = 80):
-        llm = LLM(
-            model,
-            tokenizer=tokenizer,
-            block_size=4,
-            num_kv_blocks=num_kv_blocks,
-            max_model_len=40,
-            num_scheduler_steps=8,
-            async_scheduling=async_scheduling,
-            max_num_seqs=4,
-        )
-        continued = count_continuations(llm) if async_scheduling else [0]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert_idle(llm)
-        return summary(outputs), continued[0], llm.stats()
-
-    plain = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True) for _ in prompts]
-    reference, _, _ = generate(False, plain)
-    params = list(plain)
-    params[0] = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[reference[0][0][6]])
-    params[1] = SamplingParams(temperature=0, max_tokens=30, stop=[reference[1][1][5:8]])
-    params[2] = SamplingParams(temperature=0, max_tokens=38, ignore_eos=True)  # reaches max_model_len
-    params[3] = SamplingParams(temperature=0, max_tokens=30, min_tokens=9, stop_token_ids=[reference[3][0][2]])
+    params = stop_params(tokenizer, prompts)
     params[5] = SamplingParams(temperature=0.8, seed=3, max_tokens=12)
-    params[6] = SamplingParams(temperature=0, max_tokens=30)  # may end at EOS
-    for num_kv_blocks in (80, 24):  # 24 blocks of 4 tokens: sequences are preempted
-        sync, _, sync_stats = generate(False, params, num_kv_blocks)
-        asynchronous, continued, stats = generate(True, params, num_kv_blocks)
-        assert asynchronous == sync
-        assert continued > 0
-        assert stats["num_prompt_tokens_cached"] == sync_stats["num_prompt_tokens_cached"] > 0
-    assert sync_stats["num_preemptions"] > 0
-    assert sync[0][2:] == ("stop", params[0].stop_token_ids[0]) and sync[1][2] == "stop"
+    engine = dict(num_kv_blocks=num_kv_blocks, max_num_seqs=4, **STOPS)
+    sync, asynchronous, counts = generate_both(tokenizer, prompts, params, **engine)
+    assert asynchronous == sync
+    assert counts["continued"] > 0 and counts["num_prompt_tokens_cached"] > 0
+    assert counts["num_preemptions"] > 0 or num_kv_blocks == 80
 
 
 def test_abort_while_its_round_is_in_flight(tokenizer) -> None:
@@ -229,3 +256,73 @@ def test_a_failed_queued_round_or_read_is_redone(failing: str, tokenizer, caplog
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(model, prompt, 24)
     assert_idle(llm)
+
+
+def test_a_failure_reading_a_queued_round_spares_requests_that_ended_before_it(tokenizer) -> None:
+    """Request "A" stops in a round while the round behind it is queued; a new request reuses the id "A"; then
+    reading the queued round fails. Only the request still in that round ("B") fails: not the old "A" (its
+    output was made) and not the new one."""
+    model = tiny_model("llama")
+    prompt_a, prompt_b = ragged_prompts(4, seed=3)[4], ragged_prompts(4, seed=3)[6]
+    stop = hf_greedy(model, prompt_a, 6)[3]
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_model_len=64, async_scheduling=True)
+    engine = llm.llm_engine
+    engine.add_request(
+        "A", {"prompt_token_ids": prompt_a}, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
+    )
+    engine.add_request(
+        "B", {"prompt_token_ids": prompt_b}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )
+    while "A" in engine.requests:
+        engine.step()
+    assert engine._in_flight is not None and any(seq.request.request_id == "A" for seq in engine._in_flight[0].seqs)
+    engine.add_request(
+        "A", {"prompt_token_ids": prompt_b}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    )
+    process, calls = engine.output_processor.process_tokens, []
+
+    def failing_once(updates):
+        if not calls:
+            calls.append(True)
+            raise RuntimeError("boom")
+        return process(updates)
+
+    engine.output_processor.process_tokens = failing_once  # type: ignore[method-assign]
+    with pytest.raises(StepError) as raised:
+        engine.step()
+    assert raised.value.request_ids == ["B"]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert list(outputs) == ["A"] and outputs["A"].outputs[0].token_ids == hf_greedy(model, prompt_b, 5)
+    assert_idle(llm)
+
+
+def test_a_weight_change_drops_the_round_queued_with_the_old_weights(tokenizer) -> None:
+    """Weights changed in place between steps while a round is queued: that round was computed with the old
+    weights, so it is dropped and its tokens computed again — the outputs equal the synchronous engine's with the
+    same change at the same step."""
+    from tests.conftest import fresh_model
+
+    prompts = ragged_prompts(4, seed=9)[3:6]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def run(async_scheduling: bool) -> list[list[int]]:
+        model = fresh_model(tokenizer)
+        llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, async_scheduling=async_scheduling)
+        engine = llm.llm_engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        tokens: dict[str, list[int]] = {}
+        for step in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            if step == 3:
+                assert engine._in_flight is not None or not async_scheduling
+                with torch.no_grad():
+                    model.lm_head.weight.mul_(-1.0)  # in place, as an optimizer step would
+            tokens.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+        assert_idle(llm)
+        return [tokens[str(i)] for i in range(len(prompts))]
+
+    assert run(True) == run(False)

@@ -152,11 +152,14 @@ class Scheduler:
         """The multi-step round that follows ``in_flight`` (a round queued on the device, its tokens not read yet),
         for async scheduling: its sequences again, each from the token that round ends with (its rows read
         ``prev_rows``), planned as if none stops there (multi_step.plan_continuation). None when the next step
-        must be a normal one: a request is waiting or swapped out or must run alone, the batch would change, or a
-        row needs what only a normal step does."""
+        must be a normal one: a request is swapped out or must run alone, a waiting request could take a place
+        (the batch is not full, or a row ends in the round in flight), the batch would change, or a row needs what
+        only a normal step does."""
         num_steps = in_flight.batch.num_steps
-        if num_steps is None or self.waiting or self.swapped or self.run_alone:
+        if num_steps is None or self.swapped or self.run_alone:
             return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None  # a waiting request may get a place: the next step admits it
         live = [row for row, seq in enumerate(in_flight.seqs) if seq.status is SequenceStatus.RUNNING]
         if len(live) != len(self.running):
             return None  # a sequence that did not run in that round would wait
@@ -170,6 +173,8 @@ class Scheduler:
         if plan is None:
             return None
         rows, steps = [live[i] for i in plan[0]], plan[1]
+        if self.waiting and len(rows) < len(live):
+            return None  # a row ends at its length in the round in flight: its place goes to a waiting request
         seqs = [in_flight.seqs[row] for row in rows]
         batch = ScheduledBatch(
             input_token_ids=[0] * len(seqs),  # not known yet: the device has them (prev_rows)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from paged_backend.core.sequence import GrammarState, Sequence
+from paged_backend.core.sequence import GrammarState, Request, Sequence
 from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.request import LoRARequest
 
@@ -61,10 +61,10 @@ class SchedulerOutput:
     # Sequences swapped out or in this step, whether they run or not: if the step fails, their KV is unknown.
     swapped_seqs: list[Sequence] = field(default_factory=list)
 
-    def touched_requests(self) -> list[str]:
-        """The ids of the requests whose state this step changes: the ones a failed step takes down."""
+    def touched_requests(self) -> list[Request]:
+        """The requests whose state this step changes: the ones a failed step takes down."""
         seqs = [*self.seqs, *self.sampling_seqs, *self.swapped_seqs]
-        return list(dict.fromkeys(seq.request.request_id for seq in seqs))
+        return list({id(seq.request): seq.request for seq in seqs}.values())
 
     @property
     def is_empty(self) -> bool:

@@ -21,7 +21,7 @@ from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.core.scheduler_output import SchedulerOutput
-from paged_backend.core.sequence import SequenceStatus
+from paged_backend.core.sequence import Request, SequenceStatus
 from paged_backend.distributed.tp_executor import TPExecutor
 from paged_backend.engine.input_processor import InputProcessor, PromptType
 from paged_backend.engine.output_processor import OutputProcessor
@@ -98,11 +98,12 @@ class LLMEngine:
             num_cpu_blocks=num_swap_blocks,
         )
         self.scheduler = Scheduler(self.config, block_manager)
-        # Cached prefixes hold KV of the weights they were computed with (see engine/weight_updates.py).
-        prefix_caching = self.config.cache_config.enable_prefix_caching
-        self.weight_updates = WeightUpdates(self.model) if prefix_caching else None
         self.asleep = False  # sleep(): no KV cache until wake_up()
         self.async_scheduling = self._async_scheduling()
+        # Cached prefixes hold KV of the weights they were computed with, and a queued round was computed with the
+        # weights of its time (see engine/weight_updates.py).
+        watch = self.config.cache_config.enable_prefix_caching or self.async_scheduling
+        self.weight_updates = WeightUpdates(self.model) if watch else None
         # async scheduling: a round queued on the device, its tokens not read yet (the next step reads them)
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self.vocab_size = self.model.config.get_text_config().vocab_size
@@ -213,6 +214,7 @@ class LLMEngine:
         queued on the device before its tokens are read (``_queue_next``): the step after collects it."""
         if self.weight_updates is not None and self.weight_updates.changed():
             self.scheduler.reset_prefix_cache()
+            self._in_flight = None  # queued with the old weights: its tokens are computed again with the new
         in_flight, self._in_flight = self._live_in_flight(), None
         if in_flight is None:
             scheduler_output = self.scheduler.schedule()
@@ -222,6 +224,9 @@ class LLMEngine:
                 return []
         else:
             scheduler_output = in_flight[0]
+        # whom a failure takes down: not a request that ended before a queued round is read (nor one added since
+        # under its id)
+        owners = [r for r in scheduler_output.touched_requests() if self.requests.get(r.request_id) is r]
         try:
             pending = self._execute(scheduler_output) if in_flight is None else in_flight[1]
             if self.async_scheduling:
@@ -229,7 +234,7 @@ class LLMEngine:
             runner_output = pending.get_output()
         except Exception as error:  # no token of the step was taken: its requests are redone, or fail
             self._in_flight = None
-            failed = self._step_failed(scheduler_output, error, retry=True)
+            failed = self._step_failed(owners, error, retry=True)
             if failed:
                 raise StepError(failed, error) from error
             return []
@@ -241,7 +246,7 @@ class LLMEngine:
             return self.output_processor.make_outputs(updates, finished_only)
         except Exception as error:
             self._in_flight = None
-            raise StepError(self._step_failed(scheduler_output, error, retry=False), error) from error
+            raise StepError(self._step_failed(owners, error, retry=False), error) from error
 
     def _live_in_flight(self) -> tuple[SchedulerOutput, AsyncModelRunnerOutput] | None:
         """The queued round, unless every row of it has ended (or was aborted) meanwhile: then its work is
@@ -293,29 +298,27 @@ class LLMEngine:
             self.executor.wake_up()
             self.asleep = False
 
-    def _step_failed(self, scheduler_output: SchedulerOutput, error: Exception, retry: bool) -> list[str]:
-        """A step raised. Unrecoverable (the device's own error): raise it. Else the requests it touched are
-        suspects. A step of one request, or a second failure of a request, fails that request (``StepError``);
-        the others of a failed forward are redone alone (``Scheduler.retry_alone``), so that a request that makes
-        steps fail takes no neighbour down with it, while a passing fault costs its batch only a recompute. A
-        failure after the forward (sampled tokens partly taken) fails every request it touched. Returns the ids of
-        the requests that failed (aborted)."""
+    def _step_failed(self, owners: list[Request], error: Exception, retry: bool) -> list[str]:
+        """A step raised. Unrecoverable (the device's own error): raise it. Else the requests it touched
+        (``owners``) are suspects. A step of one request, or a second failure of a request, fails that request
+        (``StepError``); the others of a failed forward are redone alone (``Scheduler.retry_alone``), so that a
+        request that makes steps fail takes no neighbour down with it, while a passing fault costs its batch only a
+        recompute. A failure after the forward (sampled tokens partly taken) fails every request it touched.
+        Returns the ids of the requests that failed (aborted)."""
         if not self.executor.is_recoverable(error):
             raise error
-        ids = scheduler_output.touched_requests()
-        touched = [self.requests[rid] for rid in ids if rid in self.requests]
-        for request in touched:
+        for request in owners:
             request.num_failed_steps += 1
-        if retry and len(touched) > 1:
-            failed = [r.request_id for r in touched if r.num_failed_steps > 1]
-            for request in touched:
-                if request.num_failed_steps == 1:
+        if retry and len(owners) > 1:
+            failed = [r.request_id for r in owners if r.num_failed_steps > 1]
+            for request in owners:
+                if request.num_failed_steps == 1 and not request.finished:
                     self.scheduler.retry_alone(request)
         else:  # those that finished in the step too: their final output was never made
-            failed = ids
+            failed = [r.request_id for r in owners]
         logger.warning(
             "a step of %d request(s) failed (%r): %d fail, any others are redone alone",
-            len(ids),
+            len(owners),
             error,
             len(failed),
             exc_info=error,

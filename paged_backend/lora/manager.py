@@ -105,6 +105,7 @@ class LoRAManager:
         # tensor parallelism, the previous step's all-reduces) read back the previous step.
         # Two pinned buffers, used in turn: a step may be queued while the previous one's copy is still pending.
         self._staging = torch.empty(2, max_num_tokens, dtype=torch.long, pin_memory=device.type == "cuda")
+        self._copied = [torch.cuda.Event() for _ in range(2)] if device.type == "cuda" else []  # see cuda_graphs.py
         self.num_loads = 0  # adapters read from disk
         self.num_activations = 0  # adapters copied into a device index
         self._steps = 0
@@ -168,7 +169,10 @@ class LoRAManager:
         self.token_lora_indices.fill_(-1)
 
     def _write_token_lora_indices(self, per_token: np.ndarray | None) -> None:
-        staging = self._staging[self._steps % 2]
+        index = self._steps % 2
+        staging = self._staging[index]
+        if self._copied:
+            self._copied[index].synchronize()  # its previous copy has run
         full = staging.numpy()
         full.fill(-1)
         if per_token is not None:
@@ -176,6 +180,8 @@ class LoRAManager:
                 raise ValueError(f"{per_token.shape[0]} tokens in one step; LoRA indices hold {full.shape[0]}")
             full[: per_token.shape[0]] = per_token
         self.token_lora_indices.copy_(staging, non_blocking=True)
+        if self._copied:
+            self._copied[index].record()
 
     def _index_for(self, adapter: LoRAAdapter) -> int:
         if adapter.int_id in self.index_to_lora_id:

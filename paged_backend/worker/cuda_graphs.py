@@ -57,6 +57,8 @@ class CUDAGraphRunner:
         # back without a host sync (multi-step decoding) each need their own pinned buffer: an asynchronous copy
         # reads it only when the GPU gets there.
         self.staging = torch.zeros(num_staging, 4, n, dtype=torch.long, pin_memory=device.type == "cuda")
+        # when each buffer's last copy has run: a buffer is written again only after it (any order of use is safe)
+        self.copied = [torch.cuda.Event() for _ in range(num_staging)] if device.type == "cuda" else []
         self.static_ints = torch.zeros(4, n, dtype=torch.long, device=device)
         self.static_ints[2].fill_(-1)
         self.padding_column = torch.tensor([[0], [0], [-1], [0]])  # [4, 1]: see run()
@@ -106,6 +108,8 @@ class CUDAGraphRunner:
         b = inputs.num_seqs
         size = next(s for s in self.sizes if s >= b)
         staging = self.staging[staging_index]
+        if self.copied:
+            self.copied[staging_index].synchronize()
         # Rows b..size are padding sequences: token 0 at position 0, slot -1 (no write), context 0 (no read).
         staging[0, :b] = inputs.input_ids
         staging[1, :b] = inputs.positions
@@ -113,6 +117,8 @@ class CUDAGraphRunner:
         staging[3, :b] = inputs.context_lens
         staging[:, b:size] = self.padding_column
         self.static_ints.copy_(staging, non_blocking=True)  # whole and contiguous: a true async copy
+        if self.copied:
+            self.copied[staging_index].record()
         if input_ids is not None:
             self.static_ints[0, :b].copy_(input_ids)
         width = inputs.block_tables.shape[1]
