@@ -21,22 +21,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama import random_model
 
 HERE = Path(__file__).resolve().parent
-CONFIG = LlamaConfig(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
 # AutoAWQ 0.2.9 cannot leave a Llama linear unconverted: with modules_to_not_convert=["down_proj"] its scale
 # search looks up that layer's inputs, which it did not record (KeyError 'mlp.down_proj' in
 # get_layers_for_scaling); a checkpoint with modules_to_not_convert comes from our own quantizer (tests/test_awq.py).
@@ -48,12 +35,7 @@ def make(name: str, skip: list[str]) -> None:
     from awq.modules.linear import WQLinear_GEMM
     from awq.utils.packing_utils import dequantize_gemm
 
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(CONFIG).eval()
-    with torch.no_grad():
-        for parameter in base.parameters():
-            if parameter.dim() == 2:
-                parameter.normal_(0, 0.08)
+    base = random_model()
     rng = random.Random(0)
     calibration = [[rng.randrange(3, 512) for _ in range(64)] for _ in range(16)]  # token ids, no tokenizer needed
     out = HERE / name

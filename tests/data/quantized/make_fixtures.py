@@ -22,23 +22,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from tiny_llama import CONFIG, random_model
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 HERE = Path(__file__).resolve().parent
-
-CONFIG = LlamaConfig(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
 
 
 def weight_only(num_bits: int, kind: str, strategy: str, symmetric: bool, group_size: int | None) -> dict:
@@ -87,13 +74,7 @@ def make(name: str, arguments: dict) -> None:
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(CONFIG).eval()
-    # Random normal weights large enough that int4 rounding moves the greedy choices (so the test can fail).
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
-                parameter.normal_(0, 0.08)
+    model = random_model()
     out = HERE / name
     shutil.rmtree(out, ignore_errors=True)
     with tempfile.TemporaryDirectory() as base:  # oneshot reads the model's config back from its folder
