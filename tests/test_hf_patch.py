@@ -379,3 +379,39 @@ def test_scores_of_rows_that_end_early_are_hf(tokenizer) -> None:
         assert torch.equal(out.sequences, expected.sequences)
         for ours, theirs in zip(out.scores, expected.scores):
             assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_continue_from_a_passed_in_cache(tokenizer, arch: str) -> None:
+    """HF's "continue from past_key_values": a left-padded batch generates with ``return_dict_in_generate``, then
+    generates again from its sequences with the returned cache. The engine imports the cache's keys and values
+    into its blocks (it does not recompute them: a cache whose values were scaled gives HF's output for that
+    cache, not the model's own) and extends the cache in place as HF does."""
+    import copy
+
+    from paged_backend.integrations.hf_outputs import _CACHE_FIELD
+
+    model = tiny_model(arch)
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=PAD, eos_token_id=-1)
+    first = unpatched(model, ids, attention_mask=mask, return_dict_in_generate=True, **kwargs)
+    sequences = first.sequences
+    full = torch.cat([mask, torch.ones(len(PROMPTS), sequences.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+    for scale in (1.0, 3.0):  # 3.0: a cache that is not what the model computes
+        cache = copy.deepcopy(getattr(first, _CACHE_FIELD))
+        for layer in cache.layers:
+            layer.values.mul_(scale)
+        theirs_cache, ours_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+        expected = unpatched(model, sequences, attention_mask=full, past_key_values=theirs_cache, **kwargs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`past_key_values` is deprecated")
+            out = engine_only(model, tokenizer, sequences, attention_mask=full, past_key_values=ours_cache, **kwargs)
+        assert torch.equal(out, expected)
+        assert ours_cache.get_seq_length() == theirs_cache.get_seq_length() == out.shape[1] - 1  # extended in place
+        real = torch.cat([full, torch.ones(len(PROMPTS), 5, dtype=mask.dtype)], 1)[:, :-1].bool()
+        for mine, hf in zip(ours_cache.layers, theirs_cache.layers):
+            torch.testing.assert_close(
+                mine.keys.transpose(1, 2)[real], hf.keys.transpose(1, 2)[real], atol=1e-4, rtol=1e-4
+            )
+    unscaled = unpatched(model, sequences, attention_mask=full, **kwargs)
+    assert not torch.equal(expected, unscaled)  # the scaled cache changed HF's output: the import is tested

@@ -48,6 +48,7 @@ class _Plan:
     swap_out: BlockMoves = field(default_factory=list)
     swap_in: BlockMoves = field(default_factory=list)
     swapped: list[Sequence] = field(default_factory=list)  # whose blocks swap_out and swap_in move
+    kv_imports: list[Sequence] = field(default_factory=list)  # admitted with their prompt's first KV (prompt_kv)
 
     def add(self, seq: Sequence, num_new_tokens: int, copies: BlockMoves) -> None:
         self.copies[seq] = copies
@@ -285,6 +286,11 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
                 self.num_prompt_tokens_admitted += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_prompt_tokens
+            imported = seq.request.num_imported_tokens
+            if imported:  # the request brings these tokens' KV: the worker writes it into their slots
+                assert bm.allocate_slots(seq.seq_id, 0, imported) == []  # its blocks were counted above
+                seq.num_computed_tokens = imported
+                plan.kv_imports.append(seq)
             num_new = self._chunk(seq, plan)
             copies = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             assert copies is not None  # its blocks were counted above
@@ -330,7 +336,7 @@ class Scheduler:
             lora_requests=None if self.max_loras is None else [seq.request.lora_request for seq in seqs],
             prompt_logprob_rows=prompt_rows,
         )
-        return SchedulerOutput(batch, seqs, sampling_seqs, fork_parents, plan.swapped)
+        return SchedulerOutput(batch, seqs, sampling_seqs, fork_parents, plan.swapped, plan.kv_imports)
 
     def _alone_request(self) -> Request | None:
         """The request to run alone next (see ``retry_alone``): one already running, else the first waiting."""

@@ -60,6 +60,9 @@ class SchedulerOutput:
     fork_parents: list[int] = field(default_factory=list)  # for each forked sample: its parent's sampling index
     # Sequences swapped out or in this step, whether they run or not: if the step fails, their KV is unknown.
     swapped_seqs: list[Sequence] = field(default_factory=list)
+    # Sequences admitted with the KV of their prompt's first tokens (``Request.prompt_kv``): the worker writes it
+    # into their blocks before the forward (rank 0 only: requests with prompt_kv need tensor_parallel_size=1).
+    kv_imports: list[Sequence] = field(default_factory=list)
 
     def touched_requests(self) -> list[Request]:
         """The requests whose state this step changes: the ones a failed step takes down."""

@@ -132,6 +132,9 @@ class Request:
     # [L, hidden] on the host: the prompt as embeddings (prompt_token_ids then hold L placeholder ids, which no
     # forward reads and no prefix-cache hash may use)
     prompt_embeds: torch.Tensor | None = None
+    # per layer (keys, values) [P, Hkv, D] on the host: the KV of the prompt's first P tokens, given with the
+    # request (HF's past_key_values); written into its blocks when it is admitted, never computed
+    prompt_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         self.own_stop_token_ids = frozenset(self.params.stop_token_id_list)
@@ -149,8 +152,14 @@ class Request:
 
     @property
     def cacheable(self) -> bool:
-        """Whether its blocks may enter or come from the prefix cache: not when its prompt is embeddings."""
-        return self.prompt_embeds is None
+        """Whether its blocks may enter or come from the prefix cache: not when its prompt is embeddings or brings
+        its own keys and values (which need not be what the model computes)."""
+        return self.prompt_embeds is None and self.prompt_kv is None
+
+    @property
+    def num_imported_tokens(self) -> int:
+        """The prompt tokens whose KV the request brings (``prompt_kv``)."""
+        return 0 if self.prompt_kv is None else int(self.prompt_kv[0][0].shape[0])
 
     @property
     def stop_token_ids(self) -> frozenset[int]:

@@ -70,6 +70,7 @@ class InputProcessor:
         adapters: AdapterSource | None,
         hf_tokenizer: Any = None,
         embedding: torch.nn.Embedding | None = None,
+        kv_shape: tuple[int, int, int] | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -79,6 +80,7 @@ class InputProcessor:
         self.adapters = adapters
         self.hf_tokenizer = hf_tokenizer  # what structured outputs read the vocabulary from
         self.embedding = embedding  # the model's input embedding: the width and dtype prompt embeddings take
+        self.kv_shape = kv_shape  # (layers, KV heads, head dim) of the cache: what prompt_kv must match
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self._seq_ids = itertools.count()
@@ -124,6 +126,7 @@ class InputProcessor:
         embeds = self.prompt_embeds(prompt, params)
         text, ids = (None, [0] * embeds.shape[0]) if embeds is not None else self.tokenize(prompt)
         self._check(ids, params)
+        prompt_kv = self.prompt_kv(prompt, params, len(ids))
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar_compiler().compile(params.structured_outputs)  # before anything runs
@@ -138,6 +141,7 @@ class InputProcessor:
             keep_logits=keep_logits,
             arrival_time=time.monotonic(),
             prompt_embeds=embeds,
+            prompt_kv=prompt_kv,
         )
         for index in range(params.num_samples):
             generator = None
@@ -178,6 +182,47 @@ class InputProcessor:
         # a copy on the host, out of the caller's reach (chunks and recomputes read it later); each step moves
         # its rows to the device, so queued requests hold no device memory the KV sizing did not count
         return embeds.detach().to(device="cpu", dtype=weight.dtype, copy=True)
+
+    def prompt_kv(
+        self, prompt: PromptType, params: SamplingParams, num_tokens: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """``{"prompt_token_ids": [...], "prompt_kv": [(keys, values), ...]}``: the keys and values (per layer,
+        ``[P, KV heads, head dim]``) of the prompt's first P tokens, as HF's cache holds them (keys after the
+        rotary embedding), at least one token short of the prompt; a host copy. None without them."""
+        if not isinstance(prompt, Mapping) or "prompt_kv" not in prompt:
+            return None
+        if "prompt_token_ids" not in prompt:
+            raise FieldError("prompt_kv", "prompt_kv goes with prompt_token_ids (the tokens it covers come first)")
+        if self.kv_shape is None or self.config.parallel_config.tensor_parallel_size > 1:
+            raise FieldError("prompt_kv", "prompt_kv needs tensor_parallel_size=1 (the keys and values stay on rank 0)")
+        if params.prompt_logprobs is not None:
+            raise FieldError(
+                "prompt_logprobs", "prompt_logprobs need the logits of every prompt token: prompt_kv's are not computed"
+            )
+        layers, heads, dim = self.kv_shape
+        kv = prompt["prompt_kv"]
+        pairs = list(kv) if isinstance(kv, (list, tuple)) else []
+        tensors = [t for pair in pairs if isinstance(pair, (list, tuple)) and len(pair) == 2 for t in pair]
+        count = tensors[0].shape[0] if tensors and isinstance(tensors[0], torch.Tensor) else -1
+        if (
+            len(pairs) != layers
+            or len(tensors) != 2 * layers
+            or not all(
+                isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) == (count, heads, dim)
+                for t in tensors
+            )
+        ):
+            raise FieldError(
+                "prompt_kv",
+                f"prompt_kv must be {layers} (keys, values) pairs of floating-point tensors [tokens, {heads}, {dim}]",
+            )
+        if not 1 <= count < num_tokens:
+            raise FieldError(
+                "prompt_kv",
+                f"prompt_kv must cover 1 to {num_tokens - 1} of the prompt's {num_tokens} tokens (the last is "
+                f"computed), got {count}",
+            )
+        return [(k.detach().to("cpu", copy=True), v.detach().to("cpu", copy=True)) for k, v in pairs]
 
     def _gated(self, matcher: GrammarState, prompt_ids: list[int]) -> GrammarState:
         """With a reasoning parser, the grammar waits for the end of the model's thinking

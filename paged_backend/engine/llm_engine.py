@@ -116,6 +116,7 @@ class LLMEngine:
             self.lora_manager,
             hf_tokenizer=self.tokenizer,
             embedding=self._input_embedding(),
+            kv_shape=(spec.num_layers, spec.num_kv_heads, spec.head_dim),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests = self.output_processor.requests  # unfinished requests by id

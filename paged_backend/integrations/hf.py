@@ -138,14 +138,15 @@ class PagedGenerate:
         sequences[:, :width] = call.prefix.repeat_interleave(n, dim=0)
         for r, c in enumerate(completions):
             sequences[r, width : width + len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+        cache = None
+        # HF's generate extends a passed-in cache in place (and returns it): a forward of the model as HF runs it,
+        # on the loop thread, between the engine's steps
+        if call.past is not None or (config.return_dict_in_generate and config.use_cache is not False):
+            prompt, mask = (t.repeat_interleave(n, dim=0).to(sequences.device) for t in (call.prompt, call.mask))
+            forward = functools.partial(_cache, self.model, prompt, sequences[:, width:], mask, call.past)
+            cache = self.built_llm().engine_loop.call_sync(forward)
         if not config.return_dict_in_generate:
             return sequences
-        cache = None
-        if config.use_cache is not False:
-            prompt, mask = (t.repeat_interleave(n, dim=0).to(sequences.device) for t in (call.prompt, call.mask))
-            # a forward of the model as HF runs it: on the loop thread, between the engine's steps
-            forward = functools.partial(_cache, self.model, prompt, sequences[:, width:], mask)
-            cache = self.built_llm().engine_loop.call_sync(forward)
         if not keep_logits:
             return hf_output(sequences, cache=cache)
         logits = step_logits(completions, new, sequences.device)
@@ -196,8 +197,10 @@ class PagedGenerate:
         return llm.engine_loop.call_sync(original)
 
 
-def _cache(model: PreTrainedModel, prompt: torch.Tensor, new: torch.Tensor, mask: torch.Tensor, _: object) -> Any:
-    return hf_cache(model, prompt, new, mask)
+def _cache(
+    model: PreTrainedModel, prompt: torch.Tensor, new: torch.Tensor, mask: torch.Tensor, past: Any, _: object
+) -> Any:
+    return hf_cache(model, prompt, new, mask, past)
 
 
 # ---------------------------------------------------------------------------------------------------- public

@@ -94,7 +94,7 @@ OBJECT_ARGUMENTS = (
     "custom_generate",
     "synced_gpus",
 )
-_MODEL_KWARGS = {"attention_mask", "tokenizer", "use_cache", "inputs_embeds"}
+_MODEL_KWARGS = {"attention_mask", "tokenizer", "use_cache", "inputs_embeds", "past_key_values", "cache"}
 
 
 def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
@@ -184,6 +184,7 @@ class GenerateCall:
     mask: torch.Tensor  # [B, L] attention mask
     processors: LogitsProcessorList  # HF's, for the call's scores
     pad: int
+    past: Any = None  # the cache the caller passed (HF's generate extends it in place, so does the patch)
 
 
 def plan_call(
@@ -222,6 +223,12 @@ def plan_call(
     processors = hf_processors(config, width, padding.to(prompt.device))  # raises what HF's would
     eos = eos_token_ids(config)
     rows = [row[m.bool()] for row, m in zip(prompt, mask)]
+    past = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    prompt_kv = cache_rows(
+        model, past, pads.tolist(), width, embeds is None and (config.num_return_sequences or 1) == 1
+    )
+    if isinstance(prompt_kv, str):
+        return prompt_kv
     if embeds is not None:
         if RowProcessors.of(processors, []) is not None:  # they would read the prompt's ids
             return "inputs_embeds with generation settings run by HF's processors"
@@ -229,8 +236,45 @@ def plan_call(
         row_processors: list[RowProcessors | None] = [None] * len(rows)
     else:
         prompts = [{"prompt_token_ids": row.tolist()} for row in rows]
+        for entry, kv in zip(prompts, prompt_kv):
+            if kv is not None:
+                entry["prompt_kv"] = kv
         row_processors = [RowProcessors.of(processors, row[:n].tolist()) for row, n in zip(prompt, pads.tolist())]
     params = [sampling_params(config, eos, max_new, width, rp) for rp in row_processors]
     prefix = input_ids if input_ids is not None else torch.zeros(len(rows), 0, dtype=torch.long, device=prompt.device)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    return GenerateCall(prompts, params, prefix, prompt, mask, processors, pad)
+    return GenerateCall(prompts, params, prefix, prompt, mask, processors, pad, past)
+
+
+def cache_rows(
+    model: Any, past: Any, pads: list[int], width: int, allowed: bool
+) -> list[list[tuple[torch.Tensor, torch.Tensor]] | None] | str:
+    """Each row's keys and values from a passed-in cache (HF's ``past_key_values``), as the engine's
+    ``prompt_kv`` (per layer ``[P, KV heads, head dim]``, the row's left padding cut off), or why the engine
+    cannot take the cache. Only a ``DynamicCache`` whose every layer holds all its tokens qualifies, for token
+    ids with one sequence per row; it must leave at least one input token uncovered (the last is computed)."""
+    if past is None:
+        return [None] * len(pads)
+    if not allowed:
+        return "a passed-in cache with inputs_embeds or num_return_sequences > 1"
+    layers = getattr(past, "layers", None)
+    full = isinstance(layers, list) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+    if not full or not layers or len(layers) != model.config.get_text_config().num_hidden_layers:
+        return f"a passed-in {type(past).__name__} that is not a DynamicCache with every layer's tokens"
+    length = int(past.get_seq_length())
+    if length >= width:
+        return "a passed-in cache that covers every input token"
+    if any(layer.keys is None or layer.keys.dim() != 4 or layer.keys.shape[0] != len(pads) for layer in layers):
+        return "a passed-in cache whose batch differs from the input's"
+    rows: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = []
+    for i, pad in enumerate(pads):
+        if length <= pad:  # the cache holds only this row's padding
+            rows.append(None)
+            continue
+        rows.append(
+            [
+                (layer.keys[i, :, pad:length].transpose(0, 1), layer.values[i, :, pad:length].transpose(0, 1))
+                for layer in layers
+            ]
+        )
+    return rows

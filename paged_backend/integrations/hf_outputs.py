@@ -57,22 +57,27 @@ def hf_output(
     )
 
 
-def hf_cache(model: Any, prompt: torch.Tensor, new: torch.Tensor, prompt_mask: torch.Tensor) -> Any:
+def hf_cache(model: Any, prompt: torch.Tensor, new: torch.Tensor, prompt_mask: torch.Tensor, past: Any = None) -> Any:
     """The cache HF's ``generate`` returns: keys and values of every token but the last, its class and layout
     (left padding kept, finished rows continued with padding), from one forward of the model over the prompt
     (ids [B, L], or embeddings [B, L, hidden]) and the ``new`` tokens [B, T], with HF's positions (the mask's
     running count). Equal to HF's at every unpadded position, up to the rounding of one forward against HF's
-    step-by-step ones."""
+    step-by-step ones. With the cache the caller passed (``past``), that cache extended in place past its own
+    tokens, as HF's ``generate`` leaves it."""
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(new.shape)], dim=1)[:, :-1]
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    start = 0 if past is None else int(past.get_seq_length())
+    parameters = inspect.signature(model.forward).parameters
     with torch.no_grad():
         if prompt.dim() == 3:
             embeds = torch.cat([prompt, model.get_input_embeddings()(new).to(prompt.dtype)], dim=1)[:, :-1]
             inputs = {"inputs_embeds": embeds}
         else:
-            inputs = {"input_ids": torch.cat([prompt, new], dim=1)[:, :-1]}
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        out = model(**inputs, attention_mask=mask, position_ids=positions, use_cache=True, **keep)
+            inputs = {"input_ids": torch.cat([prompt, new], dim=1)[:, start:-1]}
+        if past is not None:  # the argument's name changed in transformers 5.2x
+            inputs["cache" if "cache" in parameters else "past_key_values"] = past
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+        out = model(**inputs, attention_mask=mask, position_ids=positions[:, start:], use_cache=True, **keep)
     return out.get("cache", None) if "cache" in out else out.get("past_key_values", None)
 
 

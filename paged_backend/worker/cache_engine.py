@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from paged_backend.kernels.ops import write_kv_cache_op
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -70,6 +72,19 @@ class CacheEngine:
             )
             for _ in range(spec.num_layers if num_cpu_blocks else 0)
         ]
+
+    def write_tokens(
+        self, kv: list[tuple[torch.Tensor, torch.Tensor]], block_table: list[int], dtype: torch.dtype
+    ) -> None:
+        """Write the keys and values of a sequence's first tokens (per layer [P, Hkv, D], any device) into its
+        slots (an fp8 cache scales them as it writes)."""
+        device = self.kv_caches[0][0].device
+        table = torch.tensor(block_table, dtype=torch.long)
+        positions = torch.arange(kv[0][0].shape[0])
+        slots = (table[positions // self.block_size] * self.block_size + positions % self.block_size).to(device)
+        for layer, ((key, value), (k_cache, v_cache)) in enumerate(zip(kv, self.kv_caches)):
+            k_scale, v_scale = self.kv_scales[layer] if self.kv_scales is not None else (None, None)
+            write_kv_cache_op(key.to(device, dtype), value.to(device, dtype), k_cache, v_cache, slots, k_scale, v_scale)
 
     def release(self) -> None:
         """Give the device cache's memory back, keeping the tensors (what refers to them stays valid in shape;

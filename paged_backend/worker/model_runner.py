@@ -214,6 +214,11 @@ class ModelRunner:
         self.cache_engine.swap_out(batch.blocks_to_swap_out)  # before the freed blocks are written again
         self.cache_engine.swap_in(batch.blocks_to_swap_in)
         self.cache_engine.copy_blocks(batch.blocks_to_copy)
+        rows = {id(seq): row for row, seq in enumerate(scheduler_output.seqs)}
+        for seq in scheduler_output.kv_imports:  # a request's own KV of its first tokens, before the forward
+            assert seq.request.prompt_kv is not None
+            table = batch.block_tables[rows[id(seq)]]
+            self.cache_engine.write_tokens(seq.request.prompt_kv, table, self.model.dtype)
         inputs = build_step_inputs(batch, self.block_size)
         if batch.num_steps is None:
             self._last_round = None
