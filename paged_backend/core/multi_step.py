@@ -11,7 +11,7 @@ first token).
 from __future__ import annotations
 
 from paged_backend.core.block_manager import BlockManager
-from paged_backend.core.scheduler_output import BlockMoves
+from paged_backend.core.scheduler_output import BlockMoves, ScheduledBatch, SchedulerOutput
 from paged_backend.core.sequence import Sequence
 
 
@@ -103,6 +103,26 @@ def plan_continuation(
         rows.append(row)
         steps.append(n)
     return (rows, steps) if rows and _few_idle(steps) else None
+
+
+def continuation_output(
+    in_flight: SchedulerOutput, rows: list[int], steps: list[int], block_manager: BlockManager, lora: bool
+) -> SchedulerOutput:
+    """The queued round's step: ``in_flight``'s rows ``rows`` again, from the positions that round leaves them
+    at, each first fed the last token it sampled there (``prev_rows``: on the device, not known here)."""
+    seqs = [in_flight.seqs[row] for row in rows]
+    ahead = in_flight.batch.num_steps or []
+    batch = ScheduledBatch(
+        input_token_ids=[0] * len(seqs),  # not known yet: the device has them (prev_rows)
+        num_computed_tokens=[seq.num_computed_tokens + ahead[row] for seq, row in zip(seqs, rows)],
+        num_scheduled_tokens=[1] * len(seqs),
+        block_tables=[block_manager.get_block_table(seq.seq_id) for seq in seqs],
+        sampling_rows=list(range(len(seqs))),
+        num_steps=steps,
+        lora_requests=[seq.request.lora_request for seq in seqs] if lora else None,
+        prev_rows=rows,
+    )
+    return SchedulerOutput(batch, seqs, list(seqs))
 
 
 def _capacity(seq: Sequence, block_manager: BlockManager) -> int:

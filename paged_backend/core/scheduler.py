@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
-from paged_backend.core.multi_step import plan_continuation, plan_round
+from paged_backend.core.multi_step import continuation_output, plan_continuation, plan_round
 from paged_backend.core.prompt_logprobs import prompt_logprob_rows, take_prompt_logprobs
 from paged_backend.core.scheduler_output import (
     BlockMoves,
@@ -173,21 +173,10 @@ class Scheduler:
         )
         if plan is None:
             return None
-        rows, steps = [live[i] for i in plan[0]], plan[1]
+        rows = [live[i] for i in plan[0]]
         if self.waiting and len(rows) < len(live):
             return None  # a row ends at its length in the round in flight: its place goes to a waiting request
-        seqs = [in_flight.seqs[row] for row in rows]
-        batch = ScheduledBatch(
-            input_token_ids=[0] * len(seqs),  # not known yet: the device has them (prev_rows)
-            num_computed_tokens=[seq.num_computed_tokens + num_steps[row] for seq, row in zip(seqs, rows)],
-            num_scheduled_tokens=[1] * len(seqs),
-            block_tables=[self.block_manager.get_block_table(seq.seq_id) for seq in seqs],
-            sampling_rows=list(range(len(seqs))),
-            num_steps=steps,
-            lora_requests=None if self.max_loras is None else [seq.request.lora_request for seq in seqs],
-            prev_rows=rows,
-        )
-        return SchedulerOutput(batch, seqs, list(seqs))
+        return continuation_output(in_flight, rows, plan[1], self.block_manager, self.max_loras is not None)
 
     def _chunk(self, seq: Sequence, plan: _Plan) -> int:
         """The sequence's tokens this step: what it has left, within the step's budget and the chunk cap."""
