@@ -326,3 +326,19 @@ def test_a_weight_change_drops_the_round_queued_with_the_old_weights(tokenizer) 
         return [tokens[str(i)] for i in range(len(prompts))]
 
     assert run(True) == run(False)
+
+
+def test_forked_samples_in_queued_rounds(tokenizer) -> None:
+    """n=2 greedy samples fork from their first one's blocks (copy-on-write) and then decode in rounds queued
+    behind rounds: both equal HF's greedy output."""
+    model = tiny_model("llama")
+    prompts = ragged_prompts(4, seed=4)[3:6]
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_model_len=64, async_scheduling=True)
+    continued = count_continuations(llm)
+    params = SamplingParams(temperature=0, max_tokens=20, n=2, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        expected = hf_greedy(model, prompt, 20)
+        assert [c.token_ids for c in output.outputs] == [expected, expected]
+    assert continued[0] > 0
+    assert_idle(llm)

@@ -304,3 +304,15 @@ def test_shutdown_takes_the_hooks_off_the_users_model(tokenizer) -> None:
     prompt = ragged_prompts(4)[0]
     (out,) = plain.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert list(out.outputs[0].token_ids) == hf_greedy(model, prompt, 6)
+
+
+def test_adapters_in_rounds_queued_behind_rounds(lora_setup) -> None:
+    """Async scheduling with adapters: rounds queued behind rounds keep each row's adapter (every output equals
+    HF on its merged model), and rounds were queued."""
+    from tests.test_async_scheduling import count_continuations
+
+    llm = LLM(lora_setup[0], num_kv_blocks=128, async_scheduling=True, **{**ENGINE, "max_loras": 4})
+    continued = count_continuations(llm)
+    generate_mixed(llm, lora_setup, ragged_prompts(4)[:2], 20)
+    assert continued[0] > 0
+    assert_idle(llm)
