@@ -165,7 +165,7 @@ def test_prefix_cache_hits_skip_the_cached_blocks() -> None:
     output = scheduler.schedule()
     assert output.batch.num_computed_tokens == [8] and output.batch.num_scheduled_tokens == [3]
     assert second.seqs[0].num_cached_prompt_tokens == 8
-    assert scheduler.prefix_cache_hit_rate == 8 / 21
+    assert scheduler.num_prompt_tokens_cached / scheduler.num_prompt_tokens_admitted == 8 / 21
 
 
 def test_a_stop_string_cut_takes_back_round_tokens_and_frees_the_blocks() -> None:

@@ -10,9 +10,14 @@ first token).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler_output import BlockMoves, ScheduledBatch, SchedulerOutput
-from paged_backend.core.sequence import Sequence
+from paged_backend.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from paged_backend.core.scheduler import Scheduler
 
 
 def can_run_ahead(seq: Sequence, grammar_rounds: bool) -> bool:
@@ -103,6 +108,37 @@ def plan_continuation(
         rows.append(row)
         steps.append(n)
     return (rows, steps) if rows and _few_idle(steps) else None
+
+
+def continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+    """The multi-step round that follows ``in_flight`` (a round queued on the device, its tokens not read yet),
+    for async scheduling: its sequences again, each from the token that round ends with (its rows read
+    ``prev_rows``), planned as if none stops there (``plan_continuation``). None when the next step must be a
+    normal one: a request is swapped out or must run alone, a waiting request could take a place (the batch is
+    not full, or a row ends in the round in flight), the batch would change, or a row needs what only a normal
+    step does."""
+    num_steps = in_flight.batch.num_steps
+    if num_steps is None or scheduler.swapped or scheduler.run_alone:
+        return None
+    if scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
+        return None  # a waiting request may get a place: the next step admits it
+    live = [row for row, seq in enumerate(in_flight.seqs) if seq.status is SequenceStatus.RUNNING]
+    if len(live) != len(scheduler.running):
+        return None  # a sequence that did not run in that round would wait
+    bm = scheduler.block_manager
+    plan = plan_continuation(
+        [in_flight.seqs[row] for row in live],
+        [num_steps[row] for row in live],
+        scheduler.num_scheduler_steps,
+        scheduler.max_model_len,
+        bm,
+    )
+    if plan is None:
+        return None
+    rows = [live[i] for i in plan[0]]
+    if scheduler.waiting and len(rows) < len(live):
+        return None  # a row ends at its length in the round in flight: its place goes to a waiting request
+    return continuation_output(in_flight, rows, plan[1], bm, scheduler.max_loras is not None)
 
 
 def continuation_output(

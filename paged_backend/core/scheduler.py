@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
-from paged_backend.core.multi_step import continuation_output, plan_continuation, plan_round
+from paged_backend.core.multi_step import continuation, plan_round
 from paged_backend.core.prompt_logprobs import prompt_logprob_rows, take_prompt_logprobs
 from paged_backend.core.scheduler_output import (
     BlockMoves,
+    KVImport,
     ModelRunnerOutput,
     ScheduledBatch,
     SchedulerOutput,
@@ -48,7 +49,7 @@ class _Plan:
     swap_out: BlockMoves = field(default_factory=list)
     swap_in: BlockMoves = field(default_factory=list)
     swapped: list[Sequence] = field(default_factory=list)  # whose blocks swap_out and swap_in move
-    kv_imports: list[Sequence] = field(default_factory=list)  # admitted with their prompt's first KV (prompt_kv)
+    kv_imports: list[KVImport] = field(default_factory=list)  # admitted with their prompt's first KV (prompt_kv)
 
     def add(self, seq: Sequence, num_new_tokens: int, copies: BlockMoves) -> None:
         self.copies[seq] = copies
@@ -150,33 +151,8 @@ class Scheduler:
         return self._make_output(plan)
 
     def schedule_continuation(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
-        """The multi-step round that follows ``in_flight`` (a round queued on the device, its tokens not read yet),
-        for async scheduling: its sequences again, each from the token that round ends with (its rows read
-        ``prev_rows``), planned as if none stops there (multi_step.plan_continuation). None when the next step
-        must be a normal one: a request is swapped out or must run alone, a waiting request could take a place
-        (the batch is not full, or a row ends in the round in flight), the batch would change, or a row needs what
-        only a normal step does."""
-        num_steps = in_flight.batch.num_steps
-        if num_steps is None or self.swapped or self.run_alone:
-            return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return None  # a waiting request may get a place: the next step admits it
-        live = [row for row, seq in enumerate(in_flight.seqs) if seq.status is SequenceStatus.RUNNING]
-        if len(live) != len(self.running):
-            return None  # a sequence that did not run in that round would wait
-        plan = plan_continuation(
-            [in_flight.seqs[row] for row in live],
-            [num_steps[row] for row in live],
-            self.num_scheduler_steps,
-            self.max_model_len,
-            self.block_manager,
-        )
-        if plan is None:
-            return None
-        rows = [live[i] for i in plan[0]]
-        if self.waiting and len(rows) < len(live):
-            return None  # a row ends at its length in the round in flight: its place goes to a waiting request
-        return continuation_output(in_flight, rows, plan[1], self.block_manager, self.max_loras is not None)
+        """Async scheduling's round after ``in_flight``, or None (``multi_step.continuation``)."""
+        return continuation(self, in_flight)
 
     def _chunk(self, seq: Sequence, plan: _Plan) -> int:
         """The sequence's tokens this step: what it has left, within the step's budget and the chunk cap."""
@@ -275,14 +251,12 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
                 self.num_prompt_tokens_admitted += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_prompt_tokens
-            imported = seq.request.num_imported_tokens
-            if imported:  # the request brings these tokens' KV: the worker writes it into their slots
-                assert bm.allocate_slots(seq.seq_id, 0, imported) == []  # its blocks were counted above
-                seq.num_computed_tokens = imported
-                plan.kv_imports.append(seq)
+            seq.num_computed_tokens += seq.request.num_imported_tokens  # KV it brings (prompt_kv), not computed
             num_new = self._chunk(seq, plan)
             copies = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             assert copies is not None  # its blocks were counted above
+            if seq.request.prompt_kv is not None:  # the worker writes it into its slots before the forward
+                plan.kv_imports.append((seq.request.prompt_kv, bm.get_block_table(seq.seq_id)))
             del self.waiting[index]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -423,8 +397,3 @@ class Scheduler:
             ids = known.get(seq.seq_id)
             if ids is None or (len(ids) + 1) * bs <= seq.num_computed_tokens:
                 bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.lora_id)
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Prompt tokens served from the prefix cache / prompt tokens, over first admissions."""
-        return self.num_prompt_tokens_cached / max(1, self.num_prompt_tokens_admitted)

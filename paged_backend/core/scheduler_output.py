@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
 BlockMoves = list[tuple[int, int]]  # (source block, destination block)
+KVImport = tuple[list[tuple["torch.Tensor", "torch.Tensor"]], list[int]]  # (per layer keys, values; block table)
 TopLogprobs = list[tuple[int, float, int]]  # (token id, logprob, rank): the sampled token first, then the top k
 
 
@@ -60,9 +61,9 @@ class SchedulerOutput:
     fork_parents: list[int] = field(default_factory=list)  # for each forked sample: its parent's sampling index
     # Sequences swapped out or in this step, whether they run or not: if the step fails, their KV is unknown.
     swapped_seqs: list[Sequence] = field(default_factory=list)
-    # Sequences admitted with the KV of their prompt's first tokens (``Request.prompt_kv``): the worker writes it
-    # into their blocks before the forward (rank 0 only: requests with prompt_kv need tensor_parallel_size=1).
-    kv_imports: list[Sequence] = field(default_factory=list)
+    # (``Request.prompt_kv``, block table) of sequences admitted with their prompt's first tokens' KV: the worker
+    # writes it into those blocks before the forward (rank 0 only: prompt_kv needs tensor_parallel_size=1)
+    kv_imports: list[KVImport] = field(default_factory=list)
 
     def touched_requests(self) -> list[Request]:
         """The requests whose state this step changes: the ones a failed step takes down."""

@@ -345,7 +345,8 @@ class LLMEngine:
             "num_cpu_blocks": bm.num_cpu_blocks,
             "num_chunked_prefill_steps": scheduler.num_chunked_prefill_steps,
             "num_cached_blocks": bm.num_cached_blocks,
-            "prefix_cache_hit_rate": scheduler.prefix_cache_hit_rate,
+            # prompt tokens served from the prefix cache / prompt tokens, over first admissions
+            "prefix_cache_hit_rate": scheduler.num_prompt_tokens_cached / max(1, scheduler.num_prompt_tokens_admitted),
             "num_prompt_tokens_cached": scheduler.num_prompt_tokens_cached,
             "kv_waste_fraction": bm.kv_waste_fraction(in_cache),
             "num_prompt_tokens": self.num_prompt_tokens,

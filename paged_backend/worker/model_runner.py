@@ -38,7 +38,14 @@ from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.prompt_logprobs import prompt_logprobs
 from paged_backend.worker.sampler import Sampler
-from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs, pad_step_inputs
+from paged_backend.worker.step_inputs import (
+    EmbedsPieces,
+    StepInputs,
+    advance_decode_inputs,
+    build_step_inputs,
+    pad_step_inputs,
+    prompt_embeds_pieces,
+)
 from paged_backend.worker.structured_output import RoundGrammars, apply_grammar_bitmask, fill_grammar_bitmask
 from paged_backend.worker.weights import WeightAddresses
 
@@ -49,22 +56,6 @@ _WARMUP_Q_LENS = [4, 2, 1]
 _WARMUP_CONTEXT_LENS = [4, 2, 1]
 _WARMUP_LOGITS_INDICES = [3, 6]
 _WARMUP_WIDTH = 5
-
-
-EmbedsPieces = Sequence[tuple[int, torch.Tensor]]  # (flat token offset, [n, hidden] embeddings) of a step
-
-
-def prompt_embeds_pieces(scheduler_output: SchedulerOutput) -> list[tuple[int, torch.Tensor]]:
-    """Where the step's tokens come from prompt embeddings: each row's scheduled positions that fall inside its
-    request's ``prompt_embeds``, as (offset in the flattened batch, their embeddings)."""
-    batch, pieces, offset = scheduler_output.batch, [], 0
-    for row, seq in enumerate(scheduler_output.seqs):
-        count, start = batch.num_scheduled_tokens[row], batch.num_computed_tokens[row]
-        embeds = seq.request.prompt_embeds
-        if embeds is not None and start < embeds.shape[0]:
-            pieces.append((offset, embeds[start : start + count]))
-        offset += count
-    return pieces
 
 
 class ModelRunner:
@@ -214,11 +205,8 @@ class ModelRunner:
         self.cache_engine.swap_out(batch.blocks_to_swap_out)  # before the freed blocks are written again
         self.cache_engine.swap_in(batch.blocks_to_swap_in)
         self.cache_engine.copy_blocks(batch.blocks_to_copy)
-        rows = {id(seq): row for row, seq in enumerate(scheduler_output.seqs)}
-        for seq in scheduler_output.kv_imports:  # a request's own KV of its first tokens, before the forward
-            assert seq.request.prompt_kv is not None
-            table = batch.block_tables[rows[id(seq)]]
-            self.cache_engine.write_tokens(seq.request.prompt_kv, table, self.model.dtype)
+        for prompt_kv, table in scheduler_output.kv_imports:  # a request's own KV of its first tokens
+            self.cache_engine.write_tokens(prompt_kv, table, self.model.dtype)
         inputs = build_step_inputs(batch, self.block_size)
         if batch.num_steps is None:
             self._last_round = None

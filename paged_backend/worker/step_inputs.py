@@ -6,12 +6,13 @@ output row is zeros and it changes no real sequence's result.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from paged_backend.core.scheduler_output import ScheduledBatch
+from paged_backend.core.scheduler_output import ScheduledBatch, SchedulerOutput
 from paged_backend.worker.attention import AttentionMetadata
 
 
@@ -139,3 +140,19 @@ def advance_decode_inputs(inputs: StepInputs, k: int, num_steps: np.ndarray, blo
         slot_mapping=torch.from_numpy(slots),
         context_lens=inputs.context_lens + offset,
     )
+
+
+EmbedsPieces = Sequence[tuple[int, torch.Tensor]]  # (flat token offset, [n, hidden] embeddings) of a step
+
+
+def prompt_embeds_pieces(scheduler_output: SchedulerOutput) -> list[tuple[int, torch.Tensor]]:
+    """Where the step's tokens come from prompt embeddings: each row's scheduled positions that fall inside its
+    request's ``prompt_embeds``, as (offset in the flattened batch, their embeddings)."""
+    batch, pieces, offset = scheduler_output.batch, [], 0
+    for row, seq in enumerate(scheduler_output.seqs):
+        count, start = batch.num_scheduled_tokens[row], batch.num_computed_tokens[row]
+        embeds = seq.request.prompt_embeds
+        if embeds is not None and start < embeds.shape[0]:
+            pieces.append((offset, embeds[start : start + count]))
+        offset += count
+    return pieces
