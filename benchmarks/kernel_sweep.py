@@ -1,7 +1,8 @@
 """Profiling aids for the decode step on the GPU (numbers feed docs/benchmarks.md, not tests).
 
 1. Decode attention: achieved KV bandwidth of the Triton kernel at W1's decode shape (256 sequences, contexts
-   64..1,280, Llama-3-8B heads, bf16) and W2's (one sequence), over a sweep of tile sizes and launch settings.
+   64..1,280, Llama-3-8B heads, bf16 and fp8 caches) and W2's (one sequence), over a sweep of tile sizes and
+   launch settings.
    W2's decode attention over the shortest context slice a program takes; prefill attention over tile sizes.
    The library's launcher takes no such settings (it picks its own: ``_tiles`` and ``MIN_SPLIT_TOKENS`` in
    ``kernels/paged_attention.py``), so ``launch`` below is this script's copy of it with every setting exposed:
@@ -9,11 +10,13 @@
 2. The decode step's GEMMs at 1, 2, 4 and 256 rows (cuBLAS through ``F.linear``): whether a batch of one is
    worth its own CUDA graph, and the weight-read floor.
 
-W1 and W2 are the workloads of docs/benchmarks.md. Run: ``python benchmarks/kernel_sweep.py`` on a CUDA machine.
+W1 and W2 are the workloads of docs/benchmarks.md. Run: ``python benchmarks/kernel_sweep.py`` on a CUDA machine
+(``--parts`` picks parts, ``--defaults-only`` times the library's own settings without the sweep).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import logging
 import random
@@ -76,6 +79,8 @@ def launch(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_split_tokens: int = MIN_SPLIT_TOKENS,
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention_triton`` (no window, no softcap) with its launch settings given: the library's choice for
     each one left None."""
@@ -97,19 +102,24 @@ def launch(
         strides = (0, out.stride(0), out.stride(1), 0, 0)
     _paged_attention_kernel[grid](
         target, lse, out, arrival_counters(query.device, grid[0] * grid[1]),
-        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+        query, k_cache, v_cache,
+        context_lens if k_scale is None else k_scale, context_lens if v_scale is None else v_scale,
+        block_tables, cu_seqlens_q, context_lens,
         num_seqs, float(scale), 0.0, 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), *strides, out.stride(0), out.stride(1),
         QUERIES_PER_KV=num_heads // num_kv_heads, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         DIM_PAD=_next_pow2(head_dim), BLOCK_N=block_n or default_n, BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), MIN_SPLIT=min_split_tokens,
-        USE_WINDOW=False, USE_SOFTCAP=False, IEEE=query.dtype == torch.float32, **tuning,
+        USE_WINDOW=False, USE_SOFTCAP=False, IEEE=query.dtype == torch.float32, SCALED=k_scale is not None,
+        FP16_DOTS=k_scale is not None and query.dtype == torch.bfloat16,
+        **tuning,
     )  # fmt: skip
     return out
 
 
-def decode_batch(context_lens: list[int]) -> dict:
+def decode_batch(context_lens: list[int], fp8: bool = False) -> dict:
+    """One decode step's attention inputs; ``fp8``: an fp8 cache (``kv_cache_dtype="fp8"``) with its scales."""
     blocks = [-(-c // BLOCK_SIZE) for c in context_lens]
     order = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
     tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device="cuda")
@@ -118,27 +128,35 @@ def decode_batch(context_lens: list[int]) -> dict:
         tables[i, :n] = order[used : used + n]
         used += n
     shape = (sum(blocks), BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    return dict(
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    batch = dict(
         query=torch.randn(len(blocks), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
-        k_cache=torch.randn(shape, device="cuda", dtype=torch.bfloat16),
-        v_cache=torch.randn(shape, device="cuda", dtype=torch.bfloat16),
+        k_cache=torch.randn(shape, device="cuda").to(cache_dtype),
+        v_cache=torch.randn(shape, device="cuda").to(cache_dtype),
         block_tables=tables,
         cu_seqlens_q=torch.arange(len(blocks) + 1, dtype=torch.int32, device="cuda"),
         context_lens=torch.tensor(context_lens, device="cuda"),
     )
+    if fp8:
+        batch |= dict(
+            k_scale=torch.full((KV_HEADS,), 0.5, device="cuda"), v_scale=torch.full((KV_HEADS,), 0.5, device="cuda")
+        )
+    return batch
 
 
-def attention_sweep() -> None:
+def attention_sweep(sweep: bool = True) -> None:
     rng = random.Random(0)
     cases = {
         "w1 (256 seqs)": [rng.randint(64, 1024) + rng.randint(0, 256) for _ in range(256)],
         "w2 (1 seq, 256)": [256],
     }
-    for name, ctx in cases.items():
-        batch = decode_batch(ctx)
-        gbytes = sum(ctx) * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9
+    for (name, ctx), fp8 in itertools.product(cases.items(), (False, True)):
+        batch = decode_batch(ctx, fp8)
+        name += ", fp8 cache" if fp8 else ""
+        gbytes = sum(ctx) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2) / 1e9
         rows = []
-        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4)):
+        settings_grid = itertools.product((64, 128, 256), (4, 8), (2, 3, 4, 5)) if sweep else []
+        for block_n, warps, stages in settings_grid:
             settings = dict(block_n=block_n, num_warps=warps, num_stages=stages)
             try:
                 ms = gpu_ms(lambda: launch(**batch, scale=0.088, **settings))  # noqa: B023
@@ -165,7 +183,7 @@ def min_split_sweep() -> None:
         logger.info("w2 attention, context %d, by min split tokens: %s", ctx, ", ".join(row))
 
 
-def prefill_sweep() -> None:
+def prefill_sweep(sweep: bool = True) -> None:
     """Prefill attention (8 fresh 1,024-token prompts, causal) in TFLOP/s over tile rows and launch settings."""
     lens = [1024] * 8
     batch = decode_batch(lens)
@@ -173,7 +191,8 @@ def prefill_sweep() -> None:
     batch["cu_seqlens_q"] = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
     tflop = sum(2 * 2 * n * n / 2 * HEAD_DIM * HEADS for n in lens) / 1e12
     rows = []
-    for q_rows, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+    settings_grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)) if sweep else []
+    for q_rows, block_n, warps, stages in settings_grid:
         settings = dict(rows=q_rows, block_n=block_n, num_warps=warps, num_stages=stages)
         try:
             ms = gpu_ms(lambda: launch(**batch, scale=0.088, **settings))  # noqa: B023
@@ -200,9 +219,24 @@ def gemm_floor() -> None:
         )
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="attention,min_split,prefill,gemm", help="comma list of the four parts")
+    parser.add_argument(
+        "--defaults-only", action="store_true", help="attention and prefill: the library's settings only"
+    )
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    if "attention" in parts:
+        attention_sweep(sweep=not args.defaults_only)
+    if "min_split" in parts:
+        min_split_sweep()
+    if "prefill" in parts:
+        prefill_sweep(sweep=not args.defaults_only)
+    if "gemm" in parts:
+        gemm_floor()
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    attention_sweep()
-    min_split_sweep()
-    prefill_sweep()
-    gemm_floor()
+    main()

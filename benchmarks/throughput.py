@@ -4,7 +4,9 @@ Model: Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no EOS (fixed leng
   w1    256 prompts, lengths uniform in [64, 1024] (random.Random(0)), 256 new tokens each, greedy
   w2    one 128-token prompt, 256 new tokens
   ttft  a lone 1,024-token prompt: time to its first token, beside one plain HF forward over it
-Backends: paged (this library), hf_patched (``model.generate`` after ``paged_backend.patch``, called like hf),
+Backends: paged (this library; paged_sync without async scheduling, paged_fp8kv with an fp8 KV cache, paged_fp8
+with fp8 weights: ``quantization="fp8"`` on the model saved to a file), hf_patched (``model.generate`` after
+``paged_backend.patch``, called like hf),
 hf (``model.generate``, batches of 64, left padded), hf_cb (``generate_batch``, transformers' continuous
 batching), hf_static (``generate`` with a static cache and torch.compile; w2 only).
 Every backend runs in this one process on identical prompts, after an untimed warm-up on other prompts (the
@@ -27,6 +29,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -374,6 +377,7 @@ COLORS = {
     "paged": "#2a7",
     "paged_sync": "#6b9",
     "paged_fp8kv": "#1a5",
+    "paged_fp8": "#073",
     "hf_patched": "#8c8",
 }  # this library's engine, directly and under HF's generate
 
@@ -433,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--backends",
         default="paged,hf,hf_cb,hf_static",
         help="comma list of paged, paged_sync (async_scheduling=False), paged_fp8kv (kv_cache_dtype='fp8'), "
+        "paged_fp8 (quantization='fp8': the model saved and loaded, its linears' weights fp8), "
         "hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
     )
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
@@ -451,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     workloads = args.workload.split(",")
     backends = args.backends.split(",")
-    known_backends = {"paged", "paged_sync", "paged_fp8kv", "hf_patched", "hf", "hf_cb", "hf_static"}
+    known_backends = {"paged", "paged_sync", "paged_fp8kv", "paged_fp8", "hf_patched", "hf", "hf_cb", "hf_static"}
     unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - known_backends
     if unknown:
         parser.error(f"unknown workload or backend: {sorted(unknown)}")
@@ -504,11 +509,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[workload][f"{backend}_runs"] = runs
         save()
 
-    def measure_engine(backend: str, engine_args: dict[str, Any]) -> None:
-        """One engine's figures (W1, W2; TTFT, breakdown and profile for the default one). The caller releases
-        it after: the next engine and HF need the memory its KV cache held."""
+    def measure_engine(backend: str, engine_args: dict[str, Any], checkpoint: str | None = None) -> None:
+        """One engine's figures (W1, W2; TTFT, breakdown and profile for the default one), on ``model`` or on
+        the checkpoint saved from it. The caller releases it after: the next engine and HF need the memory its
+        KV cache held."""
         results.setdefault("engine_args", {})[backend] = engine_args
-        llm, startup = timed(lambda: LLM(model, **engine_args))
+        llm, startup = timed(lambda: LLM(checkpoint or model, **engine_args))
         results.setdefault("engine_start_s", {})[backend] = startup
         logger.info("%s engine ready in %.1f s", backend, startup)
         if not args.skip_check:
@@ -551,6 +557,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         measure_engine("paged_fp8kv", {**base_args, "kv_cache_dtype": "fp8"})
         release_engine("fp8-cache engine")
         results["w1_fp8kv"] = results.get("w1", {}).get("paged_fp8kv")
+    if "paged_fp8" in backends:  # quantization="fp8" quantizes a loaded checkpoint: the model goes through a file
+        with tempfile.TemporaryDirectory() as checkpoint:
+            model.save_pretrained(checkpoint)
+            fp8_args = {**base_args, "quantization": "fp8", "skip_tokenizer_init": True}
+            try:
+                measure_engine("paged_fp8", fp8_args, checkpoint)
+            except Exception as exc:  # noqa: BLE001 - reported; the remaining backends still run
+                logger.exception("paged_fp8 failed")
+                results.setdefault("errors", {})["paged_fp8"] = f"{type(exc).__name__}: {exc}"
+            release_engine("fp8-weight engine")
 
     # HF's generate, patched onto the engine (paged_backend.patch), called as HF code calls it: batches of 64.
     if "hf_patched" in backends:
@@ -567,7 +583,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hf_cb": lambda prompts, max_tokens: run_hf_cb(model, prompts, max_tokens),
         "hf_static": lambda prompts, max_tokens: run_hf(model, prompts, max_tokens, static=True),
     }
-    for backend in [b for b in backends if b not in ("paged", "paged_sync", "paged_fp8kv", "hf_patched")]:
+    for backend in [b for b in backends if b not in ("paged", "paged_sync", "paged_fp8kv", "paged_fp8", "hf_patched")]:
         for workload in ("w1", "w2"):
             if workload in workloads and not (backend == "hf_static" and workload == "w1"):  # W2 only
                 measure(workload, backend, runners[backend])

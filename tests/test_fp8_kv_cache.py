@@ -126,6 +126,24 @@ def test_attention_kernel_on_an_fp8_cache(dtype: torch.dtype, num_splits: int) -
     assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("query_magnitude", [1.0, 6e4])
+def test_bf16_queries_over_an_fp8_cache(query_magnitude: float) -> None:
+    """bf16 queries over an fp8 cache run their dots in fp16 (the queries scaled by 2^-8): equal to the twin,
+    also for queries past fp16's range (65504), which would overflow without the scaling. (fp16 dots also run in
+    Triton's interpreter, where bf16 ones do not.)"""
+    batch = make_batch([1, 33, 7, 1, 16], [300, 0, 9, 15, 130], 8, 2, 64, torch.float32, 16, seed=7)
+    batch["query"] = (batch["query"] * query_magnitude / 2).to(torch.bfloat16)  # the largest ~1.2e5 at 6e4
+    k_scale, v_scale = scaled_cache(batch, 2, seed=3)
+    k_scale = k_scale / query_magnitude  # scores of the same size whatever the queries' magnitude
+    scale = batch["query"].shape[-1] ** -0.5
+    args = (batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], scale)
+    ref = paged_attention_torch(batch["query"].float(), batch["k_cache"], batch["v_cache"], *args,
+                                k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    out = paged_attention_triton(**batch, scale=scale, k_scale=k_scale, v_scale=v_scale)
+    assert batch["query"].abs().max() > 65504 or query_magnitude == 1.0
+    assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cache_write_to_fp8(dtype: torch.dtype) -> None:
     """The kernel stores the bytes the twin stores: scaled per head, saturated at 448, padding slots skipped. On

@@ -86,21 +86,9 @@ def paged_attention_torch(
         max_q = max(q_lens_list[i] for i in group)
         max_ctx = max(ctx_list[i] for i in group)
         result = _attend_group(
-            query,
-            k_cache,
-            v_cache,
-            block_tables[idx],
-            cu_seqlens_q[idx].long(),
-            q_lens[idx].long(),
-            context_lens[idx].long(),
-            max_q,
-            max_ctx,
-            scale,
-            sliding_window,
-            softcap,
-            k_scale,
-            v_scale,
-        )  # [G, Q, H, D]
+            query, k_cache, v_cache, block_tables[idx], cu_seqlens_q[idx].long(), q_lens[idx].long(),
+            context_lens[idx].long(), max_q, max_ctx, scale, sliding_window, softcap, k_scale, v_scale,
+        )  # [G, Q, H, D]  # fmt: skip
         if max_q == 1:
             out[cu_seqlens_q[idx].long()] = result[:, 0].to(out.dtype)
         else:  # a single prefill
@@ -143,6 +131,7 @@ _VARYING_ARGS = [
 
 if triton is not None:
     from paged_backend.kernels.arrival import last_to_arrive
+    from paged_backend.kernels.online_softmax import attend_tile, merge_slices
 
     @triton.jit(do_not_specialize=_VARYING_ARGS)
     def _paged_attention_kernel(
@@ -189,9 +178,9 @@ if triton is not None:
         USE_SOFTCAP: tl.constexpr,
         IEEE: tl.constexpr,  # fp32 inputs: full-precision dots, not TF32
         SCALED: tl.constexpr,  # an fp8 cache: keys and values are read in the queries' dtype, times their scale
+        FP16_DOTS: tl.constexpr,  # SCALED with bf16 queries: the dots run in fp16
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-        LOG2E: tl.constexpr = 1.4426950408889634
         pid = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -227,6 +216,9 @@ if triton is not None:
         qk_scale = scale
         if SCALED:  # one KV head a program: its scales are two scalars, folded into the scores and the output
             qk_scale = scale * tl.load(k_scale_ptr + kv_head)
+        if FP16_DOTS:  # bf16 queries over an fp8 cache, as fp16 times 2^8 (see the launcher)
+            q = tl.clamp(q.to(tl.float32) * 0.00390625, -65504.0, 65504.0).to(tl.float16)
+            qk_scale = qk_scale * 256.0
 
         # Keys this tile can see: [kv_lo, kv_hi). An empty range (tile past q_len) runs no iteration.
         kv_hi = prefix + tl.minimum(tile_start + BLOCK_Q, q_len)
@@ -246,41 +238,23 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-        for start_n in range(kv_lo, kv_hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)  # [N]
-            n_mask = offs_n < kv_hi
-            blocks = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-            slots = blocks.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            k = tl.load(
-                k_cache_ptr + slots[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0
-            )  # [D, N]
-            if SCALED:
-                k = k.to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [M, N] fp32
-            else:
-                s = tl.dot(q, k) * qk_scale
-            if USE_SOFTCAP:
-                s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
-            allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            if USE_WINDOW:
-                allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
-            s = tl.where(allowed, s * LOG2E, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_cache_ptr + slots[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0
-            )  # [N, D]
-            if SCALED:
-                v = v.to(q.dtype)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        # Key tiles every row of the tile sees whole (below the diagonal, inside the range, no window) skip the
+        # mask; the rest (the diagonal, the range's last tile, windowed ranges) are masked.
+        full_hi = kv_lo + tl.maximum(tl.minimum(kv_hi, prefix + tile_start + 1) - kv_lo, 0) // BLOCK_N * BLOCK_N
+        if USE_WINDOW:
+            full_hi = kv_lo
+        for start_n in range(kv_lo, full_hi, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, start_n,
+                kv_hi, kv_head * stride_ch, stride_cb, stride_cs, qk_scale, softcap, sliding_window, offs_d, d_mask,
+                BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED,
+            )  # fmt: skip
+        for start_n in range(full_hi, kv_hi, BLOCK_N):
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, start_n,
+                kv_hi, kv_head * stride_ch, stride_cb, stride_cs, qk_scale, softcap, sliding_window, offs_d, d_mask,
+                BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED,
+            )  # fmt: skip
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if SCALED:
@@ -298,33 +272,11 @@ if triton is not None:
                 lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # log2 domain
                 tl.store(lse_ptr + split * stride_ls + token * stride_lt + head, lse, mask=row_valid)
                 if last_to_arrive(counters_ptr + pid * tl.num_programs(1) + kv_head, num_active):
-                    # merge the slices with keys: weights 2^(lse_s - max lse), empty rows' slices weigh 0
-                    offs_s = tl.arange(0, SPLITS_PAD)
-                    lses = tl.load(
-                        lse_ptr + offs_s[:, None] * stride_ls + token[None, :] * stride_lt + head[None, :],
-                        mask=(offs_s[:, None] < num_active) & row_valid[None, :],
-                        other=float("-inf"),
-                        cache_modifier=".cg",
-                    )  # [S, M]
-                    m = tl.max(lses, 0)
-                    m = tl.where(m == float("-inf"), 0.0, m)
-                    total = tl.sum(tl.where(lses == float("-inf"), 0.0, tl.exp2(lses - m[None, :])), 0)  # [M]
-                    merged = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-                    for part in range(0, num_active):
-                        lse = tl.load(
-                            lse_ptr + part * stride_ls + token * stride_lt + head,
-                            mask=row_valid,
-                            other=float("-inf"),
-                            cache_modifier=".cg",
-                        )
-                        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))  # [M]
-                        src = (
-                            part * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-                        )
-                        merged += tl.load(out_ptr + src, mask=out_mask, other=0.0, cache_modifier=".cg") * w[:, None]
-                    merged = merged / tl.where(total > 0, total, 1.0)[:, None]
-                    dst = token[:, None] * stride_ft + head[:, None] * stride_fh + offs_d[None, :]
-                    tl.store(final_ptr + dst, merged.to(final_ptr.dtype.element_ty), mask=out_mask)
+                    merge_slices(
+                        out_ptr, lse_ptr, final_ptr, token, head, row_valid, out_mask, offs_d, num_active,
+                        stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_ft, stride_fh,
+                        BLOCK_M, DIM_PAD, SPLITS_PAD,
+                    )  # fmt: skip
         else:
             dst = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -345,7 +297,7 @@ def _tiles(decode: bool, g_pad: int, dim_pad: int) -> tuple[int, int, dict[str, 
     Decode has one query a sequence, so its tiles take the 16 rows ``tl.dot`` needs at least and long key tiles,
     streaming the cache; prefill tiles hold 64 rows, each key tile reused by all of them. 256-wide heads take short
     key tiles, so that K and V fit in shared memory. ``benchmarks/kernel_sweep.py`` times the alternatives."""
-    rows, block_n, tuning = (16, 128, {"num_warps": 4, "num_stages": 3}) if decode else (64, 64, {})
+    rows, block_n, tuning = (16, 128, {"num_warps": 4, "num_stages": 3}) if decode else (64, 64, {"num_stages": 2})
     if dim_pad >= 256:
         block_n = 32
     return max(1, rows // g_pad), block_n, tuning
@@ -368,7 +320,13 @@ def paged_attention_triton(
 ) -> torch.Tensor:  # [T, H, D]
     """Triton twin of :func:`paged_attention_torch`; no host synchronisation, grid fixed by (T, B).
     ``num_splits`` (slices of the context, decode only) defaults to :func:`choose_num_splits`, which splits only on
-    a GPU that the batch leaves idle; a given number splits anywhere."""
+    a GPU that the batch leaves idle; a given number splits anywhere.
+
+    bf16 queries over an fp8 cache run their dots in fp16: fp8 converts to fp16 in one instruction and to bf16
+    only through fp32, which made the fp8 kernel slower than the bf16 one. fp16 holds every fp8 value and the
+    probabilities exactly; the queries go in as ``q / 2^8`` (scores times 2^8), so the range reaches 1.7e7
+    (larger queries are clamped) and a query element loses at most 2^-17 in absolute terms, far below bf16's
+    own rounding of any element that matters to a score."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -437,6 +395,7 @@ def paged_attention_triton(
         USE_SOFTCAP=bool(softcap),
         IEEE=query.dtype == torch.float32,
         SCALED=k_scale is not None,
+        FP16_DOTS=k_scale is not None and query.dtype == torch.bfloat16,
         **tuning,
     )
     return out

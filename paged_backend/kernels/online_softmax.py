@@ -1,0 +1,137 @@
+"""The online softmax's two pieces, shared by the paged attention kernel: one key tile folded into a running
+``(acc, m, l)`` — masked only where a row may not see every key of the tile — and the merge of context slices
+computed by separate programs (split-KV decode)."""
+
+from __future__ import annotations
+
+from paged_backend.kernels import tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def attend_tile(
+        acc,
+        m_i,
+        l_i,
+        q,  # [M, D]
+        q_pos,  # [M] absolute positions
+        k_cache_ptr,
+        v_cache_ptr,
+        table_ptr,  # this sequence's block table
+        start_n,
+        kv_hi,
+        head_offset,
+        stride_cb,
+        stride_cs,
+        qk_scale,
+        softcap,
+        sliding_window,
+        offs_d,
+        d_mask,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        MASKED: tl.constexpr,  # False: every row sees every key of the tile, which lies inside [kv_lo, kv_hi)
+        USE_WINDOW: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr,
+        IEEE: tl.constexpr,
+        SCALED: tl.constexpr,
+    ):
+        """One key tile of the online softmax: ``(acc, m_i, l_i)`` updated, scores in the log2 domain."""
+        LOG2E: tl.constexpr = 1.4426950408889634
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [N]
+        n_mask = offs_n < kv_hi
+        if MASKED:
+            blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        else:
+            blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE)
+        slots = blocks.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + head_offset
+        if MASKED:
+            k = tl.load(
+                k_cache_ptr + slots[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0
+            )
+        else:
+            k = tl.load(k_cache_ptr + slots[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)  # [D, N]
+        if SCALED:
+            k = k.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [M, N] fp32
+        else:
+            s = tl.dot(q, k) * qk_scale
+        if USE_SOFTCAP:
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
+        s = s * LOG2E
+        if MASKED:
+            allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                allowed = allowed & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(
+                v_cache_ptr + slots[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0
+            )
+        else:
+            v = tl.load(v_cache_ptr + slots[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)  # [N, D]
+        if SCALED:
+            v = v.to(q.dtype)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def merge_slices(
+        out_ptr,  # [S, T, H, D] fp32 partials
+        lse_ptr,  # [S, T, H] fp32, log2 domain
+        final_ptr,  # [T, H, D]
+        token,  # [M] int64
+        head,  # [M]
+        row_valid,  # [M]
+        out_mask,  # [M, D]
+        offs_d,
+        num_active,
+        stride_os,
+        stride_ot,
+        stride_oh,
+        stride_ls,
+        stride_lt,
+        stride_ft,
+        stride_fh,
+        BLOCK_M: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+    ):
+        """The output of ``num_active`` context slices' partial outputs, each weighted by its share of the softmax
+        denominator: ``2^(lse_s - max lse)``; an empty row's slices weigh 0."""
+        offs_s = tl.arange(0, SPLITS_PAD)
+        lses = tl.load(
+            lse_ptr + offs_s[:, None] * stride_ls + token[None, :] * stride_lt + head[None, :],
+            mask=(offs_s[:, None] < num_active) & row_valid[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )  # [S, M]
+        m = tl.max(lses, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.where(lses == float("-inf"), 0.0, tl.exp2(lses - m[None, :])), 0)  # [M]
+        merged = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        for part in range(0, num_active):
+            lse = tl.load(
+                lse_ptr + part * stride_ls + token * stride_lt + head,
+                mask=row_valid,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))  # [M]
+            src = part * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            merged += tl.load(out_ptr + src, mask=out_mask, other=0.0, cache_modifier=".cg") * w[:, None]
+        merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+        dst = token[:, None] * stride_ft + head[:, None] * stride_fh + offs_d[None, :]
+        tl.store(final_ptr + dst, merged.to(final_ptr.dtype.element_ty), mask=out_mask)
