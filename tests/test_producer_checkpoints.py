@@ -9,6 +9,7 @@ CPU, HF's oracle's device, also on a GPU machine; there the fp8 GEMM is checked 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -26,7 +27,12 @@ from tests.conftest import hf_greedy, ragged_prompts
 from tests.fixtures.tiny_models import build_tiny_model
 
 FIXTURES = Path(__file__).parent / "data" / "quantized"
-INT4 = ["w4a16_group128", "w4a16_asym_group32", "w4a16_channel", "autoawq_group128"]
+# compressed-tensors' int4 needs its package (the [quant] extra, also in [test]); elsewhere those cases skip
+NEEDS_PACKAGE = pytest.mark.skipif(
+    importlib.util.find_spec("compressed_tensors") is None, reason="compressed-tensors is not installed"
+)
+INT4 = [pytest.param(n, marks=NEEDS_PACKAGE) for n in ("w4a16_group128", "w4a16_asym_group32", "w4a16_channel")]
+INT4 += ["autoawq_group128"]
 FP8_MAX = 448.0
 
 
@@ -188,6 +194,15 @@ def _with_config(tmp_path: Path, change) -> Path:
 def test_schemes_we_do_not_run_fail_at_load_naming_them(change, message: str, tokenizer, tmp_path) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(str(_with_config(tmp_path, change)), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
+
+
+def test_int4_without_the_package_names_the_extra(tokenizer, monkeypatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "compressed_tensors" else real(name, *a)
+    )
+    with pytest.raises(ImportError, match=r"paged-backend\[quant\]"):
+        LLM(str(FIXTURES / "w4a16_group128"), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
 
 
 def test_quantization_argument_must_match_the_checkpoint(tokenizer) -> None:

@@ -13,6 +13,7 @@ transforms, a quantized KV cache — fails when the checkpoint is opened, naming
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -74,6 +75,11 @@ class CompressedTensorsScheme:
         weights = group.get("weights") or {}
         if weights.get("actorder") or weights.get("dynamic") or weights.get("block_structure"):
             raise _unsupported("weights", weights, "static weights without activation ordering or blocks")
+        if fmt == "pack-quantized" and importlib.util.find_spec("compressed_tensors") is None:
+            raise ImportError(
+                "compressed-tensors int4 (pack-quantized) checkpoints are unpacked by the compressed-tensors "
+                "package: pip install 'paged-backend[quant]'"
+            )
         scheme = cls._int4(weights) if fmt == "pack-quantized" else cls._fp8(weights, group.get("input_activations"))
         return cls(fmt, *scheme, ignore=tuple(qc.get("ignore") or ()), kv_cache_scales=bool(kv_cache))
 
