@@ -225,6 +225,8 @@ def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
         ours = fp8_linear_scaled_mm(x, weight, scale[:, 0], bias).float()
         twin = fp8_linear_torch(x, weight, scale[:, 0], True).float() + bias.float()
         torch.testing.assert_close(ours, twin, rtol=2e-2, atol=2e-2)
+    layer = FP8Linear.from_linear(torch.nn.Linear(64, 32))  # quantized on the CPU (as TP ranks do), then moved
+    assert not layer.fp8_matmul and layer.cuda().fp8_matmul and not layer.cpu().fp8_matmul
 
 
 def test_our_awq_writer_matches_autoawqs_format(tokenizer, tmp_path) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.quantization.fp8 import FP8Linear
 from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tp2
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -129,6 +130,29 @@ def test_dummy_weights_are_the_slices_of_the_model_one_device_holds(checkpoints,
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_online_fp8_cuts_its_fp8_layers(checkpoints) -> None:
+    """quantization='fp8' under TP=2, from a checkpoint read whole and from dummy weights: rank 0's fp8 layers
+    hold its rows of TP=1's (per-row scales with them) and the engine generates. (Exact equality of the ranks'
+    sums: tests/test_tp_plan.py; activations quantized per token over a rank's slice make TP=2's output differ
+    from TP=1's.)"""
+    path, _ = checkpoints["llama"]
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(2)]
+    for extra in ({}, {"load_format": "dummy"}):
+        single = LLM(path, quantization="fp8", num_kv_blocks=64, **ENGINE, **extra).llm_engine.model
+        whole = single.model.layers[0].self_attn.k_proj
+        llm = LLM(path, quantization="fp8", tensor_parallel_size=2, num_kv_blocks=64, **ENGINE, **extra)
+        try:
+            k_proj = llm.llm_engine.model.model.layers[0].self_attn.k_proj
+            assert isinstance(k_proj, FP8Linear) and k_proj.out_features == whole.out_features // 2
+            rows = slice(0, k_proj.out_features)
+            assert torch.equal(k_proj.weight.view(torch.uint8), whole.weight[rows].view(torch.uint8))
+            assert torch.equal(k_proj.weight_scale, whole.weight_scale[rows])
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+        finally:
+            llm.llm_engine.shutdown()
 
 
 def test_a_dead_worker_is_reported_mid_step_and_between_steps(checkpoints) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from paged_backend.model_loader.tp_plan import head_layout, shard_model, tp_plan
+from paged_backend.quantization.fp8 import FP8Linear, quantize_fp8
 from tests.fixtures.tiny_models import build_tiny_model
 
 
@@ -64,6 +65,25 @@ def test_sharded_ranks_reproduce_the_full_model(arch: str, world: int) -> None:
         full = model(ids).logits
     for rank, logits in enumerate(tp_logits(model, world, ids)):
         assert logits is not None, f"rank {rank} did not finish"
+        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_layers_are_cut_with_their_scales() -> None:
+    """quantization='fp8' layers (weights per output channel) cut rows with their scales, columns without: the
+    ranks give the full fp8 model's logits. Activations stay unquantized here: per token over a rank's slice of
+    the inputs, a rowwise layer's activation scales would differ from the full layer's."""
+    model = build_tiny_model("llama", vocab_size=512)
+    model.config._attn_implementation = "eager"
+    assert quantize_fp8(model) == 7 * model.config.num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            module.dynamic_activations = False
+    assert "model.layers.0.mlp.down_proj" in tp_plan(model)
+    ids = torch.randint(3, 512, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids).logits
+    for logits in tp_logits(model, 2, ids):
+        assert logits is not None
         torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
 
 

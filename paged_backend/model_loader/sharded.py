@@ -30,6 +30,7 @@ from paged_backend.model_loader.tp_plan import (
     tp_plan,
     tp_shard_of,
 )
+from paged_backend.quantization.fp8 import quantize_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ def load_shard(
     materialize(model, device, config.model_config.seed, shard, init=files is None)
     if files is not None:
         read_slices(model, files, rank)
+    if config.model_config.quantization == "fp8":  # dummy weights, quantized per rank (vLLM's online fp8)
+        quantize_fp8(model)
     set_local_heads(model, layout)
     return model
 

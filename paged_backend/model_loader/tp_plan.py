@@ -20,8 +20,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.quantization.awq import AWQLinear
+from paged_backend.quantization.fp8 import FP8Linear
 
 STYLES = ("colwise", "rowwise")
+LINEARS = (nn.Linear, AWQLinear, FP8Linear)  # the layers a plan cuts
 
 
 class AllReduce(Protocol):
@@ -96,7 +98,7 @@ def head_layout(config: PretrainedConfig, world_size: int) -> HeadLayout:
 
 
 def tp_plan(model: PreTrainedModel) -> dict[str, str]:
-    """Module name -> ``colwise`` / ``rowwise`` for every linear (or AWQ linear) the model's ``base_model_tp_plan``
+    """Module name -> ``colwise`` / ``rowwise`` for every linear (nn, AWQ or FP8) the model's ``base_model_tp_plan``
     covers. A model without a plan is refused, naming its architecture."""
     config = model.config
     plan = getattr(config, "base_model_tp_plan", None)
@@ -108,7 +110,7 @@ def tp_plan(model: PreTrainedModel) -> dict[str, str]:
     prefix = getattr(model, "base_model_prefix", "")
     resolved: dict[str, str] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.Linear, AWQLinear)):
+        if not isinstance(module, LINEARS):
             continue
         local = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
         for pattern, style in plan.items():
@@ -154,12 +156,15 @@ def shard_linear(
     rank: int,
     all_reduce: AllReduce | None,
 ) -> None:
-    """Cut one planned linear (``colwise`` or ``rowwise``; an ``nn.Linear`` or an ``AWQLinear``) in place down to
-    rank ``rank``'s slice. AWQ's packed tensors are cut on whole packs of eight outputs and whole groups of inputs.
+    """Cut one planned linear (``colwise`` or ``rowwise``; an ``nn.Linear``, ``AWQLinear`` or ``FP8Linear``) in place
+    down to rank ``rank``'s slice. AWQ's packed tensors are cut on whole packs of eight outputs and whole groups of
+    inputs; FP8's per-output-channel scales go with their rows.
     A rowwise bias is added once, on rank 0; ``all_reduce`` (sum over ranks, in place or returned) is hooked on a
     rowwise layer's output, None leaves the partial sums to the caller (a single-process check)."""
-    if not isinstance(linear, (nn.Linear, AWQLinear)):  # tp_plan() names only these
-        raise TypeError(f"{name}: tensor parallelism cuts nn.Linear and AWQLinear, not {type(linear).__name__}")
+    if not isinstance(linear, LINEARS):  # tp_plan() names only these
+        raise TypeError(
+            f"{name}: tensor parallelism cuts nn.Linear, AWQLinear and FP8Linear, not {type(linear).__name__}"
+        )
     if style == "colwise":
         start, stop = _output_range(name, linear.out_features, layout, rank)
         if isinstance(linear, AWQLinear):
@@ -170,6 +175,9 @@ def shard_linear(
             linear.qweight = _keep(linear.qweight, 1, start // 8, stop // 8)
             linear.qzeros = _keep(linear.qzeros, 1, start // 8, stop // 8)
             linear.scales = _keep(linear.scales, 1, start, stop)
+        elif isinstance(linear, FP8Linear):
+            linear.weight = _keep(linear.weight, 0, start, stop)
+            linear.weight_scale = _keep(linear.weight_scale, 0, start, stop)
         else:
             linear.weight = nn.Parameter(_keep(linear.weight, 0, start, stop), requires_grad=False)
         if isinstance(linear.bias, torch.Tensor):
@@ -189,6 +197,8 @@ def shard_linear(
         linear.qweight = _keep(linear.qweight, 0, start, stop)
         linear.qzeros = _keep(linear.qzeros, 0, start // group, stop // group)
         linear.scales = _keep(linear.scales, 0, start // group, stop // group)
+    elif isinstance(linear, FP8Linear):
+        linear.weight = _keep(linear.weight, 1, start, stop)
     else:
         linear.weight = nn.Parameter(_keep(linear.weight, 1, start, stop), requires_grad=False)
     set_module_attribute(linear, "tp_shard", TPShard(style, start, stop, linear.in_features))

@@ -89,6 +89,12 @@ class FP8Linear(nn.Module):
             layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
         return layer
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
+        """``.to()`` / ``.cuda()``: the fp8 matrix units are those of the device the weight moved to."""
+        module = super()._apply(fn, recurse)
+        self.fp8_matmul = has_fp8_matmul(self.weight.device)
+        return module
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {"weight": (self.out_features, self.in_features), "weight_scale": (self.out_features,)}
         return shapes | ({"bias": (self.out_features,)} if self.bias is not None else {})
