@@ -195,6 +195,29 @@ def test_unsupported_calls_fall_back_to_hf(tokenizer) -> None:
         model.generate(ids, **beam)
 
 
+@pytest.mark.parametrize("engine_first", [False, True])
+def test_a_model_assisting_itself(tokenizer, engine_first: bool) -> None:
+    """Assisted decoding with the model as its own assistant: HF's generate (a fallback) calls the patched
+    generate of the same model from inside, on the same thread — before the engine exists and after. HF's result,
+    and no deadlock (a thread with a deadline, so a regression fails instead of hanging)."""
+    model = tiny_model("llama")
+    ids = torch.tensor([PROMPTS[0]])
+    kwargs = dict(max_new_tokens=6, do_sample=False, assistant_model=model)
+    expected = unpatched(model, ids, **kwargs)
+    result: dict[str, torch.Tensor] = {}
+    patch(model, tokenizer, **ENGINE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if engine_first:
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+        thread = threading.Thread(target=lambda: result.setdefault("out", model.generate(ids, **kwargs)), daemon=True)
+        thread.start()
+        thread.join(timeout=120)
+    assert not thread.is_alive(), "generate(assistant_model=model) did not return"  # (unpatch would wait too)
+    unpatch(model)
+    assert torch.equal(result["out"], expected)
+
+
 def test_pipeline_on_a_patched_model(tokenizer) -> None:
     model = tiny_model("llama")
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")

@@ -57,7 +57,9 @@ class PagedGenerate:
         self.previous = model.__dict__.get("generate")  # an instance attribute to restore, if there was one
         self.original = self.previous or type(model).generate.__get__(model)
         self.llm: LLM | None = None
-        self.lock = threading.Lock()  # guards building the engine
+        # Guards building the engine, and HF's generate run before there is one. Reentrant: HF's generate may call
+        # generate on the same model from inside (a model that is its own assistant_model).
+        self.lock = threading.RLock()
 
     def built_llm(self) -> LLM:
         """The engine's ``LLM``, built on first use over the model's own weights. Every call steps it through its
