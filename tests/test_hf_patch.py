@@ -302,6 +302,32 @@ def test_return_dict_carries_hf_cache(tokenizer, arch: str) -> None:
     assert getattr(plain, _CACHE_FIELD) is None
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_attentions_and_hidden_states_are_hfs(tokenizer, arch: str, use_cache: bool) -> None:
+    """``output_attentions`` / ``output_hidden_states`` run on the engine: each step's tensors, recomputed by
+    forwards of HF's steps' shapes, are HF's — at every position, the left padding and a row that ended early (EOS)
+    and was fed padding included; with and without a cache (whose steps differ in shape)."""
+    model = tiny_model(arch)
+    model.config._attn_implementation = "eager"  # attention weights come from eager attention
+    ids, mask = left_padded(PROMPTS)
+    greedy = unpatched(model, ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    eos = int(greedy[1, ids.shape[1] + 1])  # the second row's second new token ends it
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    kwargs |= dict(output_attentions=True, output_hidden_states=True, use_cache=use_cache, eos_token_id=eos)
+    expected = unpatched(model, ids, pad_token_id=PAD, **kwargs)
+    out = engine_only(model, tokenizer, ids, pad_token_id=PAD, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences) and bool((out.sequences[1, -3:] == PAD).all())
+    for name in ("attentions", "hidden_states"):
+        ours, theirs = getattr(out, name), getattr(expected, name)
+        assert len(ours) == len(theirs) == 5
+        for mine, hf in zip(ours, theirs):
+            assert len(mine) == len(hf)
+            for a, b in zip(mine, hf):
+                assert a.shape == b.shape
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_hf_argument_edge_cases_as_hf(tokenizer) -> None:
     """Accept what HF accepts (a negative EOS id, which never matches, with HF's warning; top_p=0, which keeps
     the most likely token; top_p above 1, which filters nothing), raise what HF raises (do_sample with

@@ -24,7 +24,7 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from paged_backend.integrations.hf_args import DEFAULT_MAX_LENGTH, OBJECT_ARGUMENTS, plan_call
-from paged_backend.integrations.hf_outputs import hf_cache, hf_output, step_logits
+from paged_backend.integrations.hf_outputs import Replay, hf_output, hf_replay, step_logits
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
@@ -140,17 +140,20 @@ class PagedGenerate:
         sequences[:, :width] = call.prefix.repeat_interleave(n, dim=0)
         for r, c in enumerate(completions):
             sequences[r, width : width + len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
-        cache = None
-        # HF's generate extends a passed-in cache in place (and returns it): a forward of the model as HF runs it,
-        # on the loop thread, between the engine's steps
-        if call.past is not None or (config.return_dict_in_generate and config.use_cache is not False):
+        replay = None
+        # HF's generate extends a passed-in cache in place (and returns it), and returns its cache, attentions and
+        # hidden states: a forward of the model as HF runs it, on the loop thread, between the engine's steps
+        details = config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states)
+        if call.past is not None or details or (config.return_dict_in_generate and config.use_cache is not False):
             prompt, mask = (t.repeat_interleave(n, dim=0).to(sequences.device) for t in (call.prompt, call.mask))
-            forward = functools.partial(_cache, self.model, prompt, sequences[:, width:], mask, call.past)
-            cache = self.built_llm().engine_loop.call_sync(forward)
+            forward = functools.partial(_replay, self.model, prompt, sequences[:, width:], mask, call.past, config)
+            replay = self.built_llm().engine_loop.call_sync(forward)
+            if config.use_cache is False:
+                replay = replay._replace(cache=None)
         if not config.return_dict_in_generate:
             return sequences
         if not keep_logits:
-            return hf_output(sequences, cache=cache)
+            return hf_output(sequences, replay=replay)
         logits = step_logits(completions, new, sequences.device)
         scores = None
         if config.output_scores:
@@ -158,7 +161,7 @@ class PagedGenerate:
                 call.processors(sequences[:, : width + t], row.clone())  # type: ignore[arg-type]  # see hf_output
                 for t, row in enumerate(logits)
             )
-        return hf_output(sequences, scores, logits if config.output_logits else None, cache)
+        return hf_output(sequences, scores, logits if config.output_logits else None, replay)
 
     def _run(
         self, prompts: list[dict[str, Any]], params: list[SamplingParams], streamer: Any, keep_logits: bool = False
@@ -199,10 +202,16 @@ class PagedGenerate:
         return llm.engine_loop.call_sync(original)
 
 
-def _cache(
-    model: PreTrainedModel, prompt: torch.Tensor, new: torch.Tensor, mask: torch.Tensor, past: Any, _: object
-) -> Any:
-    return hf_cache(model, prompt, new, mask, past)
+def _replay(
+    model: PreTrainedModel,
+    prompt: torch.Tensor,
+    new: torch.Tensor,
+    mask: torch.Tensor,
+    past: Any,
+    config: Any,
+    _: object,
+) -> Replay:
+    return hf_replay(model, prompt, new, mask, past, config)
 
 
 # ---------------------------------------------------------------------------------------------------- public

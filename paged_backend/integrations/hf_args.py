@@ -39,6 +39,8 @@ _HONOURED = {
     "return_dict_in_generate",
     "output_scores",
     "output_logits",
+    "output_attentions",  # recomputed by one forward (hf_outputs.hf_replay)
+    "output_hidden_states",
     "use_cache",
     "transformers_version",
     # run on the engine by HF's own processors, per row (hf_outputs.RowProcessors)
@@ -80,9 +82,8 @@ _NEUTRAL = {
     "num_beam_groups": 1,
     "diversity_penalty": 0.0,
     "guidance_scale": 1.0,
-    "cache_implementation": "dynamic",  # the cache HF returns by default (hf_cache); others go to HF's generate
+    "cache_implementation": "dynamic",  # the cache HF returns by default (hf_replay); others go to HF's generate
 }
-_FLAGS_OFF = ("output_attentions", "output_hidden_states")
 # generate() arguments that carry objects the engine cannot run.
 OBJECT_ARGUMENTS = (
     "logits_processor",
@@ -95,15 +96,13 @@ OBJECT_ARGUMENTS = (
     "synced_gpus",
 )
 _MODEL_KWARGS = {"attention_mask", "tokenizer", "use_cache", "inputs_embeds", "past_key_values", "cache"}
+_MODEL_KWARGS |= {"output_attentions", "output_hidden_states"}  # also in the config, honoured there
 
 
 def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
     """Why the engine cannot run this call's settings, or None."""
     if config.num_beams != 1:
         return f"num_beams={config.num_beams} (beam search)"
-    for flag in _FLAGS_OFF:
-        if getattr(config, flag, False):
-            return f"{flag}=True"
     for name, value in config.to_diff_dict().items():
         if name in _HONOURED or name in _NO_EFFECT or value is None or value is False:
             continue
@@ -224,9 +223,9 @@ def plan_call(
     eos = eos_token_ids(config)
     rows = [row[m.bool()] for row, m in zip(prompt, mask)]
     past = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    prompt_kv = cache_rows(
-        model, past, pads.tolist(), width, embeds is None and (config.num_return_sequences or 1) == 1
-    )
+    details = config.output_attentions or config.output_hidden_states  # hf_replay's slices assume no passed cache
+    allowed = embeds is None and (config.num_return_sequences or 1) == 1 and not details
+    prompt_kv = cache_rows(model, past, pads.tolist(), width, allowed)
     if isinstance(prompt_kv, str):
         return prompt_kv
     if embeds is not None:
@@ -256,7 +255,7 @@ def cache_rows(
     if past is None:
         return [None] * len(pads)
     if not allowed:
-        return "a passed-in cache with inputs_embeds or num_return_sequences > 1"
+        return "a passed-in cache with inputs_embeds, num_return_sequences > 1, output_attentions or hidden states"
     layers = getattr(past, "layers", None)
     full = isinstance(layers, list) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
     if not full or not layers or len(layers) != model.config.get_text_config().num_hidden_layers:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import GenerationConfig
@@ -44,41 +44,104 @@ def hf_output(
     sequences: torch.Tensor,
     scores: tuple[torch.Tensor, ...] | None = None,
     logits: tuple[torch.Tensor, ...] | None = None,
-    cache: Any = None,
+    replay: Replay | None = None,
 ) -> GenerateDecoderOnlyOutput:
-    """HF's output dataclass over the engine's tensors."""
+    """HF's output dataclass over the engine's tensors (and what ``hf_replay`` recomputed)."""
+    replay = replay or Replay(None, None, None)
     # transformers types int64 tensors as torch.LongTensor, which no torch operation is typed to return, and the
     # per-step tuples as 1-tuples
     return GenerateDecoderOnlyOutput(
         sequences=sequences,  # type: ignore[arg-type]
         scores=scores,  # type: ignore[arg-type]
         logits=logits,  # type: ignore[arg-type]
-        **{_CACHE_FIELD: cache},
+        attentions=replay.attentions,  # type: ignore[arg-type]
+        hidden_states=replay.hidden_states,  # type: ignore[arg-type]
+        **{_CACHE_FIELD: replay.cache},
     )
 
 
-def hf_cache(model: Any, prompt: torch.Tensor, new: torch.Tensor, prompt_mask: torch.Tensor, past: Any = None) -> Any:
-    """The cache HF's ``generate`` returns: keys and values of every token but the last, its class and layout
-    (left padding kept, finished rows continued with padding), from one forward of the model over the prompt
-    (ids [B, L], or embeddings [B, L, hidden]) and the ``new`` tokens [B, T], with HF's positions (the mask's
-    running count). Equal to HF's at every unpadded position, up to the rounding of one forward against HF's
-    step-by-step ones. With the cache the caller passed (``past``), that cache extended in place past its own
-    tokens, as HF's ``generate`` leaves it."""
+class Replay(NamedTuple):
+    """What HF's ``generate`` returns besides the tokens, recomputed by one forward (``hf_replay``)."""
+
+    cache: Any
+    attentions: tuple[tuple[torch.Tensor, ...], ...] | None  # per step, per layer: [B, heads, queries, keys]
+    hidden_states: tuple[tuple[torch.Tensor, ...], ...] | None  # per step, embeddings then each layer: [B, q, hidden]
+
+
+def hf_replay(
+    model: Any,
+    prompt: torch.Tensor,
+    new: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    past: Any = None,
+    config: GenerationConfig | None = None,
+) -> Replay:
+    """What HF's ``generate`` returns besides the tokens, recomputed with HF's positions (the mask's running count)
+    over the prompt (ids [B, L], or embeddings [B, L, hidden]) and the ``new`` tokens [B, T] but the last: the
+    cache — its class and layout, left padding kept, finished rows continued with padding — and, when ``config``
+    asks for them, each step's attentions and hidden states. The forwards have the shapes of HF's steps where it
+    matters: with a cache, one over the prompt (step 0, whose padding queries see no key) and one over the new
+    tokens; without, one per step (each step's padding queries spread evenly over that step's keys). Equal to
+    HF's up to the rounding of one forward against HF's step-by-step ones. With the cache the caller passed
+    (``past``; never with attentions or hidden states), that cache is extended in place past its own tokens, as
+    HF's ``generate`` leaves it."""
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(new.shape)], dim=1)[:, :-1]
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    start = 0 if past is None else int(past.get_seq_length())
+    prepare = getattr(model, "_prepare_position_ids_for_generation", None)  # HF's own where it has one
+    if callable(prepare):
+        positions = prepare(mask, {"attention_mask": mask})
+    else:
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    if prompt.dim() == 3:
+        tokens = torch.cat([prompt, model.get_input_embeddings()(new).to(prompt.dtype)], dim=1)[:, :-1]
+    else:
+        tokens = torch.cat([prompt, new], dim=1)[:, :-1]
+    width, steps = prompt.shape[1], new.shape[1]
+    details = config is not None and bool(config.output_attentions or config.output_hidden_states)
+
+    def forward(start: int, end: int, cache: Any = None) -> Any:
+        return _forward(model, tokens[:, start:end], mask[:, :end], positions[:, start:end], cache, config)
+
+    if not details:
+        start = 0 if past is None else int(past.get_seq_length())
+        return Replay(_cache_of(forward(start, tokens.shape[1], past)), None, None)
+    if config is not None and config.use_cache is False:
+        outs = [forward(0, width + t) for t in range(steps)]
+        return _details(config, [(out, slice(None), None) for out in outs], None)
+    first = forward(0, width)
+    rest = forward(width, tokens.shape[1], _cache_of(first)) if steps > 1 else None
+    parts = [(first, slice(None), width)] + [(rest, slice(t - 1, t), width + t) for t in range(1, steps)]
+    return _details(config, parts, _cache_of(rest if rest is not None else first))
+
+
+def _forward(
+    model: Any, inputs: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, config: Any
+) -> Any:
     parameters = inspect.signature(model.forward).parameters
+    kwargs: dict[str, Any] = {"inputs_embeds" if inputs.dim() == 3 else "input_ids": inputs}
+    if cache is not None:  # the argument's name changed in transformers 5.2x
+        kwargs["cache" if "cache" in parameters else "past_key_values"] = cache
+    if "logits_to_keep" in parameters:
+        kwargs["logits_to_keep"] = 1
+    if config is not None:
+        kwargs |= {"output_attentions": bool(config.output_attentions)}
+        kwargs |= {"output_hidden_states": bool(config.output_hidden_states)}
     with torch.no_grad():
-        if prompt.dim() == 3:
-            embeds = torch.cat([prompt, model.get_input_embeddings()(new).to(prompt.dtype)], dim=1)[:, :-1]
-            inputs = {"inputs_embeds": embeds}
-        else:
-            inputs = {"input_ids": torch.cat([prompt, new], dim=1)[:, start:-1]}
-        if past is not None:  # the argument's name changed in transformers 5.2x
-            inputs["cache" if "cache" in parameters else "past_key_values"] = past
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
-        out = model(**inputs, attention_mask=mask, position_ids=positions[:, start:], use_cache=True, **keep)
+        return model(**kwargs, attention_mask=mask, position_ids=positions, use_cache=True)
+
+
+def _cache_of(out: Any) -> Any:
     return out.get("cache", None) if "cache" in out else out.get("past_key_values", None)
+
+
+def _details(config: Any, parts: list[tuple[Any, slice, int | None]], cache: Any) -> Replay:
+    """Each step's attentions and hidden states: from its forward's output, the step's query rows, over its keys
+    up to ``keys`` (None: all)."""
+    attentions = hidden = None
+    if config.output_attentions:
+        attentions = tuple(tuple(a[:, :, rows, :keys] for a in out.attentions) for out, rows, keys in parts)
+    if config.output_hidden_states:
+        hidden = tuple(tuple(h[:, rows] for h in out.hidden_states) for out, rows, _ in parts)
+    return Replay(cache, attentions, hidden)
 
 
 def step_logits(completions: list[Any], num_steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
