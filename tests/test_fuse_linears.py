@@ -167,3 +167,44 @@ def test_awq_siblings_fuse_into_one_call_over_column_packed_buffers() -> None:
     for block, want, have in zip(blocks, expected, got):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-5)  # the plain modules read the views
+
+
+class FP8Block(AWQBlock):
+    """The same block in fp8 layers (quantization="fp8": per-channel weights, activations per token)."""
+
+    def __init__(self) -> None:
+        from paged_backend.quantization.fp8 import FP8Linear
+
+        nn.Module.__init__(self)
+        layers = [nn.Linear(64, n, bias=bias) for n, bias in ((64, False), (32, True), (32, False), (64, False))]
+        self.q, self.k, self.v, self.down = (FP8Linear.from_linear(layer) for layer in layers)
+
+
+def test_fp8_siblings_fuse_into_one_call_over_row_packed_buffers() -> None:
+    """FP8's [out, in] weights and [out] scales pack back to back, before the trace (their strides do not change),
+    and the graph makes one fp8 call for q/k/v: the activations are quantized once for the three. Equal to the
+    unfused layers (the same per-token activation scales: they depend on the input alone)."""
+    torch.manual_seed(0)
+    blocks = [FP8Block() for _ in range(2)]
+    x = torch.randn(1, 5, 64)
+    graphs: list = []
+    capture = capturing_backend(graphs)
+
+    with torch.no_grad():
+        expected = [b(x) for b in blocks]
+        packer = PackingBackend(blocks)
+        with RegionalCompile(nn.ModuleList(blocks), packer):
+            blocks[0](x)
+        assert not packer.deferred
+        regions = RegionalCompile(nn.ModuleList(blocks), capture)
+        with regions:
+            got = [b(x) for b in blocks]
+    assert regions.num_fused_groups == 1
+    calls = [n for gm in graphs for n in gm.graph.nodes if str(n.target) == "paged_backend.fp8_linear.default"]
+    assert len(calls) == 2  # q/k/v as one, down alone
+    for block in blocks:
+        for name in ("weight", "weight_scale"):
+            assert is_packed([getattr(layer, name) for layer in (block.q, block.k, block.v)])
+    for block, want, have in zip(blocks, expected, got):
+        torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(block(x), want, rtol=0, atol=0)  # the plain modules read the views

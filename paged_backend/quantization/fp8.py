@@ -11,6 +11,8 @@ weight dequantized. Weight-only checkpoints (no activation scheme), and models i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -50,7 +52,33 @@ def fp8_linear_scaled_mm(
 
 def has_fp8_matmul(device: torch.device | str) -> bool:
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _fp8_capable(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+
+
+@functools.cache
+def _fp8_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dynamic: bool) -> torch.Tensor:
+    """``x`` [M, K] times the fp8 ``weight`` [N, K] (per-row ``weight_scale``): one ``torch._scaled_mm`` where the
+    device has fp8 units and the activations are bf16 and quantized per token, else the twin."""
+    if dynamic and x.dtype == torch.bfloat16 and has_fp8_matmul(x.device):
+        return fp8_linear_scaled_mm(x, weight, weight_scale, None)
+    return fp8_linear_torch(x, weight, weight_scale, dynamic)
+
+
+# One op in compiled graphs, so that sibling layers' calls fuse into one (worker/fuse_linears.py).
+@torch.library.custom_op("paged_backend::fp8_linear", mutates_args=())
+def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dynamic: bool) -> torch.Tensor:
+    return fp8_linear(x, weight, weight_scale, dynamic)
+
+
+@fp8_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dynamic: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 class FP8Linear(nn.Module):
@@ -72,7 +100,6 @@ class FP8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.dynamic_activations = dynamic_activations
-        self.fp8_matmul = False  # the weight's device has fp8 matrix units (set where the weight lands)
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
@@ -84,16 +111,9 @@ class FP8Linear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dynamic_activations, device)
         q, scale = quantize_per_row(linear.weight.detach())
         layer._buffers["weight"], layer._buffers["weight_scale"] = q, scale[:, 0]
-        layer.fp8_matmul = has_fp8_matmul(device)
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
         return layer
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's own signature
-        """``.to()`` / ``.cuda()``: the fp8 matrix units are those of the device the weight moved to."""
-        module = super()._apply(fn, recurse)
-        self.fp8_matmul = has_fp8_matmul(self.weight.device)
-        return module
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {"weight": (self.out_features, self.in_features), "weight_scale": (self.out_features,)}
@@ -107,17 +127,13 @@ class FP8Linear(nn.Module):
         if attr == "weight" and tensor.dtype != FP8:
             raise ValueError(f"checkpoint tensor {key} has dtype {tensor.dtype}, expected {FP8}")
         self._buffers[attr] = tensor.to(device=device, dtype=FP8 if attr == "weight" else torch.float32)
-        self.fp8_matmul = has_fp8_matmul(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.dynamic_activations and self.fp8_matmul and x.dtype == torch.bfloat16:
-            y = fp8_linear_scaled_mm(flat, self.weight, self.weight_scale, bias)
-        else:
-            y = fp8_linear_torch(flat, self.weight, self.weight_scale, self.dynamic_activations)
-            if bias is not None:
-                y = y + bias
+        linear = fp8_linear_op if torch.compiler.is_compiling() else fp8_linear
+        y = linear(flat, self.weight, self.weight_scale, self.dynamic_activations)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

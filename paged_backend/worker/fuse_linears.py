@@ -13,7 +13,7 @@ columns: 16 tiles of 64 for 132 SMs) and each paying its own launch and tail. vL
    from the first weight (its storage runs on into the others), and split the result back:
    ``fuse_sibling_linears``.
 
-AWQ layers' calls are fused the same way, their packed int4 buffers side by side along the output columns.
+AWQ and FP8 layers' calls (one op of ours each) are fused the same way, their buffers packed along the output.
 Weights must not be replaced after packing (CUDA graphs already assume that); a group found unpacked in any
 layer is left as separate calls.
 """
@@ -139,82 +139,100 @@ def pack(tensors: list[torch.Tensor], dim: int = 0) -> None:
         torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------------------------------------------------- AWQ
-# AWQ layers (quantization/awq.py) call one op on their own packed int4 buffers. Their siblings are packed side by
-# side along the output columns (the layout is [in, out / 8]): each layer's buffers become column slices of one
-# buffer, which the kernels read through their row stride, and the fused call reads the whole buffer.
-_AWQ_OP = "paged_backend.awq_gemm.default"
-_AWQ_TENSORS = ("qweight", "qzeros", "scales")
+# ---------------------------------------------------------------------------------------------- quantized layers
+# AWQ and FP8 layers (quantization/awq.py, quantization/fp8.py) call one op of ours on their own buffers (the bias
+# added after). Siblings are packed along the output: AWQ's [in, out / 8] buffers side by side (column slices,
+# which the kernels read through their row stride), FP8's [out, in] weights and [out] scales back to back.
 
 
-class AWQGroup(NamedTuple):
-    """Sibling AWQ calls and the paths of their layers (modules) in the decoder layer."""
+class QuantizedOp(NamedTuple):
+    """An op of ours over one layer's buffers: their names in the call's order, the dimension their outputs run
+    along, and which of them gives each sibling's output width (its size along ``dim``; AWQ: the scales')."""
+
+    tensors: tuple[str, ...]
+    dim: int
+    width_from: int
+
+
+QUANTIZED_OPS = {
+    "paged_backend.awq_gemm.default": QuantizedOp(("qweight", "qzeros", "scales"), dim=1, width_from=2),
+    "paged_backend.fp8_linear.default": QuantizedOp(("weight", "weight_scale"), dim=0, width_from=0),
+}
+
+
+class QuantizedGroup(NamedTuple):
+    """Sibling calls of one quantized op and the paths of their layers (modules) in the decoder layer."""
 
     nodes: list[fx.Node]
     modules: list[str]
+    op: QuantizedOp
 
 
-def _awq_parts(node: fx.Node) -> tuple[Any, str] | None:
-    """(a key for the call's input, the AWQ layer's path) of an AWQ call on one layer's own buffers, else None.
-    Each AWQ layer flattens the hidden states itself, so calls on the same reshape of the same input match."""
-    if node.op != "call_function" or str(node.target) != _AWQ_OP or node.kwargs:
+def _quantized_parts(node: fx.Node) -> tuple[Any, str, QuantizedOp] | None:
+    """(a key for the call's input and settings, the layer's path, the op) of a quantized call on one layer's own
+    buffers, else None. Each layer flattens the hidden states itself, so calls on the same reshape of the same
+    input match; the op's other arguments (FP8's activation settings) must match too."""
+    op = QUANTIZED_OPS.get(str(node.target)) if node.op == "call_function" and not node.kwargs else None
+    if op is None:
         return None
-    flat, *tensors = node.args
+    flat, tensors, settings = node.args[0], node.args[1 : 1 + len(op.tensors)], node.args[1 + len(op.tensors) :]
     found = [parameter_path(t, "buffers") if isinstance(t, fx.Node) else None for t in tensors]
     paths = [p for p in found if p is not None]
     if len(paths) != len(found):
         return None
     modules = {p.rsplit(".", 1)[0] for p in paths}
-    if len(modules) != 1 or tuple(p.rsplit(".", 1)[1] for p in paths) != _AWQ_TENSORS:
+    if len(modules) != 1 or tuple(p.rsplit(".", 1)[1] for p in paths) != op.tensors:
         return None
     key: Any = flat
     if isinstance(flat, fx.Node) and flat.op == "call_method" and flat.target in ("reshape", "view"):
         key = (flat.args[0], *flat.args[1:])
-    return key, modules.pop()
+    return (key, str(node.target), *settings), modules.pop(), op
 
 
-def find_awq_groups(gm: fx.GraphModule, layer: nn.Module) -> list[AWQGroup]:
-    """Groups of two or more AWQ calls on one input whose layers share in_features, group size, dtype and device."""
-    by_input: dict[Any, list[tuple[fx.Node, str]]] = defaultdict(list)
+def find_quantized_groups(gm: fx.GraphModule, layer: nn.Module) -> list[QuantizedGroup]:
+    """Groups of two or more calls of one quantized op on one input whose layers' buffers have the same shapes
+    but along the output, dtypes and device."""
+    by_input: dict[Any, list[tuple[fx.Node, str, QuantizedOp]]] = defaultdict(list)
     for node in gm.graph.nodes:
-        parts = _awq_parts(node)
+        parts = _quantized_parts(node)
         if parts is not None:
-            by_input[parts[0]].append((node, parts[1]))
+            by_input[parts[0]].append((node, parts[1], parts[2]))
     groups = []
     for members in by_input.values():
-        modules = [m for _, m in members]
+        modules, op = [m for _, m, _ in members], members[0][2]
         if len(members) < 2 or len(set(modules)) != len(modules):
             continue
-        qweights, qzeros, scales = _awq_siblings(layer, modules)
-        if len({(w.shape[0], z.shape[0], s.dtype, w.device) for w, z, s in zip(qweights, qzeros, scales)}) != 1:
+        siblings = _quantized_siblings(layer, modules, op)
+        if any(len({_but_along(t, op.dim) for t in tensors}) != 1 for tensors in siblings):
             continue
-        groups.append(AWQGroup([n for n, _ in members], modules))
+        groups.append(QuantizedGroup([n for n, _, _ in members], modules, op))
     return groups
 
 
-def _awq_siblings(layer: nn.Module, modules: list[str]) -> list[list[torch.Tensor]]:
-    """[qweights, qzeros, scales] of the sibling AWQ layers ``modules``."""
-    return [[layer.get_buffer(f"{m}.{name}") for m in modules] for name in _AWQ_TENSORS]
+def _but_along(t: torch.Tensor, dim: int) -> tuple[Any, ...]:
+    """What siblings' buffers share: shape but along ``dim``, dtype and device."""
+    return (*t.shape[:dim], *t.shape[dim + 1 :], t.dtype, t.device)
 
 
-def _fuse_awq_group(graph: fx.Graph, group: AWQGroup, siblings: list[list[torch.Tensor]]) -> None:
-    """One AWQ call over the packed buffers (read as ``as_strided`` from the first layer's slices), split back."""
-    qweights, qzeros, scales = siblings
-    packs = sum(t.shape[1] for t in qweights)
-    widths = [t.shape[1] for t in scales]
+def _quantized_siblings(layer: nn.Module, modules: list[str], op: QuantizedOp) -> list[list[torch.Tensor]]:
+    """For each of the op's buffers, the sibling layers' ``modules``."""
+    return [[layer.get_buffer(f"{m}.{name}") for m in modules] for name in op.tensors]
+
+
+def _fuse_quantized_group(graph: fx.Graph, group: QuantizedGroup, siblings: list[list[torch.Tensor]]) -> None:
+    """One call over the packed buffers (read as ``as_strided`` from the first layer's), split back."""
+    dim = group.op.dim
+    widths = [t.shape[dim] for t in siblings[group.op.width_from]]
     first = group.nodes[0]
-    flat, qweight, qzero, scale = first.args
     with graph.inserting_before(first):
-        tensors = [
-            graph.call_function(torch.as_strided, (node, (rows, cols), (cols, 1)))
-            for node, rows, cols in (
-                (qweight, qweights[0].shape[0], packs),
-                (qzero, qzeros[0].shape[0], packs),
-                (scale, scales[0].shape[0], sum(widths)),
-            )
-        ]
+        tensors = []
+        for node, members in zip(first.args[1 : 1 + len(siblings)], siblings):
+            shape = list(members[0].shape)
+            shape[dim] = sum(t.shape[dim] for t in members)
+            strides = torch.empty(shape, device="meta").stride()
+            tensors.append(graph.call_function(torch.as_strided, (node, tuple(shape), strides)))
         op = cast(Callable[..., Any], first.target)  # a call_function node's target is what it calls
-        fused = graph.call_function(op, (flat, *tensors))
+        fused = graph.call_function(op, (first.args[0], *tensors, *first.args[1 + len(siblings) :]))
         split = graph.call_function(torch.split, (fused, widths), {"dim": -1})
         for i, node in enumerate(group.nodes):
             node.replace_all_uses_with(graph.call_function(operator.getitem, (split, i)))
@@ -225,8 +243,8 @@ def _fuse_awq_group(graph: fx.Graph, group: AWQGroup, siblings: list[list[torch.
 class PackingBackend:
     """A dynamo backend that packs the sibling groups of the traced layer in every layer, then runs the graph as
     traced. Packing must come before the compiling trace: inductor's trace records each weight's storage offset,
-    and packing moves them. AWQ siblings change strides when packed, which dynamo would find against the guards
-    of the frame being traced: they are packed by ``finish()``, after the trace."""
+    and packing moves them. AWQ siblings (packed along columns) change strides when packed, which dynamo would
+    find against the guards of the frame being traced: they are packed by ``finish()``, after the trace."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
         self.layers = layers
@@ -237,9 +255,13 @@ class PackingBackend:
             for layer in self.layers:
                 for paths in _parameter_lists(group):
                     pack([layer.get_parameter(p) for p in paths])
-        for awq_group in find_awq_groups(gm, self.layers[0]):
+        for quantized in find_quantized_groups(gm, self.layers[0]):
             for layer in self.layers:
-                self.deferred.extend(_awq_siblings(layer, awq_group.modules))
+                for tensors in _quantized_siblings(layer, quantized.modules, quantized.op):
+                    if quantized.op.dim == 0:  # strides unchanged: packed now, as parameters are
+                        pack(tensors)
+                    else:
+                        self.deferred.append(tensors)
         return gm.forward
 
     def finish(self) -> None:
@@ -273,9 +295,12 @@ def fuse_sibling_linears(gm: fx.GraphModule, layers: list[nn.Module]) -> int:
         for node in group.nodes:
             graph.erase_node(node)
         fused_groups += 1
-    for awq_group in find_awq_groups(gm, layers[0]):
-        if all(is_packed(t, dim=1) for layer in layers for t in _awq_siblings(layer, awq_group.modules)):
-            _fuse_awq_group(graph, awq_group, _awq_siblings(layers[0], awq_group.modules))
+    for quantized in find_quantized_groups(gm, layers[0]):
+        dim = quantized.op.dim
+        if all(
+            is_packed(t, dim) for layer in layers for t in _quantized_siblings(layer, quantized.modules, quantized.op)
+        ):
+            _fuse_quantized_group(graph, quantized, _quantized_siblings(layers[0], quantized.modules, quantized.op))
             fused_groups += 1
     if fused_groups:
         graph.lint()
