@@ -11,6 +11,7 @@ from transformers import TextStreamer, pipeline
 
 from paged_backend import patch, patched, unpatch
 from tests.conftest import tiny_model
+from tests.fixtures.tiny_models import build_tiny_model
 
 ENGINE = dict(block_size=4, num_kv_blocks=512, max_model_len=128)
 PAD = 0
@@ -308,7 +309,7 @@ def test_attentions_and_hidden_states_are_hfs(tokenizer, arch: str, use_cache: b
     """``output_attentions`` / ``output_hidden_states`` run on the engine: each step's tensors, recomputed by
     forwards of HF's steps' shapes, are HF's — at every position, the left padding and a row that ended early (EOS)
     and was fed padding included; with and without a cache (whose steps differ in shape)."""
-    model = tiny_model(arch)
+    model = build_tiny_model(arch, vocab_size=512)  # its own: the attention setting below must not leak
     model.config._attn_implementation = "eager"  # attention weights come from eager attention
     ids, mask = left_padded(PROMPTS)
     greedy = unpatched(model, ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
