@@ -6,7 +6,8 @@ checkpoint against its dequantized model; with ``--fp8-kv``, ``kv_cache_dtype="f
 first step with ``calculate_kv_scales``) against HF reading keys and values through the same fp8 round trip;
 with ``--paths``, prompt embeddings against HF ``generate(inputs_embeds=...)`` (compiled engine: their steps run
 without graphs), greedy JSON-schema requests in multi-step rounds against single steps, and ``batch_invariant=True``
-(one request alone against it beside 63 others, tokens and logprobs), and async scheduling against the
+(fp32 and bf16: one request alone against it beside 63 others, in one step's budget and chunked over 32-token
+steps, tokens and logprobs; its decode steps replay CUDA graphs), and async scheduling against the
 synchronous engine (64 prompts with stops inside rounds). Engines on the GPU schedule asynchronously by default,
 so every row above runs with it unless it says otherwise.
 The kernels' own tests run with ``python -m pytest tests/test_kernels.py tests/test_fp8_kv_cache.py`` on the
@@ -235,15 +236,23 @@ def paths_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     rows.append(("llama json", "rounds=single", sum(a == b for a, b in zip(*by_steps)), len(prompts), 0, 0))
     invariant = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     others = [[random.Random(i).randrange(3, 512) for _ in range(5 + i % 40)] for i in range(63)]
-    results = []
-    for batch in ([], others):
-        llm = LLM(model, tokenizer=tokenizer, batch_invariant=True, max_model_len=80, num_kv_blocks=1024)
-        out = llm.generate([{"prompt_token_ids": p} for p in [prompts[-1], *batch]], invariant, use_tqdm=False)[
-            0
-        ].outputs[0]
-        results.append((out.token_ids, [{t: e.logprob for t, e in d.items()} for d in out.logprobs]))
-        llm.llm_engine.shutdown()
-    rows.append(("llama invariant", "alone=in 64", int(results[0] == results[1]), 1, 0, 0))
+    bf16 = build_tiny_model("llama", vocab_size=len(tokenizer)).cuda().to(torch.bfloat16)
+    for name, invariant_model in (("llama invariant", model), ("llama bf16 invariant", bf16)):
+        results = []  # alone; beside 63 others in one step's budget; beside them, chunked over 32-token steps
+        for batch, budget in (([], None), (others, None), (others, 32)):
+            llm = LLM(
+                invariant_model,
+                tokenizer=tokenizer,
+                batch_invariant=True,
+                max_model_len=80,
+                num_kv_blocks=1024,
+                **({"max_num_batched_tokens": budget, "max_num_seqs": 16} if budget else {}),
+            )
+            out = llm.generate([{"prompt_token_ids": p} for p in [prompts[-1], *batch]], invariant, use_tqdm=False)
+            first = out[0].outputs[0]
+            results.append((first.token_ids, [{t: e.logprob for t, e in d.items()} for d in first.logprobs]))
+            llm.llm_engine.shutdown()
+        rows.append((name, "alone=in 64, chunked", sum(r == results[0] for r in results[1:]), 2, 0, 0))
     return rows + async_equality(tokenizer, model)
 
 

@@ -5,7 +5,8 @@ Model: Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no EOS (fixed leng
   w2    one 128-token prompt, 256 new tokens
   ttft  a lone 1,024-token prompt: time to its first token, beside one plain HF forward over it
 Backends: paged (this library; paged_sync without async scheduling, paged_fp8kv with an fp8 KV cache, paged_fp8
-with fp8 weights: ``quantization="fp8"`` on the model saved to a file), hf_patched (``model.generate`` after
+with fp8 weights: ``quantization="fp8"`` on the model saved to a file, paged_invariant with
+``batch_invariant=True``), hf_patched (``model.generate`` after
 ``paged_backend.patch``, called like hf),
 hf (``model.generate``, batches of 64, left padded), hf_cb (``generate_batch``, transformers' continuous
 batching), hf_static (``generate`` with a static cache and torch.compile; w2 only).
@@ -165,6 +166,27 @@ def tokens_per_second(outputs: list[list[int]], seconds: float) -> float:
 
 # ---------------------------------------------------------------------------------------------------- checks
 @torch.no_grad()
+def check_invariance(llm: LLM, vocab: int, max_tokens: int) -> dict[str, Any]:
+    """A 300-token prompt's greedy tokens and logprobs alone, then beside 63 W1 prompts (admitted together, so its
+    prompt is chunked beside theirs): the same to the last bit with ``batch_invariant=True``. Prompts no other
+    run uses (seeds 7 and 5); the prefix cache is emptied between the two runs, so the second computes its
+    prompt again."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    runs = []
+    for others in ([], w1_prompts(vocab, HF_BATCH - 1, seed=5)):
+        llm.reset_prefix_cache()
+        prompts = [one_prompt(vocab, 300, seed=7), *others]
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[0].outputs[0]
+        runs.append((list(out.token_ids), [entry[t].logprob for t, entry in zip(out.token_ids, out.logprobs)]))
+    (alone, alone_lp), (batched, batched_lp) = runs
+    return {
+        "tokens": len(alone),
+        "tokens_identical": alone == batched,
+        "logprobs_identical": alone_lp == batched_lp,
+        "first_divergence": next((i for i, (a, b) in enumerate(zip(alone, batched)) if a != b), None),
+    }
+
+
 def check_agreement(llm: LLM, model, vocab: int, num_tokens: int = 32) -> dict[str, Any]:
     """Greedy outputs of 8 prompts against HF ``generate``. bf16 rounding differs between kernels, so besides
     exact matches we report top-1 agreement: the share of the engine's tokens that are also HF's argmax when HF
@@ -378,6 +400,7 @@ COLORS = {
     "paged_sync": "#6b9",
     "paged_fp8kv": "#1a5",
     "paged_fp8": "#073",
+    "paged_invariant": "#396",
     "hf_patched": "#8c8",
 }  # this library's engine, directly and under HF's generate
 
@@ -438,6 +461,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="paged,hf,hf_cb,hf_static",
         help="comma list of paged, paged_sync (async_scheduling=False), paged_fp8kv (kv_cache_dtype='fp8'), "
         "paged_fp8 (quantization='fp8': the model saved and loaded, its linears' weights fp8), "
+        "paged_invariant (batch_invariant=True; also checks a request alone and in a batch of 64), "
         "hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
     )
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
@@ -456,7 +480,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     workloads = args.workload.split(",")
     backends = args.backends.split(",")
-    known_backends = {"paged", "paged_sync", "paged_fp8kv", "paged_fp8", "hf_patched", "hf", "hf_cb", "hf_static"}
+    known_backends = {
+        *("paged", "paged_sync", "paged_fp8kv", "paged_fp8", "paged_invariant"),
+        *("hf_patched", "hf", "hf_cb", "hf_static"),
+    }
     unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - known_backends
     if unknown:
         parser.error(f"unknown workload or backend: {sorted(unknown)}")
@@ -520,6 +547,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.skip_check:
             results.setdefault("agreement", {})[backend] = check_agreement(llm, model, vocab)
             logger.info("%s agreement with HF generate: %s", backend, results["agreement"][backend])
+        if "paged_invariant" in backends and backend in ("paged", "paged_invariant"):
+            results.setdefault("batch_invariance", {})[backend] = check_invariance(llm, vocab, args.max_tokens)
+            logger.info("%s alone vs in a batch of 64: %s", backend, results["batch_invariance"][backend])
         for workload in ("w1", "w2"):
             if workload in workloads:
                 measure(workload, backend, lambda prompts, max_tokens: run_paged(llm, prompts, max_tokens))
@@ -553,6 +583,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "paged_sync" in backends:
         measure_engine("paged_sync", {**base_args, "async_scheduling": False})
         release_engine("synchronous engine")
+    if "paged_invariant" in backends:
+        measure_engine("paged_invariant", {**base_args, "batch_invariant": True})
+        release_engine("batch-invariant engine")
     if "paged_fp8kv" in backends:
         measure_engine("paged_fp8kv", {**base_args, "kv_cache_dtype": "fp8"})
         release_engine("fp8-cache engine")
@@ -583,7 +616,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hf_cb": lambda prompts, max_tokens: run_hf_cb(model, prompts, max_tokens),
         "hf_static": lambda prompts, max_tokens: run_hf(model, prompts, max_tokens, static=True),
     }
-    for backend in [b for b in backends if b not in ("paged", "paged_sync", "paged_fp8kv", "paged_fp8", "hf_patched")]:
+    for backend in [b for b in backends if not b.startswith("paged") and b != "hf_patched"]:
         for workload in ("w1", "w2"):
             if workload in workloads and not (backend == "hf_static" and workload == "w1"):  # W2 only
                 measure(workload, backend, runners[backend])

@@ -96,7 +96,7 @@ class ModelConfig:
     # vLLM's: prompts may be embeddings ({"prompt_embeds": [L, hidden] tensor}) instead of token ids
     enable_prompt_embeds: bool = False
     # a request's tokens and logprobs independent of its batch, chunking, prefix hits and preemption
-    # (worker/batch_invariant.py: exact, eager and slow)
+    # (worker/batch_invariant.py: fixed blocks of rows on a GPU, a row at a time on a CPU)
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

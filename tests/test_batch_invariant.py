@@ -109,3 +109,58 @@ def test_trainer_logprobs_equal_the_sampled_ones(arch: str) -> None:
                 assert sampled == theirs
             else:
                 assert max(abs(a - b) for a, b in zip(sampled, theirs)) < 1e-4
+
+
+def test_blocks_of_rows_compute_what_the_ops_do() -> None:
+    """The GPU's fixed blocks of rows (here 4, on the CPU): the same values as the ops themselves, any row count,
+    and the norms' forms of a last-dimension reduction (anything else is left alone)."""
+    import torch
+    import torch.nn.functional as F
+
+    from paged_backend.worker.batch_invariant import _rows, norm_by_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 11, 16, generator=gen)
+    weight, bias = torch.randn(5, 16, generator=gen), torch.randn(5, generator=gen)
+    out = _rows(x, lambda rows: F.linear(rows, weight, bias), 4)
+    assert out.shape == (2, 11, 5)
+    torch.testing.assert_close(out, F.linear(x, weight, bias))
+    for func, args, kwargs in [
+        (torch.Tensor.mean, (x, -1), {"keepdim": True}),
+        (torch.Tensor.mean, (x, -1, True), {}),
+        (torch.mean, (x,), {"dim": [2]}),
+        (torch.mean, (x, 2), {"dtype": torch.float64}),
+        (F.layer_norm, (x, (16,), weight[0], bias[0].expand(16), 1e-5), {}),
+        (F.rms_norm, (x, [16]), {"eps": 1e-6}),
+    ]:
+        got = norm_by_blocks(func, args, kwargs, 4)
+        assert got is not None
+        torch.testing.assert_close(got, func(*args, **kwargs))
+    for func, args in [
+        (torch.mean, (x, 0)),
+        (torch.Tensor.mean, (x,)),
+        (torch.sum, (x, -1)),
+        (F.rms_norm, (x, [11, 16])),
+    ]:
+        assert norm_by_blocks(func, args, {}, 4) is None
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the GPU's kernels pick their order by shape")
+def test_a_rows_products_and_norms_are_the_same_in_any_batch_on_a_gpu() -> None:
+    """Each of 3 rows gives the same bits alone, among 37 rows and among 600 (blocks of GPU_ROWS), through the
+    linear layer and the RMSNorm's mean of the mode (bf16, an 8B model's widths)."""
+    import torch
+    import torch.nn.functional as F
+
+    from paged_backend.worker.batch_invariant import BatchInvariantMode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    rows = torch.randn(600, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    picks = [0, 5, 36]
+    with BatchInvariantMode():
+        for op in (lambda x: F.linear(x, weight), lambda x: x.float().pow(2).mean(-1, keepdim=True)):
+            alone = [op(rows[i : i + 1]) for i in picks]
+            for batch in (rows[:37], rows):
+                out = op(batch)
+                assert all(torch.equal(out[i : i + 1], a) for i, a in zip(picks, alone))

@@ -204,3 +204,54 @@ def test_token_rank_kernel_equals_its_twin(dtype: torch.dtype, vocab: int) -> No
     assert expected[1][2] == 1 and expected[2][2] == 0
     assert expected[1][5] == vocab - (logits[5] == logits[5].min()).sum() + 1
     assert torch.equal(token_rank_torch(logits[:0], targets[:0])[1], targets[:0])  # no rows
+
+
+# Steps that hold one sequence's tokens in different company: (sequence, cached tokens, new tokens) per row.
+INVARIANT_LAYOUTS = [
+    [(0, 149, 1)],  # its last token decoded alone
+    [(0, 149, 1), (1, 70, 1), (2, 300, 1), (3, 5, 1)],  # in a decode batch (a GPU would split the context)
+    [(1, 0, 40), (0, 100, 50), (2, 250, 1)],  # its prompt's last 50 tokens, a chunk beside a prefill and a decode
+    [(0, 0, 150), (3, 0, 6)],  # its whole prompt at once
+    [(2, 299, 1), (0, 117, 33)],  # a chunk from another boundary
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sliding_window", [None, 37])
+def test_batch_invariant_attention(dtype: torch.dtype, sliding_window: int | None) -> None:
+    """``batch_invariant=True``: a query's output is the same bits whatever step holds it — decoded alone or in a
+    batch, inside a prefill chunk from any boundary or the whole prompt — and still the twin's attention."""
+    gen = torch.Generator().manual_seed(3)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    lengths = [150, 71, 301, 6]  # each sequence's tokens, all in the cache
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[order.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    queries = [torch.randn(n, num_heads, head_dim, generator=gen).to(DEVICE, dtype) for n in lengths]
+    seen: dict[int, torch.Tensor] = {}  # position of sequence 0 -> its first output
+    for layout in INVARIANT_LAYOUTS:
+        width = max(len(tables[s]) for s, _, _ in layout)
+        batch = dict(
+            query=torch.cat([queries[s][p : p + n] for s, p, n in layout]),
+            k_cache=k_cache,
+            v_cache=v_cache,
+            block_tables=torch.tensor(
+                [tables[s] + [0] * (width - len(tables[s])) for s, _, _ in layout], dtype=torch.int32, device=DEVICE
+            ),
+            cu_seqlens_q=torch.tensor(
+                [0, *itertools.accumulate(n for _, _, n in layout)], dtype=torch.int32, device=DEVICE
+            ),
+            context_lens=torch.tensor([p + n for _, p, n in layout], dtype=torch.int32, device=DEVICE),
+        )
+        out = check_attention(batch, dtype, sliding_window=sliding_window, batch_invariant=True)
+        offset = 0
+        for s, p, n in layout:
+            if s == 0:
+                for j in range(n):
+                    first = seen.setdefault(p + j, out[offset + j])
+                    assert torch.equal(out[offset + j], first), f"position {p + j} in layout {layout}"
+            offset += n
+    assert len(seen) == 150

@@ -39,10 +39,11 @@ def paged_attention(
     softcap: float | None,
     k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
+    batch_invariant: bool = False,  # the Triton kernel's fixed-order configuration (the twin is not invariant)
 ) -> torch.Tensor:  # [T, H, D]
     args = (query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window, softcap)
     if query.is_cuda and triton is not None:
-        return paged_attention_triton(*args, k_scale=k_scale, v_scale=v_scale)
+        return paged_attention_triton(*args, k_scale=k_scale, v_scale=v_scale, batch_invariant=batch_invariant)
     return paged_attention_torch(*args, k_scale=k_scale, v_scale=v_scale)
 
 

@@ -179,6 +179,7 @@ if triton is not None:
         IEEE: tl.constexpr,  # fp32 inputs: full-precision dots, not TF32
         SCALED: tl.constexpr,  # an fp8 cache: keys and values are read in the queries' dtype, times their scale
         FP16_DOTS: tl.constexpr,  # SCALED with bf16 queries: the dots run in fp16
+        MASK_ALL: tl.constexpr,  # every key tile masked: a row's arithmetic then never depends on its tile's rows
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         pid = tl.program_id(0)
@@ -241,7 +242,7 @@ if triton is not None:
         # Key tiles every row of the tile sees whole (below the diagonal, inside the range, no window) skip the
         # mask; the rest (the diagonal, the range's last tile, windowed ranges) are masked.
         full_hi = kv_lo + tl.maximum(tl.minimum(kv_hi, prefix + tile_start + 1) - kv_lo, 0) // BLOCK_N * BLOCK_N
-        if USE_WINDOW:
+        if USE_WINDOW or MASK_ALL:
             full_hi = kv_lo
         for start_n in range(kv_lo, full_hi, BLOCK_N):
             acc, m_i, l_i = attend_tile(
@@ -317,10 +318,15 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,  # [T, H, D], written in place when given
     k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
+    batch_invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, D]
     """Triton twin of :func:`paged_attention_torch`; no host synchronisation, grid fixed by (T, B).
     ``num_splits`` (slices of the context, decode only) defaults to :func:`choose_num_splits`, which splits only on
     a GPU that the batch leaves idle; a given number splits anywhere.
+
+    ``batch_invariant``: a query's result is the same bits whatever else its step holds: every step takes the
+    prefill tiles, one context slice and the mask on every key tile (whether a tile is masked depends on the
+    tile's first query, so on the prompt's chunking, and an unmasked tile may compile to other instructions).
 
     bf16 queries over an fp8 cache run their dots in fp16: fp8 converts to fp16 in one instruction and to bf16
     only through fp32, which made the fp8 kernel slower than the bf16 one. fp16 holds every fp8 value and the
@@ -337,11 +343,13 @@ def paged_attention_triton(
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
-    if num_splits is None:
+    if batch_invariant:
+        num_splits = 1
+    elif num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_tokens, num_kv_heads, query.device)
     g_pad = _next_pow2(queries_per_kv)
     dim_pad = _next_pow2(head_dim)
-    block_q, block_n, tuning = _tiles(num_tokens == num_seqs, g_pad, dim_pad)
+    block_q, block_n, tuning = _tiles(num_tokens == num_seqs and not batch_invariant, g_pad, dim_pad)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     if num_splits > 1:
         partial = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
@@ -396,6 +404,7 @@ def paged_attention_triton(
         IEEE=query.dtype == torch.float32,
         SCALED=k_scale is not None,
         FP16_DOTS=k_scale is not None and query.dtype == torch.bfloat16,
+        MASK_ALL=batch_invariant,
         **tuning,
     )
     return out

@@ -41,7 +41,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, new-token offsets per sequence
     context_lens: torch.Tensor  # [B] int64, cached + new tokens per sequence
-    exact: bool = False  # batch_invariant: each query over exactly its keys, alone (worker/batch_invariant.py)
+    exact: bool = False  # batch_invariant: each query's sums in one fixed order (worker/batch_invariant.py)
 
 
 def paged_attention_forward(
@@ -103,10 +103,11 @@ def paged_attention_forward(
         )
     else:
         write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping, k_scale, v_scale)
-        attend = exact_attention if attn_metadata.exact else paged_attention
-        out = attend(
-            q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scaling, sliding_window, softcap, k_scale, v_scale
-        )
+        args = (q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scaling, sliding_window, softcap)
+        if attn_metadata.exact and not q.is_cuda:  # the torch twin pads each group's contexts: not invariant
+            out = exact_attention(*args, k_scale, v_scale)
+        else:
+            out = paged_attention(*args, k_scale, v_scale, batch_invariant=attn_metadata.exact)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 

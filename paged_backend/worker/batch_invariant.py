@@ -1,14 +1,22 @@
 """``batch_invariant=True``: a request's tokens and logprobs do not depend on the other requests in its steps,
 on how its prompt was chunked, on prefix-cache hits or on preemption.
 
-A token's result changes with its batch only where a reduction's order does: a matrix product picks its blocking
-(and so the order it sums in) by the number of rows, and the attention's reference twin pads each group's
-contexts to the longest, so the softmax and the weighted sum run over rows of the batch's length. Here each row
-of every linear layer is computed alone, as a batch of one (``F.linear``, the ``torch.addmm`` of GPT-2's Conv1D,
-``torch.matmul`` by a 2-D weight), and each query attends over exactly the keys it sees, one query at a time:
-every reduction then has the shape its own token gives it. Elementwise work, the row-wise norms and the
-sampler's per-row softmax need nothing. Steps run eagerly (no compiled layers, no CUDA graphs). This is the
-exact path, not a fast one: a matrix product becomes one vector product per token.
+A token's result changes with its batch only where a reduction's order does. A matrix product picks its kernel,
+and so the order it sums in, by its number of rows; a row-wise reduction (a norm's mean) on a GPU splits a row
+over more threads when rows are few; the attention's reference twin pads each group's contexts to the longest.
+So every reduction is given a shape that its own token decides:
+
+- On a GPU, every linear layer and every last-dimension norm runs on blocks of exactly ``GPU_ROWS`` rows (the
+  last padded with zeros): one kernel for every batch, and inside it a row's sums do not depend on its
+  neighbours'. The attention runs the Triton kernel's fixed-order configuration (``batch_invariant=True`` in
+  ``kernels/paged_attention.py``), and the greedy kernel reads a row in one program. Decode steps still replay
+  CUDA graphs (captured in this mode); the layers are not compiled (inductor's fused reductions choose their own
+  splits).
+- On a CPU each row of a linear layer is computed alone (``F.linear``, the ``torch.addmm`` of GPT-2's Conv1D,
+  ``torch.matmul`` by a 2-D weight) and each query attends over exactly the keys it sees, one at a time: the
+  exact path, not a fast one. A CPU's row-wise reductions already run one row per thread.
+
+Elementwise work and the sampler's per-row softmax need nothing.
 """
 
 from __future__ import annotations
@@ -22,12 +30,47 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, PretrainedConfig
 
+GPU_ROWS = 256  # a decode step's rows at the default max_num_seqs fit one block; prefill fills blocks whole
 
-def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``product`` of each row of ``x`` [..., K] alone, stacked back to [..., N]."""
+
+def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], block: int | None = None) -> torch.Tensor:
+    """``product`` of ``x`` [..., K] by blocks of ``block`` rows (default: one row on a CPU, ``GPU_ROWS`` on a
+    GPU; the last block padded with zeros), stacked back to [..., N]."""
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.cat([product(flat[i : i + 1]) for i in range(flat.shape[0])])
+    n, block = flat.shape[0], block or (GPU_ROWS if x.is_cuda else 1)
+    if n % block:
+        flat = torch.cat([flat, flat.new_zeros(block - n % block, flat.shape[1])])
+    out = torch.cat([product(rows) for rows in flat.split(block)])[:n]
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _last_dim(x: torch.Tensor, dim: object) -> bool:
+    """Whether ``dim`` (an int or a one-element list or tuple) names the last dimension of ``x``."""
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    return isinstance(dim, int) and x.dim() > 0 and dim in (-1, x.dim() - 1)
+
+
+def norm_by_blocks(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], block: int
+) -> torch.Tensor | None:
+    """A norm's reduction over the last dimension, by blocks of ``block`` rows: ``x.mean(-1)`` (the RMSNorm of
+    Llama and most others), ``F.layer_norm`` and ``F.rms_norm`` over one dimension. ``None``: not one of those."""
+    x = args[0]
+    if func in (torch.mean, torch.Tensor.mean):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if not _last_dim(x, dim) or len(args) > 3:
+            return None
+        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        rest = {k: v for k, v in kwargs.items() if k not in ("dim", "keepdim")}
+        out = _rows(x, lambda rows: func(rows, -1, keepdim=True, **rest), block)
+        return out if keepdim else out.squeeze(-1)
+    if func in (F.layer_norm, F.rms_norm):
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+        if shape is None or len(shape) != 1:
+            return None
+        return _rows(x, lambda rows: func(rows, *args[1:], **kwargs), block)
+    return None
 
 
 MOE_CONFIG_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -52,12 +95,17 @@ def check_batch_invariant_supported(model: torch.nn.Module) -> None:
 
 
 class BatchInvariantMode(TorchFunctionMode):
-    """Inside: linear layers computed a row at a time (see the module's docstring)."""
+    """Inside: linear layers (and on a GPU the norms) computed by fixed blocks of rows (see the module's
+    docstring)."""
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda and args[0].numel():
+            normed = norm_by_blocks(func, args, kwargs, GPU_ROWS)
+            if normed is not None:
+                return normed
         if func is F.linear and args[0].numel():
             weight = args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")

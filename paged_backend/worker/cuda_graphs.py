@@ -47,8 +47,10 @@ class CUDAGraphRunner:
         max_blocks_per_seq: int,
         device: torch.device,
         num_staging: int = 1,
+        batch_invariant: bool = False,
     ) -> None:
         self.forward = forward
+        self.batch_invariant = batch_invariant  # the attention's fixed-order configuration (AttentionMetadata.exact)
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
@@ -75,6 +77,7 @@ class CUDAGraphRunner:
             block_tables=self.static_tables[:size],
             cu_seqlens_q=self.cu_seqlens_q[: size + 1],
             context_lens=ctx,
+            exact=self.batch_invariant,
         )
         return self.forward(ids, pos, metadata, self.logits_indices[:size])
 

@@ -1,11 +1,11 @@
 """Runs one scheduled step — a single ``[1, T]`` forward of the user's HF model, or a multi-step round of greedy
 decode forwards — and samples the tokens of the sequences that sample (``execute_model``).
 
-On CUDA (unless ``enforce_eager``) the decoder layer is compiled once with ``torch.compile`` (dynamic token and
-sequence dimensions; our attention and cache write stay opaque custom ops; see ``worker/compile.py``) and
-decode-only steps replay CUDA graphs. The compile's warm-up has several sequences, tokens and logit rows: a
-dimension of size 1 would make dynamo specialise on it. Steps of one token (the CUDA graph bucket of 1) get a
-second graph of their own.
+On CUDA (unless ``enforce_eager``; not with ``batch_invariant``) the decoder layer is compiled once with
+``torch.compile`` (dynamic token and sequence dimensions; our attention and cache write stay opaque custom ops; see
+``worker/compile.py``) and decode-only steps replay CUDA graphs. The compile's warm-up has several sequences,
+tokens and logit rows: a dimension of size 1 would make dynamo specialise on it. Steps of one token (the CUDA graph
+bucket of 1) get a second graph of their own.
 """
 
 from __future__ import annotations
@@ -81,7 +81,9 @@ class ModelRunner:
         self.cache_engine = cache_engine
         self.device = device
         self.lora_manager = lora_manager
-        self.sampler = Sampler(device, seed, raw_logprobs=logprobs_mode == "raw_logprobs")
+        self.sampler = Sampler(
+            device, seed, raw_logprobs=logprobs_mode == "raw_logprobs", batch_invariant=batch_invariant
+        )
         self.block_size = cache_engine.block_size
         self.switch = PagedAttentionSwitch(model, cache_engine.kv_caches, cache_engine.kv_scales)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -95,7 +97,8 @@ class ModelRunner:
         # Block-table width at least 2: a compiled dimension of size 1 would be specialised on.
         self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
         if device.type == "cuda" and not enforce_eager:
-            self.compile()
+            if not batch_invariant:  # inductor's fused reductions choose their own splits (worker/batch_invariant.py)
+                self.compile()
             self.capture_graphs()
         # After the warm-ups: the first real step (a prefill: nothing decodes before one) sets the fp8 scales.
         self.calibrate_kv_scales = calculate_kv_scales and cache_engine.kv_scales is not None
@@ -107,10 +110,10 @@ class ModelRunner:
         with torch.inference_mode():  # static buffers must be inference tensors, like every step's inputs
             # two rounds' worth of staging buffers: see run_decode_steps
             self.graphs = CUDAGraphRunner(
-                self._model_forward, max_num_seqs, width, self.device, 2 * num_scheduler_steps
+                self._model_forward, max_num_seqs, width, self.device, 2 * num_scheduler_steps, self.batch_invariant
             )
         try:
-            with torch.inference_mode(), self.switch, self._compiled():
+            with torch.inference_mode(), self.switch, self._compiled(), self._invariant():
                 self.graphs.capture()
         except Exception as exc:  # noqa: BLE001 - steps still run, without graphs
             logger.warning(
@@ -188,6 +191,9 @@ class ModelRunner:
 
     def _compiled(self) -> contextlib.AbstractContextManager[object]:
         return self.regions if self.regions is not None else contextlib.nullcontext()
+
+    def _invariant(self) -> contextlib.AbstractContextManager[object]:
+        return BatchInvariantMode() if self.batch_invariant else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ the step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -324,8 +330,7 @@ class ModelRunner:
             d.input_ids = torch.cat([input_ids, d.input_ids[input_ids.shape[0] :]])  # keeps any padding token
         calibrate = self.calibrate_kv_scales
         # The calibrating step runs eagerly: compiled code would keep the flag it was traced with.
-        invariant = BatchInvariantMode() if self.batch_invariant else contextlib.nullcontext()
-        with self.switch, self.switch.calibrating() if calibrate else self._compiled(), invariant:
+        with self.switch, self.switch.calibrating() if calibrate else self._compiled(), self._invariant():
             logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices, prompt_embeds)
         self.calibrate_kv_scales = False  # set once the step's forward went through (a failed one calibrates again)
         return logits[:n]
@@ -365,7 +370,7 @@ class ModelRunner:
             logits = self.run(inputs, previous, first_staging + k)
             if grammars is not None:
                 grammars.apply(k, logits)
-            token, logprob = greedy_tokens(logits)  # [B], [B]
+            token, logprob = greedy_tokens(logits, self.sampler.greedy_splits)  # [B], [B]
             if grammars is not None:
                 grammars.sampled(token)
             tokens.append(token)

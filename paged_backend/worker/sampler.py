@@ -141,18 +141,20 @@ def apply_logits_processors(seq: Sequence, logits: torch.Tensor) -> torch.Tensor
 class Sampler:
     """Turns the last-token logits of each sampling sequence into a token, its logprob and top-k logprobs."""
 
-    def __init__(self, device: torch.device, seed: int, raw_logprobs: bool = True) -> None:
+    def __init__(
+        self, device: torch.device, seed: int, raw_logprobs: bool = True, batch_invariant: bool = False
+    ) -> None:
         self.device = device
+        self.greedy_splits = 1 if batch_invariant else None  # see greedy_tokens
         # Reported logprobs: the model's own distribution (vLLM's default "raw_logprobs"), or the one each token
         # was drawn from. Without requested logprobs, a token's logprob (cumulative_logprob) is the drawn one's.
         self.raw_logprobs = raw_logprobs
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    @staticmethod
-    def _greedy(logits: torch.Tensor) -> list[SampleResult]:
+    def _greedy(self, logits: torch.Tensor) -> list[SampleResult]:
         """All-greedy batch without penalties or logprobs (the common case): argmax and its logprob, no sort."""
-        return [SampleResult(t, lp) for t, lp in zip(*to_host(*greedy_tokens(logits)))]
+        return [SampleResult(t, lp) for t, lp in zip(*to_host(*greedy_tokens(logits, self.greedy_splits)))]
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:

@@ -119,7 +119,7 @@ class Worker:
             self.model,
             cache_engine,
             self.device,
-            enforce_eager=config.device_config.enforce_eager or config.model_config.batch_invariant,
+            enforce_eager=config.device_config.enforce_eager,
             batch_invariant=config.model_config.batch_invariant,
             max_num_seqs=config.scheduler_config.max_num_seqs,
             max_model_len=config.max_model_len,

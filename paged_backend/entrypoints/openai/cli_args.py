@@ -131,7 +131,7 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
         "--batch-invariant",
         action="store_true",
         default=None,
-        help="a request's output independent of its batch (exact and slow: eager, a row at a time)",
+        help="a request's output independent of its batch (fixed-order kernels; on a CPU a row at a time)",
     )
     parser.add_argument(
         "--disable-custom-all-reduce",
