@@ -198,13 +198,15 @@ def test_unsupported_calls_fall_back_to_hf(tokenizer) -> None:
 
 @pytest.mark.parametrize("engine_first", [False, True])
 def test_a_model_assisting_itself(tokenizer, engine_first: bool) -> None:
-    """Assisted decoding with the model as its own assistant: HF's generate (a fallback) calls the patched
-    generate of the same model from inside, on the same thread — before the engine exists and after. HF's result,
-    and no deadlock (a thread with a deadline, so a regression fails instead of hanging)."""
+    """A model that is its own assistant in a call that goes to HF (assisted decoding with hidden states): HF's
+    generate calls the patched generate of the same model from inside, on the same thread — before the engine
+    exists and after. HF's result, and no deadlock (a thread with a deadline, so a regression fails instead of
+    hanging)."""
     model = tiny_model("llama")
     ids = torch.tensor([PROMPTS[0]])
     kwargs = dict(max_new_tokens=6, do_sample=False, assistant_model=model)
-    expected = unpatched(model, ids, **kwargs)
+    kwargs |= dict(return_dict_in_generate=True, output_hidden_states=True)
+    expected = unpatched(model, ids, **kwargs).sequences
     result: dict[str, torch.Tensor] = {}
     patch(model, tokenizer, **ENGINE)
     with warnings.catch_warnings():
@@ -216,7 +218,27 @@ def test_a_model_assisting_itself(tokenizer, engine_first: bool) -> None:
         thread.join(timeout=120)
     assert not thread.is_alive(), "generate(assistant_model=model) did not return"  # (unpatch would wait too)
     unpatch(model)
-    assert torch.equal(result["out"], expected)
+    assert torch.equal(result["out"].sequences, expected)
+
+
+def test_assisted_decoding_runs_on_the_engine(tokenizer) -> None:
+    """Assisted decoding finds the model's own tokens: with an assistant model (another model, same vocabulary) or
+    prompt lookup, a one-row call runs on the engine with HF's greedy result and scores; a batch, which HF's
+    assisted decoding refuses, goes to HF, which raises."""
+    model, assistant = tiny_model("llama"), tiny_model("qwen2")
+    ids = torch.tensor([PROMPTS[2]])
+    plain = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    expected = unpatched(model, ids, **plain)
+    for assisted in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=2)):
+        hf = unpatched(model, ids, **plain, **assisted)
+        out = engine_only(model, tokenizer, ids, **plain, **assisted)
+        assert torch.equal(out.sequences, hf.sequences) and torch.equal(out.sequences, expected.sequences)
+        for ours, theirs in zip(out.scores, hf.scores):
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    two, mask = left_padded(PROMPTS[:2])
+    with patched(model, tokenizer, **ENGINE), pytest.warns(UserWarning, match="assisted decoding with a batch"):
+        with pytest.raises(ValueError, match="batch_size = 1"):
+            model.generate(two, attention_mask=mask, max_new_tokens=4, assistant_model=assistant)
 
 
 def test_pipeline_on_a_patched_model(tokenizer) -> None:
@@ -332,8 +354,7 @@ def test_attentions_and_hidden_states_are_hfs(tokenizer, arch: str, use_cache: b
 def test_hf_argument_edge_cases_as_hf(tokenizer) -> None:
     """Accept what HF accepts (a negative EOS id, which never matches, with HF's warning; top_p=0, which keeps
     the most likely token; top_p above 1, which filters nothing), raise what HF raises (do_sample with
-    temperature 0: HF's message; 1-D input_ids: HF's own error, through its generate), and send cache
-    implementations other than the dynamic one to HF."""
+    temperature 0: HF's message; 1-D input_ids: HF's own error, through its generate)."""
     model = tiny_model("llama")
     ids, mask = left_padded(PROMPTS)
     for kwargs in (dict(eos_token_id=-1, do_sample=False), dict(do_sample=True, top_p=0.0)):
@@ -350,8 +371,38 @@ def test_hf_argument_edge_cases_as_hf(tokenizer) -> None:
             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, temperature=0.0)
         with pytest.warns(UserWarning, match="2-D tensor"), pytest.raises(IndexError):
             model.generate(torch.tensor(PROMPTS[0]), max_new_tokens=4)
-        with pytest.warns(UserWarning, match="cache_implementation='static'"):
-            model.generate(ids, attention_mask=mask, max_new_tokens=4, cache_implementation="static")
+
+
+def test_static_cache_is_hfs(tokenizer) -> None:
+    """``cache_implementation="static"`` runs on the engine and returns HF's ``StaticCache``: its size (the call's
+    length, or ``max_cache_len`` when larger) and HF's keys and values at every unpadded position. With a passed-in
+    cache HF refuses the pair: the call goes to HF, which raises."""
+    from transformers import StaticCache
+
+    from paged_backend.integrations.hf_outputs import _CACHE_FIELD
+
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    kwargs |= dict(cache_implementation="static", pad_token_id=PAD)
+    for extra in ({}, {"max_cache_len": 40}):
+        expected = unpatched(model, ids, **kwargs, **extra)
+        out = engine_only(model, tokenizer, ids, **kwargs, **extra)
+        assert torch.equal(out.sequences, expected.sequences)
+        ours, theirs = getattr(out, _CACHE_FIELD), getattr(expected, _CACHE_FIELD)
+        assert isinstance(ours, StaticCache) and type(ours) is type(theirs)
+        real = torch.cat([mask, torch.ones(len(PROMPTS), 5, dtype=mask.dtype)], 1).bool()  # the last token: no keys
+        for mine, hf in zip(ours.layers, theirs.layers):
+            for a, b in ((mine.keys, hf.keys), (mine.values, hf.values)):
+                assert a.shape == b.shape == (len(PROMPTS), 2, extra.get("max_cache_len", ids.shape[1] + 5), 16)
+                width = real.shape[1]
+                torch.testing.assert_close(a.transpose(1, 2)[:, :width][real], b.transpose(1, 2)[:, :width][real])
+    passed = getattr(
+        unpatched(model, ids, **{k: v for k, v in kwargs.items() if k != "cache_implementation"}), _CACHE_FIELD
+    )
+    with patched(model, tokenizer, **ENGINE), pytest.warns(UserWarning, match="passed-in cache"):
+        with pytest.raises(ValueError, match="cache_implementation"):
+            model.generate(ids, past_key_values=passed, **kwargs)
 
 
 def test_hf_processors_run_on_the_engine(tokenizer) -> None:

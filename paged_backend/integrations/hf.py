@@ -2,10 +2,9 @@
 
 The replacement takes HF's arguments and returns what HF returns. HF's own ``_prepare_generation_config`` merges
 ``generation_config``, the model's defaults and keyword arguments, so invalid combinations raise HF's errors.
-What the engine cannot do (beam search, assisted decoding, custom logits processors or stopping criteria,
-attentions, hidden states, ...) runs on the original ``generate`` after one warning naming the reason, or raises with
-``fallback="error"``. Callers on several threads share the engine: whichever holds the lock steps it for all,
-so their requests batch together.
+What the engine cannot do (beam search, custom logits processors or stopping criteria, right padding, ...) runs on
+the original ``generate`` after one warning naming the reason, or raises with ``fallback="error"``. Callers on
+several threads share the engine: whichever holds the lock steps it for all, so their requests batch together.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from paged_backend.integrations.hf_args import DEFAULT_MAX_LENGTH, OBJECT_ARGUMENTS, plan_call
-from paged_backend.integrations.hf_outputs import Replay, hf_output, hf_replay, step_logits
+from paged_backend.integrations.hf_args import DEFAULT_MAX_LENGTH, OBJECT_ARGUMENTS, plan_call, static_cache_call
+from paged_backend.integrations.hf_outputs import Replay, hf_output, hf_replay, static_cache, step_logits
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
@@ -94,7 +93,7 @@ class PagedGenerate:
         reason = next((f"{name} is set" for name in OBJECT_ARGUMENTS if kwargs.get(name)), None)
         if reason is not None:
             return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
-        hf_kwargs = {k: v for k, v in kwargs.items() if k not in OBJECT_ARGUMENTS}
+        hf_kwargs = {k: v for k, v in kwargs.items() if k not in OBJECT_ARGUMENTS and k != "assistant_model"}
         rng = torch.get_rng_state()  # sampled rows draw their seeds from it: a late fall-back restores it
         # As HF decides before merging: no max_length anywhere means "20 new tokens", not 20 in all.
         configs = (generation_config, self.model.generation_config)
@@ -115,7 +114,7 @@ class PagedGenerate:
         if keep_logits and streamer is not None:  # a late fall-back (rows ending apart) would stream twice
             reason = "a streamer with output_scores or output_logits"
             return self._fall_back(reason, inputs, generation_config, streamer, kwargs)
-        call = plan_call(self.model, inputs, config, model_kwargs, default_length)
+        call = plan_call(self.model, inputs, config, model_kwargs, default_length, kwargs.get("assistant_model"))
         if isinstance(call, str):
             return self._fall_back(call, inputs, generation_config, streamer, kwargs)
         if "prompt_embeds" in call.prompts[0] and self.built_llm().llm_engine.input_processor.embedding is None:
@@ -146,7 +145,8 @@ class PagedGenerate:
         details = config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states)
         if call.past is not None or details or (config.return_dict_in_generate and config.use_cache is not False):
             prompt, mask = (t.repeat_interleave(n, dim=0).to(sequences.device) for t in (call.prompt, call.mask))
-            forward = functools.partial(_replay, self.model, prompt, sequences[:, width:], mask, call.past, config)
+            past = static_cache(self.model, config, len(completions)) if static_cache_call(config) else call.past
+            forward = functools.partial(_replay, self.model, prompt, sequences[:, width:], mask, past, config)
             replay = self.built_llm().engine_loop.call_sync(forward)
             if config.use_cache is False:
                 replay = replay._replace(cache=None)

@@ -56,8 +56,10 @@ _HONOURED = {
     "renormalize_logits",  # scores only: it does not change which token is chosen
     "_from_model_config",
 }
-# Fields that only act with beam search or an assistant model (both fall back on their own), or on how HF compiles.
+# Fields that only act with beam search (which falls back on its own) or in assisted decoding (assisted_reason), or
+# on how HF compiles.
 _NO_EFFECT = {
+    "prompt_lookup_num_tokens",
     "early_stopping",
     "length_penalty",
     "num_assistant_tokens",
@@ -69,6 +71,7 @@ _NO_EFFECT = {
     "max_matching_ngram_size",
     "compile_config",
     "disable_compile",
+    "prefill_chunk_size",
     "cache_config",
     "return_legacy_cache",
 }
@@ -82,14 +85,15 @@ _NEUTRAL = {
     "num_beam_groups": 1,
     "diversity_penalty": 0.0,
     "guidance_scale": 1.0,
-    "cache_implementation": "dynamic",  # the cache HF returns by default (hf_replay); others go to HF's generate
+    "cache_implementation": "dynamic",  # the cache HF returns by default (hf_replay); static ones: STATIC_CACHES
 }
+# Static caches: the engine runs the call and hf_replay fills the cache HF would have made (hf_outputs.static_cache).
+STATIC_CACHES = ("static", "offloaded_static")
 # generate() arguments that carry objects the engine cannot run.
 OBJECT_ARGUMENTS = (
     "logits_processor",
     "stopping_criteria",
     "prefix_allowed_tokens_fn",
-    "assistant_model",
     "negative_prompt_ids",
     "negative_prompt_attention_mask",
     "custom_generate",
@@ -106,6 +110,8 @@ def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str |
     for name, value in config.to_diff_dict().items():
         if name in _HONOURED or name in _NO_EFFECT or value is None or value is False:
             continue
+        if name in ("cache_implementation", "max_cache_len") and static_cache_call(config):
+            continue
         if name not in _NEUTRAL or value != _NEUTRAL[name]:
             return f"{name}={value!r}"
     penalty = config.repetition_penalty not in (None, 1.0)
@@ -114,7 +120,47 @@ def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str |
     extra = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
     if extra:
         return f"model arguments {extra}"
+    passed = model_kwargs.get("cache", model_kwargs.get("past_key_values")) is not None
+    details = config.output_attentions or config.output_hidden_states
+    if static_cache_call(config) and (passed or details):  # HF refuses a cache with a cache_implementation
+        return (
+            f"cache_implementation={config.cache_implementation!r} with a passed-in cache, attentions or hidden states"
+        )
     return None
+
+
+def assisted_reason(model: Any, config: GenerationConfig, assistant: Any, batch_size: int, embeds: bool) -> str | None:
+    """Assisted decoding (an ``assistant_model``, prompt lookup, early exit) is a way of finding the model's own
+    tokens: the engine decodes them directly. What HF refuses, or runs as something else (another tokenizer's
+    assistant), or reports per accepted block (attentions, hidden states), goes to HF's ``generate``. None: the
+    engine runs it (or it is not assisted)."""
+    if assistant is None and config.prompt_lookup_num_tokens is None and config.assistant_early_exit is None:
+        return None
+    text = model.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        sliding = any(t != "full_attention" for t in layer_types)
+    else:
+        sliding = getattr(text, "sliding_window", None) is not None
+    other_vocab = assistant is not None and assistant.config.get_text_config().vocab_size != text.vocab_size
+    refusals = {
+        "a batch of several rows": batch_size != 1,
+        "num_return_sequences > 1": (config.num_return_sequences or 1) > 1,
+        "use_cache=False": config.use_cache is False,
+        "a stateful model": bool(getattr(model, "_is_stateful", False)),
+        "a static cache": config.cache_implementation in STATIC_CACHES,
+        "an assistant of another vocabulary": other_vocab,
+        "layers other than full attention (a cache HF may not crop)": sliding,
+        "attentions or hidden states": bool(config.output_attentions or config.output_hidden_states),
+        "assistant_ensemble_weight": getattr(config, "assistant_ensemble_weight", None) is not None,
+        "inputs_embeds": embeds,
+    }
+    reason = next((name for name, hit in refusals.items() if hit), None)
+    return None if reason is None else f"assisted decoding with {reason}"
+
+
+def static_cache_call(config: GenerationConfig) -> bool:
+    return config.cache_implementation in STATIC_CACHES and config.use_cache is not False
 
 
 def attention_mask(input_ids: torch.Tensor, mask: torch.Tensor | None, config: GenerationConfig) -> torch.Tensor:
@@ -187,10 +233,16 @@ class GenerateCall:
 
 
 def plan_call(
-    model: Any, inputs: Any, config: GenerationConfig, model_kwargs: dict[str, Any], default_length: bool
+    model: Any,
+    inputs: Any,
+    config: GenerationConfig,
+    model_kwargs: dict[str, Any],
+    default_length: bool,
+    assistant: Any = None,
 ) -> GenerateCall | str:
     """The call's requests, or why the engine cannot run it. ``config`` is HF's merged config (its
-    ``max_length`` set as HF sets it); ``default_length``: no max_length was given anywhere."""
+    ``max_length`` set as HF sets it); ``default_length``: no max_length was given anywhere; ``assistant``: the
+    call's ``assistant_model``."""
     input_ids = inputs if inputs is not None else model_kwargs.pop("input_ids", None)
     reason = unsupported(config, model_kwargs)
     if reason is not None:
@@ -201,6 +253,9 @@ def plan_call(
         return "inputs_embeds with output_scores, or with input_ids and repetition_penalty"
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != (3 if embeds is not None else 2) or not prompt.numel():
         return "input_ids must be a 2-D tensor of token ids [batch, length] (inputs_embeds: [batch, length, hidden])"
+    reason = assisted_reason(model, config, assistant, prompt.shape[0], embeds is not None)
+    if reason is not None:
+        return reason
     ids_for_mask = prompt if embeds is None else torch.ones(prompt.shape[:2], dtype=torch.long, device=prompt.device)
     mask = attention_mask(ids_for_mask, model_kwargs.get("attention_mask"), config)
     real = mask.ne(0).int()

@@ -113,6 +113,25 @@ def hf_replay(
     return _details(config, parts, _cache_of(rest if rest is not None else first))
 
 
+def static_cache(model: Any, config: GenerationConfig, batch_size: int) -> Any:
+    """The empty static cache HF's ``generate`` makes for these settings (``config.max_length``: the prompt's width
+    plus the new tokens), by HF's own ``_prepare_static_cache``; its arguments changed across transformers 5.x, so
+    each is passed by name where its signature has it."""
+    length = config.max_length - 1  # the last token's keys are never cached
+    if getattr(config, "max_cache_len", None) is not None:
+        length = max(length, config.max_cache_len)
+    prepare = model._prepare_static_cache
+    wanted = inspect.signature(prepare).parameters
+    arguments = dict(
+        cache_implementation=config.cache_implementation,
+        batch_size=batch_size,
+        max_cache_len=length,
+        prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
+        model_kwargs={},
+    )
+    return prepare(**{name: value for name, value in arguments.items() if name in wanted})
+
+
 def _forward(
     model: Any, inputs: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, config: Any
 ) -> Any:
