@@ -438,8 +438,9 @@ def test_hf_processors_run_on_the_engine(tokenizer) -> None:
 @pytest.mark.parametrize("with_ids", [False, True])
 def test_inputs_embeds_run_on_the_engine(tokenizer, with_ids: bool) -> None:
     """``inputs_embeds`` (left-padded, a little off the vocabulary's embeddings) run on the engine as prompt
-    embeddings: HF's sequences (the new tokens alone, or after the input ids when those are given too) and its
-    cache; with output_scores the call goes to HF."""
+    embeddings: HF's sequences (the new tokens alone, or after the input ids when those are given too), its
+    cache, and its scores — with HF's lengths, which with embeddings alone count from the empty input ids
+    (``min_length`` and ``max_length`` less the prompt's width)."""
     from paged_backend.integrations.hf_outputs import _CACHE_FIELD
 
     model = tiny_model("llama")
@@ -457,8 +458,16 @@ def test_inputs_embeds_run_on_the_engine(tokenizer, with_ids: bool) -> None:
     real = torch.cat([mask, torch.ones(len(PROMPTS), 8, dtype=mask.dtype)], 1)[:, :-1].bool()
     for mine, hf in zip(ours.layers, theirs.layers):
         torch.testing.assert_close(mine.keys.transpose(1, 2)[real], hf.keys.transpose(1, 2)[real], atol=1e-4, rtol=1e-4)
-    with patched(model, tokenizer, **ENGINE), pytest.warns(UserWarning, match="inputs_embeds with output_scores"):
-        model.generate(**kwargs, return_dict_in_generate=True, output_scores=True)
+    eos = [int(t) for t in expected.sequences[:2, -5]]  # tokens that would end rows early, barred until min_length
+    del kwargs["max_new_tokens"]
+    lengths = dict(max_length=ids.shape[1] + 7, min_length=ids.shape[1] + 5, eos_token_id=eos, pad_token_id=PAD)
+    scored = dict(return_dict_in_generate=True, output_scores=True, **lengths)
+    expected = unpatched(model, **kwargs, **scored)
+    out = engine_only(model, tokenizer, **kwargs, **scored)
+    assert torch.equal(out.sequences, expected.sequences)
+    for ours, theirs in zip(out.scores, expected.scores, strict=True):
+        assert torch.equal(ours.isinf(), theirs.isinf())  # the same tokens barred at the same steps
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
 def test_scores_of_rows_that_end_early_are_hf(tokenizer) -> None:

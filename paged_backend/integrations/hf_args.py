@@ -3,6 +3,7 @@ embeddings, left padding dropped), each row's SamplingParams, and why a call goe
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -249,7 +250,7 @@ def plan_call(
         return reason
     embeds = model_kwargs.get("inputs_embeds")
     prompt = embeds if embeds is not None else input_ids
-    if embeds is not None and (config.output_scores or (input_ids is not None and config.repetition_penalty != 1)):
+    if embeds is not None and input_ids is not None and config.repetition_penalty != 1:
         return "inputs_embeds with output_scores, or with input_ids and repetition_penalty"
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != (3 if embeds is not None else 2) or not prompt.numel():
         return "input_ids must be a 2-D tensor of token ids [batch, length] (inputs_embeds: [batch, length, hidden])"
@@ -274,7 +275,7 @@ def plan_call(
     config.max_length = width + max_new  # as HF sets it (its forced EOS comes at the last token)
     pads = real.argmax(dim=1)
     padding = pads.repeat_interleave(config.num_return_sequences or 1)
-    processors = hf_processors(config, width, padding.to(prompt.device))  # raises what HF's would
+    processors = call_processors(config, width, padding.to(prompt.device), embeds is not None and input_ids is None)
     eos = eos_token_ids(config)
     rows = [row[m.bool()] for row, m in zip(prompt, mask)]
     past = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
@@ -298,6 +299,20 @@ def plan_call(
     prefix = input_ids if input_ids is not None else torch.zeros(len(rows), 0, dtype=torch.long, device=prompt.device)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     return GenerateCall(prompts, params, prefix, prompt, mask, processors, pad, past)
+
+
+def call_processors(
+    config: GenerationConfig, width: int, padding: torch.Tensor, embeds_only: bool
+) -> LogitsProcessorList:
+    """HF's processors for the call (building them raises what HF's would). With ``inputs_embeds`` alone HF's
+    input ids start empty: its lengths count from there (``max_length`` and ``min_length`` lose the prompt's
+    width), and no row has padding among them."""
+    if not embeds_only:
+        return hf_processors(config, width, padding)
+    counted = copy.copy(config)
+    counted.max_length = config.max_length - width
+    counted.min_length = max((config.min_length or 0) - width, 0)
+    return hf_processors(counted, 0, torch.zeros_like(padding))
 
 
 def cache_rows(
