@@ -62,6 +62,39 @@ def test_right_padding_goes_to_hf(tokenizer) -> None:
         assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False), expected)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_holes_in_the_mask_run_on_the_engine(tokenizer, arch: str) -> None:
+    """An attention mask with holes (0s between 1s, as HF's own tests draw them; the last token real): HF's tokens
+    are those of each row's real tokens alone, so the engine runs the call — greedy tokens, scores under an n-gram
+    ban (HF's processor reads the masked ids too) and the cache equal HF's. Where HF reads the masked slots (a
+    repetition penalty, a sliding window) the call goes to HF."""
+    from paged_backend.integrations.hf_outputs import _CACHE_FIELD
+
+    model = tiny_model(arch)
+    ids, mask = left_padded(PROMPTS)
+    mask = mask.clone()
+    mask[0, 5:7] = 0  # holes inside the first and third rows' prompts
+    mask[2, 1:8:3] = 0
+    assert bool(mask[:, -1].all())
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD)
+    expected = unpatched(model, ids, **kwargs)
+    assert torch.equal(engine_only(model, tokenizer, ids, **kwargs), expected)
+    scored = dict(kwargs, no_repeat_ngram_size=2, return_dict_in_generate=True, output_scores=True)
+    expected = unpatched(model, ids, **scored)
+    out = engine_only(model, tokenizer, ids, **scored)
+    assert torch.equal(out.sequences, expected.sequences)
+    for ours, theirs in zip(out.scores, expected.scores, strict=True):
+        assert torch.equal(ours.isinf(), theirs.isinf())
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    real = torch.cat([mask, torch.ones(len(PROMPTS), 9, dtype=mask.dtype)], 1).bool()
+    for mine, hf in zip(getattr(out, _CACHE_FIELD).layers, getattr(expected, _CACHE_FIELD).layers):
+        torch.testing.assert_close(mine.keys.transpose(1, 2)[real], hf.keys.transpose(1, 2)[real], atol=1e-4, rtol=1e-4)
+    with patched(model, tokenizer, **ENGINE), pytest.warns(UserWarning, match="holes .* repetition_penalty"):
+        model.generate(ids, repetition_penalty=1.3, **kwargs)
+    with patched(tiny_model("mistral"), tokenizer, **ENGINE) as handle, pytest.warns(UserWarning, match="sliding"):
+        handle.model.generate(ids, **kwargs)
+
+
 def test_eos_lists_min_new_tokens_and_max_length(tokenizer) -> None:
     """Extra EOS ids taken from HF's own continuation stop rows early (padded after); min_new_tokens holds them
     back; max_length counts the padded prompt."""

@@ -130,6 +130,35 @@ def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str |
     return None
 
 
+def padding_reason(model: Any, config: GenerationConfig, real: torch.Tensor, past: Any) -> str | None:
+    """Left padding and holes (a 0 between 1s in ``attention_mask``) run on the engine: HF's positions count a row's
+    real tokens and no real token attends to a masked one, so HF's tokens are those of the row's real tokens
+    alone, which the engine decodes. Right padding does not: HF predicts the first new token at the last
+    position, a pad. Nor do holes where HF reads the masked slots: a sliding window (it spans cache slots, holes
+    included), a repetition penalty (HF's penalises the masked tokens' ids) or a passed-in cache (whose slots
+    hold the holes). None: the engine runs it."""
+    if not bool(real[:, -1].all()):
+        return "attention_mask pads a row on the right (HF generates after the padding)"
+    if not bool((real.cummax(dim=1).values > real).any()):
+        return None
+    refusals = {
+        "a model with sliding-window layers": sliding_layers(model),
+        "repetition_penalty": config.repetition_penalty not in (None, 1.0),
+        "a passed-in cache": past is not None,
+    }
+    reason = next((name for name, hit in refusals.items() if hit), None)
+    return None if reason is None else f"attention_mask with holes (a 0 between 1s) and {reason}"
+
+
+def sliding_layers(model: Any) -> bool:
+    """Whether any layer of the model attends over a sliding window (or another pattern than full attention)."""
+    text = model.config.get_text_config()
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        return any(t != "full_attention" for t in layer_types)
+    return getattr(text, "sliding_window", None) is not None
+
+
 def assisted_reason(model: Any, config: GenerationConfig, assistant: Any, batch_size: int, embeds: bool) -> str | None:
     """Assisted decoding (an ``assistant_model``, prompt lookup, early exit) is a way of finding the model's own
     tokens: the engine decodes them directly. What HF refuses, or runs as something else (another tokenizer's
@@ -138,11 +167,6 @@ def assisted_reason(model: Any, config: GenerationConfig, assistant: Any, batch_
     if assistant is None and config.prompt_lookup_num_tokens is None and config.assistant_early_exit is None:
         return None
     text = model.config.get_text_config()
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None:
-        sliding = any(t != "full_attention" for t in layer_types)
-    else:
-        sliding = getattr(text, "sliding_window", None) is not None
     other_vocab = assistant is not None and assistant.config.get_text_config().vocab_size != text.vocab_size
     refusals = {
         "a batch of several rows": batch_size != 1,
@@ -151,7 +175,7 @@ def assisted_reason(model: Any, config: GenerationConfig, assistant: Any, batch_
         "a stateful model": bool(getattr(model, "_is_stateful", False)),
         "a static cache": config.cache_implementation in STATIC_CACHES,
         "an assistant of another vocabulary": other_vocab,
-        "layers other than full attention (a cache HF may not crop)": sliding,
+        "layers other than full attention (a cache HF may not crop)": sliding_layers(model),
         "attentions or hidden states": bool(config.output_attentions or config.output_hidden_states),
         "assistant_ensemble_weight": getattr(config, "assistant_ensemble_weight", None) is not None,
         "inputs_embeds": embeds,
@@ -260,8 +284,9 @@ def plan_call(
     ids_for_mask = prompt if embeds is None else torch.ones(prompt.shape[:2], dtype=torch.long, device=prompt.device)
     mask = attention_mask(ids_for_mask, model_kwargs.get("attention_mask"), config)
     real = mask.ne(0).int()
-    if bool((real.cummax(dim=1).values > real).any()):
-        return "attention_mask pads a row on the right (HF generates after the padding)"
+    reason = padding_reason(model, config, real, model_kwargs.get("cache", model_kwargs.get("past_key_values")))
+    if reason is not None:
+        return reason
     width = prompt.shape[1]
     if config.max_new_tokens is not None:
         max_new = config.max_new_tokens
@@ -294,7 +319,7 @@ def plan_call(
         for entry, kv in zip(prompts, prompt_kv):
             if kv is not None:
                 entry["prompt_kv"] = kv
-        row_processors = [RowProcessors.of(processors, row[:n].tolist()) for row, n in zip(prompt, pads.tolist())]
+        row_processors = [RowProcessors.of(processors, row.tolist()) for row in prompt]
     params = [sampling_params(config, eos, max_new, width, rp) for rp in row_processors]
     prefix = input_ids if input_ids is not None else torch.zeros(len(rows), 0, dtype=torch.long, device=prompt.device)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)

@@ -242,20 +242,21 @@ _NATIVE = (
 class RowProcessors:
     """HF's processors that the engine's sampler has no equivalent of (n-gram and bad-word bans, sequence bias,
     suppressed and forced tokens), as a request's logits processor: run on its row at every step with the ids HF
-    would pass for that row (its left padding, prompt and output so far). They run before the sampler's
-    penalty, temperature and filters; HF runs all but the sequence bias after its repetition penalty, which
-    chooses the same tokens: a ban's −inf and a forced token's 0 stay what they are under the penalty (the call
-    goes to HF when a length penalty and a repetition penalty would both change the EOS logit)."""
+    would pass for that row (the call's input ids of the row, padding included, then its output so far). They run
+    before the sampler's penalty, temperature and filters; HF runs all but the sequence bias after its repetition
+    penalty, which chooses the same tokens: a ban's −inf and a forced token's 0 stay what they are under the penalty
+    (the call goes to HF when a length penalty and a repetition penalty would both change the EOS logit)."""
 
-    def __init__(self, processors: LogitsProcessorList, prefix: list[int]) -> None:
-        self.processors, self.prefix = processors, prefix
+    def __init__(self, processors: LogitsProcessorList, row: list[int]) -> None:
+        self.processors, self.row = processors, row
 
     @staticmethod
-    def of(processors: LogitsProcessorList, prefix: list[int]) -> RowProcessors | None:
+    def of(processors: LogitsProcessorList, row: list[int]) -> RowProcessors | None:
         """None when every processor is one the engine does itself."""
         rest = LogitsProcessorList(p for p in processors if not isinstance(p, _NATIVE))
-        return RowProcessors(rest, prefix) if rest else None
+        return RowProcessors(rest, row) if rest else None
 
     def __call__(self, prompt: list[int], output: list[int], logits: torch.Tensor) -> torch.Tensor:
-        ids = torch.tensor([self.prefix + prompt + output], dtype=torch.long, device=logits.device)
+        """``prompt``: the request's (the row's unmasked ids), which ``self.row`` holds with its padding."""
+        ids = torch.tensor([self.row + output], dtype=torch.long, device=logits.device)
         return self.processors(ids, logits[None])[0]  # type: ignore[arg-type]  # a LongTensor, as in hf_output
