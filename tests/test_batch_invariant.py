@@ -17,10 +17,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True, logprobs=3)
 
 
-def target_output(arch: str, others: list[list[int]], params: SamplingParams, **engine_kwargs: object) -> list:
+def target_output(
+    arch: str, others: list[list[int]], params: SamplingParams, target: list[int] = TARGET, **engine_kwargs: object
+) -> list:
     """The target request's tokens and its logprob entries, run first beside ``others``."""
     llm = LLM(tiny_model(arch), batch_invariant=True, block_size=4, max_model_len=128, **engine_kwargs)
-    prompts = [{"prompt_token_ids": TARGET}] + [{"prompt_token_ids": p} for p in others]
+    prompts = [{"prompt_token_ids": target}] + [{"prompt_token_ids": p} for p in others]
     out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
     assert_idle(llm)
     return [list(out.token_ids), [{t: (e.logprob, e.rank) for t, e in entry.items()} for entry in out.logprobs]]
@@ -164,3 +166,27 @@ def test_a_rows_products_and_norms_are_the_same_in_any_batch_on_a_gpu() -> None:
             for batch in (rows[:37], rows):
                 out = op(batch)
                 assert all(torch.equal(out[i : i + 1], a) for i, a in zip(picks, alone))
+
+
+def test_the_gpu_path_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's fixed-order path driven on the CPU: linear layers and norms on blocks of 8 rows, the attention
+    through the Triton kernel's invariant configuration (in the interpreter). Alone, beside others and chunked:
+    the same tokens and logprobs — the engine hands every kind of step (a decode, a chunk, a mixed step) to the
+    kernels in their invariant form. The target's context passes 64 keys, where the kernel's decode and prefill
+    tiles would sum differently."""
+    from paged_backend.kernels.paged_attention import paged_attention_triton
+    from paged_backend.worker import attention, batch_invariant
+
+    def invariant_kernel(query, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale, window, softcap, *scales):
+        k_scale, v_scale = scales
+        return paged_attention_triton(
+            query, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale, window, softcap,
+            k_scale=k_scale, v_scale=v_scale, batch_invariant=True,
+        )  # fmt: skip
+
+    monkeypatch.setattr(batch_invariant, "block_rows", lambda x: 8)
+    monkeypatch.setattr(attention, "exact_attention", invariant_kernel)
+    target = [random.Random(1).randrange(1, 500) for _ in range(90)]
+    alone = target_output("llama", [], GREEDY, target)
+    assert target_output("llama", OTHERS[:7], GREEDY, target) == alone
+    assert target_output("llama", OTHERS[:12], GREEDY, target, max_num_batched_tokens=16, max_num_seqs=8) == alone

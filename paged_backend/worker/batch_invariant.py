@@ -33,11 +33,16 @@ from transformers import AttentionInterface, PretrainedConfig
 GPU_ROWS = 256  # a decode step's rows at the default max_num_seqs fit one block; prefill fills blocks whole
 
 
+def block_rows(x: torch.Tensor) -> int:
+    """Rows per block for ``x``'s device: ``GPU_ROWS`` on a GPU, one (each row alone) on a CPU."""
+    return GPU_ROWS if x.is_cuda else 1
+
+
 def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], block: int | None = None) -> torch.Tensor:
-    """``product`` of ``x`` [..., K] by blocks of ``block`` rows (default: one row on a CPU, ``GPU_ROWS`` on a
-    GPU; the last block padded with zeros), stacked back to [..., N]."""
+    """``product`` of ``x`` [..., K] by blocks of ``block`` rows (default: ``block_rows(x)``; the last block
+    padded with zeros), stacked back to [..., N]."""
     flat = x.reshape(-1, x.shape[-1])
-    n, block = flat.shape[0], block or (GPU_ROWS if x.is_cuda else 1)
+    n, block = flat.shape[0], block or block_rows(x)
     if n % block:
         flat = torch.cat([flat, flat.new_zeros(block - n % block, flat.shape[1])])
     out = torch.cat([product(rows) for rows in flat.split(block)])[:n]
@@ -102,8 +107,8 @@ class BatchInvariantMode(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda and args[0].numel():
-            normed = norm_by_blocks(func, args, kwargs, GPU_ROWS)
+        if args and isinstance(args[0], torch.Tensor) and args[0].numel() and block_rows(args[0]) > 1:
+            normed = norm_by_blocks(func, args, kwargs, block_rows(args[0]))
             if normed is not None:
                 return normed
         if func is F.linear and args[0].numel():
