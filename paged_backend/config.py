@@ -249,6 +249,11 @@ class EngineConfig:
             raise FieldError(
                 "batch_invariant", "batch_invariant needs enable_lora=False and tensor_parallel_size=1 (for now)"
             )
+        if self.model_config.batch_invariant and self.cache_config.calculate_kv_scales:
+            raise FieldError(
+                "batch_invariant",
+                "batch_invariant needs calculate_kv_scales=False (the scales would come from the first step's batch)",
+            )
         if self.scheduler_config.async_scheduling and self.parallel_config.tensor_parallel_size > 1:
             raise FieldError("async_scheduling", "async_scheduling needs tensor_parallel_size=1 (for now)")
         if self.model_config.enable_prompt_embeds and self.parallel_config.tensor_parallel_size > 1:

@@ -78,6 +78,39 @@ def test_what_it_cannot_run_is_refused() -> None:
     # a token's experts' outputs are gathered and summed across the batch: refused (it was not invariant)
     with pytest.raises(ValueError, match="mixture-of-experts models .num_local_experts > 1."):
         LLM(tiny_model("mixtral"), batch_invariant=True)
+    with pytest.raises(ValueError, match="calculate_kv_scales=False"):
+        LLM(model, batch_invariant=True, kv_cache_dtype="fp8", calculate_kv_scales=True)
+
+
+def test_what_it_cannot_make_invariant_is_refused() -> None:
+    """Rotary frequencies set by the batch's longest position; on a GPU, a vocabulary whose fp32 rows are not
+    16-byte aligned (checked without one: only the device's type is read)."""
+    import torch
+    from transformers import LlamaConfig
+
+    from paged_backend.worker.batch_invariant import check_batch_invariant_supported
+
+    model = torch.nn.Module()
+    model.config = LlamaConfig(vocab_size=512, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
+        check_batch_invariant_supported(model, torch.device("cpu"))
+    model.config = LlamaConfig(vocab_size=50257)
+    check_batch_invariant_supported(model, torch.device("cpu"))
+    with pytest.raises(ValueError, match="divisible by 4, got 50257"):
+        check_batch_invariant_supported(model, torch.device("cuda"))
+
+
+def test_a_greedy_rows_numbers_whatever_path_its_batch_takes() -> None:
+    """A greedy request without logprobs takes the greedy fast path alone and the general one beside a seeded
+    sampled request: its tokens and cumulative logprob are the same either way."""
+    llm = LLM(tiny_model("llama"), batch_invariant=True, block_size=4, max_model_len=128)
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": TARGET}, plain, use_tqdm=False)[0].outputs[0]
+    llm.reset_prefix_cache()
+    prompts = [{"prompt_token_ids": TARGET}, {"prompt_token_ids": OTHERS[0]}]
+    mixed = llm.generate(prompts, [plain, SAMPLED], use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids == mixed.token_ids
+    assert alone.cumulative_logprob == mixed.cumulative_logprob
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -119,12 +152,12 @@ def test_blocks_of_rows_compute_what_the_ops_do() -> None:
     import torch
     import torch.nn.functional as F
 
-    from paged_backend.worker.batch_invariant import _rows, norm_by_blocks
+    from paged_backend.worker.batch_invariant import norm_by_blocks, rows_in_blocks
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 11, 16, generator=gen)
     weight, bias = torch.randn(5, 16, generator=gen), torch.randn(5, generator=gen)
-    out = _rows(x, lambda rows: F.linear(rows, weight, bias), 4)
+    out = rows_in_blocks(x, lambda rows: F.linear(rows, weight, bias), 4)
     assert out.shape == (2, 11, 5)
     torch.testing.assert_close(out, F.linear(x, weight, bias))
     for func, args, kwargs in [

@@ -217,7 +217,7 @@ INVARIANT_LAYOUTS = [
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sliding_window", [None, 37])
+@pytest.mark.parametrize("sliding_window", [None, 37, 100])
 def test_batch_invariant_attention(dtype: torch.dtype, sliding_window: int | None) -> None:
     """``batch_invariant=True``: a query's output is the same bits whatever step holds it — decoded alone or in a
     batch, inside a prefill chunk from any boundary or the whole prompt — and still the twin's attention."""

@@ -119,11 +119,8 @@ if triton is not None:
         return tokens, logprobs
 
 
-def greedy_tokens(
-    logits: torch.Tensor, splits: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:  # [N, V] -> [N], [N]
-    """Argmax of each row and its log-probability, on the device, without a host sync. ``splits=1`` reads each row
-    in one program whatever the number of rows: a row's sum then runs in one order in every batch."""
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, V] -> [N], [N]
+    """Argmax of each row and its log-probability, on the device, without a host sync."""
     if logits.is_cuda and triton is not None:
-        return greedy_tokens_triton(logits, splits)
+        return greedy_tokens_triton(logits)
     return greedy_tokens_torch(logits)

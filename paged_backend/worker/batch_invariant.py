@@ -38,13 +38,15 @@ def block_rows(x: torch.Tensor) -> int:
     return GPU_ROWS if x.is_cuda else 1
 
 
-def _rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], block: int | None = None) -> torch.Tensor:
+def rows_in_blocks(
+    x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], block: int | None = None
+) -> torch.Tensor:
     """``product`` of ``x`` [..., K] by blocks of ``block`` rows (default: ``block_rows(x)``; the last block
     padded with zeros), stacked back to [..., N]."""
     flat = x.reshape(-1, x.shape[-1])
     n, block = flat.shape[0], block or block_rows(x)
-    if n % block:
-        flat = torch.cat([flat, flat.new_zeros(block - n % block, flat.shape[1])])
+    if block > 1:  # always a fresh buffer: every block reaches the kernel with the same alignment and strides
+        flat = torch.cat([flat, flat.new_zeros((-n) % block, flat.shape[1])])
     out = torch.cat([product(rows) for rows in flat.split(block)])[:n]
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -53,7 +55,7 @@ def _last_dim(x: torch.Tensor, dim: object) -> bool:
     """Whether ``dim`` (an int or a one-element list or tuple) names the last dimension of ``x``."""
     if isinstance(dim, (list, tuple)) and len(dim) == 1:
         dim = dim[0]
-    return isinstance(dim, int) and x.dim() > 0 and dim in (-1, x.dim() - 1)
+    return hasattr(dim, "__index__") and x.dim() > 0 and int(dim) in (-1, x.dim() - 1)
 
 
 def norm_by_blocks(
@@ -67,24 +69,33 @@ def norm_by_blocks(
         if not _last_dim(x, dim) or len(args) > 3:
             return None
         keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        if "out" in kwargs:
+            return None
         rest = {k: v for k, v in kwargs.items() if k not in ("dim", "keepdim")}
-        out = _rows(x, lambda rows: func(rows, -1, keepdim=True, **rest), block)
+        out = rows_in_blocks(x, lambda rows: func(rows, -1, keepdim=True, **rest), block)
         return out if keepdim else out.squeeze(-1)
     if func in (F.layer_norm, F.rms_norm):
         shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
         if shape is None or len(shape) != 1:
             return None
-        return _rows(x, lambda rows: func(rows, *args[1:], **kwargs), block)
+        return rows_in_blocks(x, lambda rows: func(rows, *args[1:], **kwargs), block)
     return None
 
 
 MOE_CONFIG_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def check_batch_invariant_supported(model: torch.nn.Module) -> None:
-    """What the mode cannot make invariant fails here: quantized linear layers (their kernels are not row-wise)
-    and mixture-of-experts models (the experts' outputs are gathered and summed across the batch's tokens)."""
+DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")  # their frequencies follow the batch's longest position
+
+
+def check_batch_invariant_supported(model: torch.nn.Module, device: torch.device) -> None:
+    """What the mode cannot make invariant fails here: quantized linear layers (their kernels are not row-wise),
+    mixture-of-experts models (the experts' outputs are gathered and summed across the batch's tokens), rotary
+    scalings chosen by the batch's longest position; on a GPU, a vocabulary not a multiple of 4 (the softmax's
+    vector loads shift with each fp32 row's address, so a row sums in an order set by its index) and no Triton
+    (the fixed-order attention is a Triton kernel)."""
     from paged_backend.config import FieldError
+    from paged_backend.kernels import triton
     from paged_backend.quantization.awq import AWQLinear
     from paged_backend.quantization.fp8 import FP8Linear
 
@@ -97,6 +108,17 @@ def check_batch_invariant_supported(model: torch.nn.Module) -> None:
         raise FieldError(
             "batch_invariant", f"batch_invariant does not run mixture-of-experts models ({experts[0]} > 1) yet"
         )
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind in DYNAMIC_ROPE_TYPES:
+        raise FieldError("batch_invariant", f"batch_invariant does not run rope_type={kind!r} (set by the batch)")
+    vocab = getattr(text, "vocab_size", 0) or 0
+    if device.type == "cuda" and vocab % 4:
+        raise FieldError(
+            "batch_invariant", f"batch_invariant on a GPU needs a vocabulary size divisible by 4, got {vocab}"
+        )
+    if device.type == "cuda" and triton is None:
+        raise FieldError("batch_invariant", "batch_invariant on a GPU needs triton (its attention kernel)")
 
 
 class BatchInvariantMode(TorchFunctionMode):
@@ -111,17 +133,17 @@ class BatchInvariantMode(TorchFunctionMode):
             normed = norm_by_blocks(func, args, kwargs, block_rows(args[0]))
             if normed is not None:
                 return normed
-        if func is F.linear and args[0].numel():
+        if func is F.linear and len(args) >= 2 and args[0].numel():
             weight = args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return _rows(args[0], lambda row: F.linear(row, weight, bias))
+            return rows_in_blocks(args[0], lambda row: F.linear(row, weight, bias))
         if func is torch.addmm and not kwargs and len(args) == 3 and args[1].numel():
             bias, x, weight = args
-            return _rows(x, lambda row: torch.addmm(bias, row, weight))
+            return rows_in_blocks(x, lambda row: torch.addmm(bias, row, weight))
         if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and not kwargs and len(args) == 2:
             x, weight = args
             if isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 2 and x.numel():
-                return _rows(x, lambda row: torch.matmul(row, weight))
+                return rows_in_blocks(x, lambda row: torch.matmul(row, weight))
         return func(*args, **kwargs)
 
 

@@ -25,7 +25,6 @@ from transformers import PreTrainedModel
 
 from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput
 from paged_backend.core.sequence import Sequence as Seq
-from paged_backend.kernels.greedy import greedy_tokens
 from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
@@ -77,7 +76,7 @@ class ModelRunner:
         self.model = model
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            check_batch_invariant_supported(model)
+            check_batch_invariant_supported(model, device)
         self.cache_engine = cache_engine
         self.device = device
         self.lora_manager = lora_manager
@@ -370,7 +369,7 @@ class ModelRunner:
             logits = self.run(inputs, previous, first_staging + k)
             if grammars is not None:
                 grammars.apply(k, logits)
-            token, logprob = greedy_tokens(logits, self.sampler.greedy_splits)  # [B], [B]
+            token, logprob = self.sampler.greedy(logits)  # [B], [B]
             if grammars is not None:
                 grammars.sampled(token)
             tokens.append(token)

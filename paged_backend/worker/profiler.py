@@ -34,7 +34,7 @@ def profile_peak_memory(model: PreTrainedModel, config: EngineConfig, device: to
     torch.cuda.reset_peak_memory_stats(device)
     cache = CacheEngine(spec, num_seqs * blocks_per_seq, block_size, device)
     cache_bytes = cache.num_blocks * spec.bytes_per_block(block_size)
-    runner = ModelRunner(model, cache, device)
+    runner = ModelRunner(model, cache, device, batch_invariant=config.model_config.batch_invariant)
     lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
     positions = torch.cat([torch.arange(n) for n in lens])  # [T]
     owner = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])  # [T]

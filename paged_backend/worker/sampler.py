@@ -19,6 +19,7 @@ import torch
 from paged_backend.core.scheduler_output import TopLogprobs
 from paged_backend.core.sequence import Sequence
 from paged_backend.kernels.greedy import greedy_tokens
+from paged_backend.worker.batch_invariant import rows_in_blocks
 
 
 @dataclass
@@ -67,10 +68,12 @@ def sampling_logprobs(
     top_p: torch.Tensor,  # [N]
     min_p: torch.Tensor,  # [N]
     filters: tuple[bool, bool, bool] | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Log-probabilities of the distribution actually sampled from; filtered tokens get -inf. [N, V]
     ``filters`` says whether any row uses min-p, top-k, top-p; the caller knows it on the host, which saves a
-    device sync per flag."""
+    device sync per flag. ``batch_invariant``: ties sorted stably, and top-p's running sums taken by fixed blocks
+    of rows (a GPU's scan picks its layout by the number of rows)."""
     vocab = logits.shape[-1]
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     logits = logits / temp[:, None]
@@ -82,13 +85,14 @@ def sampling_logprobs(
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     if use_top_k or use_top_p:
-        sorted_logits, order = logits.sort(dim=-1)  # ascending
+        sorted_logits, order = logits.sort(dim=-1, stable=batch_invariant)  # ascending
         if use_top_k:
             k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
             kth = sorted_logits.gather(1, (vocab - k).long()[:, None])  # [N, 1] k-th largest
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         if use_top_p:
-            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            probs = sorted_logits.softmax(-1)
+            cumulative = rows_in_blocks(probs, lambda rows: rows.cumsum(-1)) if batch_invariant else probs.cumsum(-1)
             drop = cumulative <= (1 - top_p)[:, None]
             drop[:, -1] = False  # always keep the most likely token
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -145,16 +149,26 @@ class Sampler:
         self, device: torch.device, seed: int, raw_logprobs: bool = True, batch_invariant: bool = False
     ) -> None:
         self.device = device
-        self.greedy_splits = 1 if batch_invariant else None  # see greedy_tokens
+        self.batch_invariant = batch_invariant
         # Reported logprobs: the model's own distribution (vLLM's default "raw_logprobs"), or the one each token
         # was drawn from. Without requested logprobs, a token's logprob (cumulative_logprob) is the drawn one's.
         self.raw_logprobs = raw_logprobs
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, V] -> [N], [N] on the device
+        """Each row's argmax and its logprob. With ``batch_invariant`` by the general path's own operations
+        (``log_softmax``, ``argmax``, ``gather``; the greedy kernel sums in another order): a greedy row's numbers
+        are then the same whichever path its batch takes."""
+        if not self.batch_invariant:
+            return greedy_tokens(logits)
+        logprobs = logits.float().log_softmax(-1)
+        tokens = logprobs.argmax(dim=-1)
+        return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
     def _greedy(self, logits: torch.Tensor) -> list[SampleResult]:
         """All-greedy batch without penalties or logprobs (the common case): argmax and its logprob, no sort."""
-        return [SampleResult(t, lp) for t, lp in zip(*to_host(*greedy_tokens(logits, self.greedy_splits)))]
+        return [SampleResult(t, lp) for t, lp in zip(*to_host(*self.greedy(logits)))]
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
@@ -201,6 +215,7 @@ class Sampler:
                 any(p.top_k > 0 for p in params if not p.greedy),
                 any(p.top_p < 1 for p in params if not p.greedy),
             ),
+            batch_invariant=self.batch_invariant,
         )  # [N, V]
         tokens = logprobs.argmax(dim=-1)  # greedy rows; random rows are overwritten below
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
