@@ -234,8 +234,9 @@ def test_a_model_assisting_itself(tokenizer, engine_first: bool) -> None:
     """A model that is its own assistant in a call that goes to HF (assisted decoding with hidden states): HF's
     generate calls the patched generate of the same model from inside, on the same thread — before the engine
     exists and after. HF's result, and no deadlock (a thread with a deadline, so a regression fails instead of
-    hanging)."""
-    model = tiny_model("llama")
+    hanging). A model of its own: run on the session's shared one, this test left later regional-compile tests
+    without a graph (cause not traced)."""
+    model = build_tiny_model("llama", vocab_size=512)
     ids = torch.tensor([PROMPTS[0]])
     kwargs = dict(max_new_tokens=6, do_sample=False, assistant_model=model)
     kwargs |= dict(return_dict_in_generate=True, output_hidden_states=True)
