@@ -231,15 +231,14 @@ def test_unsupported_calls_fall_back_to_hf(tokenizer) -> None:
 
 @pytest.mark.parametrize("engine_first", [False, True])
 def test_a_model_assisting_itself(tokenizer, engine_first: bool) -> None:
-    """A model that is its own assistant in a call that goes to HF (assisted decoding with hidden states): HF's
-    generate calls the patched generate of the same model from inside, on the same thread — before the engine
-    exists and after. HF's result, and no deadlock (a thread with a deadline, so a regression fails instead of
-    hanging). A model of its own: run on the session's shared one, this test left later regional-compile tests
-    without a graph (cause not traced)."""
-    model = build_tiny_model("llama", vocab_size=512)
+    """A model that is its own assistant in a call that goes to HF (assisted decoding of a sliding-window model):
+    HF's generate calls the patched generate of the same model from inside, on the same thread — before the
+    engine exists and after. HF's result, and no deadlock (a thread with a deadline, so a regression fails instead
+    of hanging). A model of its own: run on the session's shared one, such a test left later regional-compile
+    tests without a graph (cause not traced)."""
+    model = build_tiny_model("mistral", vocab_size=512)
     ids = torch.tensor([PROMPTS[0]])
-    kwargs = dict(max_new_tokens=6, do_sample=False, assistant_model=model)
-    kwargs |= dict(return_dict_in_generate=True, output_hidden_states=True)
+    kwargs = dict(max_new_tokens=6, do_sample=False, assistant_model=model, return_dict_in_generate=True)
     expected = unpatched(model, ids, **kwargs).sequences
     result: dict[str, torch.Tensor] = {}
     patch(model, tokenizer, **ENGINE)
@@ -257,18 +256,27 @@ def test_a_model_assisting_itself(tokenizer, engine_first: bool) -> None:
 
 def test_assisted_decoding_runs_on_the_engine(tokenizer) -> None:
     """Assisted decoding finds the model's own tokens: with an assistant model (another model, same vocabulary) or
-    prompt lookup, a one-row call runs on the engine with HF's greedy result and scores; a batch, which HF's
-    assisted decoding refuses, goes to HF, which raises."""
-    model, assistant = tiny_model("llama"), tiny_model("qwen2")
+    prompt lookup, a one-row call runs on the engine with HF's greedy result, scores, attentions and hidden states
+    (HF splits its verification forwards into steps of greedy's shapes); a batch, which HF's assisted decoding
+    refuses, goes to HF, which raises."""
+    # models of their own: eager attention (it returns weights); with the shared qwen2 as HF's assistant here,
+    # later regional-compile tests of it made more graphs (cause not traced)
+    model, assistant = build_tiny_model("llama", vocab_size=512), build_tiny_model("qwen2", vocab_size=512)
+    model.config._attn_implementation = "eager"
     ids = torch.tensor([PROMPTS[2]])
     plain = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    plain |= dict(output_attentions=True, output_hidden_states=True)
     expected = unpatched(model, ids, **plain)
     for assisted in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=2)):
         hf = unpatched(model, ids, **plain, **assisted)
         out = engine_only(model, tokenizer, ids, **plain, **assisted)
         assert torch.equal(out.sequences, hf.sequences) and torch.equal(out.sequences, expected.sequences)
-        for ours, theirs in zip(out.scores, hf.scores):
+        for ours, theirs in zip(out.scores, hf.scores, strict=True):
             torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        for name in ("attentions", "hidden_states"):
+            for mine, hfs in zip(getattr(out, name), getattr(hf, name), strict=True):
+                for a, b in zip(mine, hfs, strict=True):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     two, mask = left_padded(PROMPTS[:2])
     with patched(model, tokenizer, **ENGINE), pytest.warns(UserWarning, match="assisted decoding with a batch"):
         with pytest.raises(ValueError, match="batch_size = 1"):

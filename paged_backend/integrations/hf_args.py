@@ -176,7 +176,6 @@ def assisted_reason(model: Any, config: GenerationConfig, assistant: Any, batch_
         "a static cache": config.cache_implementation in STATIC_CACHES,
         "an assistant of another vocabulary": other_vocab,
         "layers other than full attention (a cache HF may not crop)": sliding_layers(model),
-        "attentions or hidden states": bool(config.output_attentions or config.output_hidden_states),
         "assistant_ensemble_weight": getattr(config, "assistant_ensemble_weight", None) is not None,
         "inputs_embeds": embeds,
     }
