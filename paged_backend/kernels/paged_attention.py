@@ -115,25 +115,15 @@ def _next_pow2(n: int) -> int:
 
 # Arguments that change from step to step are not specialised on (Triton would otherwise compile a new variant
 # whenever one of them becomes 1 or a multiple of 16, in the middle of serving).
-_VARYING_ARGS = [
-    "num_seqs",
-    "stride_qt",
-    "stride_qh",
-    "stride_bt",
-    "stride_os",
-    "stride_ot",
-    "stride_oh",
-    "stride_ls",
-    "stride_lt",
-    "stride_ft",
-    "stride_fh",
-]
+_VARYING_ARGS = (
+    "num_seqs stride_qt stride_qh stride_bt stride_os stride_ot stride_oh stride_ls stride_lt stride_ft stride_fh"
+)
 
 if triton is not None:
     from paged_backend.kernels.arrival import last_to_arrive
     from paged_backend.kernels.online_softmax import attend_tile, merge_slices
 
-    @triton.jit(do_not_specialize=_VARYING_ARGS)
+    @triton.jit(do_not_specialize=_VARYING_ARGS.split())
     def _paged_attention_kernel(
         out_ptr,  # [T, H, D] final, or [S, T, H, D] fp32 partials when NUM_SPLITS > 1
         lse_ptr,  # [S, T, H] fp32 (NUM_SPLITS > 1 only)
