@@ -77,13 +77,18 @@ def build_model(num_layers: int | None) -> LlamaForCausalLM:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return random_normal(model).eval()
+
+
+def random_normal(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The model's matrices drawn from normal(0, 0.02) (norm weights stay 1), no EOS in its generation config."""
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.02)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return model.eval()
+    return model
 
 
 def w1_prompts(vocab: int, num_prompts: int, seed: int = 0) -> list[list[int]]:

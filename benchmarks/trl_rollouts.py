@@ -37,7 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import versions, write_json  # noqa: E402
+from throughput import random_normal, versions, write_json  # noqa: E402
 
 import paged_backend  # noqa: E402
 
@@ -74,13 +74,7 @@ def build_policy(shape: dict[str, Any], device: torch.device) -> LlamaForCausalL
         model = LlamaForCausalLM(config)
     if device.type == "cuda":
         model = model.to(torch.bfloat16)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.02)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return random_normal(model)
 
 
 class RolloutClock:
