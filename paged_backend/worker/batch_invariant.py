@@ -9,14 +9,14 @@ So every reduction is given a shape that its own token decides:
 - On a GPU, every linear layer and every last-dimension norm runs on blocks of exactly ``GPU_ROWS`` rows (the
   last padded with zeros): one kernel for every batch, and inside it a row's sums do not depend on its
   neighbours'. The attention runs the Triton kernel's fixed-order configuration (``batch_invariant=True`` in
-  ``kernels/paged_attention.py``), and the greedy kernel reads a row in one program. Decode steps still replay
-  CUDA graphs (captured in this mode); the layers are not compiled (inductor's fused reductions choose their own
-  splits).
+  ``kernels/paged_attention.py``). Decode steps still replay CUDA graphs (captured in this mode); the layers are
+  not compiled (inductor's fused reductions choose their own splits).
 - On a CPU each row of a linear layer is computed alone (``F.linear``, the ``torch.addmm`` of GPT-2's Conv1D,
   ``torch.matmul`` by a 2-D weight) and each query attends over exactly the keys it sees, one at a time: the
   exact path, not a fast one. A CPU's row-wise reductions already run one row per thread.
 
-Elementwise work and the sampler's per-row softmax need nothing.
+Elementwise work needs nothing. The sampler (``worker/sampler.py``) gives every row its logprobs by the same
+operations whichever path its batch takes, sorts stably and takes top-p's running sums by blocks of rows.
 """
 
 from __future__ import annotations
