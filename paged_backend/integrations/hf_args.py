@@ -132,11 +132,11 @@ def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str |
 
 def padding_reason(model: Any, config: GenerationConfig, real: torch.Tensor, past: Any) -> str | None:
     """Left padding and holes (a 0 between 1s in ``attention_mask``) run on the engine: HF's positions count a row's
-    real tokens and no real token attends to a masked one, so HF's tokens are those of the row's real tokens
-    alone, which the engine decodes. Right padding does not: HF predicts the first new token at the last
-    position, a pad. Nor do holes where HF reads the masked slots: a sliding window (it spans cache slots, holes
-    included), a repetition penalty (HF's penalises the masked tokens' ids) or a passed-in cache (whose slots
-    hold the holes). None: the engine runs it."""
+    real tokens and no real token attends to a masked one, so HF's tokens are those of the row's real tokens alone,
+    which the engine decodes. Right padding does not: HF predicts the first new token at the last position, a pad,
+    and continues the row at positions counted on from that pad's. Nor do holes where HF reads the masked slots: a
+    sliding window (it spans cache slots, holes included), a repetition penalty (HF's penalises the masked tokens'
+    ids) or a passed-in cache (whose slots hold the holes). None: the engine runs it."""
     if not bool(real[:, -1].all()):
         return "attention_mask pads a row on the right (HF generates after the padding)"
     if not bool((real.cummax(dim=1).values > real).any()):
@@ -161,9 +161,9 @@ def sliding_layers(model: Any) -> bool:
 
 def assisted_reason(model: Any, config: GenerationConfig, assistant: Any, batch_size: int, embeds: bool) -> str | None:
     """Assisted decoding (an ``assistant_model``, prompt lookup, early exit) is a way of finding the model's own
-    tokens: the engine decodes them directly. What HF refuses, or runs as something else (another tokenizer's
-    assistant), or reports per accepted block (attentions, hidden states), goes to HF's ``generate``. None: the
-    engine runs it (or it is not assisted)."""
+    tokens: the engine decodes them directly (HF splits its verification forwards' attentions and hidden states
+    into greedy's steps, which the replay gives). What HF refuses, or runs as something else (another
+    tokenizer's assistant), goes to HF's ``generate``. None: the engine runs it (or it is not assisted)."""
     if assistant is None and config.prompt_lookup_num_tokens is None and config.assistant_early_exit is None:
         return None
     text = model.config.get_text_config()
