@@ -314,9 +314,9 @@ def paged_attention_triton(
     ``num_splits`` (slices of the context, decode only) defaults to :func:`choose_num_splits`, which splits only on
     a GPU that the batch leaves idle; a given number splits anywhere.
 
-    ``batch_invariant``: a query's result is the same bits whatever else its step holds: every step takes the
-    prefill tiles, one context slice and the mask on every key tile (whether a tile is masked depends on the
-    tile's first query, so on the prompt's chunking, and an unmasked tile may compile to other instructions).
+    ``batch_invariant``: a query's result is the same bits whatever its step holds: every step takes the decode
+    tiles (decode dominates generation), one context slice and the mask on every key tile (whether a tile is
+    masked depends on its first query, so on the chunking; an unmasked tile may compile to other instructions).
 
     bf16 queries over an fp8 cache run their dots in fp16: fp8 converts to fp16 in one instruction and to bf16
     only through fp32, which made the fp8 kernel slower than the bf16 one. fp16 holds every fp8 value and the
@@ -339,7 +339,7 @@ def paged_attention_triton(
         num_splits = choose_num_splits(num_seqs, num_tokens, num_kv_heads, query.device)
     g_pad = _next_pow2(queries_per_kv)
     dim_pad = _next_pow2(head_dim)
-    block_q, block_n, tuning = _tiles(num_tokens == num_seqs and not batch_invariant, g_pad, dim_pad)
+    block_q, block_n, tuning = _tiles(num_tokens == num_seqs or batch_invariant, g_pad, dim_pad)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     if num_splits > 1:
         partial = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
