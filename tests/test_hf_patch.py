@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 
@@ -393,6 +394,39 @@ def test_attentions_and_hidden_states_are_hfs(tokenizer, arch: str, use_cache: b
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_attentions_with_a_passed_in_or_static_cache(tokenizer, arch: str) -> None:
+    """Attentions and hidden states of a call that continues from a passed-in cache (step 0's queries are the
+    tokens the cache does not hold) and, for Llama, of a static-cache call (weights over all its slots): HF's."""
+    from paged_backend.integrations.hf_outputs import _CACHE_FIELD
+
+    model = build_tiny_model(arch, vocab_size=512)  # its own: eager attention, which returns weights
+    model.config._attn_implementation = "eager"
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, pad_token_id=PAD)
+    first = unpatched(model, ids, attention_mask=mask, **kwargs)
+    full = torch.cat([mask, torch.ones(len(PROMPTS), 4, dtype=mask.dtype)], 1)
+    details = dict(kwargs, output_attentions=True, output_hidden_states=True)
+    calls = [
+        (first.sequences, dict(details, attention_mask=full, past_key_values=getattr(first, _CACHE_FIELD))),
+    ]
+    if arch == "llama":
+        calls.append((ids, dict(details, attention_mask=mask, cache_implementation="static")))
+    for inputs, call in calls:
+
+        def fresh(call: dict = call) -> dict:  # each run extends its own copy of a passed-in cache
+            return {k: copy.deepcopy(v) if k == "past_key_values" else v for k, v in call.items()}
+
+        expected = unpatched(model, inputs, **fresh())
+        out = engine_only(model, tokenizer, inputs, **fresh())
+        assert torch.equal(out.sequences, expected.sequences)
+        for name in ("attentions", "hidden_states"):
+            for mine, hf in zip(getattr(out, name), getattr(expected, name), strict=True):
+                for a, b in zip(mine, hf, strict=True):
+                    assert a.shape == b.shape
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_hf_argument_edge_cases_as_hf(tokenizer) -> None:
     """Accept what HF accepts (a negative EOS id, which never matches, with HF's warning; top_p=0, which keeps
     the most likely token; top_p above 1, which filters nothing), raise what HF raises (do_sample with
@@ -408,6 +442,8 @@ def test_hf_argument_edge_cases_as_hf(tokenizer) -> None:
     assert wide.shape == (len(PROMPTS), ids.shape[1] + 4)
     dynamic = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="dynamic")
     assert torch.equal(engine_only(model, tokenizer, ids, **dynamic), unpatched(model, ids, **dynamic))
+    every = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, logits_to_keep=0)  # all positions' logits
+    assert torch.equal(engine_only(model, tokenizer, ids, **every), unpatched(model, ids, **every))
     with patched(model, tokenizer, **ENGINE):
         with pytest.raises(ValueError, match=r"`temperature` \(=0.0\) has to be a strictly positive float"):
             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, temperature=0.0)
@@ -539,7 +575,6 @@ def test_continue_from_a_passed_in_cache(tokenizer, arch: str) -> None:
     generates again from its sequences with the returned cache. The engine imports the cache's keys and values
     into its blocks (it does not recompute them: a cache whose values were scaled gives HF's output for that
     cache, not the model's own) and extends the cache in place as HF does."""
-    import copy
 
     from paged_backend.integrations.hf_outputs import _CACHE_FIELD
 

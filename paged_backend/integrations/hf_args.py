@@ -102,6 +102,7 @@ OBJECT_ARGUMENTS = (
 )
 _MODEL_KWARGS = {"attention_mask", "tokenizer", "use_cache", "inputs_embeds", "past_key_values", "cache"}
 _MODEL_KWARGS |= {"output_attentions", "output_hidden_states"}  # also in the config, honoured there
+_MODEL_KWARGS |= {"logits_to_keep"}  # which positions' logits the forward computes: generate reads the last only
 
 
 def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
@@ -122,11 +123,10 @@ def unsupported(config: GenerationConfig, model_kwargs: dict[str, Any]) -> str |
     if extra:
         return f"model arguments {extra}"
     passed = model_kwargs.get("cache", model_kwargs.get("past_key_values")) is not None
-    details = config.output_attentions or config.output_hidden_states
-    if static_cache_call(config) and (passed or details):  # HF refuses a cache with a cache_implementation
-        return (
-            f"cache_implementation={config.cache_implementation!r} with a passed-in cache, attentions or hidden states"
-        )
+    if static_cache_call(config) and passed:  # HF refuses a cache with a cache_implementation
+        return f"cache_implementation={config.cache_implementation!r} with a passed-in cache"
+    if passed and config.use_cache is False:
+        return "a passed-in cache with use_cache=False"
     return None
 
 
@@ -303,8 +303,7 @@ def plan_call(
     eos = eos_token_ids(config)
     rows = [row[m.bool()] for row, m in zip(prompt, mask)]
     past = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    details = config.output_attentions or config.output_hidden_states  # hf_replay's slices assume no passed cache
-    allowed = embeds is None and (config.num_return_sequences or 1) == 1 and not details
+    allowed = embeds is None and (config.num_return_sequences or 1) == 1
     prompt_kv = cache_rows(model, past, pads.tolist(), width, allowed)
     if isinstance(prompt_kv, str):
         return prompt_kv
@@ -349,7 +348,7 @@ def cache_rows(
     if past is None:
         return [None] * len(pads)
     if not allowed:
-        return "a passed-in cache with inputs_embeds, num_return_sequences > 1, output_attentions or hidden states"
+        return "a passed-in cache with inputs_embeds or num_return_sequences > 1"
     layers = getattr(past, "layers", None)
     full = isinstance(layers, list) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
     if not full or not layers or len(layers) != model.config.get_text_config().num_hidden_layers:

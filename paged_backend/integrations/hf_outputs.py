@@ -82,9 +82,9 @@ def hf_replay(
     asks for them, each step's attentions and hidden states. The forwards have the shapes of HF's steps where it
     matters: with a cache, one over the prompt (step 0, whose padding queries see no key) and one over the new
     tokens; without, one per step (each step's padding queries spread evenly over that step's keys). Equal to
-    HF's up to the rounding of one forward against HF's step-by-step ones. With the cache the caller passed
-    (``past``; never with attentions or hidden states), that cache is extended in place past its own tokens, as
-    HF's ``generate`` leaves it."""
+    HF's up to the rounding of one forward against HF's step-by-step ones. ``past``: the cache the caller passed,
+    extended in place past its own tokens as HF's ``generate`` leaves it (step 0's queries are then the tokens it
+    does not hold), or the empty static cache HF would have made (whose attention weights span all its slots)."""
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(new.shape)], dim=1)[:, :-1]
     prepare = getattr(model, "_prepare_position_ids_for_generation", None)  # HF's own where it has one
     if callable(prepare):
@@ -101,15 +101,17 @@ def hf_replay(
     def forward(start: int, end: int, cache: Any = None) -> Any:
         return _forward(model, tokens[:, start:end], mask[:, :end], positions[:, start:end], cache, config)
 
+    start = 0 if past is None else int(past.get_seq_length())
     if not details:
-        start = 0 if past is None else int(past.get_seq_length())
         return Replay(_cache_of(forward(start, tokens.shape[1], past)), None, None)
     if config is not None and config.use_cache is False:
         outs = [forward(0, width + t) for t in range(steps)]
         return _details(config, [(out, slice(None), None) for out in outs], None)
-    first = forward(0, width)
+    first = forward(start, width, past)
     rest = forward(width, tokens.shape[1], _cache_of(first)) if steps > 1 else None
-    parts = [(first, slice(None), width)] + [(rest, slice(t - 1, t), width + t) for t in range(1, steps)]
+    static = type(past).__name__ == "StaticCache"  # its weights span every slot, as HF's
+    parts = [(first, slice(None), None if static else width)]
+    parts += [(rest, slice(t - 1, t), None if static else width + t) for t in range(1, steps)]
     return _details(config, parts, _cache_of(rest if rest is not None else first))
 
 
