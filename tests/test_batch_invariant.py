@@ -182,23 +182,37 @@ def test_blocks_of_rows_compute_what_the_ops_do() -> None:
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the GPU's kernels pick their order by shape")
 def test_a_rows_products_and_norms_are_the_same_in_any_batch_on_a_gpu() -> None:
-    """Each of 3 rows gives the same bits alone, among 37 rows and among 600 (blocks of GPU_ROWS), through the
-    linear layer and the RMSNorm's mean of the mode (bf16, an 8B model's widths)."""
+    """Rows in every position of a block (first, middle, last, past the first block) give the same bits alone and
+    among 37, 256, 512 and 600 rows (blocks of GPU_ROWS, full and padded), through the mode's linear layers (an
+    8B model's MLP and LM-head widths; with a bias, as Qwen's projections have), the RMSNorm's mean and a
+    LayerNorm (bf16)."""
     import torch
     import torch.nn.functional as F
 
     from paged_backend.worker.batch_invariant import BatchInvariantMode
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    weight = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    rows = torch.randn(600, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
-    picks = [0, 5, 36]
+
+    def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * scale
+
+    mlp, head, qkv, bias = draw(14336, 4096, scale=0.02), draw(128256, 4096, scale=0.02), draw(6144, 4096), draw(6144)
+    norm_weight, norm_bias = draw(4096), draw(4096)
+    rows = draw(600, 4096)
+    ops = (
+        lambda x: F.linear(x, mlp),
+        lambda x: F.linear(x, head),
+        lambda x: F.linear(x, qkv, bias),
+        lambda x: x.float().pow(2).mean(-1, keepdim=True),
+        lambda x: F.layer_norm(x, (4096,), norm_weight, norm_bias, 1e-5),
+    )
+    picks = [0, 100, 130, 255, 256, 300, 511, 599]
     with BatchInvariantMode():
-        for op in (lambda x: F.linear(x, weight), lambda x: x.float().pow(2).mean(-1, keepdim=True)):
-            alone = [op(rows[i : i + 1]) for i in picks]
-            for batch in (rows[:37], rows):
-                out = op(batch)
-                assert all(torch.equal(out[i : i + 1], a) for i, a in zip(picks, alone))
+        for op in ops:
+            alone = {i: op(rows[i : i + 1]) for i in picks}
+            for size in (37, 256, 512, 600):
+                out = op(rows[:size])
+                assert all(torch.equal(out[i : i + 1], alone[i]) for i in picks if i < size), (op, size)
 
 
 def test_the_gpu_path_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
