@@ -444,6 +444,13 @@ def test_hf_argument_edge_cases_as_hf(tokenizer) -> None:
     assert torch.equal(engine_only(model, tokenizer, ids, **dynamic), unpatched(model, ids, **dynamic))
     every = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, logits_to_keep=0)  # all positions' logits
     assert torch.equal(engine_only(model, tokenizer, ids, **every), unpatched(model, ids, **every))
+    # no input ids: HF starts from its BOS token (and raises without one, through its own generate)
+    assert torch.equal(engine_only(model, tokenizer, max_new_tokens=6), unpatched(model, max_new_tokens=6))
+    no_bos = build_tiny_model("llama", vocab_size=512)
+    no_bos.config.bos_token_id = no_bos.generation_config.bos_token_id = None
+    with patched(no_bos, tokenizer, **ENGINE), pytest.warns(UserWarning, match="no input ids"):
+        with pytest.raises(ValueError, match="bos_token_id"):
+            no_bos.generate(max_new_tokens=6)
     with patched(model, tokenizer, **ENGINE):
         with pytest.raises(ValueError, match=r"`temperature` \(=0.0\) has to be a strictly positive float"):
             model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, temperature=0.0)

@@ -272,9 +272,15 @@ def plan_call(
     if reason is not None:
         return reason
     embeds = model_kwargs.get("inputs_embeds")
+    if input_ids is None and embeds is None:  # HF starts from its BOS token, by its own function
+        start = getattr(model, "_maybe_initialize_input_ids_for_generation", None)
+        try:
+            input_ids = start(None, config.bos_token_id, model_kwargs) if callable(start) else None
+        except ValueError as exc:  # HF's generate raises it again
+            return f"no input ids: {exc}"
     prompt = embeds if embeds is not None else input_ids
     if embeds is not None and input_ids is not None and config.repetition_penalty != 1:
-        return "inputs_embeds with output_scores, or with input_ids and repetition_penalty"
+        return "inputs_embeds with input_ids and repetition_penalty"
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != (3 if embeds is not None else 2) or not prompt.numel():
         return "input_ids must be a 2-D tensor of token ids [batch, length] (inputs_embeds: [batch, length, hidden])"
     reason = assisted_reason(model, config, assistant, prompt.shape[0], embeds is not None)
