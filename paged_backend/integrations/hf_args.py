@@ -273,6 +273,8 @@ def plan_call(
         return reason
     embeds = model_kwargs.get("inputs_embeds")
     if input_ids is None and embeds is None:  # HF starts from its BOS token, by its own function
+        if any(isinstance(value, torch.Tensor) for value in model_kwargs.values()):
+            return "no input ids, with tensor arguments (HF takes its batch size from them)"
         start = getattr(model, "_maybe_initialize_input_ids_for_generation", None)
         try:
             input_ids = start(None, config.bos_token_id, model_kwargs) if callable(start) else None
