@@ -1,11 +1,10 @@
 """Runs one scheduled step — a single ``[1, T]`` forward of the user's HF model, or a multi-step round of greedy
 decode forwards — and samples the tokens of the sequences that sample (``execute_model``).
 
-On CUDA (unless ``enforce_eager``; not with ``batch_invariant``) the decoder layer is compiled once with
-``torch.compile`` (dynamic token and sequence dimensions; our attention and cache write stay opaque custom ops; see
-``worker/compile.py``) and decode-only steps replay CUDA graphs. The compile's warm-up has several sequences,
-tokens and logit rows: a dimension of size 1 would make dynamo specialise on it. Steps of one token (the CUDA graph
-bucket of 1) get a second graph of their own.
+On CUDA (unless ``enforce_eager``; not with ``batch_invariant``) the decoder layer is compiled once (dynamic token
+and sequence dimensions; our attention and cache write stay opaque custom ops; ``worker/compile.py``) and decode
+steps replay CUDA graphs. The compile's warm-up has several sequences, tokens and logit rows: a dimension of size 1
+would make dynamo specialise on it (the CUDA graph bucket of 1 gets a second graph of its own).
 """
 
 from __future__ import annotations
@@ -74,15 +73,13 @@ class ModelRunner:
         logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
-        self.batch_invariant = batch_invariant
         if batch_invariant:
             check_batch_invariant_supported(model, device)
+        self.batch_invariant = batch_invariant
         self.cache_engine = cache_engine
         self.device = device
         self.lora_manager = lora_manager
-        self.sampler = Sampler(
-            device, seed, raw_logprobs=logprobs_mode == "raw_logprobs", batch_invariant=batch_invariant
-        )
+        self.sampler = Sampler(device, seed, logprobs_mode == "raw_logprobs", batch_invariant)
         self.block_size = cache_engine.block_size
         self.switch = PagedAttentionSwitch(model, cache_engine.kv_caches, cache_engine.kv_scales)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -96,7 +93,7 @@ class ModelRunner:
         # Block-table width at least 2: a compiled dimension of size 1 would be specialised on.
         self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
         if device.type == "cuda" and not enforce_eager:
-            if not batch_invariant:  # inductor's fused reductions choose their own splits (worker/batch_invariant.py)
+            if not batch_invariant:  # inductor's fused reductions pick their own splits (worker/batch_invariant.py)
                 self.compile()
             self.capture_graphs()
         # After the warm-ups: the first real step (a prefill: nothing decodes before one) sets the fp8 scales.
