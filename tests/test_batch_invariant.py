@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from paged_backend import LLM, SamplingParams
 from tests.conftest import assert_idle, tiny_model
@@ -215,6 +216,7 @@ def test_a_rows_products_and_norms_are_the_same_in_any_batch_on_a_gpu() -> None:
                 assert all(torch.equal(out[i : i + 1], alone[i]) for i in picks if i < size), (op, size)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's path; gpu_check.py --paths runs the GPU's")
 def test_the_gpu_path_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU's fixed-order path driven on the CPU: linear layers and norms on blocks of 8 rows, the attention
     through the Triton kernel's invariant configuration (in the interpreter). Alone, beside others and chunked:
