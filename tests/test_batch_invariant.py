@@ -153,7 +153,7 @@ def test_blocks_of_rows_compute_what_the_ops_do() -> None:
     import torch
     import torch.nn.functional as F
 
-    from paged_backend.worker.batch_invariant import norm_by_blocks, rows_in_blocks
+    from paged_backend.worker.batch_invariant import norm_by_blocks, product_in_blocks, rows_in_blocks
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 11, 16, generator=gen)
@@ -161,6 +161,12 @@ def test_blocks_of_rows_compute_what_the_ops_do() -> None:
     out = rows_in_blocks(x, lambda rows: F.linear(rows, weight, bias), 4)
     assert out.shape == (2, 11, 5)
     torch.testing.assert_close(out, F.linear(x, weight, bias))
+    strided = torch.randn(11, 32, generator=gen)[:, ::2]  # copied to a contiguous buffer first
+    for rows, b in [(x, bias), (x, None), (x[:, :8], bias), (x[:1, :3], bias), (strided, None)]:  # 22, 16, 3 rows
+        torch.testing.assert_close(product_in_blocks(rows, weight.t(), b, 4), F.linear(rows, weight, b))
+    trained = weight.clone().requires_grad_()  # a trainer's forward keeps its gradient
+    product_in_blocks(x, trained.t(), bias, 4).sum().backward()
+    torch.testing.assert_close(trained.grad, x.reshape(-1, 16).sum(0).expand(5, 16))
     for func, args, kwargs in [
         (torch.Tensor.mean, (x, -1), {"keepdim": True}),
         (torch.Tensor.mean, (x, -1, True), {}),

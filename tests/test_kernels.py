@@ -255,3 +255,21 @@ def test_batch_invariant_attention(dtype: torch.dtype, sliding_window: int | Non
                     assert torch.equal(out[offset + j], first), f"position {p + j} in layout {layout}"
             offset += n
     assert len(seen) == 150
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32] if DEVICE.type == "cuda" else DTYPES)
+@pytest.mark.parametrize("cols", [1, 7, 4096, 5000])  # one column, below a block, exactly one, a looped tail
+def test_row_mean_kernel_equals_its_twin(dtype: torch.dtype, cols: int) -> None:
+    """The mean over the last dimension (keepdim, in the input's dtype), contiguous and strided rows, any leading
+    shape; a row's bits are the same alone and among others."""
+    from paged_backend.kernels.row_mean import row_mean_torch, row_mean_triton
+
+    gen = torch.Generator().manual_seed(cols)
+    x = (torch.randn(3, 5, cols, generator=gen) + 1).to(DEVICE, dtype)
+    for rows in (x, torch.cat([x, x], dim=-1)[..., :cols], x.transpose(0, 1)):
+        got = row_mean_triton(rows)
+        assert got.shape == (*rows.shape[:-1], 1) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), row_mean_torch(rows).float(), rtol=1e-3, atol=1e-5)
+    alone = row_mean_triton(x[1, 2:3])
+    assert torch.equal(row_mean_triton(x)[1, 2:3], alone)
+    assert row_mean_triton(x[:0]).shape == (0, 5, 1)

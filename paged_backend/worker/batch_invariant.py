@@ -6,11 +6,12 @@ and so the order it sums in, by its number of rows; a row-wise reduction (a norm
 over more threads when rows are few; the attention's reference twin pads each group's contexts to the longest.
 So every reduction is given a shape that its own token decides:
 
-- On a GPU, every linear layer and every last-dimension norm runs on blocks of exactly ``GPU_ROWS`` rows (the
-  last padded with zeros): one kernel for every batch, and inside it a row's sums do not depend on its
-  neighbours'. The attention runs the Triton kernel's fixed-order configuration (``batch_invariant=True`` in
-  ``kernels/paged_attention.py``). Decode steps still replay CUDA graphs (captured in this mode); the layers are
-  not compiled (inductor's fused reductions choose their own splits).
+- On a GPU, every linear layer runs on blocks of exactly ``GPU_ROWS`` rows (the last padded with zeros): one
+  kernel for every batch, and inside it a row's sums do not depend on its neighbours'. A norm's ``mean(-1)``
+  runs ``kernels/row_mean.py`` (one program a row, an order set by the row's length); ``layer_norm`` and
+  ``rms_norm`` run on blocks of rows too. The attention runs the Triton kernel's fixed-order configuration
+  (``batch_invariant=True`` in ``kernels/paged_attention.py``). Decode steps still replay CUDA graphs (captured
+  in this mode); the layers are not compiled (inductor's fused reductions choose their own splits).
 - On a CPU each row of a linear layer is computed alone (``F.linear``, the ``torch.addmm`` of GPT-2's Conv1D,
   ``torch.matmul`` by a 2-D weight) and each query attends over exactly the keys it sees, one at a time: the
   exact path, not a fast one. A CPU's row-wise reductions already run one row per thread.
@@ -30,7 +31,13 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, PretrainedConfig
 
+from paged_backend.kernels import triton
+from paged_backend.kernels.row_mean import row_mean_triton
+
 GPU_ROWS = 256  # a decode step's rows at the default max_num_seqs fit one block; prefill fills blocks whole
+
+
+ROW_MEAN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the row-mean kernel reads
 
 
 def block_rows(x: torch.Tensor) -> int:
@@ -49,6 +56,35 @@ def rows_in_blocks(
         flat = torch.cat([flat, flat.new_zeros((-n) % block, flat.shape[1])])
     out = torch.cat([product(rows) for rows in flat.split(block)])[:n]
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def product_in_blocks(
+    x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None = None, block: int | None = None
+) -> torch.Tensor:
+    """``x`` [..., K] @ ``matrix`` [K, N] (+ ``bias``) by blocks of ``block`` rows (default: ``block_rows(x)``),
+    where that is more than one (a CPU's rows go through ``rows_in_blocks`` one at a time). Each block is a view
+    of ``x`` (made contiguous and 16-byte aligned) written straight into its rows of one fresh output; only the
+    last partial block is copied, to pad it with zeros. Every block reaches the kernel with the same shape,
+    strides and alignment."""
+    block = block or block_rows(x)
+    flat = x.reshape(-1, x.shape[-1])
+    if not flat.is_contiguous() or flat.data_ptr() % 16:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    n = flat.shape[0]
+    blocks = list(flat[: n - n % block].split(block)) if n >= block else []  # (splitting no rows gives one block)
+    if n % block:
+        blocks.append(torch.cat([flat[n - n % block :], flat.new_zeros((-n) % block, flat.shape[1])]))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, matrix, bias)):
+        # a trainer's forward: ``out=`` has no gradient, so each block's product is its own tensor
+        products = [torch.addmm(bias, rows, matrix) if bias is not None else rows @ matrix for rows in blocks]
+        return torch.cat(products)[:n].view(*x.shape[:-1], matrix.shape[1])
+    out = torch.empty(len(blocks) * block, matrix.shape[1], dtype=flat.dtype, device=flat.device)
+    for rows, rows_out in zip(blocks, out.split(block)):
+        if bias is None:
+            torch.mm(rows, matrix, out=rows_out)
+        else:
+            torch.addmm(bias, rows, matrix, out=rows_out)
+    return out[:n].view(*x.shape[:-1], matrix.shape[1])
 
 
 def _last_dim(x: torch.Tensor, dim: object) -> bool:
@@ -72,7 +108,10 @@ def norm_by_blocks(
         if "out" in kwargs:
             return None
         rest = {k: v for k, v in kwargs.items() if k not in ("dim", "keepdim")}
-        out = rows_in_blocks(x, lambda rows: func(rows, -1, keepdim=True, **rest), block)
+        if x.is_cuda and triton is not None and not rest and x.dtype in ROW_MEAN_DTYPES:
+            out = row_mean_triton(x)
+        else:
+            out = rows_in_blocks(x, lambda rows: func(rows, -1, keepdim=True, **rest), block)
         return out if keepdim else out.squeeze(-1)
     if func in (F.layer_norm, F.rms_norm):
         shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
@@ -95,7 +134,6 @@ def check_batch_invariant_supported(model: torch.nn.Module, device: torch.device
     vector loads shift with each fp32 row's address, so a row sums in an order set by its index) and no Triton
     (the fixed-order attention is a Triton kernel)."""
     from paged_backend.config import FieldError
-    from paged_backend.kernels import triton
     from paged_backend.quantization.awq import AWQLinear
     from paged_backend.quantization.fp8 import FP8Linear
 
@@ -136,13 +174,19 @@ class BatchInvariantMode(TorchFunctionMode):
         if func is F.linear and len(args) >= 2 and args[0].numel():
             weight = args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if block_rows(args[0]) > 1:
+                return product_in_blocks(args[0], weight.t(), bias)
             return rows_in_blocks(args[0], lambda row: F.linear(row, weight, bias))
         if func is torch.addmm and not kwargs and len(args) == 3 and args[1].numel():
             bias, x, weight = args
+            if block_rows(x) > 1:
+                return product_in_blocks(x, weight, bias)
             return rows_in_blocks(x, lambda row: torch.addmm(bias, row, weight))
         if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and not kwargs and len(args) == 2:
             x, weight = args
             if isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 2 and x.numel():
+                if block_rows(x) > 1:
+                    return product_in_blocks(x, weight)
                 return rows_in_blocks(x, lambda row: torch.matmul(row, weight))
         return func(*args, **kwargs)
 
