@@ -63,12 +63,12 @@ def product_in_blocks(
 ) -> torch.Tensor:
     """``x`` [..., K] @ ``matrix`` [K, N] (+ ``bias``) by blocks of ``block`` rows (default: ``block_rows(x)``),
     where that is more than one (a CPU's rows go through ``rows_in_blocks`` one at a time). Each block is a view
-    of ``x`` (made contiguous and 16-byte aligned) written straight into its rows of one fresh output; only the
+    of ``x`` (made contiguous and 256-byte aligned) written straight into its rows of one fresh output; only the
     last partial block is copied, to pad it with zeros. Every block reaches the kernel with the same shape,
     strides and alignment."""
     block = block or block_rows(x)
     flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_contiguous() or flat.data_ptr() % 16:
+    if not flat.is_contiguous() or flat.data_ptr() % 256:  # torch tells cuBLAS alignments up to 256 bytes
         flat = flat.clone(memory_format=torch.contiguous_format)
     n = flat.shape[0]
     blocks = list(flat[: n - n % block].split(block)) if n >= block else []  # (splitting no rows gives one block)
