@@ -108,3 +108,23 @@ def test_a_model_made_under_inference_mode_runs(tokenizer) -> None:
     assert all(param.is_inference() for param in model.parameters())
     (out,) = llm.generate({"prompt_token_ids": [1, 5, 9]}, GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(model, [1, 5, 9], 8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # GPT-2's dropout layers are live in train mode
+def test_a_model_left_in_train_mode_generates_as_in_eval_mode(tokenizer, arch: str) -> None:
+    """A trainer leaves its policy in train mode between steps: the engine's steps still run as inference (no
+    dropout: HF ``generate``'s output in eval mode), the compiled layers are not traced again for the flag, and
+    the model is left in train mode."""
+    model = fresh_model(tokenizer, arch).eval()
+    prompts = ragged_prompts(4, seed=5)
+    expected = [hf_greedy(model, p, 8) for p in prompts]
+    graphs: list = []
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_model_len=128)
+    llm.llm_engine.executor.model_runner.compile(capturing_backend(graphs))
+    traced = len(graphs)
+    model.train()
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert [out.outputs[0].token_ids for out in outs] == expected
+    assert len(graphs) == traced
+    assert all(m.training for m in model.modules())

@@ -141,7 +141,9 @@ def check_model_supported(model: PreTrainedModel | type[PreTrainedModel], config
 class PagedAttentionSwitch:
     """Routes the model's attention to us only inside ``with switch:``, so the user's own ``generate`` on the
     same model object keeps its original attention implementation, and hands every module with a ``layer_idx``
-    its layer's KV cache for that time. Configs and modules are collected once."""
+    its layer's KV cache for that time. Configs and modules are collected once. A model left in train mode (a
+    trainer's, between its steps) runs in eval mode inside: our steps are inference (no dropout), and compiled
+    layers, traced in eval mode, are not traced again for the flag."""
 
     def __init__(
         self,
@@ -161,7 +163,9 @@ class PagedAttentionSwitch:
                 self.layer_caches.append((m, kv_caches[layer_idx]))
                 if kv_scales is not None:
                     self.layer_scales.append((m, kv_scales[layer_idx]))
+        self.model = model
         self.previous: list[str | None] = []
+        self.training: list[torch.nn.Module] = []
         self.depth = 0
 
     def __enter__(self) -> None:
@@ -169,6 +173,9 @@ class PagedAttentionSwitch:
         if self.depth > 1:  # already switched: re-entering is a no-op
             return
         self.previous = [c._attn_implementation_internal for c in self.configs]
+        self.training = [m for m in self.model.modules() if m.training] if self.model.training else []
+        for module in self.training:
+            module.training = False
         for c in self.configs:
             c._attn_implementation_internal = ATTN_IMPLEMENTATION
         for module, kv_cache in self.layer_caches:
@@ -182,6 +189,8 @@ class PagedAttentionSwitch:
             return
         for c, previous in zip(self.configs, self.previous):
             c._attn_implementation_internal = previous
+        for module in self.training:
+            module.training = True
         for module, _ in self.layer_caches:
             module.__dict__.pop(KV_CACHE_ATTR, None)
             module.__dict__.pop(KV_SCALE_ATTR, None)
