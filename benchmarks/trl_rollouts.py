@@ -13,7 +13,7 @@ sides), over the steps after the first (its call compiles and captures graphs: a
 prompts, never counted). Each step's rollouts come from that step's weights (the engine reads the parameters
 the optimizer updates in place; ``tests/test_trl.py`` checks it on a CPU).
 
-    python benchmarks/trl_rollouts.py --json benchmarks/results/h200_trl.json
+    python benchmarks/trl_rollouts.py --json benchmarks/results/h200_trl.json --plot docs/images/h200_trl.png
 
 ``--tiny`` runs a two-layer, small-vocabulary model on any device, to check the script.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import random
 import statistics
@@ -169,6 +170,25 @@ def run_backend(backend: str, args: argparse.Namespace, shape: dict[str, Any], d
     return result
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Rollout tokens/s per backend (calls after the first), each bar labelled with its ratio to TRL's default."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rollouts = {name: r["rollout_tok_s"] for name, r in results["rollouts"].items()}
+    fig, ax = plt.subplots(figsize=(5, 3.8))
+    bars = ax.bar(list(rollouts), list(rollouts.values()), color=["#888", "#bbb", "#2a7"][: len(rollouts)])
+    base = rollouts.get("trl")
+    ax.bar_label(bars, labels=[f"{v:,.0f}" + (f" ({v / base:.1f}x)" if base else "") for v in rollouts.values()])
+    ax.set_ylabel("rollout tokens/s")
+    ax.margins(y=0.12)
+    ax.set_title(f"GRPO rollouts, Llama-3.2-1B shape, bf16\n{results['machine']}, {results['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
@@ -179,7 +199,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of the GPU")
     parser.add_argument("--tiny", action="store_true", help="a two-layer model: check the script on any device")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the rollout figures here")
+    parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this results file")
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        loaded: dict[str, Any] = json.loads(args.replot.read_text())
+        if args.plot is not None:
+            plot(loaded, args.plot)
+        return loaded
     backends = args.backends.split(",")
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
@@ -201,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             logger.exception("%s failed", backend)
             results.setdefault("errors", {})[backend] = f"{type(exc).__name__}: {exc}"
         write_json(args.json, results)
+    if args.plot is not None:
+        plot(results, args.plot)
     return results
 
 
