@@ -10,6 +10,7 @@ import torch
 
 from paged_backend import LLM, SamplingParams
 from tests.conftest import assert_idle, tiny_model
+from tests.fixtures.tiny_models import build_tiny_model
 
 RNG = random.Random(0)
 TARGET = [RNG.randrange(1, 500) for _ in range(37)]
@@ -224,11 +225,11 @@ def test_a_rows_products_and_norms_are_the_same_in_any_batch_on_a_gpu() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's path; gpu_check.py --paths runs the GPU's")
 def test_the_gpu_path_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPU's fixed-order path driven on the CPU: linear layers and norms on blocks of 8 rows, the attention
-    through the Triton kernel's invariant configuration (in the interpreter). Alone, beside others and chunked:
-    the same tokens and logprobs — the engine hands every kind of step (a decode, a chunk, a mixed step) to the
-    kernels in their invariant form. The target's context passes 64 keys, where the kernel's decode and prefill
-    tiles would sum differently."""
+    """The GPU's fixed-order path driven on the CPU: linear layers on blocks of 8 rows, the RMSNorms and the
+    attention through their Triton kernels (the attention's invariant configuration; in the interpreter). Alone,
+    beside others and chunked: the same tokens and logprobs — the engine hands every kind of step (a decode, a
+    chunk, a mixed step) to the kernels in their invariant form. The target's context passes 64 keys, where the
+    kernel's decode and prefill tiles would sum differently."""
     from paged_backend.kernels.paged_attention import paged_attention_triton
     from paged_backend.worker import attention, batch_invariant
 
@@ -240,8 +241,36 @@ def test_the_gpu_path_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         )  # fmt: skip
 
     monkeypatch.setattr(batch_invariant, "block_rows", lambda x: 8)
+    monkeypatch.setattr(batch_invariant, "invariant_rms_norms", lambda model, _: batch_invariant.llama_rms_norms(model))
     monkeypatch.setattr(attention, "exact_attention", invariant_kernel)
     target = [random.Random(1).randrange(1, 500) for _ in range(90)]
     alone = target_output("llama", [], GREEDY, target)
     assert target_output("llama", OTHERS[:7], GREEDY, target) == alone
     assert target_output("llama", OTHERS[:12], GREEDY, target, max_num_batched_tokens=16, max_num_seqs=8) == alone
+
+
+def test_the_llama_rms_norms_are_found_and_swapped_only_inside_the_mode() -> None:
+    """HF Llama's RMSNorm and its copies (Qwen3's q/k norms too) are found by their code; GPT-2's LayerNorm, a norm
+    whose forward differs (Gemma's) and one whose forward a subclass overrides are not. Inside the mode the found
+    ones run the kernel; on leaving, their own forward is back."""
+    import torch.nn as nn
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from paged_backend.kernels.rms_norm import rms_norm_torch
+    from paged_backend.worker.batch_invariant import BatchInvariantMode, llama_rms_norms
+
+    class Scaled(LlamaRMSNorm):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(hidden_states)
+
+    layers = {"llama": 2 * 2 + 1, "qwen3": 4 * 2 + 1, "mistral": 2 * 2 + 1, "gpt2": 0, "gemma2": 0}
+    for arch, count in layers.items():
+        assert len(llama_rms_norms(build_tiny_model(arch, vocab_size=512))) == count, arch
+    model = nn.Sequential(LlamaRMSNorm(16, eps=1e-5), Scaled(16))
+    norms = llama_rms_norms(model)
+    assert norms == [model[0]]
+    x = torch.randn(3, 16) * 4
+    with torch.no_grad(), BatchInvariantMode(norms):
+        assert "forward" in model[0].__dict__
+        torch.testing.assert_close(model[0](x), rms_norm_torch(x, model[0].weight, 1e-5))
+    assert "forward" not in model[0].__dict__ and not any("forward" in m.__dict__ for m in model)

@@ -273,3 +273,29 @@ def test_row_mean_kernel_equals_its_twin(dtype: torch.dtype, cols: int) -> None:
     alone = row_mean_triton(x[1, 2:3])
     assert torch.equal(row_mean_triton(x)[1, 2:3], alone)
     assert row_mean_triton(x[:0]).shape == (0, 5, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32] if DEVICE.type == "cuda" else DTYPES)
+@pytest.mark.parametrize("cols", [7, 4096, 5000])  # below a block, exactly one, a looped tail
+def test_rms_norm_kernel_equals_its_twin(dtype: torch.dtype, cols: int) -> None:
+    """HF's RMSNorm in one kernel: its twin's values (HF's own module's), a weight of the input's dtype or fp32
+    (the result's dtype promoted, as HF's product gives), contiguous and strided rows; a row's bits are the same
+    alone and among others."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from paged_backend.kernels.rms_norm import rms_norm_torch, rms_norm_triton
+
+    gen = torch.Generator().manual_seed(cols)
+    x = (torch.randn(3, 5, cols, generator=gen) * 3).to(DEVICE, dtype)
+    module = LlamaRMSNorm(cols, eps=1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(cols, generator=gen))
+    torch.testing.assert_close(rms_norm_torch(x, module.weight, 1e-5), module(x), rtol=0, atol=0)
+    for weight in (module.weight.detach(), module.weight.detach().float()):
+        for rows in (x, torch.cat([x, x], dim=-1)[..., :cols]):
+            got = rms_norm_triton(rows, weight, 1e-5)
+            expected = rms_norm_torch(rows, weight, 1e-5)
+            assert got.shape == rows.shape and got.dtype == expected.dtype
+            torch.testing.assert_close(got, expected, rtol=2e-2 if dtype == torch.bfloat16 else 2e-3, atol=1e-4)
+    assert torch.equal(rms_norm_triton(x, module.weight, 1e-5)[1, 2:3], rms_norm_triton(x[1, 2:3], module.weight, 1e-5))
+    assert rms_norm_triton(x[:0], module.weight, 1e-5).shape == (0, 5, cols)

@@ -7,11 +7,12 @@ over more threads when rows are few; the attention's reference twin pads each gr
 So every reduction is given a shape that its own token decides:
 
 - On a GPU, every linear layer runs on blocks of exactly ``GPU_ROWS`` rows (the last padded with zeros): one
-  kernel for every batch, and inside it a row's sums do not depend on its neighbours'. A norm's ``mean(-1)``
-  runs ``kernels/row_mean.py`` (one program a row, an order set by the row's length); ``layer_norm`` and
-  ``rms_norm`` run on blocks of rows too. The attention runs the Triton kernel's fixed-order configuration
-  (``batch_invariant=True`` in ``kernels/paged_attention.py``). Decode steps still replay CUDA graphs (captured
-  in this mode); the layers are not compiled (inductor's fused reductions choose their own splits).
+  kernel for every batch, and inside it a row's sums do not depend on its neighbours'. HF Llama's RMSNorm (and
+  its copies) runs ``kernels/rms_norm.py``, any other norm's ``mean(-1)`` ``kernels/row_mean.py``: one program a
+  row, an order set by the row's length. ``layer_norm`` and ``rms_norm`` run on blocks of rows too. The
+  attention runs the Triton kernel's fixed-order configuration (``batch_invariant=True`` in
+  ``kernels/paged_attention.py``). Decode steps still replay CUDA graphs (captured in this mode); the layers are
+  not compiled (inductor's fused reductions choose their own splits).
 - On a CPU each row of a linear layer is computed alone (``F.linear``, the ``torch.addmm`` of GPT-2's Conv1D,
   ``torch.matmul`` by a 2-D weight) and each query attends over exactly the keys it sees, one at a time: the
   exact path, not a fast one. A CPU's row-wise reductions already run one row per thread.
@@ -23,6 +24,7 @@ operations whichever path its batch takes, sorts stably and takes top-p's runnin
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface, PretrainedConfig
 
 from paged_backend.kernels import triton
+from paged_backend.kernels.rms_norm import rms_norm_triton
 from paged_backend.kernels.row_mean import row_mean_triton
 
 GPU_ROWS = 256  # a decode step's rows at the default max_num_seqs fit one block; prefill fills blocks whole
@@ -159,9 +162,63 @@ def check_batch_invariant_supported(model: torch.nn.Module, device: torch.device
         raise FieldError("batch_invariant", "batch_invariant on a GPU needs triton (its attention kernel)")
 
 
+def _same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
+    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if code_a is None or code_b is None:
+        return False
+    return (code_a.co_code, code_a.co_consts, code_a.co_names) == (code_b.co_code, code_b.co_consts, code_b.co_names)
+
+
+def llama_rms_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's RMSNorm modules whose ``forward`` is HF Llama's, code for code (Mistral's, Qwen2's, Qwen3's and
+    the other copies are), with a weight over the last dimension: those ``kernels/rms_norm.py`` computes."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return [
+        m for m in model.modules() if _same_code(type(m).forward, LlamaRMSNorm.forward) and _norm_parts(m) is not None
+    ]
+
+
+def invariant_rms_norms(model: torch.nn.Module, device: torch.device) -> list[torch.nn.Module]:
+    """The norms ``batch_invariant`` runs as one kernel each: ``llama_rms_norms`` on a GPU, none on a CPU (its
+    exact path computes a row's norm alone already)."""
+    return llama_rms_norms(model) if device.type == "cuda" else []
+
+
+def _norm_parts(module: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
+    """An RMSNorm module's weight (1-D) and epsilon, or ``None`` where it lacks either."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(eps, float):
+        return weight, eps
+    return None
+
+
+def fused_rms_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A ``llama_rms_norms`` module's forward as one kernel (its weight read at each call: live weights)."""
+    parts = _norm_parts(module)
+    if parts is None:
+        raise TypeError(f"{type(module).__name__} lost its RMSNorm weight or epsilon")
+    return rms_norm_triton(hidden_states, *parts)
+
+
 class BatchInvariantMode(TorchFunctionMode):
     """Inside: linear layers (and on a GPU the norms) computed by fixed blocks of rows (see the module's
-    docstring)."""
+    docstring); ``rms_norms`` (``llama_rms_norms``' modules, on a GPU) run ``kernels/rms_norm.py`` instead of
+    their own forward, which is put back on leaving."""
+
+    def __init__(self, rms_norms: list[torch.nn.Module] | None = None) -> None:
+        super().__init__()
+        self.rms_norms = rms_norms or []
+
+    def __enter__(self) -> BatchInvariantMode:
+        for module in self.rms_norms:
+            module.__dict__["forward"] = functools.partial(fused_rms_norm, module)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for module in self.rms_norms:
+            module.__dict__.pop("forward", None)
+        super().__exit__(*exc)
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

@@ -27,9 +27,9 @@ from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
+from paged_backend.worker import batch_invariant as invariance
 from paged_backend.worker.async_output import AsyncModelRunnerOutput, PendingRound, ReadyOutput
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
-from paged_backend.worker.batch_invariant import BatchInvariantMode, check_batch_invariant_supported
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
@@ -74,8 +74,9 @@ class ModelRunner:
     ) -> None:
         self.model = model
         if batch_invariant:
-            check_batch_invariant_supported(model, device)
+            invariance.check_batch_invariant_supported(model, device)
         self.batch_invariant = batch_invariant
+        self.rms_norms = invariance.invariant_rms_norms(model, device) if batch_invariant else []
         self.cache_engine = cache_engine
         self.device = device
         self.lora_manager = lora_manager
@@ -189,7 +190,7 @@ class ModelRunner:
         return self.regions if self.regions is not None else contextlib.nullcontext()
 
     def _invariant(self) -> contextlib.AbstractContextManager[object]:
-        return BatchInvariantMode() if self.batch_invariant else contextlib.nullcontext()
+        return invariance.BatchInvariantMode(self.rms_norms) if self.batch_invariant else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ the step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
