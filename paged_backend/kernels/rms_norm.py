@@ -34,7 +34,7 @@ if triton is not None:
             x = x.to(tl.float32)
             acc += x * x
         variance = tl.div_rn(tl.sum(acc, axis=0), n_cols.to(tl.float32))
-        rstd = tl.div_rn(1.0, tl.sqrt_rn(variance + eps))
+        rstd = tl.rsqrt(variance + eps)
         for start in range(0, n_cols, BLOCK):
             mask = start + offsets < n_cols
             x = tl.load(x_ptr + row * stride_x + start + offsets, mask=mask, other=0.0)
