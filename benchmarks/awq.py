@@ -1,6 +1,7 @@
 """AWQ int4 on one GPU: the decode GEMMs as the engine runs them, against their twin and cuBLAS bf16 (graph-timed),
-then W1 and W2 on the Llama-3-8B shape quantized in the AWQ layout (group 128, round to nearest: quality is
-irrelevant to speed), beside the same engine in bf16 and HF ``generate`` in bf16.
+then W1 and W2 on the Llama-3-8B shape quantized in the AWQ layout and as a compressed-tensors W4A16 checkpoint
+(``ct_w4a16.py``; both group 128, round to nearest: quality is irrelevant to speed), beside the same engine in
+bf16 and HF ``generate`` in bf16.
 
 Weights: the architecture's own random init (normal(0, 0.02)) in bf16, made on the GPU; the AWQ checkpoint is
 written from them (``write_checkpoint``) and loaded back through the engine's AWQ loader.
@@ -39,6 +40,9 @@ from paged_backend.kernels.awq_gemm import awq_gemm, awq_gemm_torch  # noqa: E40
 from paged_backend.model_loader.dummy import dummy_model  # noqa: E402
 from paged_backend.quantization.awq_quantize import write_checkpoint  # noqa: E402
 from paged_backend.quantization.rtn import pack_linear  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ct_w4a16 import write_ct_w4a16  # noqa: E402
 
 logger = logging.getLogger("benchmarks.awq")
 
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     w1 = w1_prompts(config.vocab_size, args.num_prompts)
     w2 = [one_prompt(config.vocab_size, 128, seed=1)]
     with tempfile.TemporaryDirectory() as tmp:
-        dense_dir, awq_dir = Path(tmp) / "bf16", Path(tmp) / "awq"
+        dense_dir, awq_dir, ct_dir = Path(tmp) / "bf16", Path(tmp) / "awq", Path(tmp) / "ct_w4a16"
         config.save_pretrained(dense_dir)
         model = dummy_model(config, torch.bfloat16, torch.device("cuda"), seed=0)
         model.generation_config.eos_token_id = None
@@ -134,11 +138,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         outs, seconds = run_hf(model, w2, args.max_tokens)
         results["hf_generate_bf16_w2"] = tokens_per_second(outs, seconds)
         write_checkpoint(model, str(awq_dir), GROUP)
+        write_ct_w4a16(model, ct_dir, GROUP)
         del model
         release_engine("HF")
         for name, path, kwargs in (
             ("paged_bf16", dense_dir, {"load_format": "dummy"}),
             ("paged_awq", awq_dir, {"quantization": "awq", "dtype": "bfloat16"}),
+            ("paged_ct_w4a16", ct_dir, {"dtype": "bfloat16"}),  # detected from its config, like AWQ's
         ):
             llm = LLM(str(path), skip_tokenizer_init=True, **kwargs)
             entry: dict[str, Any] = {"weight_gb": weight_bytes(llm.llm_engine.model) / 1e9}
@@ -160,8 +166,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             del llm
             release_engine(name)
             save()
-    dense, quantized = results["paged_bf16"], results["paged_awq"]
+    dense, quantized, ct = results["paged_bf16"], results["paged_awq"], results["paged_ct_w4a16"]
     results["ratios"] = {
+        "w2_ct_w4a16_over_awq": ct["w2"] / quantized["w2"],
+        "w1_ct_w4a16_over_awq": ct["w1"] / quantized["w1"],
         "w2_awq_over_bf16": quantized["w2"] / dense["w2"],
         "w1_awq_over_bf16": quantized["w1"] / dense["w1"],
         "weight_memory_awq_over_bf16": quantized["weight_gb"] / dense["weight_gb"],
@@ -181,27 +189,24 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    engines = {"paged bf16": "paged_bf16", "paged AWQ": "paged_awq", "paged CT\nW4A16": "paged_ct_w4a16"}
+
+    def of(key: str) -> dict[str, float]:
+        return {label: results[name][key] for label, name in engines.items() if name in results}
+
     panels = [
-        ("W1, output tok/s", {"paged bf16": results["paged_bf16"]["w1"], "paged AWQ": results["paged_awq"]["w1"]}),
-        (
-            "W2, tok/s",
-            {
-                "hf generate\nbf16": results["hf_generate_bf16_w2"],
-                "paged bf16": results["paged_bf16"]["w2"],
-                "paged AWQ": results["paged_awq"]["w2"],
-            },
-        ),
-        (
-            "weights, GB",
-            {"paged bf16": results["paged_bf16"]["weight_gb"], "paged AWQ": results["paged_awq"]["weight_gb"]},
-        ),
+        ("W1, output tok/s", of("w1")),
+        ("W2, tok/s", {"hf generate\nbf16": results["hf_generate_bf16_w2"], **of("w2")}),
+        ("weights, GB", of("weight_gb")),
     ]
     for ax, (title, values) in zip(axes, panels):
         colors = ["#888" if n.startswith("hf") else "#4c72b0" if "bf16" in n else "#dd8452" for n in values]
+        colors = [c if "CT" not in n else "#55a868" for c, n in zip(colors, values)]
         bars = ax.bar(list(values), list(values.values()), color=colors)
         ax.bar_label(bars, fmt="%.1f")
         ax.set_title(title, fontsize=10)
-    fig.suptitle(f"{results['machine']}, Llama-3-8B shape, AWQ int4 (group {GROUP}) vs bf16", fontsize=10)
+    title = f"{results['machine']}, Llama-3-8B shape, int4 (group {GROUP}, AWQ and compressed-tensors) vs bf16"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
