@@ -274,3 +274,33 @@ def test_the_llama_rms_norms_are_found_and_swapped_only_inside_the_mode() -> Non
         assert "forward" in model[0].__dict__
         torch.testing.assert_close(model[0](x), rms_norm_torch(x, model[0].weight, 1e-5))
     assert "forward" not in model[0].__dict__ and not any("forward" in m.__dict__ for m in model)
+    with BatchInvariantMode(norms):  # nested: the inner entry leaves the outer one's kernel in place
+        with BatchInvariantMode(norms):
+            pass
+        assert "forward" in model[0].__dict__
+        x.requires_grad_()  # autograd on: the module's own forward, which records the ops
+        model[0](x).sum().backward()
+        assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+    patched = LlamaRMSNorm(16)
+    patched.forward = lambda hidden_states: hidden_states  # an instance's own forward (a hook, a patch) is kept
+    assert llama_rms_norms(patched) == []
+    with BatchInvariantMode([patched]):
+        assert patched(x) is x
+    assert patched(x) is x
+
+
+def test_blocks_of_rows_under_autocast_give_autocast_dtypes() -> None:
+    """Under autocast the blocks' products run as autocast runs ``F.linear`` (``out=`` would skip it), with or
+    without autograd."""
+    import torch.nn.functional as F
+
+    from paged_backend.worker.batch_invariant import product_in_blocks
+
+    x, weight = torch.randn(11, 16), torch.randn(5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = F.linear(x, weight)
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                got = product_in_blocks(x, weight.t(), None, 4)
+            assert got.dtype == expected.dtype == torch.bfloat16
+            torch.testing.assert_close(got, expected)

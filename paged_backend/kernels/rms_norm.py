@@ -1,9 +1,10 @@
 """RMSNorm in one kernel, with each row summed by one program in an order set by the row's length alone.
 
 ``batch_invariant=True`` runs the layers eagerly, where HF's RMSNorm is seven kernels over fp32 copies of the
-activations; this is one pass to sum the squares and one to scale, with HF's roundings (normalised in fp32,
-rounded to the input's dtype, then multiplied by the weight). Like ``row_mean.py``, a row's sum adds fixed
-chunks of ``BLOCK`` columns and then sums them once: the same bits for one row or a hundred thousand.
+activations; this is one pass to sum the squares and one to scale, rounding where HF rounds (normalised in
+fp32, rounded to the input's dtype, then multiplied by the weight) but summing in its own order. Like
+``row_mean.py``, a row's sum adds fixed chunks of ``BLOCK`` columns and then sums them once: the same bits for
+one row or a hundred thousand.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ if triton is not None:
         for start in range(0, n_cols, BLOCK):
             mask = start + offsets < n_cols
             acc += tl.load(x_ptr + row * stride_row + start + offsets, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.div_rn(tl.sum(acc, axis=0), n_cols.to(tl.float32))  # IEEE division, as torch divides
+        mean = tl.div_rn(tl.sum(acc, axis=0), n_cols.to(tl.float32))  # IEEE division
         tl.store(out_ptr + row, mean.to(out_ptr.dtype.element_ty))
 
 

@@ -77,8 +77,8 @@ def product_in_blocks(
     blocks = list(flat[: n - n % block].split(block)) if n >= block else []  # (splitting no rows gives one block)
     if n % block:
         blocks.append(torch.cat([flat[n - n % block :], flat.new_zeros((-n) % block, flat.shape[1])]))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, matrix, bias)):
-        # a trainer's forward: ``out=`` has no gradient, so each block's product is its own tensor
+    if _needs_grad(flat, matrix, bias) or torch.is_autocast_enabled(flat.device.type):
+        # a trainer's forward: ``out=`` has no gradient and autocast skips it, so each block is its own product
         products = [torch.addmm(bias, rows, matrix) if bias is not None else rows @ matrix for rows in blocks]
         return torch.cat(products)[:n].view(*x.shape[:-1], matrix.shape[1])
     out = torch.empty(len(blocks) * block, matrix.shape[1], dtype=flat.dtype, device=flat.device)
@@ -88,6 +88,11 @@ def product_in_blocks(
         else:
             torch.addmm(bias, rows, matrix, out=rows_out)
     return out[:n].view(*x.shape[:-1], matrix.shape[1])
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an op on ``tensors`` (the kernels and ``out=`` have no gradient)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _last_dim(x: torch.Tensor, dim: object) -> bool:
@@ -111,8 +116,8 @@ def norm_by_blocks(
         if "out" in kwargs:
             return None
         rest = {k: v for k, v in kwargs.items() if k not in ("dim", "keepdim")}
-        if x.is_cuda and triton is not None and not rest and x.dtype in ROW_MEAN_DTYPES:
-            out = row_mean_triton(x)
+        if x.is_cuda and triton is not None and not rest and x.dtype in ROW_MEAN_DTYPES and not _needs_grad(x):
+            out = row_mean_triton(x)  # (no gradient: a trainer's forward takes the blocks below)
         else:
             out = rows_in_blocks(x, lambda rows: func(rows, -1, keepdim=True, **rest), block)
         return out if keepdim else out.squeeze(-1)
@@ -175,7 +180,11 @@ def llama_rms_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     return [
-        m for m in model.modules() if _same_code(type(m).forward, LlamaRMSNorm.forward) and _norm_parts(m) is not None
+        m
+        for m in model.modules()
+        if _same_code(type(m).forward, LlamaRMSNorm.forward)
+        and _norm_parts(m) is not None
+        and "forward" not in m.__dict__  # a forward set on the instance (a hook, a patch) is not HF's
     ]
 
 
@@ -194,10 +203,13 @@ def _norm_parts(module: torch.nn.Module) -> tuple[torch.Tensor, float] | None:
 
 
 def fused_rms_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A ``llama_rms_norms`` module's forward as one kernel (its weight read at each call: live weights)."""
+    """A ``llama_rms_norms`` module's forward as one kernel (its weight read at each call: live weights); its own
+    forward where autograd must see the ops."""
     parts = _norm_parts(module)
     if parts is None:
         raise TypeError(f"{type(module).__name__} lost its RMSNorm weight or epsilon")
+    if _needs_grad(hidden_states, parts[0]):
+        return type(module).forward(module, hidden_states)
     return rms_norm_triton(hidden_states, *parts)
 
 
@@ -209,15 +221,19 @@ class BatchInvariantMode(TorchFunctionMode):
     def __init__(self, rms_norms: list[torch.nn.Module] | None = None) -> None:
         super().__init__()
         self.rms_norms = rms_norms or []
+        self.swapped: list[torch.nn.Module] = []  # the norms this entry swapped, to put back on leaving
 
     def __enter__(self) -> BatchInvariantMode:
-        for module in self.rms_norms:
+        # A module whose instance already has a forward (an enclosing mode's, or anyone's) keeps it.
+        self.swapped = [m for m in self.rms_norms if "forward" not in m.__dict__]
+        for module in self.swapped:
             module.__dict__["forward"] = functools.partial(fused_rms_norm, module)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        for module in self.rms_norms:
+        for module in self.swapped:
             module.__dict__.pop("forward", None)
+        self.swapped = []
         super().__exit__(*exc)
 
     def __torch_function__(
