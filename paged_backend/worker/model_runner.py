@@ -49,7 +49,7 @@ from paged_backend.worker.weights import WeightAddresses
 
 logger = logging.getLogger(__name__)
 
-# Compiled once on this batch: every dimension above 1 (a size-1 dimension would be specialised on).
+# Compiled once on this batch: every dimension above 1, the graphs' block-table width too (size 1 is specialised on).
 _WARMUP_Q_LENS = [4, 2, 1]
 _WARMUP_CONTEXT_LENS = [4, 2, 1]
 _WARMUP_LOGITS_INDICES = [3, 6]
@@ -91,7 +91,6 @@ class ModelRunner:
         self._last_round: tuple[torch.Tensor, list[int]] | None = None  # its tokens [K, B] and rows' steps
         self._round_parity = 0  # which half of the graphs' staging buffers the last round used
         self.calibrate_kv_scales = False  # the warm-ups below never calibrate
-        # Block-table width at least 2: a compiled dimension of size 1 would be specialised on.
         self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
         if device.type == "cuda" and not enforce_eager:
             if not batch_invariant:  # inductor's fused reductions pick their own splits (worker/batch_invariant.py)
