@@ -192,6 +192,7 @@ def check_invariance(llm: LLM, vocab: int, max_tokens: int) -> dict[str, Any]:
     }
 
 
+@torch.inference_mode()  # HF forwards without autograd: its saved activations took GBs beside the engine
 def check_agreement(llm: LLM, model, vocab: int, num_tokens: int = 32) -> dict[str, Any]:
     """Greedy outputs of 8 prompts against HF ``generate``. bf16 rounding differs between kernels, so besides
     exact matches we report top-1 agreement: the share of the engine's tokens that are also HF's argmax when HF

@@ -266,10 +266,11 @@ def test_the_llama_rms_norms_are_found_and_swapped_only_inside_the_mode() -> Non
     layers = {"llama": 2 * 2 + 1, "qwen3": 4 * 2 + 1, "mistral": 2 * 2 + 1, "gpt2": 0, "gemma2": 0}
     for arch, count in layers.items():
         assert len(llama_rms_norms(build_tiny_model(arch, vocab_size=512))) == count, arch
-    model = nn.Sequential(LlamaRMSNorm(16, eps=1e-5), Scaled(16))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: on the GPU, else in the interpreter
+    model = nn.Sequential(LlamaRMSNorm(16, eps=1e-5), Scaled(16)).to(device)
     norms = llama_rms_norms(model)
     assert norms == [model[0]]
-    x = torch.randn(3, 16) * 4
+    x = torch.randn(3, 16, device=device) * 4
     with torch.no_grad(), BatchInvariantMode(norms):
         assert "forward" in model[0].__dict__
         torch.testing.assert_close(model[0](x), rms_norm_torch(x, model[0].weight, 1e-5))
@@ -281,7 +282,7 @@ def test_the_llama_rms_norms_are_found_and_swapped_only_inside_the_mode() -> Non
         x.requires_grad_()  # autograd on: the module's own forward, which records the ops
         model[0](x).sum().backward()
         assert x.grad is not None and bool(x.grad.abs().sum() > 0)
-    patched = LlamaRMSNorm(16)
+    patched = LlamaRMSNorm(16).to(device)
     patched.forward = lambda hidden_states: hidden_states  # an instance's own forward (a hook, a patch) is kept
     assert llama_rms_norms(patched) == []
     with BatchInvariantMode([patched]):
