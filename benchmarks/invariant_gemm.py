@@ -98,7 +98,7 @@ def ways(num_streams: tuple[int, ...]) -> dict[str, Callable[[torch.Tensor, torc
     for s in num_streams:
         streams = [torch.cuda.Stream() for _ in range(s)]
         found[f"streams_{s}"] = lambda x, w, streams=streams: streams_product(x, w.t(), streams)
-    for bm, bn, warps, stages in ((128, 256, 8, 3), (128, 128, 4, 4), (128, 128, 8, 3)):
+    for bm, bn, warps, stages in ((128, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 4), (64, 256, 8, 3), (64, 64, 4, 4)):
         found[f"triton_{bm}x{bn}_w{warps}s{stages}"] = lambda x, w, c=(bm, bn, warps, stages): triton_mm(x, w, *c)
     return found
 
@@ -109,11 +109,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192, help="rows of the prefill step")
-    parser.add_argument("--streams", default="2,4", help="stream counts to try")
+    parser.add_argument("--streams", default="", help="stream counts to try (comma list)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     results: dict[str, dict[str, object]] = {}
-    all_ways = ways(tuple(int(s) for s in args.streams.split(",")))
+    all_ways = ways(tuple(int(s) for s in args.streams.split(",") if s))
     for name, (k, n) in SHAPES.items():
         x = torch.randn(args.tokens, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             row[f"{way}_tflops"] = 2 * args.tokens * k * n / row[way] / 1e9
             row[f"{way}_invariant"] = bool(torch.equal(full[:GPU_ROWS], alone))
             row[f"{way}_max_err"] = float((full.float() - (x.float() @ w.float().t())).abs().max())
-        logger.info("%s %s", name, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+        times = " ".join(f"{way}={row[way]:.3f}" for way in all_ways)
+        varying = [way for way in all_ways if not row[f"{way}_invariant"]]
+        logger.info("%d rows, %s, ms: %s; rows varying with the batch: %s", args.tokens, name, times, varying)
     layer = {way: sum(results[p][way] * c for p, c in PER_LAYER.items()) for way in all_ways}  # type: ignore[misc]
     logger.info("one layer's seven linears, ms: %s", json.dumps({k: round(v, 3) for k, v in layer.items()}))
     out = {"tokens": args.tokens, "projections": results, "layer_ms": layer}
