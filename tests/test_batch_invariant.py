@@ -305,3 +305,66 @@ def test_blocks_of_rows_under_autocast_give_autocast_dtypes() -> None:
                 got = product_in_blocks(x, weight.t(), None, 4)
             assert got.dtype == expected.dtype == torch.bfloat16
             torch.testing.assert_close(got, expected)
+
+
+def test_packed_siblings_run_as_one_product_each() -> None:
+    """With q/k/v and gate/up packed (as the GPU's engine packs them), the mode computes each group once: the
+    first projection's call makes the group's product, its siblings' calls on the same input take their slice
+    (``invariant_siblings.py``). The result equals separate products; a sibling called on another input is
+    computed alone; nothing waits after the mode is left."""
+    import torch.nn.functional as F
+
+    from paged_backend.worker.batch_invariant import BatchInvariantMode
+    from paged_backend.worker.fuse_linears import pack
+    from paged_backend.worker.invariant_siblings import SiblingProducts
+
+    model = build_tiny_model("qwen2", vocab_size=512)  # q/k/v with biases
+    layers = model.model.layers
+    groups = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for modules in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            weights = [m.weight for m in modules]
+            biases = [m.bias for m in modules] if modules[0].bias is not None else None
+            for tensors in (weights, biases or []):
+                if tensors:
+                    pack(tensors)
+            groups.append((weights, biases))
+    assert groups[0][1] is not None  # the biases' group is exercised
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3, 250]])
+    siblings = SiblingProducts(groups)
+    with torch.no_grad():
+        reference = model(ids).logits
+        with BatchInvariantMode(siblings=siblings):
+            fused = model(ids).logits
+        assert siblings.hits == 3 * len(layers)  # k, v and up, from their group's product
+        assert not siblings.pending
+        torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)  # (products of other shapes)
+        attn = layers[0].self_attn
+        x, other = torch.randn(3, attn.q_proj.in_features), torch.randn(3, attn.q_proj.in_features)
+        with BatchInvariantMode(siblings=siblings):
+            attn.q_proj(x)
+            torch.testing.assert_close(attn.k_proj(other), F.linear(other, attn.k_proj.weight, attn.k_proj.bias))
+        assert siblings.hits == 3 * len(layers)
+
+
+def test_the_runner_packs_siblings_for_the_mode() -> None:
+    """On a GPU the runner's set-up packs q/k/v and gate/up by a dynamo trace run outside the mode, then keeps the
+    layers eager; driven by hand here: the groups are found, the steps use them, a request alone and beside others
+    gets the same tokens and logprobs, and those tokens are HF's."""
+    from tests.conftest import capturing_backend, hf_greedy
+
+    model = build_tiny_model("llama", vocab_size=512)
+    llm = LLM(model, batch_invariant=True, block_size=4, max_model_len=128)
+    runner = llm.llm_engine.executor.model_runner
+    runner.compile(capturing_backend([]))
+    assert runner.regions is None and runner.siblings is not None
+    assert len(runner.siblings) == 2 * model.config.num_hidden_layers
+    runs = []
+    for others in ([], OTHERS[:7]):
+        prompts = [{"prompt_token_ids": p} for p in [TARGET, *others]]
+        out = llm.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0]
+        runs.append((list(out.token_ids), [{t: e.logprob for t, e in entry.items()} for entry in out.logprobs]))
+    assert runner.siblings.hits > 0
+    assert runs[0] == runs[1]
+    assert runs[0][0] == hf_greedy(model, TARGET, GREEDY.max_tokens)

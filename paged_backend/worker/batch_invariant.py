@@ -9,7 +9,8 @@ So every reduction is given a shape that its own token decides:
 - On a GPU, every linear layer runs on blocks of exactly ``GPU_ROWS`` rows (the last padded with zeros): one
   kernel for every batch, and inside it a row's sums do not depend on its neighbours'. HF Llama's RMSNorm (and
   its copies) runs ``kernels/rms_norm.py``, any other norm's ``mean(-1)`` ``kernels/row_mean.py``: one program a
-  row, an order set by the row's length. ``layer_norm`` and ``rms_norm`` run on blocks of rows too. The
+  row, an order set by the row's length. ``layer_norm`` and ``rms_norm`` run on blocks of rows too.
+  Packed sibling projections (q/k/v, gate/up) run as one product a group (``invariant_siblings.py``). The
   attention runs the Triton kernel's fixed-order configuration (``batch_invariant=True`` in
   ``kernels/paged_attention.py``). Decode steps still replay CUDA graphs (captured in this mode); the layers are
   not compiled (inductor's fused reductions choose their own splits).
@@ -36,6 +37,7 @@ from transformers import AttentionInterface, PretrainedConfig
 from paged_backend.kernels import triton
 from paged_backend.kernels.rms_norm import rms_norm_triton
 from paged_backend.kernels.row_mean import row_mean_triton
+from paged_backend.worker.invariant_siblings import SiblingProducts
 
 GPU_ROWS = 256  # a decode step's rows at the default max_num_seqs fit one block; prefill fills blocks whole
 
@@ -216,11 +218,12 @@ def fused_rms_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torc
 class BatchInvariantMode(TorchFunctionMode):
     """Inside: linear layers (and on a GPU the norms) computed by fixed blocks of rows (see the module's
     docstring); ``rms_norms`` (``llama_rms_norms``' modules, on a GPU) run ``kernels/rms_norm.py`` instead of
-    their own forward, which is put back on leaving."""
+    their own forward, which is put back on leaving; ``siblings``' packed groups run as one product each."""
 
-    def __init__(self, rms_norms: list[torch.nn.Module] | None = None) -> None:
+    def __init__(self, rms_norms: list[torch.nn.Module] | None = None, siblings: SiblingProducts | None = None) -> None:
         super().__init__()
         self.rms_norms = rms_norms or []
+        self.siblings = siblings
         self.swapped: list[torch.nn.Module] = []  # the norms this entry swapped, to put back on leaving
 
     def __enter__(self) -> BatchInvariantMode:
@@ -234,6 +237,8 @@ class BatchInvariantMode(TorchFunctionMode):
         for module in self.swapped:
             module.__dict__.pop("forward", None)
         self.swapped = []
+        if self.siblings is not None:
+            self.siblings.clear()
         super().__exit__(*exc)
 
     def __torch_function__(
@@ -247,6 +252,9 @@ class BatchInvariantMode(TorchFunctionMode):
         if func is F.linear and len(args) >= 2 and args[0].numel():
             weight = args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            fused = None if self.siblings is None else self.siblings.product(args[0], weight, bias, product_in_blocks)
+            if fused is not None:
+                return fused
             if block_rows(args[0]) > 1:
                 return product_in_blocks(args[0], weight.t(), bias)
             return rows_in_blocks(args[0], lambda row: F.linear(row, weight, bias))

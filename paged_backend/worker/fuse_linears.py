@@ -249,12 +249,17 @@ class PackingBackend:
     def __init__(self, layers: list[nn.Module]) -> None:
         self.layers = layers
         self.deferred: list[list[torch.Tensor]] = []
+        # Each layer's packed groups: (weights, biases or None), in call order; one entry per group and layer.
+        self.packed: dict[tuple[int, ...], tuple[list[nn.Parameter], list[nn.Parameter] | None]] = {}
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         for group in find_sibling_groups(gm, self.layers[0]):
             for layer in self.layers:
                 for paths in _parameter_lists(group):
                     pack([layer.get_parameter(p) for p in paths])
+                weights = [layer.get_parameter(p) for p in group.weights]
+                biases = None if group.biases is None else [layer.get_parameter(p) for p in group.biases]
+                self.packed[tuple(map(id, weights))] = (weights, biases)
         for quantized in find_quantized_groups(gm, self.layers[0]):
             for layer in self.layers:
                 for tensors in _quantized_siblings(layer, quantized.modules, quantized.op):

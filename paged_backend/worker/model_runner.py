@@ -1,10 +1,11 @@
 """Runs one scheduled step — a single ``[1, T]`` forward of the user's HF model, or a multi-step round of greedy
 decode forwards — and samples the tokens of the sequences that sample (``execute_model``).
 
-On CUDA (unless ``enforce_eager``; not with ``batch_invariant``) the decoder layer is compiled once (dynamic token
-and sequence dimensions; our attention and cache write stay opaque custom ops; ``worker/compile.py``) and decode
-steps replay CUDA graphs. The compile's warm-up has several sequences, tokens and logit rows: a dimension of size 1
-would make dynamo specialise on it (the CUDA graph bucket of 1 gets a second graph of its own).
+On CUDA (unless ``enforce_eager``) the decoder layer is compiled once (dynamic token and sequence dimensions; our
+attention and cache write stay opaque custom ops; ``worker/compile.py``; with ``batch_invariant`` its sibling
+projections are only packed: ``worker/invariant_siblings.py``) and decode steps replay CUDA graphs. The compile's
+warm-up has several sequences, tokens and logit rows: a dimension of size 1 would make dynamo specialise on it
+(the CUDA graph bucket of 1 gets a second graph of its own).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
+from paged_backend.worker.invariant_siblings import SiblingProducts
 from paged_backend.worker.prompt_logprobs import prompt_logprobs
 from paged_backend.worker.sampler import Sampler
 from paged_backend.worker.step_inputs import (
@@ -77,9 +79,7 @@ class ModelRunner:
             invariance.check_batch_invariant_supported(model, device)
         self.batch_invariant = batch_invariant
         self.rms_norms = invariance.invariant_rms_norms(model, device) if batch_invariant else []
-        self.cache_engine = cache_engine
-        self.device = device
-        self.lora_manager = lora_manager
+        self.cache_engine, self.device, self.lora_manager = cache_engine, device, lora_manager
         self.sampler = Sampler(device, seed, logprobs_mode == "raw_logprobs", batch_invariant)
         self.block_size = cache_engine.block_size
         self.switch = PagedAttentionSwitch(model, cache_engine.kv_caches, cache_engine.kv_scales)
@@ -92,9 +92,9 @@ class ModelRunner:
         self._round_parity = 0  # which half of the graphs' staging buffers the last round used
         self.calibrate_kv_scales = False  # the warm-ups below never calibrate
         self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
+        self.siblings: SiblingProducts | None = None  # batch_invariant's packed sibling projections
         if device.type == "cuda" and not enforce_eager:
-            if not batch_invariant:  # inductor's fused reductions pick their own splits (worker/batch_invariant.py)
-                self.compile()
+            self.compile()
             self.capture_graphs()
         # After the warm-ups: the first real step (a prefill: nothing decodes before one) sets the fp8 scales.
         self.calibrate_kv_scales = calculate_kv_scales and cache_engine.kv_scales is not None
@@ -112,9 +112,7 @@ class ModelRunner:
             with torch.inference_mode(), self.switch, self._compiled(), self._invariant():
                 self.graphs.capture()
         except Exception as exc:  # noqa: BLE001 - steps still run, without graphs
-            logger.warning(
-                "CUDA graph capture failed (%s: %s); decode steps run without graphs", type(exc).__name__, exc
-            )
+            logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
             self.graphs = None
 
     def sleep(self) -> None:
@@ -133,7 +131,8 @@ class ModelRunner:
 
     def record_weights(self) -> None:
         """Where the parameters are now, when packed projections or CUDA graphs will read them there."""
-        self.weights = WeightAddresses(self.model) if self.regions is not None or self.graphs is not None else None
+        packed = self.regions is not None or self.siblings is not None
+        self.weights = WeightAddresses(self.model) if packed or self.graphs is not None else None
 
     # ------------------------------------------------------------------ set-up
     def compile(self, backend: str | CompilerFn = "inductor") -> None:
@@ -151,6 +150,10 @@ class ModelRunner:
                 self.regions = RegionalCompile(layers, packer)
                 self.run(self._warmup_inputs())
                 packer.finish()
+                if self.batch_invariant:  # inductor's fused reductions pick their own splits: layers stay eager
+                    self.regions, self.siblings = None, SiblingProducts(packer.packed.values())
+                    logger.info("%d groups of sibling projections packed for batch_invariant", len(self.siblings))
+                    return
                 self.regions = RegionalCompile(layers, backend)
                 self.run(self._warmup_inputs())
             if self.device.type == "cuda":
@@ -161,13 +164,10 @@ class ModelRunner:
             logger.warning("torch.compile failed (%s: %s); running the model eagerly", type(exc).__name__, exc)
             self.regions = None
             return
+        regions, seconds = self.regions, time.perf_counter() - start
         logger.info(
             "compiled %s into %d graph(s) shared by %d layers (%d groups of sibling projections fused) in %.1f s",
-            type(layers[0]).__name__,
-            self.regions.num_graphs,
-            len(layers),
-            self.regions.num_fused_groups,
-            time.perf_counter() - start,
+            *(type(layers[0]).__name__, regions.num_graphs, len(layers), regions.num_fused_groups, seconds),
         )
         self.record_weights()
 
@@ -189,7 +189,9 @@ class ModelRunner:
         return self.regions if self.regions is not None else contextlib.nullcontext()
 
     def _invariant(self) -> contextlib.AbstractContextManager[object]:
-        return invariance.BatchInvariantMode(self.rms_norms) if self.batch_invariant else contextlib.nullcontext()
+        if not self.batch_invariant or self.regions is not None:  # (compile()'s packing trace sees plain linears)
+            return contextlib.nullcontext()
+        return invariance.BatchInvariantMode(self.rms_norms, self.siblings)
 
     # ------------------------------------------------------------------ the step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -228,15 +230,13 @@ class ModelRunner:
         if self._last_round is None:
             raise RuntimeError("a round that continues the previous round, but the previous step was no round")
         tokens, num_steps = self._last_round
-        last_step = torch.tensor([num_steps[row] - 1 for row in prev_rows])
-        rows = torch.tensor(prev_rows)
+        last_step, rows = torch.tensor([num_steps[row] - 1 for row in prev_rows]), torch.tensor(prev_rows)
         return tokens[self._to_device(last_step), self._to_device(rows)]
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor's copy on the device, queued without waiting for the device (from pinned memory)."""
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        pinned = tensor.pin_memory() if self.device.type == "cuda" else tensor
+        return pinned.to(self.device, non_blocking=True)
 
     def _execute_step(self, inputs: StepInputs, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """A single step: its forward, then sampling on the host."""
