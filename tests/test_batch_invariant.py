@@ -350,11 +350,14 @@ def test_packed_siblings_run_as_one_product_each() -> None:
 
 def test_the_runner_packs_siblings_for_the_mode() -> None:
     """On a GPU the runner's set-up packs q/k/v and gate/up by a dynamo trace run outside the mode, then keeps the
-    layers eager; driven by hand here: the groups are found, the steps use them, a request alone and beside others
-    gets the same tokens and logprobs, and those tokens are HF's."""
+    layers eager; driven by hand here, after a default engine packed the same weights: the groups are found, the
+    steps use them, a request alone and beside others gets the same tokens and logprobs, and those are HF's."""
     from tests.conftest import capturing_backend, hf_greedy
 
     model = build_tiny_model("llama", vocab_size=512)
+    first = LLM(model, block_size=4, max_model_len=128)  # a default engine packs (and fuses) the weights first
+    first.llm_engine.executor.model_runner.compile(capturing_backend([]))
+    first.llm_engine.shutdown()
     llm = LLM(model, batch_invariant=True, block_size=4, max_model_len=128)
     runner = llm.llm_engine.executor.model_runner
     runner.compile(capturing_backend([]))

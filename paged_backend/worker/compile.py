@@ -21,7 +21,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
-from paged_backend.worker.fuse_linears import fuse_sibling_linears
+from paged_backend.worker.fuse_linears import PackingBackend, fuse_sibling_linears
 
 
 def _fresh_copy(fn: Callable[..., Any]) -> types.FunctionType:
@@ -47,7 +47,8 @@ class RegionalCompile:
 
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             self.num_graphs += 1
-            self.num_fused_groups += fuse_sibling_linears(gm, self.layers)
+            if not isinstance(compiler, PackingBackend):  # the packer finds the groups in the graph as traced
+                self.num_fused_groups += fuse_sibling_linears(gm, self.layers)
             return compiler(gm, example_inputs)
 
         forward = _fresh_copy(type(self.layers[0]).forward)
