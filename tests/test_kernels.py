@@ -299,3 +299,56 @@ def test_rms_norm_kernel_equals_its_twin(dtype: torch.dtype, cols: int) -> None:
             torch.testing.assert_close(got, expected, rtol=2e-2 if dtype == torch.bfloat16 else 2e-3, atol=1e-4)
     assert torch.equal(rms_norm_triton(x, module.weight, 1e-5)[1, 2:3], rms_norm_triton(x[1, 2:3], module.weight, 1e-5))
     assert rms_norm_triton(x[:0], module.weight, 1e-5).shape == (0, 5, cols)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [7, 4096, 5000])  # below a block, exactly one, a looped tail
+def test_fp8_quantize_kernel_equals_its_twin(dtype: torch.dtype, cols: int) -> None:
+    """Per-token fp8 quantization in one kernel: the twin's fp8 values and scales to the bit, for plain rows, an
+    all-zero row (scale 1e-12, zeros), a row whose largest magnitude dwarfs the rest, and strided rows. On a CPU
+    the rows are fp8 values times powers of two, one of them 448 (so each scale is that power and nothing rounds):
+    Triton's interpreter rounds to fp8 wrongly when rounding carries into the exponent (127.66 becomes 64), which
+    the GPU's conversion does not, so only there do arbitrary values go in."""
+    from paged_backend.kernels.fp8_quant import FP8, FP8_MAX, quantize_per_row, quantize_per_row_triton
+
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(6, cols, generator=gen) * 3
+    x[2, 0] = 1e4
+    if DEVICE.type == "cpu":
+        powers = 2.0 ** torch.arange(-8, -2).float()[:, None]  # one per row
+        x = (x / powers).clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
+        x[:, -1] = FP8_MAX
+        x = x * powers
+    x[1] = 0
+    x = x.to(DEVICE, dtype)
+    for rows in (x, torch.cat([x, x], dim=-1)[:, 1 : cols + 1]):
+        q, scale = quantize_per_row_triton(rows)
+        q_twin, scale_twin = quantize_per_row(rows)
+        assert q.dtype == q_twin.dtype and q.shape == q_twin.shape and scale.shape == scale_twin.shape
+        assert torch.equal(scale, scale_twin)
+        assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8))
+    assert quantize_per_row_triton(x[:0])[0].shape == (0, cols)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("k", "n"), [(256, 48), (300, 100), (1024, 517)])  # K a block, with a tail; N ragged
+def test_fp8_gemv_equals_its_twin(rows: int, k: int, n: int) -> None:
+    """The fp8 GEMV against its twin (float32 products of the same fp8 values, scaled), into bf16 and fp32, with
+    weights that are rows of a larger packed buffer (as fused siblings' are); more rows than it takes is an
+    error naming the limit."""
+    from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_torch, fp8_gemv_triton
+    from paged_backend.kernels.fp8_quant import quantize_per_row
+
+    gen = torch.Generator().manual_seed(k + n + rows)
+    q, q_scale = quantize_per_row((torch.randn(rows, k, generator=gen) * 2).to(DEVICE))
+    packed, packed_scale = quantize_per_row((torch.randn(n + 16, k, generator=gen) * 0.02).to(DEVICE))
+    weight, weight_scale = packed[8 : 8 + n], packed_scale[8 : 8 + n, 0]  # a view into the packed buffer
+    for dtype in (torch.bfloat16, torch.float32):
+        got = fp8_gemv_triton(q, q_scale, weight, weight_scale, dtype)
+        expected = fp8_gemv_torch(q, q_scale, weight, weight_scale, dtype)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(
+            got.float(), expected.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-4
+        )
+    with pytest.raises(ValueError, match=str(GEMV_MAX_M)):
+        fp8_gemv_triton(torch.cat([q] * 5), torch.cat([q_scale] * 5), weight, weight_scale, torch.float32)

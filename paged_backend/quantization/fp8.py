@@ -2,8 +2,11 @@
 quantized per token at run time (``dynamic_activations``, compressed-tensors' ``FP8_DYNAMIC``, vLLM's online
 ``quantization="fp8"``).
 
-On a GPU with fp8 matrix units (compute capability 8.9 or later) ``y = x @ W.T`` is one ``torch._scaled_mm``
-of fp8 operands with the activation's per-token and the weight's per-channel scales; elsewhere its torch twin
+On a GPU with fp8 matrix units (compute capability 8.9 or later) the activation is quantized per token by one
+kernel (``kernels/fp8_quant.py``), then ``y = x @ W.T`` is one ``torch._scaled_mm`` of fp8 operands with the
+activation's per-token and the weight's per-channel scales, or at up to four rows (decode) the fp8 GEMV
+(``kernels/fp8_gemv.py``), which reads the weights at the bandwidth a GEMM tiled for many rows does not reach;
+elsewhere its torch twin
 (``fp8_linear_torch``) computes the same quantities in float32: the activation rounded through fp8 per token, the
 weight dequantized. Weight-only checkpoints (no activation scheme), and models in another dtype than bfloat16
 (the fp8 GEMM's row-wise scales write bfloat16), run the twin on every device.
@@ -16,16 +19,9 @@ import functools
 import torch
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
-_MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros, not NaN
-
-
-def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] as fp8 with one float32 scale per row (``x ≈ q * scale``): the row's largest magnitude maps to
-    fp8's largest value."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(_MIN_SCALE)  # [M, 1]
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+from paged_backend.kernels import triton
+from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton
+from paged_backend.kernels.fp8_quant import FP8, quantize_per_row, quantize_per_row_triton
 
 
 def fp8_linear_torch(
@@ -45,8 +41,12 @@ def fp8_linear_torch(
 def fp8_linear_scaled_mm(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """One fp8 GEMM on the GPU's fp8 units (dynamic activations), bias added in the epilogue."""
-    q, scale = quantize_per_row(x)
+    """One fp8 GEMM on the GPU's fp8 units (dynamic activations, quantized by one kernel), bias added in the
+    epilogue; up to ``GEMV_MAX_M`` rows the fp8 GEMV instead (bias added after)."""
+    q, scale = quantize_per_row_triton(x) if triton is not None else quantize_per_row(x)
+    if x.shape[0] <= GEMV_MAX_M and triton is not None:
+        out = fp8_gemv_triton(q, scale, weight, weight_scale, x.dtype)
+        return out if bias is None else out + bias
     return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], bias=bias, out_dtype=x.dtype)
 
 
