@@ -2,7 +2,7 @@
 call, replayed from a CUDA graph as decode steps run them (``triton.testing.do_bench_cudagraph``), µs:
 
 - ``bf16``: ``F.linear`` in bf16;
-- ``fp8``: ``fp8_linear`` (the quantization kernel, then the fp8 GEMV up to four rows, else ``torch._scaled_mm``);
+- ``fp8``: ``fp8_linear`` (the quantization kernel, then ``torch._scaled_mm``);
 - ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernels).
 
     python benchmarks/fp8_linear.py --rows 1 4 256 --json fp8_linear.json
@@ -21,14 +21,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from paged_backend.kernels.fp8_quant import quantize_per_row_triton  # noqa: E402
 from paged_backend.quantization.fp8 import fp8_linear, quantize_per_row  # noqa: E402
 
 logger = logging.getLogger("fp8_linear")
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
 
 
-def torch_quant_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    q, scale = quantize_per_row(x)
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kernel: bool) -> torch.Tensor:
+    q, scale = quantize_per_row_triton(x) if kernel else quantize_per_row(x)
     return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
 
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             ways = {
                 "bf16": lambda x=x, w=w: F.linear(x, w),
                 "fp8": lambda x=x, q_w=q_w, s_w=s_w: fp8_linear(x, q_w, s_w, True),
-                "fp8_torch_quant": lambda x=x, q_w=q_w, s_w=s_w: torch_quant_scaled_mm(x, q_w, s_w),
+                "fp8_torch_quant": lambda x=x, q_w=q_w, s_w=s_w: scaled_mm(x, q_w, s_w, False),
             }
             row = {way: triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3 for way, fn in ways.items()}
             row["max_err_vs_bf16"] = err

@@ -328,27 +328,3 @@ def test_fp8_quantize_kernel_equals_its_twin(dtype: torch.dtype, cols: int) -> N
         assert torch.equal(scale, scale_twin)
         assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8))
     assert quantize_per_row_triton(x[:0])[0].shape == (0, cols)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize(("k", "n"), [(256, 48), (300, 100), (1024, 517)])  # K a block, with a tail; N ragged
-def test_fp8_gemv_equals_its_twin(rows: int, k: int, n: int) -> None:
-    """The fp8 GEMV against its twin (float32 products of the same fp8 values, scaled), into bf16 and fp32, with
-    weights that are rows of a larger packed buffer (as fused siblings' are); more rows than it takes is an
-    error naming the limit."""
-    from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_torch, fp8_gemv_triton
-    from paged_backend.kernels.fp8_quant import quantize_per_row
-
-    gen = torch.Generator().manual_seed(k + n + rows)
-    q, q_scale = quantize_per_row((torch.randn(rows, k, generator=gen) * 2).to(DEVICE))
-    packed, packed_scale = quantize_per_row((torch.randn(n + 16, k, generator=gen) * 0.02).to(DEVICE))
-    weight, weight_scale = packed[8 : 8 + n], packed_scale[8 : 8 + n, 0]  # a view into the packed buffer
-    for dtype in (torch.bfloat16, torch.float32):
-        got = fp8_gemv_triton(q, q_scale, weight, weight_scale, dtype)
-        expected = fp8_gemv_torch(q, q_scale, weight, weight_scale, dtype)
-        assert got.dtype == dtype and got.shape == (rows, n)
-        torch.testing.assert_close(
-            got.float(), expected.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-4, atol=1e-4
-        )
-    with pytest.raises(ValueError, match=str(GEMV_MAX_M)):
-        fp8_gemv_triton(torch.cat([q] * 5), torch.cat([q_scale] * 5), weight, weight_scale, torch.float32)

@@ -20,8 +20,10 @@ MAX_BLOCK = 4096  # columns a program loads at once; longer rows loop over chunk
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference twin: ``x`` [M, K] as fp8 with one float32 scale per row (``x ≈ q * scale``), the row's largest
-    magnitude mapped to fp8's largest value."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_SCALE)  # [M, 1]
+    magnitude mapped to fp8's largest value. The divisor is a tensor: CUDA divides by a Python number as a product
+    with its reciprocal, which is not IEEE division (the kernel's, and a CPU's)."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / torch.tensor(FP8_MAX, device=x.device)).clamp_min(MIN_SCALE)  # [M, 1]
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

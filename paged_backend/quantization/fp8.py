@@ -4,9 +4,7 @@ quantized per token at run time (``dynamic_activations``, compressed-tensors' ``
 
 On a GPU with fp8 matrix units (compute capability 8.9 or later) the activation is quantized per token by one
 kernel (``kernels/fp8_quant.py``), then ``y = x @ W.T`` is one ``torch._scaled_mm`` of fp8 operands with the
-activation's per-token and the weight's per-channel scales, or at up to four rows (decode) the fp8 GEMV
-(``kernels/fp8_gemv.py``), which reads the weights at the bandwidth a GEMM tiled for many rows does not reach;
-elsewhere its torch twin
+activation's per-token and the weight's per-channel scales; elsewhere its torch twin
 (``fp8_linear_torch``) computes the same quantities in float32: the activation rounded through fp8 per token, the
 weight dequantized. Weight-only checkpoints (no activation scheme), and models in another dtype than bfloat16
 (the fp8 GEMM's row-wise scales write bfloat16), run the twin on every device.
@@ -20,7 +18,6 @@ import torch
 from torch import nn
 
 from paged_backend.kernels import triton
-from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton
 from paged_backend.kernels.fp8_quant import FP8, quantize_per_row, quantize_per_row_triton
 
 
@@ -42,11 +39,8 @@ def fp8_linear_scaled_mm(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """One fp8 GEMM on the GPU's fp8 units (dynamic activations, quantized by one kernel), bias added in the
-    epilogue; up to ``GEMV_MAX_M`` rows the fp8 GEMV instead (bias added after)."""
+    epilogue."""
     q, scale = quantize_per_row_triton(x) if triton is not None else quantize_per_row(x)
-    if x.shape[0] <= GEMV_MAX_M and triton is not None:
-        out = fp8_gemv_triton(q, scale, weight, weight_scale, x.dtype)
-        return out if bias is None else out + bias
     return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], bias=bias, out_dtype=x.dtype)
 
 
