@@ -1,6 +1,7 @@
 """Where ``batch_invariant=True`` spends W1's time on a GPU: for the default engine and the invariant one at
 several block sizes (``GPU_ROWS``), W1's prefill alone (one new token each) and W1 whole, and for the default
-and the first block size the GPU kernels of a 32-token run (``throughput.profile_kernels``). One process,
+and the first block size the GPU kernels of a 32-token run and of the prefill alone, whose GPU busy time against
+its wall time says whether the host's dispatch bounds it (``throughput.profile_kernels``). One process,
 fresh prompts for every run (no prefix-cache hits, ``run_paged`` refuses them).
 
     python benchmarks/invariant_probe.py --json invariant_probe.json
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         entry = {"prefill_s": prefill, "w1_s": whole, "w1_tok_s": sum(map(len, tokens)) / whole}
         if rows is None or rows == sizes[0]:
             entry["kernels"] = profile_kernels(llm, w1_prompts(vocab, 256, seed=seed + 3), 32, top=14)
-        seed += 4
+            # W1's prefill alone, profiled: its wall time against the GPU's busy time (one "step" = the whole run)
+            entry["prefill_profile"] = profile_kernels(llm, w1_prompts(vocab, 256, seed=seed + 4), 1, top=14)
+        seed += 5
         results[name] = entry
         logger.info("%s: %s", name, {k: v for k, v in entry.items() if k != "kernels"})
         write_json(args.json, results)
