@@ -371,3 +371,7 @@ def test_the_runner_packs_siblings_for_the_mode() -> None:
     assert runner.siblings.hits > 0
     assert runs[0] == runs[1]
     assert runs[0][0] == hf_greedy(model, TARGET, GREEDY.max_tokens)
+    k_proj = model.model.layers[0].self_attn.k_proj
+    k_proj.weight.data = k_proj.weight.data.clone()  # out of the packed buffer: the group's product would miss it
+    with pytest.raises(RuntimeError, match=r"parameter model\.layers\.0\.self_attn\.k_proj\.weight was replaced"):
+        llm.generate([{"prompt_token_ids": TARGET}], GREEDY, use_tqdm=False)

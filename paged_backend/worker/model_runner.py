@@ -153,6 +153,7 @@ class ModelRunner:
                 if self.batch_invariant:  # inductor's fused reductions pick their own splits: layers stay eager
                     self.regions, self.siblings = None, SiblingProducts(packer.packed.values())
                     logger.info("%d groups of sibling projections packed for batch_invariant", len(self.siblings))
+                    self.record_weights()
                     return
                 self.regions = RegionalCompile(layers, backend)
                 self.run(self._warmup_inputs())
@@ -189,9 +190,8 @@ class ModelRunner:
         return self.regions if self.regions is not None else contextlib.nullcontext()
 
     def _invariant(self) -> contextlib.AbstractContextManager[object]:
-        if not self.batch_invariant or self.regions is not None:  # (compile()'s packing trace sees plain linears)
-            return contextlib.nullcontext()
-        return invariance.BatchInvariantMode(self.rms_norms, self.siblings)
+        plain = not self.batch_invariant or self.regions is not None  # compile()'s packing trace sees plain linears
+        return contextlib.nullcontext() if plain else invariance.BatchInvariantMode(self.rms_norms, self.siblings)
 
     # ------------------------------------------------------------------ the step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
