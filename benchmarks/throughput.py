@@ -199,7 +199,6 @@ def check_agreement(llm: LLM, model, vocab: int, num_tokens: int = 32) -> dict[s
     reads the engine's own continuation (teacher forcing)."""
     prompts = [one_prompt(vocab, n, seed=100 + n) for n in (5, 16, 17, 64, 100, 250, 513, 1000)]
     paged, _ = run_paged(llm, prompts, num_tokens)
-    torch.cuda.empty_cache()  # the engine's cached-but-free blocks, for HF's forwards beside its KV cache
     exact, agree, hf_self, total = 0, 0, 0, 0
     for prompt, ours in zip(prompts, paged):
         ref = model.generate(

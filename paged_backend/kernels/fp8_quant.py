@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from paged_backend.kernels import tl, triton
+from paged_backend.kernels import as_rows, tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros, not NaN
-MAX_BLOCK = 4096  # columns a program loads at once; longer rows loop over chunks of this many
 
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference twin: ``x`` [M, K] as fp8 with one float32 scale per row (``x ≈ q * scale``), the row's largest
-    magnitude mapped to fp8's largest value. The divisor is a tensor: CUDA divides by a Python number as a product
-    with its reciprocal, which is not IEEE division (the kernel's, and a CPU's)."""
+    magnitude mapped to fp8's largest value. The divisor is a tensor on ``x``'s device (filled there, no copy from
+    the host): CUDA divides by a Python number as a product with its reciprocal, which is not IEEE division (the
+    kernel's, and a CPU's)."""
     amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = (amax / torch.tensor(FP8_MAX, device=x.device)).clamp_min(MIN_SCALE)  # [M, 1]
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)  # [M, 1]
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -49,12 +49,10 @@ if triton is not None:
 
 def quantize_per_row_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_per_row`` in one kernel: (``q`` [M, K] fp8, contiguous; ``scale`` [M, 1] float32)."""
+    x, block = as_rows(x)
     m, n_cols = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     q = torch.empty((m, n_cols), dtype=FP8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
         _quantize_rows_kernel[(m,)](x, q, scale, x.stride(0), n_cols, BLOCK=block, num_warps=4)
     return q, scale

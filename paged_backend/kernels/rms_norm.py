@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_backend.kernels import tl, triton
-
-MAX_BLOCK = 4096  # columns a program loads at once; longer rows loop over chunks of this many
+from paged_backend.kernels import as_rows, tl, triton
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,14 +46,11 @@ if triton is not None:
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x`` [..., K] normalised over its last dimension and scaled by ``weight`` [K]; the result's dtype is
     ``weight``'s and ``x``'s promoted, as HF's product gives."""
-    n_cols = x.shape[-1]
-    flat = x.reshape(-1, n_cols)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    flat, block = as_rows(x)
     out = torch.empty(flat.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if flat.shape[0]:
-        block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
         _rms_norm_kernel[(flat.shape[0],)](
-            flat, weight.contiguous(), out, flat.stride(0), out.stride(0), n_cols, float(eps), BLOCK=block, num_warps=4
-        )
+            flat, weight.contiguous(), out, flat.stride(0), out.stride(0), flat.shape[1], float(eps), BLOCK=block,
+            num_warps=4,
+        )  # fmt: skip
     return out.view(x.shape)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from paged_backend.kernels import tl, triton
-
-MAX_BLOCK = 4096  # columns a program loads at once; longer rows loop over chunks of this many
+from paged_backend.kernels import as_rows, tl, triton
 
 
 def row_mean_torch(x: torch.Tensor) -> torch.Tensor:
@@ -36,12 +34,8 @@ if triton is not None:
 
 def row_mean_triton(x: torch.Tensor) -> torch.Tensor:
     """``x`` [..., K] → its mean over the last dimension [..., 1] (keepdim), in ``x``'s dtype, summed in fp32."""
-    n_cols = x.shape[-1]
-    flat = x.reshape(-1, n_cols)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    flat, block = as_rows(x)
     out = torch.empty(flat.shape[0], dtype=x.dtype, device=x.device)
     if flat.shape[0]:
-        block = min(triton.next_power_of_2(n_cols), MAX_BLOCK)
-        _row_mean_kernel[(flat.shape[0],)](flat, out, flat.stride(0), n_cols, BLOCK=block, num_warps=4)
+        _row_mean_kernel[(flat.shape[0],)](flat, out, flat.stride(0), flat.shape[1], BLOCK=block, num_warps=4)
     return out.view(*x.shape[:-1], 1)
