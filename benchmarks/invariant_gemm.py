@@ -3,7 +3,9 @@ independent of its batch, against the plain product the default engine runs. Per
 ``--tokens`` rows (eager calls, as the mode makes them; ``triton.testing.do_bench``, ms):
 
 - ``mm``: one cuBLAS product over all rows (not invariant: its kernel follows the row count);
-- ``blocks``: ``product_in_blocks`` (256-row blocks one after another, what the mode runs);
+- ``blocks``: 256-row blocks one after another;
+- ``mode``: ``product_in_blocks``, what the mode runs: the whole blocks as one product where that was found to give
+  each row its block's bits (``invariant_products.ONE_PRODUCT``, whose verdicts are logged), else blocks;
 - ``streams_S``: the same blocks spread over S CUDA streams, so that small products run side by side;
 - ``triton_BMxBN``: one Triton product over all rows with fixed tiles and no split of K.
 
@@ -28,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paged_backend.kernels import tl, triton  # noqa: E402
-from paged_backend.worker.batch_invariant import GPU_ROWS, product_in_blocks  # noqa: E402
+from paged_backend.worker.batch_invariant import GPU_ROWS  # noqa: E402
+from paged_backend.worker.invariant_products import ONE_PRODUCT, product_in_blocks  # noqa: E402
 
 logger = logging.getLogger("invariant_gemm")
 
@@ -77,7 +80,7 @@ def triton_mm(x: torch.Tensor, weight: torch.Tensor, bm: int, bn: int, warps: in
 
 
 def streams_product(x: torch.Tensor, matrix: torch.Tensor, streams: list[torch.cuda.Stream]) -> torch.Tensor:
-    """``product_in_blocks`` with block i on stream i % S (x's rows a multiple of the block here)."""
+    """256-row blocks one after another, block i on stream i % S (x's rows a multiple of the block here)."""
     out = torch.empty(x.shape[0], matrix.shape[1], dtype=x.dtype, device=x.device)
     ready = torch.cuda.current_stream()
     for stream in streams:
@@ -93,7 +96,8 @@ def streams_product(x: torch.Tensor, matrix: torch.Tensor, streams: list[torch.c
 def ways(num_streams: tuple[int, ...]) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     found: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
         "mm": lambda x, w: x @ w.t(),
-        "blocks": lambda x, w: product_in_blocks(x, w.t()),
+        "blocks": lambda x, w: streams_product(x, w.t(), [torch.cuda.current_stream()]),
+        "mode": lambda x, w: product_in_blocks(x, w.t(), None, GPU_ROWS),
     }
     for s in num_streams:
         streams = [torch.cuda.Stream() for _ in range(s)]
@@ -130,7 +134,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         logger.info("%d rows, %s, ms: %s; rows varying with the batch: %s", args.tokens, name, times, varying)
     layer = {way: sum(results[p][way] * c for p, c in PER_LAYER.items()) for way in all_ways}  # type: ignore[misc]
     logger.info("one layer's seven linears, ms: %s", json.dumps({k: round(v, 3) for k, v in layer.items()}))
-    out = {"tokens": args.tokens, "projections": results, "layer_ms": layer}
+    verdicts = {str(key[1]) + " @ " + str(key[2][0]): one for key, one in ONE_PRODUCT.items()}
+    logger.info("one product over whole blocks gives each row its block's bits: %s", verdicts)
+    out = {"tokens": args.tokens, "projections": results, "layer_ms": layer, "one_product": verdicts}
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
     return out

@@ -154,7 +154,8 @@ def test_blocks_of_rows_compute_what_the_ops_do() -> None:
     import torch
     import torch.nn.functional as F
 
-    from paged_backend.worker.batch_invariant import norm_by_blocks, product_in_blocks, rows_in_blocks
+    from paged_backend.worker.batch_invariant import norm_by_blocks
+    from paged_backend.worker.invariant_products import product_in_blocks, rows_in_blocks
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 11, 16, generator=gen)
@@ -191,9 +192,10 @@ def test_blocks_of_rows_compute_what_the_ops_do() -> None:
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the GPU's kernels pick their order by shape")
 def test_a_rows_products_and_norms_are_the_same_in_any_batch_on_a_gpu() -> None:
     """Rows in every position of a block (first, middle, last, past the first block) give the same bits alone and
-    among 37, 256, 512 and 600 rows (blocks of GPU_ROWS, full and padded), through the mode's linear layers (an
-    8B model's MLP and LM-head widths; with a bias, as Qwen's projections have), the RMSNorm's mean and a
-    LayerNorm (bf16)."""
+    among 37, 256, 512, 600 and 2,100 rows (blocks of GPU_ROWS, full and padded), through the mode's linear layers
+    (an 8B model's MLP and LM-head widths; with a bias, as Qwen's projections have), the RMSNorm's mean and a
+    LayerNorm (bf16). Each row count is first run on other values: the compared call runs on the verdict
+    ``ONE_PRODUCT`` kept from that first one."""
     import torch
     import torch.nn.functional as F
 
@@ -206,7 +208,7 @@ def test_a_rows_products_and_norms_are_the_same_in_any_batch_on_a_gpu() -> None:
 
     mlp, head, qkv, bias = draw(14336, 4096, scale=0.02), draw(128256, 4096, scale=0.02), draw(6144, 4096), draw(6144)
     norm_weight, norm_bias = draw(4096), draw(4096)
-    rows = draw(600, 4096)
+    rows, noise = draw(2100, 4096), draw(2100, 4096)
     ops = (
         lambda x: F.linear(x, mlp),
         lambda x: F.linear(x, head),
@@ -214,11 +216,12 @@ def test_a_rows_products_and_norms_are_the_same_in_any_batch_on_a_gpu() -> None:
         lambda x: x.float().pow(2).mean(-1, keepdim=True),
         lambda x: F.layer_norm(x, (4096,), norm_weight, norm_bias, 1e-5),
     )
-    picks = [0, 100, 130, 255, 256, 300, 511, 599]
+    picks = [0, 100, 130, 255, 256, 300, 511, 599, 1500, 2099]
     with BatchInvariantMode():
         for op in ops:
             alone = {i: op(rows[i : i + 1]) for i in picks}
-            for size in (37, 256, 512, 600):
+            for size in (37, 256, 512, 600, 2100):
+                op(noise[:size])
                 out = op(rows[:size])
                 assert all(torch.equal(out[i : i + 1], alone[i]) for i in picks if i < size), (op, size)
 
@@ -295,7 +298,7 @@ def test_blocks_of_rows_under_autocast_give_autocast_dtypes() -> None:
     without autograd."""
     import torch.nn.functional as F
 
-    from paged_backend.worker.batch_invariant import product_in_blocks
+    from paged_backend.worker.invariant_products import product_in_blocks
 
     x, weight = torch.randn(11, 16), torch.randn(5, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -305,6 +308,54 @@ def test_blocks_of_rows_under_autocast_give_autocast_dtypes() -> None:
                 got = product_in_blocks(x, weight.t(), None, 4)
             assert got.dtype == expected.dtype == torch.bfloat16
             torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("kernel", ["rows_alone", "rows_depend_on_the_row_count"])
+def test_whole_blocks_run_as_one_product_only_where_it_gives_each_row_its_blocks_bits(
+    monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    """The whole blocks of a product run as one product where its first call found that to give each row the
+    bits of its own block's product; else, and for the last partial block, block by block. Either way every row
+    has its block's bits, on the first call and on later ones with other values. Two simulated kernels: one
+    computing each row alone (one product is then right) and one whose rows change above one block's row count
+    (found out on the first call)."""
+    from paged_backend.worker import invariant_products
+    from paged_backend.worker.invariant_products import product_in_blocks
+
+    verdicts: dict[tuple[object, ...], bool] = {}
+    monkeypatch.setattr(invariant_products, "ONE_PRODUCT", verdicts)
+    real_mm, calls = torch.mm, []
+
+    def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        calls.append(a.shape[0])
+        out.copy_(torch.cat([real_mm(row[None], b) for row in a]))
+        return out.add_(1e-3) if kernel != "rows_alone" and a.shape[0] > 4 else out
+
+    def mm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        return product(a, b, out)
+
+    def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        return product(a, b, out).add_(bias)
+
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(5, 16, generator=gen), torch.randn(5, generator=gen)
+    for b in (None, bias):
+        for trial in range(2):  # the first call decides, the second uses the verdict
+            x = torch.randn(18, 16, generator=gen)
+            expected = torch.cat([torch.mm(row[None], weight.t()) for row in x])
+            expected = expected if b is None else expected + b
+            calls.clear()
+            with monkeypatch.context() as patched:
+                patched.setattr(torch, "mm", mm)
+                patched.setattr(torch, "addmm", addmm)
+                got = product_in_blocks(x, weight.t(), b, 4)
+            assert torch.equal(got, expected), (b is None, trial)
+            merged = list(verdicts.values())[-1]
+            if trial == 0:
+                assert calls == [16, 4, 4, 4, 4, 4]  # one product, the blocks it was compared with, the tail
+            else:
+                assert calls == ([16, 4] if merged else [4] * 5)
+    assert list(verdicts.values()) == [kernel == "rows_alone"] * 2  # with and without a bias: two kernels
 
 
 def test_packed_siblings_run_as_one_product_each() -> None:

@@ -37,6 +37,7 @@ from transformers import AttentionInterface, PretrainedConfig
 from paged_backend.kernels import triton
 from paged_backend.kernels.rms_norm import rms_norm_triton
 from paged_backend.kernels.row_mean import row_mean_triton
+from paged_backend.worker.invariant_products import needs_grad, product_in_blocks, rows_in_blocks
 from paged_backend.worker.invariant_siblings import SiblingProducts
 
 GPU_ROWS = 256  # a decode step's rows at the default max_num_seqs fit one block; prefill fills blocks whole
@@ -48,53 +49,6 @@ ROW_MEAN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the row
 def block_rows(x: torch.Tensor) -> int:
     """Rows per block for ``x``'s device: ``GPU_ROWS`` on a GPU, one (each row alone) on a CPU."""
     return GPU_ROWS if x.is_cuda else 1
-
-
-def rows_in_blocks(
-    x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], block: int | None = None
-) -> torch.Tensor:
-    """``product`` of ``x`` [..., K] by blocks of ``block`` rows (default: ``block_rows(x)``; the last block
-    padded with zeros), stacked back to [..., N]."""
-    flat = x.reshape(-1, x.shape[-1])
-    n, block = flat.shape[0], block or block_rows(x)
-    if block > 1:  # always a fresh buffer: every block reaches the kernel with the same alignment and strides
-        flat = torch.cat([flat, flat.new_zeros((-n) % block, flat.shape[1])])
-    out = torch.cat([product(rows) for rows in flat.split(block)])[:n]
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def product_in_blocks(
-    x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None = None, block: int | None = None
-) -> torch.Tensor:
-    """``x`` [..., K] @ ``matrix`` [K, N] (+ ``bias``) by blocks of ``block`` rows (default: ``block_rows(x)``),
-    where that is more than one (a CPU's rows go through ``rows_in_blocks`` one at a time). Each block is a view
-    of ``x`` (made contiguous and 256-byte aligned) written straight into its rows of one fresh output; only the
-    last partial block is copied, to pad it with zeros. Every block reaches the kernel with the same shape,
-    strides and alignment."""
-    block = block or block_rows(x)
-    flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_contiguous() or flat.data_ptr() % 256:  # torch tells cuBLAS alignments up to 256 bytes
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    n = flat.shape[0]
-    blocks = list(flat[: n - n % block].split(block)) if n >= block else []  # (splitting no rows gives one block)
-    if n % block:
-        blocks.append(torch.cat([flat[n - n % block :], flat.new_zeros((-n) % block, flat.shape[1])]))
-    if _needs_grad(flat, matrix, bias) or torch.is_autocast_enabled(flat.device.type):
-        # a trainer's forward: ``out=`` has no gradient and autocast skips it, so each block is its own product
-        products = [torch.addmm(bias, rows, matrix) if bias is not None else rows @ matrix for rows in blocks]
-        return torch.cat(products)[:n].view(*x.shape[:-1], matrix.shape[1])
-    out = torch.empty(len(blocks) * block, matrix.shape[1], dtype=flat.dtype, device=flat.device)
-    for rows, rows_out in zip(blocks, out.split(block)):
-        if bias is None:
-            torch.mm(rows, matrix, out=rows_out)
-        else:
-            torch.addmm(bias, rows, matrix, out=rows_out)
-    return out[:n].view(*x.shape[:-1], matrix.shape[1])
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records an op on ``tensors`` (the kernels and ``out=`` have no gradient)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _last_dim(x: torch.Tensor, dim: object) -> bool:
@@ -118,7 +72,7 @@ def norm_by_blocks(
         if "out" in kwargs:
             return None
         rest = {k: v for k, v in kwargs.items() if k not in ("dim", "keepdim")}
-        if x.is_cuda and triton is not None and not rest and x.dtype in ROW_MEAN_DTYPES and not _needs_grad(x):
+        if x.is_cuda and triton is not None and not rest and x.dtype in ROW_MEAN_DTYPES and not needs_grad(x):
             out = row_mean_triton(x)  # (no gradient: a trainer's forward takes the blocks below)
         else:
             out = rows_in_blocks(x, lambda rows: func(rows, -1, keepdim=True, **rest), block)
@@ -210,7 +164,7 @@ def fused_rms_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torc
     parts = _norm_parts(module)
     if parts is None:
         raise TypeError(f"{type(module).__name__} lost its RMSNorm weight or epsilon")
-    if _needs_grad(hidden_states, parts[0]):
+    if needs_grad(hidden_states, parts[0]):
         return type(module).forward(module, hidden_states)
     return rms_norm_triton(hidden_states, *parts)
 
@@ -250,25 +204,26 @@ class BatchInvariantMode(TorchFunctionMode):
             if normed is not None:
                 return normed
         if func is F.linear and len(args) >= 2 and args[0].numel():
-            weight = args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            fused = None if self.siblings is None else self.siblings.product(args[0], weight, bias, product_in_blocks)
+            x, weight, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
+            block = block_rows(x)
+            product = functools.partial(product_in_blocks, block=block)
+            fused = None if self.siblings is None else self.siblings.product(x, weight, bias, product)
             if fused is not None:
                 return fused
-            if block_rows(args[0]) > 1:
-                return product_in_blocks(args[0], weight.t(), bias)
-            return rows_in_blocks(args[0], lambda row: F.linear(row, weight, bias))
+            if block > 1:
+                return product(x, weight.t(), bias)
+            return rows_in_blocks(x, lambda row: F.linear(row, weight, bias), 1)
         if func is torch.addmm and not kwargs and len(args) == 3 and args[1].numel():
             bias, x, weight = args
             if block_rows(x) > 1:
-                return product_in_blocks(x, weight, bias)
-            return rows_in_blocks(x, lambda row: torch.addmm(bias, row, weight))
+                return product_in_blocks(x, weight, bias, block_rows(x))
+            return rows_in_blocks(x, lambda row: torch.addmm(bias, row, weight), 1)
         if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and not kwargs and len(args) == 2:
             x, weight = args
             if isinstance(weight, torch.Tensor) and weight.dim() == 2 and x.dim() >= 2 and x.numel():
                 if block_rows(x) > 1:
-                    return product_in_blocks(x, weight)
-                return rows_in_blocks(x, lambda row: torch.matmul(row, weight))
+                    return product_in_blocks(x, weight, None, block_rows(x))
+                return rows_in_blocks(x, lambda row: torch.matmul(row, weight), 1)
         return func(*args, **kwargs)
 
 

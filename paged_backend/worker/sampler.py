@@ -19,7 +19,8 @@ import torch
 from paged_backend.core.scheduler_output import TopLogprobs
 from paged_backend.core.sequence import Sequence
 from paged_backend.kernels.greedy import greedy_tokens
-from paged_backend.worker.batch_invariant import rows_in_blocks
+from paged_backend.worker.batch_invariant import block_rows
+from paged_backend.worker.invariant_products import rows_in_blocks
 
 
 @dataclass
@@ -92,7 +93,10 @@ def sampling_logprobs(
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         if use_top_p:
             probs = sorted_logits.softmax(-1)
-            cumulative = rows_in_blocks(probs, lambda rows: rows.cumsum(-1)) if batch_invariant else probs.cumsum(-1)
+            if batch_invariant:
+                cumulative = rows_in_blocks(probs, lambda rows: rows.cumsum(-1), block_rows(probs))
+            else:
+                cumulative = probs.cumsum(-1)
             drop = cumulative <= (1 - top_p)[:, None]
             drop[:, -1] = False  # always keep the most likely token
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
