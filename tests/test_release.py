@@ -104,3 +104,24 @@ def test_each_patched_block_leaves_no_engine(tokenizer) -> None:
             refs.append(weakref.ref(handle.engine))
         assert gone(refs[-1])
     assert "generate" not in model.__dict__
+
+
+@pytest.mark.parametrize(("free_gib", "expected_gib"), [(100.0, 80.0), (50.0, 44.0)])
+def test_the_kv_cache_gets_no_more_than_the_device_has_free(
+    monkeypatch: pytest.MonkeyPatch, free_gib: float, expected_gib: float
+) -> None:
+    """The KV budget is ``gpu_memory_utilization`` of the device less the weights and activation peak, but never
+    more than the device has free beside the peak's activations: memory the process holds elsewhere (a caller's
+    tensors, allocator segments that cannot be released) is not there for the cache. Simulated device: 100 GiB,
+    a 10 GiB peak of which 4 GiB is held now (so 6 GiB of activations)."""
+    from paged_backend.config import EngineConfig
+    from paged_backend.worker import profiler
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: type("P", (), {"total_memory": 100 * gib}))
+    monkeypatch.setattr(profiler, "profile_peak_memory", lambda *_: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _: (int(free_gib * gib), 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _: 4 * gib)
+    config = EngineConfig.from_kwargs("m", gpu_memory_utilization=0.9)
+    blocks = profiler.gpu_blocks_that_fit(None, config, torch.device("cuda"), gib // 4)  # type: ignore[arg-type]
+    assert blocks == int(expected_gib * 4)
