@@ -6,14 +6,15 @@ and so the order it sums in, by its number of rows; a row-wise reduction (a norm
 over more threads when rows are few; the attention's reference twin pads each group's contexts to the longest.
 So every reduction is given a shape that its own token decides:
 
-- On a GPU, every linear layer runs on blocks of exactly ``GPU_ROWS`` rows (the last padded with zeros): one
-  kernel for every batch, and inside it a row's sums do not depend on its neighbours'. HF Llama's RMSNorm (and
-  its copies) runs ``kernels/rms_norm.py``, any other norm's ``mean(-1)`` ``kernels/row_mean.py``: one program a
-  row, an order set by the row's length. ``layer_norm`` and ``rms_norm`` run on blocks of rows too.
-  Packed sibling projections (q/k/v, gate/up) run as one product a group (``invariant_siblings.py``). The
-  attention runs the Triton kernel's fixed-order configuration (``batch_invariant=True`` in
-  ``kernels/paged_attention.py``). Decode steps still replay CUDA graphs (captured in this mode); the layers are
-  not compiled (inductor's fused reductions choose their own splits).
+- On a GPU, every linear layer gives each row the bits of a product of exactly ``GPU_ROWS`` rows (the last block
+  padded with zeros): one kernel for every batch, and inside it a row's sums do not depend on its neighbours'.
+  Whole blocks run as one product where that was checked to give the same bits (``invariant_products.py``).
+  HF Llama's RMSNorm (and its copies) runs ``kernels/rms_norm.py``, any other norm's ``mean(-1)``
+  ``kernels/row_mean.py``: one program a row, an order set by the row's length. ``layer_norm`` and
+  ``rms_norm`` run on blocks of rows too. Packed sibling projections (q/k/v, gate/up) run as one product a group
+  (``invariant_siblings.py``). The attention runs the Triton kernel's fixed-order configuration
+  (``batch_invariant=True`` in ``kernels/paged_attention.py``). Decode steps still replay CUDA graphs (captured
+  in this mode); the layers are not compiled (inductor's fused reductions choose their own splits).
 - On a CPU each row of a linear layer is computed alone (``F.linear``, the ``torch.addmm`` of GPT-2's Conv1D,
   ``torch.matmul`` by a 2-D weight) and each query attends over exactly the keys it sees, one at a time: the
   exact path, not a fast one. A CPU's row-wise reductions already run one row per thread.
