@@ -9,9 +9,10 @@ H200's 132 multiprocessors. Where cuBLAS runs one product over many blocks with 
 (no split along K, tiles that do not mix rows), that product gives every row the same bits as its block, and it
 is much faster. Which shapes and row counts it holds for is cuBLAS's choice, not something to assume: the first
 product of each (matrix, row count) is computed both ways and compared bit for bit, and the verdict is kept for
-the process (``ONE_PRODUCT``). A kernel's choice is a function of the shapes, strides, alignments and dtypes in
-the key, never of the values, so a verdict holds for every later call with that key. Inside a CUDA graph capture
-(decode steps) nothing is checked: products there run on blocks, which are right by construction.
+the process (``ONE_PRODUCT``). A kernel's choice is a function of the shapes, strides, alignments, dtypes and
+math mode (TF32, reduced-precision reductions) in the key, never of the values, so a verdict holds for every
+later call with that key. Inside a CUDA graph capture (decode steps) nothing is checked: products there run on
+blocks, which are right by construction.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _one_product(
     """Whether ``out`` now holds ``rows``' (whole blocks') products, made as one product. On a key's first call
     that product is also made by blocks and the two compared: where they differ, ``out`` takes the blocks' and
     the key answers no from then on."""
-    key = (block, rows.shape, _layout(matrix), None if bias is None else _layout(bias))
+    key = (block, rows.shape, _layout(matrix), None if bias is None else _layout(bias), _math_mode())
     verdict = ONE_PRODUCT.get(key)
     if verdict is False or (verdict is None and rows.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
@@ -90,6 +91,17 @@ def _one_product(
         if not verdict:
             out.copy_(by_blocks)
     return True
+
+
+def _math_mode() -> tuple[object, ...]:
+    """The settings a product's kernel choice also follows (TF32, reduced-precision reductions): a process that
+    changes them between steps gets verdicts of their own."""
+    matmul = torch.backends.cuda.matmul
+    return (
+        torch.get_float32_matmul_precision(),
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+    )
 
 
 def _layout(t: torch.Tensor) -> tuple[object, ...]:
