@@ -164,6 +164,7 @@ class PagedAttentionSwitch:
                 if kv_scales is not None:
                     self.layer_scales.append((m, kv_scales[layer_idx]))
         self.model = model
+        self.modules = list(model.modules())
         self.previous: list[str | None] = []
         self.training: list[torch.nn.Module] = []
         self.depth = 0
@@ -173,9 +174,9 @@ class PagedAttentionSwitch:
         if self.depth > 1:  # already switched: re-entering is a no-op
             return
         self.previous = [c._attn_implementation_internal for c in self.configs]
-        self.training = [m for m in self.model.modules() if m.training] if self.model.training else []
-        for module in self.training:
-            module.training = False
+        self.training = [m for m in self.modules if m.training] if self.model.training else []
+        for module in self.training:  # (a plain attribute: ``__dict__`` skips ``nn.Module.__setattr__``'s checks)
+            module.__dict__["training"] = False
         for c in self.configs:
             c._attn_implementation_internal = ATTN_IMPLEMENTATION
         for module, kv_cache in self.layer_caches:
@@ -190,7 +191,7 @@ class PagedAttentionSwitch:
         for c, previous in zip(self.configs, self.previous):
             c._attn_implementation_internal = previous
         for module in self.training:
-            module.training = True
+            module.__dict__["training"] = True
         for module, _ in self.layer_caches:
             module.__dict__.pop(KV_CACHE_ATTR, None)
             module.__dict__.pop(KV_SCALE_ATTR, None)
