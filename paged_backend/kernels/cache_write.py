@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import tl, triton
-
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+from paged_backend.kernels.fp8_quant import FP8_MAX
 
 
 def quantize_kv_torch(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
