@@ -87,7 +87,8 @@ def _one_product(
         by_blocks = torch.empty_like(out)
         for part, part_out in zip(rows.split(block), by_blocks.split(block)):
             _mm(part, matrix, bias, part_out)
-        verdict = ONE_PRODUCT[key] = torch.equal(out, by_blocks)
+        # bits, not values: a NaN equals its own bits, and -0.0 is not 0.0
+        verdict = ONE_PRODUCT[key] = torch.equal(out.view(torch.uint8), by_blocks.view(torch.uint8))
         if not verdict:
             out.copy_(by_blocks)
     return True
