@@ -314,11 +314,12 @@ def test_blocks_of_rows_under_autocast_give_autocast_dtypes() -> None:
 def test_whole_blocks_run_as_one_product_only_where_it_gives_each_row_its_blocks_bits(
     monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
-    """The whole blocks of a product run as one product where its first call found that to give each row the
-    bits of its own block's product; else, and for the last partial block, block by block. Either way every row
-    has its block's bits, on the first call and on later ones with other values. Two simulated kernels: one
-    computing each row alone (one product is then right) and one whose rows change above one block's row count
-    (found out on the first call)."""
+    """The whole blocks of a product run as one product where a check on the key's first call found that to give
+    each row the bits of its own block's product; else, and for the last partial block, block by block. Either
+    way every row has its block's bits, on the first call and on later ones. Two simulated kernels: one computing
+    each row alone (one product is then right) and one that sums in another order above one block's row count,
+    which shows only where a sum is not zero. The first call's weight is zeros (a freshly initialised layer),
+    on which both orders agree: the check runs on random values, so it is not fooled."""
     from paged_backend.worker import invariant_products
     from paged_backend.worker.invariant_products import product_in_blocks
 
@@ -329,7 +330,7 @@ def test_whole_blocks_run_as_one_product_only_where_it_gives_each_row_its_blocks
     def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         calls.append(a.shape[0])
         out.copy_(torch.cat([real_mm(row[None], b) for row in a]))
-        return out.add_(1e-3) if kernel != "rows_alone" and a.shape[0] > 4 else out
+        return out if kernel == "rows_alone" or a.shape[0] <= 4 else out.add_(1e-3 * (out != 0))
 
     def mm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
         return product(a, b, out)
@@ -338,11 +339,14 @@ def test_whole_blocks_run_as_one_product_only_where_it_gives_each_row_its_blocks
         return product(a, b, out).add_(bias)
 
     gen = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(5, 16, generator=gen), torch.randn(5, generator=gen)
+    trained, bias = torch.randn(5, 16, generator=gen), torch.randn(5, generator=gen)
+    weight = torch.zeros(5, 16)
+    merged = kernel == "rows_alone"
     for b in (None, bias):
-        for trial in range(2):  # the first call decides, the second uses the verdict
+        for trial in range(2):  # the first call checks (zero weights), the second uses the verdict (trained ones)
+            weight.copy_(trained if trial else torch.zeros_like(trained))  # one tensor: one layout, one key
             x = torch.randn(18, 16, generator=gen)
-            x[3, 5] = float("nan") if trial == 0 else x[3, 5]  # a NaN row has its own bits too: still one kernel
+            x[3, 5] = float("nan")  # a NaN row keeps its bits too
             expected = torch.cat([torch.mm(row[None], weight.t()) for row in x])
             expected = expected if b is None else expected + b
             calls.clear()
@@ -351,12 +355,30 @@ def test_whole_blocks_run_as_one_product_only_where_it_gives_each_row_its_blocks
                 patched.setattr(torch, "addmm", addmm)
                 got = product_in_blocks(x, weight.t(), b, 4)
             assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (b is None, trial)
-            merged = list(verdicts.values())[-1]
-            if trial == 0:
-                assert calls == [16, 4, 4, 4, 4, 4]  # one product, the blocks it was compared with, the tail
-            else:
-                assert calls == ([16, 4] if merged else [4] * 5)
-    assert list(verdicts.values()) == [kernel == "rows_alone"] * 2  # with and without a bias: two kernels
+            check = [16, 4, 4, 4, 4] if trial == 0 else []  # one product and its blocks, on random values
+            assert calls == check + ([16, 4] if merged else [4] * 5)  # then the call itself, and its tail
+    assert list(verdicts.values()) == [merged] * 2  # with and without a bias: two kernels
+
+
+def test_the_check_runs_on_random_tensors_of_the_same_layouts_and_reads_either_tf32_api() -> None:
+    """The check's random stand-ins have the shape, strides, dtype and address alignment (modulo 256 bytes) of
+    the tensors they stand in for, so cuBLAS picks the kernel it picks for those; the math mode in the key reads
+    under PyTorch's new TF32 API, where the legacy getters raise."""
+    import subprocess
+    import sys
+
+    from paged_backend.worker.invariant_products import _layout, _random_like
+
+    base = torch.zeros(1024)
+    for t in (torch.zeros(6, 5).t(), base[3:67].view(8, 8), base[1:33].view(4, 8)[:, ::2], torch.zeros(7)):
+        stand_in = _random_like(t, torch.Generator().manual_seed(0))
+        assert _layout(stand_in) == _layout(t) and bool(stand_in.abs().sum() > 0), t.stride()
+    code = (
+        "import torch; from paged_backend.worker.invariant_products import _math_mode; "
+        "torch.backends.cuda.matmul.fp32_precision = 'tf32'; a = _math_mode(); "
+        "torch.backends.cuda.matmul.fp32_precision = 'ieee'; assert a != _math_mode(), a"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_packed_siblings_run_as_one_product_each() -> None:

@@ -128,3 +128,21 @@ def test_a_model_left_in_train_mode_generates_as_in_eval_mode(tokenizer, arch: s
         assert [out.outputs[0].token_ids for out in outs] == expected
     assert len(graphs) == traced
     assert all(m.training for m in model.modules())
+
+
+def test_the_train_mode_switch_reaches_a_torchscript_module() -> None:
+    """The step's eval mode reaches every module of a model left in train mode, a TorchScript one too (whose
+    flag lives in the compiled module: set through its own ``__setattr__``, not the instance's ``__dict__``);
+    on leaving, every flag is back."""
+    from paged_backend.worker.attention import PagedAttentionSwitch
+
+    model = build_tiny_model("llama", vocab_size=512)
+    model.model.add_module("scripted", torch.jit.script(torch.nn.Dropout(0.5)))
+    switch = PagedAttentionSwitch(model, kv_caches=[])
+    model.train()
+    ones = torch.ones(1000)
+    assert bool((model.model.scripted(ones) == 0).any())  # dropout live in train mode
+    with switch:
+        assert not any(m.training for m in model.modules())
+        assert torch.equal(model.model.scripted(ones), ones)
+    assert all(m.training for m in model.modules())

@@ -106,14 +106,15 @@ def test_each_patched_block_leaves_no_engine(tokenizer) -> None:
     assert "generate" not in model.__dict__
 
 
-@pytest.mark.parametrize(("free_gib", "expected_gib"), [(100.0, 80.0), (50.0, 44.0)])
+@pytest.mark.parametrize(("free_gib", "expected_gib"), [(100.0, 80.0), (50.0, 39.0), (5.0, -6.0)])
 def test_the_kv_cache_gets_no_more_than_the_device_has_free(
     monkeypatch: pytest.MonkeyPatch, free_gib: float, expected_gib: float
 ) -> None:
     """The KV budget is ``gpu_memory_utilization`` of the device less the weights and activation peak, but never
-    more than the device has free beside the peak's activations: memory the process holds elsewhere (a caller's
-    tensors, allocator segments that cannot be released) is not there for the cache. Simulated device: 100 GiB,
-    a 10 GiB peak of which 4 GiB is held now (so 6 GiB of activations)."""
+    more than the device has free beside the peak's activations and half the fraction's slack: memory the
+    process holds elsewhere (a caller's tensors, allocator segments that cannot be released) is not there for
+    the cache. Simulated device: 100 GiB at 0.9, a 10 GiB peak of which 4 GiB is held now (so 6 GiB of
+    activations), 5 GiB of slack kept; with 5 GiB free nothing fits."""
     from paged_backend.config import EngineConfig
     from paged_backend.worker import profiler
 

@@ -164,9 +164,10 @@ class PagedAttentionSwitch:
                 if kv_scales is not None:
                     self.layer_scales.append((m, kv_scales[layer_idx]))
         self.model = model
-        self.modules = list(model.modules())
+        # (module, whether its class keeps nn.Module's __setattr__: its flag can then be set through __dict__)
+        self.modules = [(m, type(m).__setattr__ is torch.nn.Module.__setattr__) for m in model.modules()]
         self.previous: list[str | None] = []
-        self.training: list[torch.nn.Module] = []
+        self.training: list[tuple[torch.nn.Module, bool]] = []
         self.depth = 0
 
     def __enter__(self) -> None:
@@ -174,9 +175,9 @@ class PagedAttentionSwitch:
         if self.depth > 1:  # already switched: re-entering is a no-op
             return
         self.previous = [c._attn_implementation_internal for c in self.configs]
-        self.training = [m for m in self.modules if m.training] if self.model.training else []
-        for module in self.training:  # (a plain attribute: ``__dict__`` skips ``nn.Module.__setattr__``'s checks)
-            module.__dict__["training"] = False
+        self.training = [(m, plain) for m, plain in self.modules if m.training] if self.model.training else []
+        for module, plain in self.training:
+            _set_training(module, False, plain)
         for c in self.configs:
             c._attn_implementation_internal = ATTN_IMPLEMENTATION
         for module, kv_cache in self.layer_caches:
@@ -190,8 +191,8 @@ class PagedAttentionSwitch:
             return
         for c, previous in zip(self.configs, self.previous):
             c._attn_implementation_internal = previous
-        for module in self.training:
-            module.__dict__["training"] = True
+        for module, plain in self.training:
+            _set_training(module, True, plain)
         for module, _ in self.layer_caches:
             module.__dict__.pop(KV_CACHE_ATTR, None)
             module.__dict__.pop(KV_SCALE_ATTR, None)
@@ -206,3 +207,12 @@ class PagedAttentionSwitch:
         finally:
             for module, _ in self.layer_scales:
                 module.__dict__.pop(KV_CALIBRATE_ATTR, None)
+
+
+def _set_training(module: torch.nn.Module, flag: bool, plain: bool) -> None:
+    """``module.training = flag``; for a class that keeps ``nn.Module.__setattr__`` straight into ``__dict__``,
+    skipping that method's checks (a step sets it for every module of a model left in train mode, twice)."""
+    if plain:
+        module.__dict__["training"] = flag
+    else:  # a TorchScript module, a compiled wrapper: their own __setattr__ passes the flag on
+        module.training = flag

@@ -7,12 +7,14 @@ kernel a ``block``-row product runs, whatever the batch.
 Narrow products waste most of the GPU that way: a 256-row block of an 8B model's q projection fills 32 of an
 H200's 132 multiprocessors. Where cuBLAS runs one product over many blocks with the kernel it runs on one block
 (no split along K, tiles that do not mix rows), that product gives every row the same bits as its block, and it
-is much faster. Which shapes and row counts it holds for is cuBLAS's choice, not something to assume: the first
-product of each (matrix, row count) is computed both ways and compared bit for bit, and the verdict is kept for
-the process (``ONE_PRODUCT``). A kernel's choice is a function of the shapes, strides, alignments, dtypes and
-math mode (TF32, reduced-precision reductions) in the key, never of the values, so a verdict holds for every
-later call with that key. Inside a CUDA graph capture (decode steps) nothing is checked: products there run on
-blocks, which are right by construction.
+is much faster. Which shapes and row counts it holds for is cuBLAS's choice, not something to assume: before the
+first product of each (matrix layout, row count), random values in tensors of the same layouts are multiplied
+both ways and compared bit for bit, and the verdict is kept for the process (``ONE_PRODUCT``). A kernel's choice
+is a function of the shapes, strides, alignments, dtypes and math mode (TF32, reduced-precision reductions, the
+BLAS library) in the key, never of the values, so the verdict holds for every later call with that key; a
+different summation order flips some of the ~256 x N outputs' last bits in every block, which random values
+show. The check is a host sync in its step, once per key. Inside a CUDA graph capture nothing is checked:
+products there run on blocks, which are right by construction.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from collections.abc import Callable
 
 import torch
 
-# (row count, matrix, bias) layout -> whether one product over those rows gives each row its block's bits
+# (block, rows' shape, matrix and bias layouts, math mode) -> whether one product over those rows gives each row
+# its block's bits
 ONE_PRODUCT: dict[tuple[object, ...], bool] = {}
+CHECK_BYTES = 512 * 2**20  # the largest product (or matrix) a check makes; larger ones run on blocks
 
 
 def rows_in_blocks(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], block: int) -> torch.Tensor:
@@ -75,33 +79,57 @@ def _mm(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None, out
 def _one_product(
     rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, block: int
 ) -> bool:
-    """Whether ``out`` now holds ``rows``' (whole blocks') products, made as one product. On a key's first call
-    that product is also made by blocks and the two compared: where they differ, ``out`` takes the blocks' and
-    the key answers no from then on."""
+    """Whether ``rows`` (whole blocks) went into ``out`` as one product: where ``ONE_PRODUCT`` says, or its key is
+    new and ``_same_bits`` finds it so (outside a CUDA graph capture, where nothing is checked)."""
     key = (block, rows.shape, _layout(matrix), None if bias is None else _layout(bias), _math_mode())
     verdict = ONE_PRODUCT.get(key)
-    if verdict is False or (verdict is None and rows.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return False
-    _mm(rows, matrix, bias, out)
     if verdict is None:
-        by_blocks = torch.empty_like(out)
-        for part, part_out in zip(rows.split(block), by_blocks.split(block)):
-            _mm(part, matrix, bias, part_out)
-        # bits, not values: a NaN equals its own bits, and -0.0 is not 0.0
-        verdict = ONE_PRODUCT[key] = torch.equal(out.view(torch.uint8), by_blocks.view(torch.uint8))
-        if not verdict:
-            out.copy_(by_blocks)
-    return True
+        if rows.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        verdict = ONE_PRODUCT[key] = _same_bits(rows, matrix, bias, block)
+    if verdict:
+        _mm(rows, matrix, bias, out)
+    return verdict
+
+
+def _same_bits(rows: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None, block: int) -> bool:
+    """Whether one product over ``rows``' shape gives every row the bits of its block's product, tried on random
+    values in tensors of the same layouts: a step's own rows may all be one row (a warm-up's padding) and a
+    weight may be zeros, on which any summation order agrees. Bits, not values, are compared (a NaN equals its
+    own bits; -0.0 is not 0.0). A check whose product would exceed ``CHECK_BYTES`` is not made: no."""
+    n, width = rows.shape[0], matrix.shape[1]
+    if n * width * rows.element_size() > CHECK_BYTES or matrix.numel() * matrix.element_size() > CHECK_BYTES:
+        return False
+    generator = torch.Generator(device=rows.device).manual_seed(0)
+    sample, weights = _random_like(rows, generator), _random_like(matrix, generator)
+    shift = None if bias is None else _random_like(bias, generator)
+    whole, by_blocks = (torch.empty(n, width, dtype=rows.dtype, device=rows.device) for _ in range(2))
+    _mm(sample, weights, shift, whole)
+    for part, part_out in zip(sample.split(block), by_blocks.split(block)):
+        _mm(part, weights, shift, part_out)
+    return torch.equal(whole.view(torch.uint8), by_blocks.view(torch.uint8))
+
+
+def _random_like(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Normal values in a tensor of ``t``'s shape, strides, dtype and device, at an address of ``t``'s alignment
+    (modulo 256 bytes)."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    flat = torch.empty(span + 256 // t.element_size(), dtype=t.dtype, device=t.device)
+    offset = (t.data_ptr() - flat.data_ptr()) % 256 // t.element_size()
+    return flat.normal_(generator=generator).as_strided(t.shape, t.stride(), offset)
 
 
 def _math_mode() -> tuple[object, ...]:
-    """The settings a product's kernel choice also follows (TF32, reduced-precision reductions): a process that
-    changes them between steps gets verdicts of their own."""
+    """The settings a product's kernel choice also follows (TF32, reduced-precision reductions and accumulation,
+    the BLAS library): a process that changes them between steps gets verdicts of their own."""
     matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)  # reads what either API set (the legacy getter may raise)
     return (
-        torch.get_float32_matmul_precision(),
+        precision if precision is not None else matmul.allow_tf32,
         matmul.allow_bf16_reduced_precision_reduction,
         matmul.allow_fp16_reduced_precision_reduction,
+        getattr(matmul, "allow_fp16_accumulation", None),
+        torch.backends.cuda.preferred_blas_library(),
     )
 
 

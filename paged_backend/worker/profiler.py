@@ -61,26 +61,29 @@ def profile_peak_memory(model: PreTrainedModel, config: EngineConfig, device: to
 def gpu_blocks_that_fit(model: PreTrainedModel, config: EngineConfig, device: torch.device, block_bytes: int) -> int:
     """KV blocks that fit in ``gpu_memory_utilization`` of the GPU once weights and the activation peak of a
     ``max_num_batched_tokens`` forward are accounted for (zero or less when nothing fits); never more than the
-    device has free beside that peak's activations. The engine shares its process: what the caller holds and
-    what the caching allocator cannot hand back (segments that still hold a live tensor, other processes'
-    memory) is not there for the cache, whatever the fraction says."""
+    device has free beside that peak's activations and half the slack the fraction leaves (for CUDA graphs,
+    workspaces, fragmentation). The engine shares its process: what the caller holds and what the caching
+    allocator cannot hand back (segments that still hold a live tensor, other processes' memory) is not there
+    for the cache, whatever the fraction says."""
     total = torch.cuda.get_device_properties(device).total_memory
+    utilization = config.cache_config.gpu_memory_utilization
     peak = profile_peak_memory(model, config, device)
-    budget = total * config.cache_config.gpu_memory_utilization - peak
-    free = torch.cuda.mem_get_info(device)[0] - (peak - torch.cuda.memory_allocated(device))
+    budget = total * utilization - peak
+    activations = peak - torch.cuda.memory_allocated(device)
+    free = torch.cuda.mem_get_info(device)[0] - activations - total * (1 - utilization) / 2
     logger.info(
         "GPU memory on %s: total %.1f GiB, weights + activation peak %.1f GiB, KV budget %.1f GiB",
         device,
         total / 2**30,
         peak / 2**30,
-        min(budget, free) / 2**30,
+        max(0.0, min(budget, free)) / 2**30,
     )
     if free < budget:
         logger.warning(
             "the KV cache gets %.1f GiB, not the %.1f GiB that gpu_memory_utilization=%s allows: the rest is held "
             "by this process's other tensors, by allocator segments it cannot release, or by other processes",
-            free / 2**30,
+            max(0.0, free) / 2**30,
             budget / 2**30,
-            config.cache_config.gpu_memory_utilization,
+            utilization,
         )
     return int(min(budget, free) // block_bytes)
