@@ -70,20 +70,20 @@ def gpu_blocks_that_fit(model: PreTrainedModel, config: EngineConfig, device: to
     peak = profile_peak_memory(model, config, device)
     budget = total * utilization - peak
     activations = peak - torch.cuda.memory_allocated(device)
-    free = torch.cuda.mem_get_info(device)[0] - activations - total * (1 - utilization) / 2
+    room = torch.cuda.mem_get_info(device)[0] - activations - total * (1 - utilization) / 2  # the cap
     logger.info(
         "GPU memory on %s: total %.1f GiB, weights + activation peak %.1f GiB, KV budget %.1f GiB",
         device,
         total / 2**30,
         peak / 2**30,
-        max(0.0, min(budget, free)) / 2**30,
+        max(0.0, min(budget, room)) / 2**30,
     )
-    if free < budget:
+    if room < budget:
         logger.warning(
             "the KV cache gets %.1f GiB, not the %.1f GiB that gpu_memory_utilization=%s allows: the rest is held "
             "by this process's other tensors, by allocator segments it cannot release, or by other processes",
-            max(0.0, free) / 2**30,
+            max(0.0, room) / 2**30,
             budget / 2**30,
             utilization,
         )
-    return int(min(budget, free) // block_bytes)
+    return int(min(budget, room) // block_bytes)
