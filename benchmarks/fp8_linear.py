@@ -1,19 +1,26 @@
 """FP8 linear calls as the engine makes them, against bf16, on the 8B shape's projections (a diagnostic): per
-call, replayed from a CUDA graph as decode steps run them (``triton.testing.do_bench_cudagraph``), µs:
+call, replayed from a CUDA graph as decode steps run them, over enough copies of the weights that none stays in
+L2 (as in the engine, where each layer's weights are read once a step), µs:
 
 - ``bf16``: ``F.linear`` in bf16;
-- ``fp8``: ``fp8_linear`` (the quantization kernel, then ``torch._scaled_mm``);
-- ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernels).
+- ``fp8``: ``fp8_linear``, the engine's path: up to 4 rows the fp8 GEMV (``kernels/fp8_gemv.py``), above the
+  quantization kernel, then ``torch._scaled_mm``;
+- ``fp8_gemm``: the quantization kernel, then ``torch._scaled_mm``, at every row count;
+- ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernel).
 
-    python benchmarks/fp8_linear.py --rows 1 4 256 --json fp8_linear.json
+With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K) of a small grid, fastest first.
+
+    python benchmarks/fp8_linear.py --rows 1 2 4 256 --sweep --json fp8_linear.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,11 +28,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton  # noqa: E402
 from paged_backend.kernels.fp8_quant import quantize_per_row_triton  # noqa: E402
 from paged_backend.quantization.fp8 import fp8_linear, quantize_per_row  # noqa: E402
 
 logger = logging.getLogger("fp8_linear")
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
+L2_BYTES = 50e6  # an H200's L2 cache
 
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kernel: bool) -> torch.Tensor:
@@ -33,12 +42,24 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
 
 
-@torch.no_grad()
-def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+def copies_of(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """``tensors`` and copies of them, together four times the L2's size."""
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(1, max(1, round(4 * L2_BYTES / size)))]
+
+
+def per_call_us(fn: Callable[..., torch.Tensor], weights: list[tuple[torch.Tensor, ...]]) -> float:
+    """One CUDA graph calling ``fn`` on each set of weights in turn, timed, divided by their number."""
     import triton.testing
 
+    return triton.testing.do_bench_cudagraph(lambda: [fn(*w) for w in weights], rep=50) * 1e3 / len(weights)
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 256])
+    parser.add_argument("--sweep", action="store_true", help="also the GEMV's launches, up to 4 rows")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     results: dict[str, dict[str, float]] = {}
@@ -46,18 +67,25 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         q_w, s_w = quantize_per_row(w)
         s_w = s_w[:, 0]
+        dense, quantized = copies_of(w), copies_of(q_w, s_w)
         for rows in args.rows:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             err = (fp8_linear(x, q_w, s_w, True).float() - F.linear(x, w).float()).abs().max().item()
-            ways = {
-                "bf16": lambda x=x, w=w: F.linear(x, w),
-                "fp8": lambda x=x, q_w=q_w, s_w=s_w: fp8_linear(x, q_w, s_w, True),
-                "fp8_torch_quant": lambda x=x, q_w=q_w, s_w=s_w: scaled_mm(x, q_w, s_w, False),
+            row = {
+                "bf16": per_call_us(lambda w, x=x: F.linear(x, w), dense),
+                "fp8": per_call_us(lambda q, s, x=x: fp8_linear(x, q, s, True), quantized),
+                "fp8_gemm": per_call_us(lambda q, s, x=x: scaled_mm(x, q, s, True), quantized),
+                "fp8_torch_quant": per_call_us(lambda q, s, x=x: scaled_mm(x, q, s, False), quantized),
+                "max_err_vs_bf16": err,
             }
-            row = {way: triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3 for way, fn in ways.items()}
-            row["max_err_vs_bf16"] = err
+            if args.sweep and rows <= GEMV_MAX_M:
+                for launch in itertools.product((8, 16, 32), (1, 2, 4, 8)):
+                    gemv = lambda q, s, x=x, launch=launch: fp8_gemv_triton(x, q, s, launch)  # noqa: E731
+                    row[f"gemv_{launch[0]}x{launch[1]}"] = per_call_us(gemv, quantized)
             results[f"{name}_{rows}"] = row
-            logger.info("%s, %d rows, µs: %s", name, rows, json.dumps({k: round(v, 2) for k, v in row.items()}))
+            best = sorted((v, key) for key, v in row.items() if key.startswith("gemv_"))[:3]
+            fixed = {key: round(v, 2) for key, v in row.items() if not key.startswith("gemv_")}
+            logger.info("%s, %d rows, µs: %s; best GEMV launches %s", name, rows, json.dumps(fixed), best)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -328,3 +328,29 @@ def test_fp8_quantize_kernel_equals_its_twin(dtype: torch.dtype, cols: int) -> N
         assert torch.equal(scale, scale_twin)
         assert torch.equal(q.view(torch.uint8), q_twin.view(torch.uint8))
     assert quantize_per_row_triton(x[:0])[0].shape == (0, cols)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("k", "n"), [(256, 48), (300, 20), (3072, 40)])  # under one step; not a multiple of 8
+def test_fp8_gemv_equals_its_twin(rows: int, k: int, n: int) -> None:
+    """The fp8 GEMV against its twin (x times the dequantized weight in float32), into fp32, fp16 and bf16, with
+    weights that are rows of a larger packed buffer (as fused siblings' are): the default launch, and one split
+    over K (3072: a short last part) with a partial block of weight rows; the programs that added the parts
+    reset the counters. More rows than it takes is an error naming the limit."""
+    from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_torch, fp8_gemv_triton
+    from paged_backend.kernels.fp8_quant import quantize_per_row
+
+    gen = torch.Generator().manual_seed(k + n + rows)
+    packed, packed_scale = quantize_per_row((torch.randn(n + 16, k, generator=gen) * 0.02).to(DEVICE))
+    weight, weight_scale = packed[8 : 8 + n], packed_scale[8 : 8 + n, 0]  # a view into the packed buffer
+    x = torch.randn(rows, k, generator=gen).to(DEVICE)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        expected = fp8_gemv_torch(x.to(dtype).float(), weight, weight_scale)
+        for launch in (None, (16, 2)):
+            got = fp8_gemv_triton(x.to(dtype), weight, weight_scale, launch)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            tol = 1e-4 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    assert not arrival_counters(DEVICE).any()
+    with pytest.raises(ValueError, match=f"GEMV_MAX_M={GEMV_MAX_M}"):
+        fp8_gemv_triton(torch.cat([x] * 5), weight, weight_scale)
