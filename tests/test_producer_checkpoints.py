@@ -226,7 +226,7 @@ def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
         twin = fp8_linear_torch(x, weight, scale[:, 0], True).float() + bias.float()
         torch.testing.assert_close(ours, twin, rtol=2e-2, atol=2e-2)
     layer = FP8Linear.from_linear(torch.nn.Linear(64, 32))  # quantized on the CPU (as TP ranks do), then moved
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)  # more rows than the fp8 GEMV takes
     on_gpu = layer.cuda()(x.cuda()).cpu().float()
     assert not torch.equal(on_gpu, layer.cpu()(x).float())  # the fp8 GEMM ran there, not the twin
 
