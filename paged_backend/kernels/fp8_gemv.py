@@ -18,9 +18,9 @@ from paged_backend.kernels.arrival import arrival_counters
 GEMV_MAX_M = 4  # rows the GEMV takes, all in one program; more go to the fp8 GEMM
 VEC = 8  # weights per thread and row per step: 8 bytes of fp8, and x's 8 values one 16-byte load in bf16
 NUM_WARPS = 4
-# Weight rows per program, by rows of x: each thread has one load of VEC bytes in flight per weight row, and
-# holds BLOCK_M x BLOCK_N partial sums (at 4 rows, 16 weight rows a program would need over 200 registers).
-BLOCK_N = {1: 16, 2: 16, 4: 8}
+# Weight rows per program: each thread has one load of VEC bytes in flight per weight row and holds BLOCK_M x
+# BLOCK_N partial sums; 8 was the fastest of 8, 16 and 32 on every projection of the 8B shape (docs/benchmarks.md).
+BLOCK_N = 8
 
 
 def fp8_gemv_torch(
@@ -104,8 +104,8 @@ def fp8_gemv_triton(
     weight_scale: torch.Tensor,  # [N] float32
     launch: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """``fp8_gemv_torch`` in one kernel. ``launch`` is (BLOCK_N, SPLIT_K), by default ``BLOCK_N``'s rows for this
-    many rows of x and K split until about eight programs run per SM."""
+    """``fp8_gemv_torch`` in one kernel. ``launch`` is (BLOCK_N, SPLIT_K), by default ``BLOCK_N`` rows and K split
+    while fewer than four programs run per SM."""
     m, k = x.shape
     n = weight.shape[0]
     if m > GEMV_MAX_M or weight.stride(1) != 1 or weight_scale.stride(0) != 1:
@@ -116,10 +116,10 @@ def fp8_gemv_triton(
     lanes = 32 * NUM_WARPS
     step = lanes * VEC
     block_m = triton.next_power_of_2(max(m, 1))
-    block_n, split_k = launch or (BLOCK_N[block_m], 0)
+    block_n, split_k = launch or (BLOCK_N, 0)
     if not split_k:
         sms = num_sms(x.device) if x.is_cuda else 132
-        split_k = _split_k(triton.cdiv(n, block_n), k, step, 8 * sms)
+        split_k = _split_k(triton.cdiv(n, block_n), k, step, 4 * sms)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), step) * step
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -2,15 +2,15 @@
 quantized per token at run time (``dynamic_activations``, compressed-tensors' ``FP8_DYNAMIC``, vLLM's online
 ``quantization="fp8"``).
 
-On a GPU with fp8 matrix units (compute capability 8.9 or later), decode's one to ``GEMV_MAX_M`` rows run the fp8
-GEMV (``kernels/fp8_gemv.py``): bound by reading the weights, it reads them at the copy rate, and it multiplies
-the activations as they are (a product of fp8 weights and unquantized activations, closer to the model than the
-fp8 GEMM's). More rows: the activation is quantized per token by one kernel (``kernels/fp8_quant.py``), then
-``y = x @ W.T`` is one ``torch._scaled_mm`` of fp8 operands with the activation's per-token and the weight's
-per-channel scales; elsewhere its torch twin (``fp8_linear_torch``) computes the same quantities in float32: the
-activation rounded through fp8 per token, the weight dequantized. Weight-only checkpoints (no activation scheme),
-and models in another dtype than bfloat16 (the fp8 GEMM's row-wise scales write bfloat16), run the twin above
-the GEMV's rows on every device.
+On a GPU with fp8 matrix units (compute capability 8.9 or later), a lone row (decode of one sequence) runs the fp8
+GEMV (``kernels/fp8_gemv.py``): bound by reading the weights, which it streams, it multiplies the activations as
+they are (a product of fp8 weights and unquantized activations, closer to the model than the fp8 GEMM's). More
+rows (from two on, the fp8 GEMM was the faster on an H200): the activation is quantized per token by one kernel
+(``kernels/fp8_quant.py``), then ``y = x @ W.T`` is one ``torch._scaled_mm`` of fp8 operands with the activation's
+per-token and the weight's per-channel scales; elsewhere its torch twin (``fp8_linear_torch``) computes the same
+quantities in float32: the activation rounded through fp8 per token, the weight dequantized. Weight-only checkpoints
+(no activation scheme), and models in another dtype than bfloat16 (the fp8 GEMM's row-wise scales write bfloat16),
+run the twin above one row on every device.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from paged_backend.kernels import triton
-from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_torch, fp8_gemv_triton
+from paged_backend.kernels.fp8_gemv import fp8_gemv_torch, fp8_gemv_triton
 from paged_backend.kernels.fp8_quant import FP8, quantize_per_row, quantize_per_row_triton
 
 
@@ -58,12 +58,15 @@ def _fp8_capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
+GEMV_ROWS = 1  # rows up to which the fp8 GEMV runs (docs/benchmarks.md, "FP8 weights")
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dynamic: bool) -> torch.Tensor:
     """``x`` [M, K] times the fp8 ``weight`` [N, K] (per-row ``weight_scale``) where the device has fp8 units: the
-    GEMV up to ``GEMV_MAX_M`` rows, above one ``torch._scaled_mm`` when the activations are bf16 and quantized per
+    GEMV up to ``GEMV_ROWS`` rows, above one ``torch._scaled_mm`` when the activations are bf16 and quantized per
     token; else the twin."""
     fp8_units = x.is_cuda and has_fp8_matmul(x.device)
-    if fp8_units and triton is not None and x.shape[0] <= GEMV_MAX_M:
+    if fp8_units and triton is not None and x.shape[0] <= GEMV_ROWS:
         return fp8_gemv_triton(x, weight, weight_scale)
     if dynamic and x.dtype == torch.bfloat16 and fp8_units:
         return fp8_linear_scaled_mm(x, weight, weight_scale, None)
