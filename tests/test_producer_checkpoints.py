@@ -229,6 +229,12 @@ def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
     x = torch.randn(8, 64, dtype=torch.bfloat16)  # more rows than the fp8 GEMV takes
     on_gpu = layer.cuda()(x.cuda()).cpu().float()
     assert not torch.equal(on_gpu, layer.cpu()(x).float())  # the fp8 GEMM ran there, not the twin
+    from paged_backend.kernels.fp8_gemv import fp8_gemv_torch
+
+    layer = layer.cuda()  # one row: the fp8 GEMV, x unquantized
+    lone = layer(x[:1].cuda()).float()
+    expected = fp8_gemv_torch(x[:1].cuda(), layer.weight, layer.weight_scale).float() + layer.bias.float()
+    torch.testing.assert_close(lone, expected, rtol=2e-2, atol=2e-2)
 
 
 def test_our_awq_writer_matches_autoawqs_format(tokenizer, tmp_path) -> None:
