@@ -1,11 +1,11 @@
-"""The FP8 GEMV: decode's one to four rows of x, in the model's dtype, against fp8 weights ``[N, K]`` with a scale
-per output channel. At a few rows a product is bound by reading the weights, which ``torch._scaled_mm`` (a GEMM
-tiled for many rows) does not do at the copy rate, and the per-token quantization of x it needs is a kernel of its
-own. Here x stays as it is (weights only: fp8 values times fp32 products are exact in registers, so this is the
-unquantized-activation product, closer to the model than the fp8 GEMM's) and each program's rows of weights
-stream along K: ``VEC`` bytes of each row a thread, every thread of the program side by side along K, all of a
-program's rows loaded before any is used, so many loads are in flight. K is split over programs where there are
-few (the last program of each tile adds the parts, ``kernels/arrival.py``).
+"""The FP8 GEMV: decode's few rows of x, in the model's dtype, against fp8 weights ``[N, K]`` with a scale per output
+channel (``quantization/fp8.py`` runs it at one row, where it beats the fp8 GEMM). At a few rows a product is bound
+by reading the weights, which ``torch._scaled_mm`` (a GEMM tiled for many rows) does not do at the copy rate, and
+the per-token quantization of x it needs is a kernel of its own. Here x stays as it is (weights only: fp8 values
+times fp32 products are exact in registers, so this is the unquantized-activation product, closer to the model than
+the fp8 GEMM's) and each program's rows of weights stream along K: ``VEC`` bytes of each row a thread, every thread
+of the program side by side along K, all of a program's rows loaded before any is used, so many loads are in flight.
+K is split over programs where there are few (the last program of each tile adds the parts, ``kernels/arrival.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from paged_backend.kernels import num_sms, tl, triton
 from paged_backend.kernels.arrival import arrival_counters
 
-GEMV_MAX_M = 4  # rows the GEMV takes, all in one program; more go to the fp8 GEMM
+GEMV_MAX_M = 4  # rows the kernel takes, all in one program
 VEC = 8  # weights per thread and row per step: 8 bytes of fp8, and x's 8 values one 16-byte load in bf16
 NUM_WARPS = 4
 # Weight rows per program: each thread has one load of VEC bytes in flight per weight row and holds BLOCK_M x
