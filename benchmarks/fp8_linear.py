@@ -3,7 +3,7 @@ call, replayed from a CUDA graph as decode steps run them, over enough copies of
 L2 (as in the engine, where each layer's weights are read once a step), µs:
 
 - ``bf16``: ``F.linear`` in bf16;
-- ``fp8``: ``fp8_linear``, the engine's path: up to 4 rows the fp8 GEMV (``kernels/fp8_gemv.py``), above the
+- ``fp8``: ``fp8_linear``, the engine's path: at one row the fp8 GEMV (``kernels/fp8_gemv.py``), above the
   quantization kernel, then ``torch._scaled_mm``;
 - ``fp8_gemm``: the quantization kernel, then ``torch._scaled_mm``, at every row count;
 - ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernel).

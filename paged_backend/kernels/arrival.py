@@ -20,6 +20,16 @@ from paged_backend.kernels import tl, triton
 MAX_TILES = 1 << 16
 
 
+def split_k_parts(tiles: int, k: int, min_part: int, programs: int) -> int:
+    """Parts (a power of two, 16 at most) to cut K into so that about ``programs`` programs run for ``tiles``
+    output tiles, no part shorter than ``min_part``: with the last program adding the parts, a deeper split costs
+    little, and decode's few tiles would otherwise leave most SMs idle."""
+    split_k = 1
+    while tiles * split_k < programs and split_k < 16 and k // (split_k * 2) >= min_part:
+        split_k *= 2
+    return split_k
+
+
 def arrival_counters(device: torch.device, tiles: int = 0) -> torch.Tensor:
     """The device's zeroed tile counters, ``[MAX_TILES]`` int32, for a launch of ``tiles`` output tiles. Made on
     first use, which is before any CUDA graph capture (the engine's warm-up runs every kernel eagerly first), so

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import num_sms, tl, triton
-from paged_backend.kernels.arrival import arrival_counters
+from paged_backend.kernels.arrival import arrival_counters, split_k_parts
 from paged_backend.kernels.awq_format import dequantize
 
 # Rows up to which the fused kernel runs; above, dequantize + cuBLAS, where the GEMM's compute outweighs the extra
@@ -197,15 +197,6 @@ def _row_packs(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     return row_packs
 
 
-def _split_k(tiles: int, k: int, block_k: int, programs: int) -> int:
-    """Parts K is cut into (16 at most) so that about ``programs`` programs run, each still looping over four tiles
-    or more."""
-    split_k = 1
-    while tiles * split_k < programs and split_k < 16 and k // (split_k * 2) >= 4 * block_k:
-        split_k *= 2
-    return split_k
-
-
 def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. A decode step reads
     each weight once, so the launch aims at many programs per SM, which keep enough loads in flight: up to
@@ -214,14 +205,14 @@ def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[in
     parts, so a deeper split costs little); up to 16 rows 16 x 64 ``tl.dot`` tiles, above that 64 x 128, split
     where tiles are few. ``benchmarks/awq_sweep.py`` times the alternatives (docs/benchmarks.md)."""
     if m <= GEMV_MAX_M:  # one pack per thread of 4 warps: few registers, so many warps keep loads in flight
-        split_k = _split_k(triton.cdiv(n, 256), k, group_size // 4, 6 * sms)  # parts of one group or more
+        split_k = split_k_parts(triton.cdiv(n, 256), k, group_size, 6 * sms)  # parts of one group or more
         return triton.next_power_of_2(m), 256, 4, split_k
     if m <= 16:
         block_m, block_n, block_k, programs = 16, 64, min(group_size, 64), 12 * sms
     else:
         block_m, block_n, block_k, programs = 64, 128, min(group_size, 128), 2 * sms
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    return block_m, block_n, block_k, _split_k(tiles, k, block_k, programs)
+    return block_m, block_n, block_k, split_k_parts(tiles, k, 4 * block_k, programs)  # parts of 4 tiles or more
 
 
 def awq_gemm_triton(

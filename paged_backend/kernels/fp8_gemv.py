@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import num_sms, tl, triton
-from paged_backend.kernels.arrival import arrival_counters
+from paged_backend.kernels.arrival import arrival_counters, split_k_parts
 
 GEMV_MAX_M = 4  # rows the kernel takes, all in one program
 VEC = 8  # weights per thread and row per step: 8 bytes of fp8, and x's 8 values one 16-byte load in bf16
@@ -90,14 +90,6 @@ if triton is not None:
             tl.store(out_ptr + tile, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _split_k(tiles: int, k: int, step: int, programs: int) -> int:
-    """Parts K is cut into (16 at most) so that about ``programs`` programs run, each still looping twice."""
-    split_k = 1
-    while tiles * split_k < programs and split_k < 16 and k // (split_k * 2) >= 2 * step:
-        split_k *= 2
-    return split_k
-
-
 def fp8_gemv_triton(
     x: torch.Tensor,  # [M, K], M <= GEMV_MAX_M
     weight: torch.Tensor,  # [N, K] fp8, rows contiguous
@@ -119,7 +111,7 @@ def fp8_gemv_triton(
     block_n, split_k = launch or (BLOCK_N, 0)
     if not split_k:
         sms = num_sms(x.device) if x.is_cuda else 132
-        split_k = _split_k(triton.cdiv(n, block_n), k, step, 4 * sms)
+        split_k = split_k_parts(triton.cdiv(n, block_n), k, 2 * step, 4 * sms)  # parts of two steps or more
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), step) * step
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
