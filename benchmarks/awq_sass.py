@@ -3,7 +3,8 @@
 sit (``LDG.E``: each line's position in the SASS), which is how the launch options of ``kernels/awq_gemm.py`` were
 judged before timing them on a GPU.
 
-    python benchmarks/awq_sass.py           # the heuristic's one-row gate/up launch: 56 registers
+    python benchmarks/awq_sass.py           # the heuristic's one-row gate/up launch (registers: 56 with Triton
+                                            # 3.9, 128 with the H200 machine's 3.6, which loads a whole group first)
     python benchmarks/awq_sass.py --loads   # also where each weight load sits
 """
 
@@ -30,12 +31,17 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def compile_gemv(constants: dict[str, int | bool], num_warps: int = 4) -> bytes:
-    """The GEMV's cubin for sm_90 with bf16 activations and these constexprs."""
+    """The GEMV's cubin for sm_90 with bf16 activations and these constexprs, specialized as a launch of one row
+    specializes it: ``M == 1`` a constant, the pointers and the sizes divisible by 16 (without those hints the
+    code differs: scalar loads where the launch has vectors)."""
     pointers = {"x_ptr": "*bf16", "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": "*bf16"}
     pointers |= {"out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32"}
-    scalars = dict.fromkeys(("M", "n_packs", "K", "k_per_split", "magic"), "i32")
-    signature = pointers | scalars | dict.fromkeys(constants, "constexpr")
-    source = triton.compiler.ASTSource(fn=awq_gemv_kernel, signature=signature, constexprs=constants)
+    scalars = dict.fromkeys(("n_packs", "K", "k_per_split", "magic"), "i32")
+    constants = {"M": 1} | constants
+    signature = pointers | {"M": "constexpr"} | scalars | dict.fromkeys(constants, "constexpr")
+    names = list(signature)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, *scalars)}
+    source = triton.compiler.ASTSource(fn=awq_gemv_kernel, signature=signature, constexprs=constants, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     return kernel.asm["cubin"]
 
@@ -63,7 +69,8 @@ def main() -> None:
         cubin.write_bytes(compile_gemv(constants))
         usage = subprocess.run([TOOLS / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
         sass = subprocess.run([TOOLS / "nvdisasm", "-c", cubin], capture_output=True, text=True).stdout
-    logger.info("%s %s", re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage).group(0), constants)
+    registers = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage).group(0)
+    logger.info("Triton %s: %s %s", triton.__version__, registers, constants)
     opcodes: collections.Counter[str] = collections.Counter()
     for line in sass.splitlines():
         found = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)

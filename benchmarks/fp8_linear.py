@@ -8,7 +8,7 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
 - ``fp8_gemm``: the quantization kernel, then ``torch._scaled_mm``, at every row count;
 - ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernel).
 
-With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K) of a small grid, fastest first.
+With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first.
 
     python benchmarks/fp8_linear.py --rows 1 2 4 256 --sweep --json fp8_linear.json
 """
@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 "max_err_vs_bf16": err,
             }
             if args.sweep and rows <= GEMV_MAX_M:
-                for launch in itertools.product((8, 16, 32), (1, 2, 4, 8)):
+                for launch in itertools.product((1, 2, 4, 8), (1, 2, 4), (32, 64, 128)):
                     gemv = lambda q, s, x=x, launch=launch: fp8_gemv_triton(x, q, s, launch)  # noqa: E731
-                    row[f"gemv_{launch[0]}x{launch[1]}"] = per_call_us(gemv, quantized)
+                    row["gemv_{}x{}x{}".format(*launch)] = per_call_us(gemv, quantized)
             results[f"{name}_{rows}"] = row
             best = sorted((v, key) for key, v in row.items() if key.startswith("gemv_"))[:3]
             fixed = {key: round(v, 2) for key, v in row.items() if not key.startswith("gemv_")}
