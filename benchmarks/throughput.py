@@ -481,6 +481,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure, each on its own prompts")
     parser.add_argument("--profile", type=Path, default=None, help="write a torch.profiler table here")
     parser.add_argument("--breakdown", action="store_true", help="time the parts of a step (W1 and W2 shapes)")
+    parser.add_argument(
+        "--profile-w2", action="store_true", help="each paged engine's GPU kernels per step of a W2-shaped run"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
     args = parser.parse_args(argv)
@@ -581,6 +584,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 }
         if backend == "paged" and args.profile is not None:
             profile_decode(llm, vocab, args.profile)
+        if args.profile_w2:  # a prompt of its own: W2's would be a prefix-cache hit, which run_paged refuses
+            results.setdefault("w2_profile", {})[backend] = profile_kernels(
+                llm, [one_prompt(vocab, 128, seed=9)], args.max_tokens
+            )
+            logger.info("%s W2 kernels per step: %s", backend, results["w2_profile"][backend])
         save()
         llm.llm_engine.shutdown()
 

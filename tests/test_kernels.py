@@ -334,8 +334,9 @@ def test_fp8_quantize_kernel_equals_its_twin(dtype: torch.dtype, cols: int) -> N
 @pytest.mark.parametrize(("k", "n"), [(256, 48), (300, 20), (3072, 40)])  # under one step; not a multiple of 8
 def test_fp8_gemv_equals_its_twin(rows: int, k: int, n: int) -> None:
     """The fp8 GEMV against its twin (x times the dequantized weight in float32), into fp32, fp16 and bf16, with
-    weights that are rows of a larger packed buffer (as fused siblings' are): the default launch, and in bf16 two
-    launches split over K with partial blocks of weight rows (3072 in 2,048 + 1,024 and in three; 300 in 256 + 44);
+    weights that are rows of a larger packed buffer (as fused siblings' are): the default launch (2 weight rows
+    a program here), and in bf16 the 4-row launch of wide projections and two launches split over K with partial
+    blocks of weight rows (3072 in 2,048 + 1,024 and in three; 300 in 256 + 44);
     the programs that added the parts reset the counters. More rows than it takes is an error naming the limit."""
     from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_torch, fp8_gemv_triton
     from paged_backend.kernels.fp8_quant import quantize_per_row
@@ -346,7 +347,7 @@ def test_fp8_gemv_equals_its_twin(rows: int, k: int, n: int) -> None:
     x = torch.randn(rows, k, generator=gen).to(DEVICE)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         expected = fp8_gemv_torch(x.to(dtype).float(), weight, weight_scale)
-        for launch in (None, (16, 2, 128), (2, 3, 32)) if dtype == torch.bfloat16 else (None,):
+        for launch in (None, (4, 0, 64), (16, 2, 128), (2, 3, 32)) if dtype == torch.bfloat16 else (None,):
             got = fp8_gemv_triton(x.to(dtype), weight, weight_scale, launch)
             assert got.dtype == dtype and got.shape == (rows, n)
             tol = 1e-4 if dtype == torch.float32 else 1e-2

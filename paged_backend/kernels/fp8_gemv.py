@@ -19,11 +19,13 @@ from paged_backend.kernels.arrival import arrival_counters, split_k_parts
 GEMV_MAX_M = 4  # rows the kernel takes, a program for each
 VEC = 8  # weights per thread and row per step: 8 bytes of fp8, and x's 8 values one 16-byte load in bf16
 NUM_WARPS = 4
-# The default launch (docs/benchmarks.md, "FP8 weights"): programs of 4 weight rows, 64 threads side by side
-# along K (512 weights of each row a step); few rows a program means many programs, which kept more loads in flight
-# than more rows a program did on every projection of the 8B shape.
-BLOCK_N = 4
-LANES = 64
+# The default launch (docs/benchmarks.md, "FP8 weights"): programs of 2 weight rows, 128 threads side by side along
+# K (1,024 weights of each row a step), or 4 rows and 64 threads where 2 rows would make more than
+# ``MAX_PROGRAMS_PER_SM`` programs (the 8B shape's gate/up). Few rows a program means many programs, which kept more
+# loads in flight than more rows a program did on every projection of the 8B shape; past that count, the 4-row
+# tiles were as fast or faster.
+TILE = 2048  # BLOCK_N * LANES * VEC: weights a program reads per step
+MAX_PROGRAMS_PER_SM = 64
 
 
 def fp8_gemv_torch(
@@ -93,15 +95,22 @@ if triton is not None:
             tl.store(out_ptr + tile, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def default_launch(n: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, SPLIT_K, LANES) for ``n`` weight rows: 2 rows and 128 threads a program, 4 and 64 where that would
+    be more than ``MAX_PROGRAMS_PER_SM`` programs an SM; SPLIT_K 0 (``fp8_gemv_triton`` picks)."""
+    block_n = 2 if triton.cdiv(n, 2) <= MAX_PROGRAMS_PER_SM * sms else 4
+    return block_n, 0, TILE // (block_n * VEC)
+
+
 def fp8_gemv_triton(
     x: torch.Tensor,  # [M, K], M <= GEMV_MAX_M
     weight: torch.Tensor,  # [N, K] fp8, rows contiguous
     weight_scale: torch.Tensor,  # [N] float32
     launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """``fp8_gemv_torch`` in one kernel. ``launch`` is (BLOCK_N, SPLIT_K, LANES); by default ``BLOCK_N`` weight
-    rows and ``LANES`` threads a program, and K split while fewer than 8 programs would run per SM and each part
-    keeps 8 steps or more (the down projection's long K, not the others)."""
+    """``fp8_gemv_torch`` in one kernel. ``launch`` is (BLOCK_N, SPLIT_K, LANES), by default ``default_launch``'s;
+    a SPLIT_K of 0 splits K while fewer than 8 programs would run per SM and each part keeps 8 steps or more (a
+    long K on a narrow projection: none on the 8B shape's)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > GEMV_MAX_M or weight.stride(1) != 1 or weight_scale.stride(0) != 1:
@@ -109,11 +118,11 @@ def fp8_gemv_triton(
             f"the fp8 GEMV takes up to GEMV_MAX_M={GEMV_MAX_M} rows and weights with contiguous rows, got {m} rows "
             f"and strides {weight.stride()}"
         )
-    block_n, split_k, lanes = launch or (BLOCK_N, 0, LANES)
-    step = lanes * VEC
+    sms = num_sms(x.device) if x.is_cuda else 132
+    block_n, split_k, lanes = launch or default_launch(n, sms)
     if not split_k:
-        sms = num_sms(x.device) if x.is_cuda else 132
-        split_k = split_k_parts(triton.cdiv(n, block_n), k, 8 * step, 8 * sms)
+        split_k = split_k_parts(triton.cdiv(n, block_n), k, 8 * lanes * VEC, 8 * sms)
+    step = lanes * VEC
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), step) * step
     split_k = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
