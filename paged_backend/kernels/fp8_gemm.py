@@ -94,10 +94,7 @@ if triton is not None:
             off_n = ((tile % tiles_in_group) // group_rows) * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(0, K, BLOCK_K):  # TMA zero-fills past the edges
-                # sums of BLOCK_K products in the tensor cores' fp8 accumulator (fewer bits than fp32), added in
-                # fp32 from block to block, as cuBLAS does without fast accumulation
-                b = b_desc.load([off_n, k]).T
-                acc = tl.dot(a_desc.load([off_m, k]), b, acc, max_num_imprecise_acc=BLOCK_K)
+                acc = tl.dot(a_desc.load([off_m, k]), b_desc.load([off_n, k]).T, acc)
             rows = off_m + tl.arange(0, BLOCK_M)
             cols = off_n + tl.arange(0, BLOCK_N)
             acc *= tl.load(a_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
