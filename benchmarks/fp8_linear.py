@@ -4,13 +4,11 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
 
 - ``bf16``: ``F.linear`` in bf16;
 - ``fp8``: ``fp8_linear``, the engine's path: at one row the fp8 GEMV (``kernels/fp8_gemv.py``), above the
-  quantization kernel, then the fp8 GEMM (``kernels/fp8_gemm.py`` on an H100/H200);
-- ``fp8_gemm``: the quantization kernel, then ``torch._scaled_mm`` (cuBLAS), at every row count;
-- ``fp8_triton_gemm``: the quantization kernel, then ``kernels/fp8_gemm.py``, at every row count;
+  quantization kernel, then ``torch._scaled_mm``;
+- ``fp8_gemm``: the quantization kernel, then ``torch._scaled_mm``, at every row count;
 - ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernel).
 
-With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first;
-above, every tile of ``kernels/fp8_gemm.py``'s ``TILES`` (the GEMM alone, its input already quantized).
+With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first.
 
     python benchmarks/fp8_linear.py --rows 1 2 4 256 --sweep --json fp8_linear.json
 """
@@ -23,7 +21,6 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,7 +28,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged_backend.kernels.fp8_gemm import TILES, fp8_gemm_triton  # noqa: E402
 from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton  # noqa: E402
 from paged_backend.kernels.fp8_quant import quantize_per_row_triton  # noqa: E402
 from paged_backend.quantization.fp8 import fp8_linear, quantize_per_row  # noqa: E402
@@ -44,11 +40,6 @@ L2_BYTES = 50e6  # an H200's L2 cache
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kernel: bool) -> torch.Tensor:
     q, scale = quantize_per_row_triton(x) if kernel else quantize_per_row(x)
     return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
-
-
-def triton_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    q, scale = quantize_per_row_triton(x)
-    return fp8_gemm_triton(q, scale[:, 0], weight, weight_scale, None, x.dtype)
 
 
 def copies_of(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
@@ -68,7 +59,7 @@ def per_call_us(fn: Callable[..., torch.Tensor], weights: list[tuple[torch.Tenso
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 256])
-    parser.add_argument("--sweep", action="store_true", help="also the GEMV's launches (to 4 rows), the GEMM's tiles")
+    parser.add_argument("--sweep", action="store_true", help="also the GEMV's launches, up to 4 rows")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     results: dict[str, dict[str, float]] = {}
@@ -84,7 +75,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 "bf16": per_call_us(lambda w, x=x: F.linear(x, w), dense),
                 "fp8": per_call_us(lambda q, s, x=x: fp8_linear(x, q, s, True), quantized),
                 "fp8_gemm": per_call_us(lambda q, s, x=x: scaled_mm(x, q, s, True), quantized),
-                "fp8_triton_gemm": per_call_us(lambda q, s, x=x: triton_gemm(x, q, s), quantized),
                 "fp8_torch_quant": per_call_us(lambda q, s, x=x: scaled_mm(x, q, s, False), quantized),
                 "max_err_vs_bf16": err,
             }
@@ -92,15 +82,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 for launch in itertools.product((1, 2, 4, 8), (1, 2, 4), (32, 64, 128)):
                     gemv = lambda q, s, x=x, launch=launch: fp8_gemv_triton(x, q, s, launch)  # noqa: E731
                     row["gemv_{}x{}x{}".format(*launch)] = per_call_us(gemv, quantized)
-            elif args.sweep:
-                q_x, s_x = quantize_per_row_triton(x)
-                for tile in TILES:
-                    gemm = partial(fp8_gemm_triton, q_x, s_x[:, 0], bias=None, out_dtype=x.dtype, launch=tile)
-                    row["gemm_{}x{}x{}_{}s_{}w".format(*tile)] = per_call_us(gemm, quantized)
             results[f"{name}_{rows}"] = row
-            best = sorted((v, key) for key, v in row.items() if key.startswith(("gemv_", "gemm_")))[:3]
-            fixed = {key: round(v, 2) for key, v in row.items() if not key.startswith(("gemv_", "gemm_"))}
-            logger.info("%s, %d rows, µs: %s; best launches %s", name, rows, json.dumps(fixed), best)
+            best = sorted((v, key) for key, v in row.items() if key.startswith("gemv_"))[:3]
+            fixed = {key: round(v, 2) for key, v in row.items() if not key.startswith("gemv_")}
+            logger.info("%s, %d rows, µs: %s; best GEMV launches %s", name, rows, json.dumps(fixed), best)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -6,11 +6,11 @@ On a GPU with fp8 matrix units (compute capability 8.9 or later), a lone row (de
 GEMV (``kernels/fp8_gemv.py``): bound by reading the weights, which it streams, it multiplies the activations as
 they are (a product of fp8 weights and unquantized activations, closer to the model than the fp8 GEMM's). More
 rows (from two on, the fp8 GEMM was the faster on an H200): the activation is quantized per token by one kernel
-(``kernels/fp8_quant.py``), then ``y = x @ W.T`` is one fp8 GEMM with the activation's per-token and the weight's
-per-channel scales (``kernels/fp8_gemm.py`` from compute capability 9.0, ``torch._scaled_mm`` on 8.9); elsewhere
-its torch twin (``fp8_linear_torch``) computes the same quantities in float32: the activation rounded through fp8
-per token, the weight dequantized. Weight-only checkpoints (no activation scheme), and models in another dtype than
-bfloat16 (``torch._scaled_mm``'s row-wise scales write bfloat16), run the twin above one row on every device.
+(``kernels/fp8_quant.py``), then ``y = x @ W.T`` is one ``torch._scaled_mm`` of fp8 operands with the activation's
+per-token and the weight's per-channel scales; elsewhere its torch twin (``fp8_linear_torch``) computes the same
+quantities in float32: the activation rounded through fp8 per token, the weight dequantized. Weight-only checkpoints
+(no activation scheme), and models in another dtype than bfloat16 (the fp8 GEMM's row-wise scales write bfloat16),
+run the twin above one row on every device.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from paged_backend.kernels import triton
-from paged_backend.kernels.fp8_gemm import fp8_gemm_triton, tma_ready
 from paged_backend.kernels.fp8_gemv import fp8_gemv_torch, fp8_gemv_triton
 from paged_backend.kernels.fp8_quant import FP8, quantize_per_row, quantize_per_row_triton
 
@@ -42,11 +41,8 @@ def fp8_linear_scaled_mm(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """One fp8 GEMM on the GPU's fp8 units (dynamic activations, quantized by one kernel), bias added in the
-    epilogue: ``kernels/fp8_gemm.py`` where TMA can read the operands (compute capability 9.0 on), else
-    ``torch._scaled_mm``."""
+    epilogue."""
     q, scale = quantize_per_row_triton(x) if triton is not None else quantize_per_row(x)
-    if triton is not None and tma_ready(q, weight):  # Hopper on: our kernel, faster than cuBLAS's for these scales
-        return fp8_gemm_triton(q, scale[:, 0], weight, weight_scale, bias, x.dtype)
     return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], bias=bias, out_dtype=x.dtype)
 
 
@@ -67,8 +63,8 @@ GEMV_ROWS = 1  # rows up to which the fp8 GEMV runs (docs/benchmarks.md, "FP8 we
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dynamic: bool) -> torch.Tensor:
     """``x`` [M, K] times the fp8 ``weight`` [N, K] (per-row ``weight_scale``) where the device has fp8 units: the
-    GEMV up to ``GEMV_ROWS`` rows, above one fp8 GEMM (``fp8_linear_scaled_mm``) when the activations are bf16 and
-    quantized per token; else the twin."""
+    GEMV up to ``GEMV_ROWS`` rows, above one ``torch._scaled_mm`` when the activations are bf16 and quantized per
+    token; else the twin."""
     fp8_units = x.is_cuda and has_fp8_matmul(x.device)
     if fp8_units and triton is not None and x.shape[0] <= GEMV_ROWS:
         return fp8_gemv_triton(x, weight, weight_scale)
