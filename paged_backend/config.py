@@ -98,6 +98,9 @@ class ModelConfig:
     # a request's tokens and logprobs independent of its batch, chunking, prefix hits and preemption
     # (worker/batch_invariant.py: fixed blocks of rows on a GPU, a row at a time on a CPU)
     batch_invariant: bool = False
+    # transformers' name: the GGUF file inside the folder or hub repo ``model`` (``model="x.gguf"`` names a local
+    # file directly); config, tokenizer and weights come from it, dequantized at load (model_loader/gguf.py)
+    gguf_file: str | None = None
 
     def __post_init__(self) -> None:
         check_bool("trust_remote_code", self.trust_remote_code)
@@ -113,6 +116,14 @@ class ModelConfig:
             raise FieldError("batch_invariant", "batch_invariant runs unquantized linear layers: quantization=None")
         check_int("max_model_len", self.max_model_len, 1, allow_none=True)
         check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.gguf_file is not None:
+            if not isinstance(self.gguf_file, str) or not self.gguf_file.lower().endswith(".gguf"):
+                raise FieldError("gguf_file", f"gguf_file must be a file name ending in .gguf, got {self.gguf_file!r}")
+            if self.model.lower().endswith(".gguf"):
+                raise FieldError(
+                    "gguf_file",
+                    f"gguf_file names the file inside the folder model; model is already a GGUF file ({self.model!r})",
+                )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,20 +95,16 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "paged-backend"
 
 
-def demo_checkpoint(cache_dir: Path) -> Path:
-    """The demo's checkpoint folder, built on first use (written beside it, then renamed: a run cut short
-    leaves no half checkpoint behind)."""
-    path = cache_dir / DEMO_FOLDER
+def build_once(path: Path, build: Callable[[Path], None], what: str) -> Path:
+    """``path``, made by ``build(folder)`` on first use: written beside it, then renamed, so a run cut short leaves
+    no half checkpoint behind and two processes building at once both end with a whole one."""
     if (path / "config.json").exists():
         return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("building the demo checkpoint in %s (once)", path)
-    tokenizer = build_tiny_tokenizer()
-    model = random_weight_model("llama", len(tokenizer), **DEMO_CONFIG)
-    staging = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".building-"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("building %s in %s (once)", what, path)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        build(staging)
         try:
             staging.rename(path)
         except OSError:  # another process built it meanwhile
@@ -116,6 +113,17 @@ def demo_checkpoint(cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def demo_checkpoint(cache_dir: Path) -> Path:
+    """The demo's random-weight checkpoint folder, built on first use."""
+
+    def build(folder: Path) -> None:
+        tokenizer = build_tiny_tokenizer()
+        random_weight_model("llama", len(tokenizer), **DEMO_CONFIG).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return build_once(cache_dir / DEMO_FOLDER, build, "the demo checkpoint")
 
 
 def model_or_demo(model: str | None) -> str:

@@ -11,10 +11,12 @@ from paged_backend.entrypoints.demo import WARMUP_TAG, SideResult, demo_prompts,
 
 
 def test_demo_compares_hf_and_the_engine_on_one_batch(tmp_path) -> None:
-    result = run_demo(num_prompts=5, max_tokens=6, batch_size=2, cache_dir=tmp_path, block_size=4, repetitions=2)
+    result = run_demo(
+        num_prompts=5, max_tokens=6, batch_size=2, cache_dir=tmp_path, block_size=4, repetitions=2, embedded=True
+    )
     hf, paged = result["hf"], result["paged"]
     assert result["identical"] == 10 and hf.outputs == paged.outputs  # 5 rows in each of 2 repetitions
-    assert hf.output_tokens == paged.output_tokens == 30 and paged.preemptions == 0
+    assert hf.tokens == paged.tokens == [30, 30] and paged.preemptions == 0
     assert len(hf.seconds) == len(paged.seconds) == 2 and hf.tokens_per_s_range[0] <= hf.tokens_per_s_range[1]
     # HF holds each batch of 2 at its longest prompt plus the new tokens (the last one is never cached)
     tokenizer = AutoTokenizer.from_pretrained(result["model"])
@@ -45,7 +47,7 @@ def test_warm_up_and_repetitions_share_no_prefix_block(tokenizer) -> None:
 
 def test_the_verdict_says_plainly_when_the_engine_is_not_faster() -> None:
     def side(*seconds: float) -> SideResult:
-        return SideResult(list(seconds), 100, 0, 0.0, None, [])
+        return SideResult(list(seconds), [100] * len(seconds), 0, 0.0, None, [])
 
     assert verdict(side(2.0, 2.1), side(1.0, 1.1), "cpu", True).startswith("the engine is faster: its slowest run")
     mixed = verdict(side(1.0, 2.0, 3.0), side(0.5, 1.5, 4.0), "cpu", True)
@@ -57,7 +59,8 @@ def test_the_verdict_says_plainly_when_the_engine_is_not_faster() -> None:
 
 
 def test_demo_builds_its_checkpoint_once(tmp_path) -> None:
-    args = ["demo", "--cache-dir", str(tmp_path), "--num-prompts", "2", "--max-tokens", "2", "--block-size", "4"]
+    args = ["demo", "--embedded", "--cache-dir", str(tmp_path), "--num-prompts", "2", "--max-tokens", "2"]
+    args += ["--block-size", "4"]
     assert main(args) == 0
     config = tmp_path / "demo-llama" / "config.json"
     built = config.stat().st_mtime_ns

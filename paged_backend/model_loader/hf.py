@@ -21,6 +21,15 @@ from transformers import (
 )
 
 from paged_backend.config import EngineConfig
+from paged_backend.model_loader.gguf import (
+    GGUFSource,
+    as_plain_model,
+    gguf_config,
+    gguf_source,
+    model_kwargs,
+    require_gguf,
+    unreadable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +112,15 @@ def checkpoint_files(folder: str) -> list[str]:
     return [single]
 
 
+def model_gguf(config: EngineConfig, name: str) -> GGUFSource | None:
+    """The GGUF file the model ``name`` is (``model="x.gguf"``) or holds (``gguf_file=``); None: another format."""
+    return gguf_source(name, config.model_config.gguf_file)
+
+
 def load_hf_config(config: EngineConfig, name: str) -> PretrainedConfig:
+    source = model_gguf(config, name)
+    if source is not None:
+        return gguf_config(source, config.model_config.trust_remote_code)
     return _from_pretrained(AutoConfig, name, trust_remote_code=config.model_config.trust_remote_code)
 
 
@@ -157,6 +174,8 @@ def adopt_model(
         raise ValueError(
             f"load_format={config.model_config.load_format!r} needs model as a path or hub id, not a loaded model"
         )
+    if config.model_config.gguf_file is not None:
+        raise ValueError("gguf_file names a file to load: pass model as its folder or hub id, not a loaded model")
     device = device or resolve_device(config, model)
     if config.model_config.dtype != "auto" and model.dtype != _DTYPES[config.model_config.dtype]:
         logger.info("converting the model from %s to %s in place", model.dtype, config.model_config.dtype)
@@ -170,10 +189,20 @@ def load_pretrained(
     config: EngineConfig, name: str, dtype: torch.dtype, device: torch.device, keep_on_cpu: bool = False
 ) -> PreTrainedModel:
     """The checkpoint at ``name`` through transformers, in ``dtype``, on ``device`` (``keep_on_cpu``: left where
-    transformers loads it, for a caller that cuts it first)."""
-    loaded = _from_pretrained(
-        AutoModelForCausalLM, name, dtype=dtype, trust_remote_code=config.model_config.trust_remote_code
-    )
+    transformers loads it, for a caller that cuts it first). A GGUF file is dequantized to ``dtype`` as it loads."""
+    trust = config.model_config.trust_remote_code
+    source = model_gguf(config, name)
+    if source is None:
+        loaded = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, trust_remote_code=trust)
+    else:
+        require_gguf()
+        try:
+            loaded = _from_pretrained(
+                AutoModelForCausalLM, source.folder, dtype=dtype, trust_remote_code=trust, **model_kwargs(source)
+            )
+        except (ValueError, NotImplementedError) as exc:
+            raise unreadable(source, exc) from exc
+        as_plain_model(loaded)
     if not keep_on_cpu:
         loaded.to(device)  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     return loaded.eval()
@@ -197,7 +226,12 @@ def load_tokenizer(
         if not name or not os.path.isdir(name):
             logger.warning("no tokenizer given: only token-id prompts can be used (pass tokenizer=...)")
             return None
-    return _from_pretrained(AutoTokenizer, name, trust_remote_code=config.model_config.trust_remote_code)
+    trust = config.model_config.trust_remote_code
+    source = model_gguf(config, name) if name == model else gguf_source(name, None)
+    if source is not None:  # the file's own vocabulary and chat template
+        require_gguf()
+        return _from_pretrained(AutoTokenizer, source.folder, gguf_file=source.file, trust_remote_code=trust)
+    return _from_pretrained(AutoTokenizer, name, trust_remote_code=trust)
 
 
 def causal_lm_class(hf_config: PretrainedConfig) -> type[PreTrainedModel] | None:

@@ -76,8 +76,10 @@ def load_shard(
 
 def _sliceable_files(config: EngineConfig, hf_config: PretrainedConfig, name: str) -> list[str] | None:
     """The safetensors files of a local, unquantized checkpoint folder; None where the whole model must load
-    (a hub id, another format, AWQ's packed tensors)."""
-    if not os.path.isdir(name) or checkpoint_quantization(config, hf_config, name) is not None:
+    (a hub id, another format such as GGUF, AWQ's packed tensors)."""
+    if config.model_config.gguf_file is not None or not os.path.isdir(name):
+        return None
+    if checkpoint_quantization(config, hf_config, name) is not None:
         return None
     try:
         return checkpoint_files(name)
