@@ -12,8 +12,9 @@ through the engine as prompts with ``prompt_logprobs=1`` (``max_tokens=0``: scor
 
 - ``engine``: the engine in the reference's dtype (differences are the attention and summation order only);
 - ``fp8_kv``: ``kv_cache_dtype="fp8"``; ``fp8_weights``: ``quantization="fp8"`` (per-channel weight scales);
-- ``awq``: int4, group 64, from this library's AWQ quantizer calibrated on other text (docs/techniques/ and
-  docs/guides/); ``rtn``: the same int4 format by round-to-nearest alone (no scale or clipping search);
+- ``awq``: int4, group 64, from this library's AWQ quantizer calibrated on other text (the first 2,048 tokens
+  of docs/techniques/ and docs/guides/); ``rtn``: the same int4 format by round-to-nearest alone (no scale or
+  clipping search);
 - ``batch_invariant``: ``batch_invariant=True``.
 
 Each figure: perplexity (exp of the mean negative log likelihood of the text's tokens), its ratio to the
@@ -52,6 +53,7 @@ logger = logging.getLogger("quality")
 TEXT = ROOT / "benchmarks" / "data" / "quality_text.md"
 CALIBRATION = sorted((ROOT / "docs" / "techniques").glob("*.md")) + sorted((ROOT / "docs" / "guides").glob("*.md"))
 GROUP_SIZE = 64  # divides SmolLM2's hidden size (576) and FFN (1536); 128 does not divide 576
+CALIBRATION_TOKENS = 4 * 512  # AWQ's search runs every layer on these: ~1 minute a layer on 2 CPU cores
 VARIANTS = ("engine", "fp8_kv", "fp8_weights", "awq", "rtn", "batch_invariant")
 
 
@@ -105,8 +107,9 @@ def make_int4(model: Any, tokenizer: Any, folder: Path, awq: bool) -> str:
     from paged_backend.quantization.awq_quantize import quantize, write_checkpoint
 
     if awq:
-        texts = [path.read_text() for path in CALIBRATION]
-        quantize(model, tokenizer, str(folder), calib_texts=texts, group_size=GROUP_SIZE)
+        ids = tokenizer("\n\n".join(path.read_text() for path in CALIBRATION))["input_ids"][:CALIBRATION_TOKENS]
+        text = tokenizer.decode(ids)
+        quantize(model, tokenizer, str(folder), calib_texts=[text], group_size=GROUP_SIZE, seq_len=512)
     else:
         write_checkpoint(model, str(folder), GROUP_SIZE, tokenizer)
     return str(folder)

