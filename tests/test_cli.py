@@ -123,6 +123,47 @@ def test_a_bad_model_path_is_one_line(tmp_path: Path) -> None:
     ]
 
 
+def test_a_missing_path_is_refused_before_the_heavy_imports(tmp_path: Path) -> None:
+    """The check needs neither torch nor transformers: a mistyped path is said before they load."""
+    code = (
+        "import sys\nfrom paged_backend.entrypoints.cli import main\n"
+        "try:\n    main(['serve', sys.argv[1], '--port', '1'])\n"
+        "except SystemExit as exc:\n    print(exc.code)\n"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))\n"
+    )
+    for missing in (tmp_path / "no-such-model", tmp_path / "model.gguf"):
+        result = run([sys.executable, "-c", code, str(missing)])
+        assert result.stdout.splitlines() == [
+            f"paged-backend serve: cannot load the model {str(missing)!r}: no such file or folder",
+            "[]",
+        ], result.stderr
+
+
+def test_flags_are_never_abbreviated(capsys) -> None:
+    from paged_backend.entrypoints.openai.cli_args import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["M", "--max-num-seq", "4"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --max-num-seq" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--num-prompt", "2"])
+    assert "unrecognized arguments: --num-prompt" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    pytest.importorskip("fastapi")
+    model = tmp_path / "model"
+    save_tiny_checkpoint(model)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run([*SERVE, str(model), "--port", str(port)])
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"paged-backend serve: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "KV cache" not in result.stderr  # the engine was never built
+
+
 def test_a_folder_without_a_checkpoint_is_one_line(tmp_path: Path) -> None:
     api_server = pytest.importorskip("paged_backend.entrypoints.openai.api_server")
     with pytest.raises(SystemExit) as exit_info:  # Python prints its message as the one line on stderr, exit 1

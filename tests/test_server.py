@@ -99,8 +99,18 @@ def test_chat_and_streaming_chat(client) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == result.choices[0].message.content
 
 
+def test_a_model_is_retrieved_by_its_name(client) -> None:
+    """OpenAI's ``models.retrieve``: the served name, or the --model it was loaded from, gives the card; another
+    name is a 404 naming what is served."""
+    card = client.models.retrieve(NAME)
+    assert card.id == NAME and card.object == "model" and card.model_dump()["max_model_len"] == 128
+    assert client.models.retrieve("tiny-path").id == NAME
+    with pytest.raises(openai.NotFoundError, match=f"served: `{NAME}`"):
+        client.models.retrieve("org/other")
+
+
 def test_error_bodies(server, client) -> None:
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError, match=f"The model `other` does not exist; served: `{NAME}`"):
         client.completions.create(model="other", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=-1)

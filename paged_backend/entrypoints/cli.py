@@ -50,9 +50,11 @@ def missing_extra(exc: ModuleNotFoundError, prog: str) -> SystemExit:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="paged-backend", description=__doc__)
+    parser = argparse.ArgumentParser(prog="paged-backend", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="one batch through HF generate and through the engine, side by side")
+    demo = sub.add_parser(
+        "demo", help="one batch through HF generate and through the engine, side by side", allow_abbrev=False
+    )
     demo.add_argument(
         "--model",
         default=None,

@@ -30,6 +30,7 @@ from paged_backend.model_loader.gguf import (
     require_gguf,
     unreadable,
 )
+from paged_backend.paths import looks_local
 
 logger = logging.getLogger(__name__)
 
@@ -71,17 +72,6 @@ def resolve_dtype(config: EngineConfig, checkpoint_dtype: torch.dtype | None, de
     if device.type == "cuda" and dtype == torch.float32:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return dtype
-
-
-def looks_local(name: str) -> bool:
-    """A name no hub id can be: absolute, ``./``, ``../`` or ``~`` first, or more than one ``/`` (hub ids are
-    ``name`` or ``owner/name``)."""
-    return (
-        os.path.isabs(name)
-        or name.startswith(("./", "../", "~"))
-        or name.count("/") > 1
-        or (os.sep != "/" and os.sep in name)
-    )
 
 
 def _from_pretrained(loader: _Pretrained[_Loaded], name: str, **kwargs: Any) -> _Loaded:

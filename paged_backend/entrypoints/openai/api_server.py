@@ -55,6 +55,7 @@ try:
         CompletionResponse,
         DetokenizeResponse,
         Health,
+        ModelCard,
         ModelList,
         TokenizeResponse,
     )
@@ -113,7 +114,8 @@ class OpenAIServer:
         from as vLLM names it, or an adapter's name — and the engine runs. The API key was checked before the
         body was read (``auth.py``)."""
         if model is not None and model not in (self.args.model_name, self.args.model, *self.loras):
-            raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model")
+            served = ", ".join(f"`{name}`" for name in (self.args.model_name, *self.loras))
+            raise APIError(404, f"The model `{model}` does not exist; served: {served}.", "not_found_error", "model")
         if not self.loop.alive:
             raise APIError(503, "the engine is not running", "service_unavailable")
 
@@ -269,9 +271,7 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     async def metrics() -> Response:
         return Response(server.metrics.render(await server.loop.stats()), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **openapi.error_responses(503)})
-    async def models() -> dict[str, Any]:
-        server.check()
+    def model_cards() -> list[dict[str, Any]]:
         card = {
             "id": args.model_name,
             "object": "model",
@@ -279,8 +279,23 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
             "owned_by": "paged-backend",
             "max_model_len": server.max_model_len,
         }
-        adapters = [{**card, "id": name, "parent": args.model_name} for name in server.loras]
-        return {"object": "list", "data": [card, *adapters]}
+        return [card, *({**card, "id": name, "parent": args.model_name} for name in server.loras)]
+
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **openapi.error_responses(503)})
+    async def models() -> dict[str, Any]:
+        server.check()
+        return {"object": "list", "data": model_cards()}
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=None,
+        responses={200: {"model": ModelCard}, **openapi.error_responses(404, 503)},
+    )
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        """OpenAI's ``models.retrieve``: the card of a served name (or the ``--model`` it was loaded from)."""
+        server.check(model_id)
+        name = args.model_name if model_id == args.model else model_id
+        return next(card for card in model_cards() if card["id"] == name)
 
     @app.post("/v1/completions", response_model=None, responses=openapi.streamed(CompletionResponse, CompletionChunk))
     @with_cancellation
@@ -346,16 +361,21 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
     from paged_backend.entrypoints.openai.shutdown import GracefulServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from paged_backend.entrypoints.openai.listener import bind
+
+    listener = bind(args.host, args.port, prog)  # a busy port is said now, not once the model has loaded
     try:
         # Built on a thread that then ends, so the engine loop's thread holds the process's only OpenMP team.
         llm = call_in_fresh_thread(lambda: LLM(args.model, **engine_kwargs))
     except (OSError, ValueError) as exc:
+        listener.close()
         logger.debug("loading %s failed", args.model, exc_info=True)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, FileNotFoundError) and exc.filename == args.model:
             reason = str(exc.strerror)  # the path itself is in the line already
         raise SystemExit(f"{prog}: cannot load the model {args.model!r}: {reason}") from None
     except KeyboardInterrupt:
+        listener.close()
         raise SystemExit(f"{prog}: interrupted while loading the model") from None
     app = build_app(llm, args)
     server: OpenAIServer = app.state.server
@@ -366,7 +386,7 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
         timeout_s=args.shutdown_timeout,
     )
     try:
-        http.run()
+        http.run(sockets=[listener])
     finally:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # one more Ctrl-C while winding down: gone, no traceback
         server.close()  # a forced exit skips the app's own shutdown

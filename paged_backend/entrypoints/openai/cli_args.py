@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_backend.paths import missing_local_model
 from paged_backend.tool_calls.parsers import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PAGED_BACKEND_API_KEY"
@@ -93,6 +94,7 @@ def _lora_module(value: str) -> tuple[str, str]:
 def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
+        allow_abbrev=False,  # --max-num-seq must not pass for --max-num-seqs
         usage="%(prog)s [MODEL | --model MODEL] [flags]",
         description="OpenAI-compatible server over the paged engine (vLLM's flag names).",
         epilog=f"The API key may also come from the {API_KEY_ENV} environment variable. "
@@ -203,6 +205,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
     model = args.model or args.model_tag
     if not model:
         parser.error("a model is required: MODEL or --model MODEL (a path or hub id)")
+    if missing_local_model(model):  # said now, not after the seconds that torch and transformers take to import
+        raise SystemExit(f"{prog}: cannot load the model {model!r}: no such file or folder")
     names = [flag[2:].replace("-", "_") for flag, *_ in _ENGINE_FLAGS]
     names += [
         "enable_prefix_caching",
