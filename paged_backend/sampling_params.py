@@ -14,6 +14,7 @@ from paged_backend.config import FieldError, check_bool, check_float, check_int
 MAX_LOGPROBS = 20
 MAX_INT64 = 2**63 - 1
 MAX_FLOAT32 = 3.4028234663852886e38
+MAX_LOGIT_BIAS = 100  # OpenAI's bound
 # The penalty divides or multiplies float32 logits: both it and its inverse stay finite there.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-30, 1e30
 # Temperatures below this are greedy (as in vLLM): dividing by them overflows the logits.
@@ -113,6 +114,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: GuidedDecodingParams | None = None  # deprecated: vLLM's older name, moved to structured_outputs
     logits_processors: list[LogitsProcessor] | None = None  # vLLM v0's: each runs on the host at every step
+    # OpenAI's and vLLM's: token id -> a number in [-100, 100] added to its logit before sampling (+100 all but
+    # forces it, -100 all but bars it); the model's raw logprobs are reported without it
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -186,6 +190,18 @@ class SamplingParams:
                 "logits_processors", f"logits_processors must be a list of callables, got {self.logits_processors!r}"
             )
         self.logits_processors = list(self.logits_processors or [])
+        if not isinstance(self.logit_bias, (dict, type(None))):
+            raise FieldError("logit_bias", f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= MAX_INT64:
+                raise FieldError("logit_bias", f"logit_bias's keys must be token ids (integers >= 0), got {token_id!r}")
+            ok = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+            if not ok or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise FieldError(
+                    "logit_bias",
+                    f"logit_bias[{token_id}] must be a number in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias!r}",
+                )
+        self.logit_bias = dict(self.logit_bias or {})
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise FieldError(
                 "structured_outputs",

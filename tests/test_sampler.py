@@ -183,3 +183,32 @@ def test_logits_processors_run_on_their_row_only(tokenizer) -> None:
     assert [output for _, output in seen] == [tokens[:i] for i in range(8)]  # one call a step
     with pytest.raises(ValueError, match="logits_processors must be a list of callables"):
         SamplingParams(logits_processors=[1])
+
+
+def test_logit_bias_forces_or_bars_a_token_on_its_row_only(tokenizer) -> None:
+    """OpenAI's ``logit_bias``: +100 on a token makes greedy decoding choose it at every step, -100 on the token
+    greedy decoding chose bars it; an unbiased greedy request beside them keeps its tokens (and could run
+    multi-step rounds: the biased ones take single steps, as the sampler applies the bias)."""
+    from paged_backend import LLM
+    from tests.conftest import assert_idle, tiny_model
+
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, max_model_len=64)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    free = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    forced_token = next(t for t in range(3, 512) if t not in free[0])
+    forced = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={forced_token: 100})
+    barred = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={free[1][0]: -100.0})
+    outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, [forced, barred, greedy], use_tqdm=False)]
+    assert outs[0] == [forced_token] * 6
+    assert free[1][0] not in outs[1] and outs[1] != free[1]
+    assert outs[2] == free[2]
+    alone = llm.generate([prompts[0]], forced, use_tqdm=False)[0]  # a lone greedy request would run rounds
+    assert list(alone.outputs[0].token_ids) == [forced_token] * 6
+    assert_idle(llm)
+    with pytest.raises(ValueError, match=r"logit_bias\[5\] must be a number in \[-100, 100\], got 100.5"):
+        SamplingParams(logit_bias={5: 100.5})
+    with pytest.raises(ValueError, match="logit_bias's keys must be token ids"):
+        SamplingParams(logit_bias={"5": 1.0})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"logit_bias's token ids must be in \[0, 512\), got \[512\]"):
+        llm.generate([prompts[0]], SamplingParams(logit_bias={512: 1.0}), use_tqdm=False)

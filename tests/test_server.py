@@ -99,6 +99,40 @@ def test_chat_and_streaming_chat(client) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == result.choices[0].message.content
 
 
+def test_logit_bias_is_honoured_in_completions_and_chat(server, client) -> None:
+    """OpenAI's ``logit_bias`` (token id strings -> [-100, 100]): +100 makes greedy output that token, -100
+    removes the token greedy decoding chose; a bias out of range or a key that is no token id is a 400 naming
+    the field."""
+    tokenizer = server[0].get_tokenizer()
+    forced = client.completions.create(
+        model=NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0, logit_bias={"100": 100},
+        extra_body={"return_tokens_as_token_ids": True}, logprobs=0,
+    )  # fmt: skip
+    assert forced.choices[0].logprobs.tokens == ["token_id:100"] * 4
+    free = client.completions.create(
+        model=NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    free_first = free.choices[0].logprobs.tokens[0]  # the unbiased first token, as token_id:N
+    assert free_first != "token_id:100"
+    barred = client.completions.create(
+        model=NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=0,
+        logit_bias={free_first.removeprefix("token_id:"): -100}, extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert free_first not in barred.choices[0].logprobs.tokens
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+        logit_bias={"100": 100},
+    )  # fmt: skip
+    assert chat.choices[0].message.content == tokenizer.decode([100] * 3)
+    for bias in ({"5": 101}, {"5": -100.5}, {"five": 1}, {"5": "1"}):
+        with pytest.raises(openai.BadRequestError, match="logit_bias") as error:
+            client.completions.create(model=NAME, prompt="x", max_tokens=2, logit_bias=bias)
+        assert error.value.body["param"].startswith("logit_bias"), error.value.body
+    with pytest.raises(openai.BadRequestError, match=r"logit_bias's token ids must be in \[0, 512\)"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, logit_bias={"512": 1})
+
+
 def test_a_model_is_retrieved_by_its_name(client) -> None:
     """OpenAI's ``models.retrieve``: the served name, or the --model it was loaded from, gives the card; another
     name is a 404 naming what is served."""

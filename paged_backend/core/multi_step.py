@@ -28,6 +28,7 @@ def can_run_ahead(seq: Sequence, grammar_rounds: bool) -> bool:
         and params.greedy
         and not params.has_penalties
         and not params.logits_processors
+        and not params.logit_bias  # applied by the sampler, which a round's device-side argmax skips
         and params.logprobs is None
         and not seq.request.keep_logits
         and seq.num_output_tokens >= params.min_tokens

@@ -271,6 +271,9 @@ class InputProcessor:
         bad = [t for t in params.stop_token_id_list if t >= self.vocab_size]
         if bad:
             raise FieldError("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise FieldError("logit_bias", f"logit_bias's token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         max_num_seqs = self.config.scheduler_config.max_num_seqs
         if params.num_samples > max_num_seqs:
             raise FieldError(

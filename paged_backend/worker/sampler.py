@@ -1,9 +1,10 @@
 """Batched sampling with vLLM's semantics.
 
-Order, as in vLLM: penalties (repetition over prompt + output, presence/frequency over output), min_tokens
-(stop tokens masked), temperature, min-p, top-k, top-p. Greedy rows take the argmax. Random rows draw with an
-exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), from the request's own generator when it is seeded, so a
-seeded request samples the same tokens whatever else shares its batch. Log probabilities are those of the
+Order, as in vLLM: logits processors and ``logit_bias``, penalties (repetition over prompt + output,
+presence/frequency over output), min_tokens (stop tokens masked), temperature, min-p, top-k, top-p. Greedy rows
+take the argmax. Random rows draw with an exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), from the
+request's own generator when it is seeded, so a seeded request samples the same tokens whatever else shares its
+batch. Log probabilities are those of the
 distribution the token was drawn from (temperature 1 and no filtering for greedy rows).
 """
 
@@ -146,6 +147,12 @@ def apply_logits_processors(seq: Sequence, logits: torch.Tensor) -> torch.Tensor
     return logits
 
 
+def apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+    """OpenAI's ``logit_bias``: each listed token's logit raised or lowered by its bias, in place."""
+    ids = torch.tensor(list(bias), dtype=torch.long, device=row.device)
+    row.index_add_(0, ids, torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device))
+
+
 class Sampler:
     """Turns the last-token logits of each sampling sequence into a token, its logprob and top-k logprobs."""
 
@@ -187,6 +194,8 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if params[i].logits_processors:
                 logits[i] = apply_logits_processors(seq, logits[i])
+            if params[i].logit_bias:
+                apply_logit_bias(logits[i], params[i].logit_bias or {})
         barred = [
             i
             for i, (seq, p) in enumerate(zip(seqs, params))

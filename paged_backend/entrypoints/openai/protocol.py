@@ -33,6 +33,7 @@ from paged_backend.entrypoints.openai.structured_outputs import StructuredOutput
 from paged_backend.entrypoints.openai.tools import NAME_PATTERN, ToolFields, template_arguments
 from paged_backend.sampling_params import (
     MAX_FLOAT32,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
@@ -41,7 +42,7 @@ from paged_backend.sampling_params import (
 )
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-_SET_HERE = {"max_tokens", "logprobs", "prompt_logprobs", "structured_outputs", "guided_decoding"}
+_SET_HERE = {"max_tokens", "logprobs", "prompt_logprobs", "structured_outputs", "guided_decoding", "logit_bias"}
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 MAX_N = 128  # OpenAI's bound on ``n``; ``best_of`` has the same (each sample is a sequence in one batch)
@@ -74,6 +75,9 @@ def _no_lone_surrogates(value: str) -> str:
 Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
 StopString = Annotated[str, Field(min_length=1), AfterValidator(_no_lone_surrogates)]
 TokenId = Annotated[int, Field(ge=0, lt=INT64_END)]
+# OpenAI's logit_bias: JSON object keys are strings, here a token id's decimal digits
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,19}$")]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
 
 def _prompt_form(value: Any) -> str | None:
@@ -150,6 +154,9 @@ class SamplingFields(StructuredOutputRequest):
     min_tokens: int = Field(default=0, ge=0, lt=INT64_END, description="at most max_tokens")
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(
+        default=None, description="token id -> a number in [-100, 100] added to its logit"
+    )
 
     @field_validator("stream_options")
     @classmethod
@@ -172,6 +179,7 @@ class SamplingFields(StructuredOutputRequest):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             structured_outputs=structured,
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
         )
 
     def scored_prompt_logprobs(self) -> int | None:
