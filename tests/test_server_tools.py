@@ -68,6 +68,34 @@ def test_a_named_function_is_always_called(client) -> None:
         assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
 
 
+def test_a_forced_calls_arguments_stream_piece_by_piece_and_a_cut_call_is_never_content(client) -> None:
+    """As OpenAI streams ``function.arguments``: the call's id and name first, then its arguments in several
+    pieces that add up to the whole response's (greedy, so both runs write the same). Cut by ``max_tokens``,
+    neither form returns the call's JSON as content."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    (whole,) = ask(client, tool_choice=choice, temperature=0).choices
+    (call,) = whole.message.tool_calls
+    pieces = [
+        delta
+        for chunk in ask(client, tool_choice=choice, temperature=0, stream=True)
+        for delta in chunk.choices[0].delta.tool_calls or []
+    ]
+    assert pieces[0].id.startswith("chatcmpl-tool-")
+    assert pieces[0].function.name == "get_weather" and all(p.id is None for p in pieces[1:])
+    assert len([p for p in pieces if p.function.arguments]) >= 2
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+    for stream in (False, True):
+        cut = ask(client, max_tokens=2, tool_choice="required", temperature=0, stream=stream)
+        if stream:
+            chunks = list(cut)
+            assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+            assert chunks[-1].choices[0].finish_reason == "length"
+        else:
+            (cut_choice,) = cut.choices
+            assert cut_choice.message.content is None and not cut_choice.message.tool_calls
+            assert cut_choice.finish_reason == "length"
+
+
 def test_required_calls_one_of_the_tools_whole_and_streamed(client) -> None:
     """Exactly one call (parallel_tool_calls false) of one of the tools; streamed with the same seed, the deltas
     add up to the same call and no delta carries its JSON as content."""

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from paged_backend.config import FieldError
 from paged_backend.entrypoints.openai.tools import ToolFields, tool_reader
 from paged_backend.tool_calls import (
+    ForcedCallStreamer,
     ToolCallReader,
     ToolCallStreamer,
     forced_tool_format,
@@ -108,6 +109,62 @@ def test_forced_formats_and_their_parse() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
     assert parse_forced_tool_calls("required", '[{"name": "get_ti') == []  # cut short by max_tokens
     assert parse_forced_tool_calls("get_weather", "[1]") == []
+
+
+REQUIRED = (
+    '[{"name":"add","parameters":{"a":7,"b":{"x":"}]\\"{"}}},{"name":"get_time","parameters":{}},'
+    '{"name":"add","parameters":{"a":1,"b":2}}]'
+)
+CALLS = ('{"name":"add","parameters":{"a":7,"b":{"x":"}]\\"{"}}}', '{"name":"get_time","parameters":{}}',
+         '{"name":"add","parameters":{"a":1,"b":2}}')  # fmt: skip
+CALL_ENDS = [REQUIRED.index(call) + len(call) for call in CALLS]  # where each call's object closes
+
+
+@given(st.integers(0, len(REQUIRED)), st.lists(st.integers(1, 7), min_size=1, max_size=40))
+def test_a_forced_list_cut_anywhere_streams_and_parses_its_whole_calls(cut: int, sizes: list[int]) -> None:
+    """A "required" output cut at any point (max_tokens), fed in pieces of any size: the whole response holds
+    exactly the calls that completed, and the stream announced each call once, with its name, then its arguments
+    piece by piece, adding up to the whole call's arguments (the text the model wrote)."""
+    text = REQUIRED[:cut]
+    stream = ForcedCallStreamer("required")
+    pieces, at = [], 0
+    for size in sizes * (len(text) // sum(sizes) + 1):
+        if at >= len(text):
+            break
+        pieces += stream.feed_deltas(text[at : at + size])
+        at += size
+    pieces += stream.feed_deltas("", final=True)
+    streamed: dict[int, list[str]] = {}
+    for piece in pieces:
+        if piece.id is not None:
+            assert piece.index not in streamed and piece.name is not None
+            streamed[piece.index] = [piece.name, ""]
+        streamed[piece.index][1] += piece.arguments
+    whole = parse_forced_tool_calls("required", text)
+    for i, call in enumerate(whole):
+        assert streamed[i] == [call.name, call.arguments]
+        json.loads(call.arguments)
+    assert len(whole) <= len(streamed) <= len(whole) + 1  # the one being written when the output stopped
+    assert len(whole) == sum(cut >= end for end in CALL_ENDS)
+
+
+def test_a_named_call_streams_its_arguments_from_the_first_piece() -> None:
+    stream = ForcedCallStreamer("get_weather")
+    first = stream.feed_deltas("")
+    assert [(p.index, p.name, p.arguments) for p in first] == [(0, "get_weather", "")] and first[0].id
+    pieces = stream.feed_deltas('{"ci') + stream.feed_deltas('ty":"Oslo"}', final=True)
+    assert [p.to_openai() for p in pieces] == [
+        {"index": 0, "function": {"arguments": '{"ci'}},
+        {"index": 0, "function": {"arguments": 'ty":"Oslo"}'}},
+    ]
+    assert parse_forced_tool_calls("get_weather", '{"city":"Oslo"}')[0].arguments == '{"city":"Oslo"}'
+    assert parse_forced_tool_calls("get_weather", '{"city":"Os') == []  # cut short: no whole call
+
+
+def test_forced_calls_are_never_content() -> None:
+    content, calls = ToolCallReader("required").split('[{"name":"get_time","parameters":{}},{"name":"get_ti')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
+    assert ToolCallReader("get_weather").split('{"ci') == (None, [])
 
 
 def tool(name: str) -> dict:

@@ -1,13 +1,13 @@
 """Tool calls: parsing what a chat model wrote (``parsers``) and forcing a call with a grammar (``forced``)."""
 
 from paged_backend.tool_calls.choice import (
-    ForcedCallStreamer,
     ToolCallReader,
     ToolStream,
     resolve_parser,
     tool_request,
 )
 from paged_backend.tool_calls.forced import forced_tool_format, parse_forced_tool_calls
+from paged_backend.tool_calls.forced_stream import ForcedCallStreamer, ToolCallDelta
 from paged_backend.tool_calls.parsers import (
     TOOL_CALL_PARSERS,
     ToolCall,
@@ -23,6 +23,7 @@ __all__ = [
     "ToolCallReader",
     "ToolStream",
     "ToolCall",
+    "ToolCallDelta",
     "ToolCallStreamer",
     "check_parser",
     "forced_tool_format",

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from paged_backend.sampling_params import StructuredOutputsParams
 from paged_backend.tool_calls.forced import forced_tool_format, parse_forced_tool_calls
+from paged_backend.tool_calls.forced_stream import ForcedCallStreamer
 from paged_backend.tool_calls.parsers import (
     ToolCall,
     ToolCallStreamer,
@@ -21,21 +22,6 @@ from paged_backend.tool_calls.parsers import (
 
 class ToolStream(Protocol):
     def feed(self, piece: str, final: bool = False) -> tuple[str, list[ToolCall]]: ...
-
-
-@dataclass
-class ForcedCallStreamer:
-    """A forced call's stream: its JSON is held until the output ends (then the calls, or, cut short, the text)."""
-
-    mode: str
-    text: str = ""
-
-    def feed(self, piece: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        self.text += piece
-        if not final:
-            return "", []
-        calls = parse_forced_tool_calls(self.mode, self.text)
-        return ("", calls) if calls else (self.text, [])
 
 
 @dataclass(frozen=True)
@@ -59,9 +45,8 @@ class ToolCallReader:
         """A whole output's ``(content, calls)``."""
         if self.mode == "auto":
             return parse_tool_calls(str(self.parser), text)
-        if self.active:
-            calls = parse_forced_tool_calls(str(self.mode), text)
-            return (None, calls) if calls else (text, [])
+        if self.active:  # a forced output is calls, never text: cut short, the calls that completed
+            return None, parse_forced_tool_calls(str(self.mode), text)
         return text, []
 
     def streamer(self) -> ToolStream | None:

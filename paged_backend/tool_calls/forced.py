@@ -8,7 +8,8 @@ model under the grammar cannot spend its tokens on blank space.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from paged_backend.sampling_params import StructuredOutputsParams
@@ -38,14 +39,47 @@ def forced_tool_format(
     return StructuredOutputsParams(json=listed, disable_any_whitespace=True)
 
 
+# A call of "required"'s list as the grammar writes it (compact, keys in the schema's order)
+CALL_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*"),"parameters":')
+
+
 def parse_forced_tool_calls(choice: str, text: str) -> list[ToolCall]:
-    """The calls in an output made under :func:`forced_tool_format` (none if it was cut short)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
+    """The calls in an output made under :func:`forced_tool_format`, their arguments the text the model wrote
+    (what a stream passes on piece by piece). Cut short (``max_tokens``), the calls that completed: a named
+    function's arguments only when whole, ``"required"``'s list up to its last whole call."""
     if choice != "required":
-        return [ToolCall(choice, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else []
-    if not isinstance(value, Sequence) or not all(isinstance(call, dict) for call in value):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return []
+        return [ToolCall(choice, text.strip())] if isinstance(value, dict) else []
+    calls = []
+    for call, (start, end) in _whole_items(text):
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "parameters" in call):
+            continue
+        head = CALL_HEAD.match(text, start)
+        raw = text[head.end() : end - 1] if head is not None else None
+        calls.append(ToolCall(call["name"], raw if raw is not None else json.dumps(call["parameters"])))
+    return calls
+
+
+def _whole_items(text: str) -> list[tuple[Any, tuple[int, int]]]:
+    """The items of a JSON list that are whole, from the start of ``text`` (which may end anywhere), each with
+    its span in ``text``."""
+    decoder = json.JSONDecoder()
+    i = len(text) - len(text.lstrip())
+    if not text.startswith("[", i):
         return []
-    return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
+    items: list[tuple[Any, tuple[int, int]]] = []
+    i += 1
+    while True:
+        while i < len(text) and text[i] in " \t\n\r,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except ValueError:
+            return items
+        items.append((value, (i, end)))
+        i = end

@@ -17,7 +17,7 @@ from paged_backend.entrypoints.openai.streams import merge, sse
 from paged_backend.entrypoints.openai.tools import tool_call_deltas, tool_reader
 from paged_backend.outputs import RequestOutput
 from paged_backend.reasoning import ReasoningSplitter, split_reasoning
-from paged_backend.tool_calls import ToolCallReader, ToolStream
+from paged_backend.tool_calls import ForcedCallStreamer, ToolCallReader, ToolStream
 
 if TYPE_CHECKING:
     from paged_backend.entrypoints.openai.api_server import OpenAIServer
@@ -130,10 +130,16 @@ class OpenAIServingChat:
 
     @staticmethod
     def _stream_tools(stream: ToolStream | None, delta: dict[str, Any], last: bool, sent: int) -> int:
-        """Passes the delta's content through the choice's tool-call stream: content that may begin a call is
-        held, and the calls come as ``delta.tool_calls``. Returns how many calls it added."""
+        """Passes the delta's content through the choice's tool-call stream and returns how many calls it
+        began. A forced call's arguments go out piece by piece as they are written; under ``"auto"`` content that
+        may begin a call is held, and the parser's calls come whole in one ``delta.tool_calls``."""
         if stream is None:
             return 0
+        if isinstance(stream, ForcedCallStreamer):
+            pieces = stream.feed_deltas(delta.pop("content", ""), final=last)
+            if pieces:
+                delta["tool_calls"] = [piece.to_openai() for piece in pieces]
+            return sum(piece.id is not None for piece in pieces)
         content, calls = stream.feed(delta.pop("content", ""), final=last)
         if content:
             delta["content"] = content
