@@ -69,6 +69,24 @@ def test_an_unclosed_hermes_call_at_the_end_still_counts() -> None:
     assert content is None and [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')]
 
 
+@pytest.mark.parametrize(("parser", "text", "content"), CASES)
+def test_an_output_cut_by_max_tokens_keeps_the_calls_that_completed(parser: str, text: str, content: str | None):
+    """Cut inside its second call, an output gives its first call under ``cut`` (whole and streamed), never the
+    call's text as content; without ``cut`` such text is no call, and stays content."""
+    second = text.index("get_time") + 3  # inside the second call's JSON
+    partial = text[:second]
+    found, calls = parse_tool_calls(parser, partial, cut=True)
+    assert found == content and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", WEATHER)]
+    if parser != "hermes":  # a hermes call without its end tag counts when the output ends (EOS)
+        assert parse_tool_calls(parser, partial) == (partial, [])
+    streamer = ToolCallStreamer(parser)
+    sent, _ = streamer.feed(partial[:20])
+    rest, streamed = streamer.feed(partial[20:], final=True, cut=True)
+    assert (sent + rest).strip() == (content or "") and [c.name for c in streamed] == ["get_weather"]
+    in_first = text.index("Paris")  # cut inside the first call: no call completed, nothing of it as content
+    assert parse_tool_calls(parser, text[:in_first], cut=True) == (content, [])
+
+
 def test_unknown_parser_is_named() -> None:
     with pytest.raises(ValueError, match="hermes"):
         parse_tool_calls("pythonic", "x")

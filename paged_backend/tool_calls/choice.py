@@ -21,7 +21,7 @@ from paged_backend.tool_calls.parsers import (
 
 
 class ToolStream(Protocol):
-    def feed(self, piece: str, final: bool = False) -> tuple[str, list[ToolCall]]: ...
+    def feed(self, piece: str, final: bool = False, cut: bool = False) -> tuple[str, list[ToolCall]]: ...
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,11 @@ class ToolCallReader:
     def active(self) -> bool:
         return self.mode not in (None, "none")
 
-    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole output's ``(content, calls)``."""
+    def split(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """A whole output's ``(content, calls)``; ``cut``: it stopped at ``max_tokens`` (the calls that
+        completed count, the one being written is dropped)."""
         if self.mode == "auto":
-            return parse_tool_calls(str(self.parser), text)
+            return parse_tool_calls(str(self.parser), text, cut)
         if self.active:  # a forced output is calls, never text: cut short, the calls that completed
             return None, parse_forced_tool_calls(str(self.mode), text)
         return text, []

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from paged_backend.sampling_params import StructuredOutputsParams
-from paged_backend.tool_calls.parsers import ToolCall
+from paged_backend.tool_calls.parsers import ToolCall, whole_list_items
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -54,32 +54,10 @@ def parse_forced_tool_calls(choice: str, text: str) -> list[ToolCall]:
             return []
         return [ToolCall(choice, text.strip())] if isinstance(value, dict) else []
     calls = []
-    for call, (start, end) in _whole_items(text):
+    for call, (start, end) in whole_list_items(text):
         if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "parameters" in call):
             continue
         head = CALL_HEAD.match(text, start)
         raw = text[head.end() : end - 1] if head is not None else None
         calls.append(ToolCall(call["name"], raw if raw is not None else json.dumps(call["parameters"])))
     return calls
-
-
-def _whole_items(text: str) -> list[tuple[Any, tuple[int, int]]]:
-    """The items of a JSON list that are whole, from the start of ``text`` (which may end anywhere), each with
-    its span in ``text``."""
-    decoder = json.JSONDecoder()
-    i = len(text) - len(text.lstrip())
-    if not text.startswith("[", i):
-        return []
-    items: list[tuple[Any, tuple[int, int]]] = []
-    i += 1
-    while True:
-        while i < len(text) and text[i] in " \t\n\r,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return items
-        try:
-            value, end = decoder.raw_decode(text, i)
-        except ValueError:
-            return items
-        items.append((value, (i, end)))
-        i = end

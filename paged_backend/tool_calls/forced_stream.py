@@ -50,7 +50,7 @@ class ForcedCallStreamer:
     escaped: bool = False
     ids: list[str] = field(default_factory=list)
 
-    def feed(self, piece: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+    def feed(self, piece: str, final: bool = False, cut: bool = False) -> tuple[str, list[ToolCall]]:
         self.text += piece
         return ("", parse_forced_tool_calls(self.mode, self.text)) if final else ("", [])
 

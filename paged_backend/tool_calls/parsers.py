@@ -50,24 +50,56 @@ def check_parser(parser: str) -> str:
     return parser
 
 
-def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """``(content or None, calls)`` of a whole output; no calls: ``(text, [])``."""
+def parse_tool_calls(parser: str, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """``(content or None, calls)`` of a whole output; no calls: ``(text, [])``. ``cut``: the output was cut short
+    (``max_tokens``), so the calls that completed count and the one being written is dropped, never content."""
     check_parser(parser)
     if parser == "llama3_json":
         body = text.strip().removeprefix(_START["llama3_json"]).strip()
-        calls = _json_calls(_json_objects(body) if body.startswith("{") else None, "parameters")
-        return (text, []) if calls is None else (None, calls)
+        calls = _json_calls(_json_objects(body, cut) if body.startswith("{") else None, "parameters")
+        if calls is None:
+            return (None, []) if cut and body.startswith("{") else (text, [])
+        return None, calls
     at = text.find(_START[parser])
     if at < 0:
         return text, []
+    values: list[Any] | None
     if parser == "hermes":
-        calls = _json_calls([_loads(m.group(1)) for m in _HERMES_CALL.finditer(text, at)], "arguments")
+        values = [_loads(m.group(1)) for m in _HERMES_CALL.finditer(text, at)]
+        if cut and values and values[-1] is None:  # the call the output stopped in
+            values.pop()
     else:
-        listed = _loads(text[at + len(_START[parser]) :].strip())
-        calls = _json_calls(listed if isinstance(listed, list) else None, "arguments")
+        rest = text[at + len(_START[parser]) :].strip()
+        listed = _loads(rest)
+        if listed is None and cut:
+            listed = [value for value, _ in whole_list_items(rest)]
+        values = listed if isinstance(listed, list) else None
+    calls = _json_calls(values, "arguments")
     if calls is None:
-        return text, []
+        return (text[:at].strip() or None, []) if cut else (text, [])
     return text[:at].strip() or None, calls
+
+
+def whole_list_items(text: str) -> list[tuple[Any, tuple[int, int]]]:
+    """The items of a JSON list that are whole, from the start of ``text`` (which may end anywhere), each with
+    its span in ``text``."""
+    decoder = json.JSONDecoder()
+    i = len(text) - len(text.lstrip())
+    if not text.startswith("[", i):
+        return []
+    items: list[tuple[Any, tuple[int, int]]] = []
+    i += 1
+    while True:
+        while i < len(text) and text[i] in " \t\n\r,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except ValueError:
+            return items
+        items.append((value, (i, end)))
+        i = end
 
 
 def _loads(text: str) -> Any:
@@ -77,14 +109,16 @@ def _loads(text: str) -> Any:
         return None
 
 
-def _json_objects(text: str) -> list[Any] | None:
-    """JSON values joined by ``;`` (Llama 3's parallel calls), or None if the text is not that."""
-    decoder, values, at = json.JSONDecoder(), [], 0
+def _json_objects(text: str, cut: bool = False) -> list[Any] | None:
+    """JSON values joined by ``;`` (Llama 3's parallel calls), or None if the text is not that (``cut``: the
+    values before one the output stopped in)."""
+    decoder, at = json.JSONDecoder(), 0
+    values: list[Any] = []
     while True:
         try:
             value, at = decoder.raw_decode(text, at)
         except ValueError:
-            return None
+            return (values or None) if cut else None
         values.append(value)
         rest = text[at:].lstrip()
         if not rest:
@@ -122,12 +156,13 @@ class ToolCallStreamer:
     def __post_init__(self) -> None:
         check_parser(self.parser)
 
-    def feed(self, piece: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """The new content ``piece`` adds, and (when ``final``) the calls."""
+    def feed(self, piece: str, final: bool = False, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """The new content ``piece`` adds, and (when ``final``) the calls; ``cut``: the output stopped at
+        ``max_tokens`` (see ``parse_tool_calls``)."""
         self.text += piece
         if final:
-            content, calls = parse_tool_calls(self.parser, self.text)
-            if not calls:
+            content, calls = parse_tool_calls(self.parser, self.text, cut)
+            if not calls and not (cut and content != self.text):
                 return self._send(len(self.text)), []
             return self._send(self._safe_end()), calls  # content up to the first call
         return self._send(self._safe_end()), []

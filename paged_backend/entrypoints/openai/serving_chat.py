@@ -79,7 +79,7 @@ class OpenAIServingChat:
         parser = self.server.args.reasoning_parser
         if parser is not None:
             message["reasoning_content"], text = split_reasoning(parser, text)
-        content, calls = tools.split(text)
+        content, calls = tools.split(text, cut=finish_reason == "length")
         message["content"] = content
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
@@ -110,7 +110,8 @@ class OpenAIServingChat:
                 if delta_text or c.finish_reason or len(c.token_ids) > tokens:
                     last = c.finish_reason is not None
                     delta = self._delta(splitters.get(c.index), delta_text, last)
-                    calls = self._stream_tools(tool_streams[c.index], delta, last, num_calls.get(c.index, 0))
+                    cut = c.finish_reason == "length"
+                    calls = self._stream_tools(tool_streams[c.index], delta, last, num_calls.get(c.index, 0), cut)
                     num_calls[c.index] = num_calls.get(c.index, 0) + calls
                     choice = {
                         "index": c.index,
@@ -129,7 +130,7 @@ class OpenAIServingChat:
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def _stream_tools(stream: ToolStream | None, delta: dict[str, Any], last: bool, sent: int) -> int:
+    def _stream_tools(stream: ToolStream | None, delta: dict[str, Any], last: bool, sent: int, cut: bool) -> int:
         """Passes the delta's content through the choice's tool-call stream and returns how many calls it
         began. A forced call's arguments go out piece by piece as they are written; under ``"auto"`` content that
         may begin a call is held, and the parser's calls come whole in one ``delta.tool_calls``."""
@@ -140,7 +141,7 @@ class OpenAIServingChat:
             if pieces:
                 delta["tool_calls"] = [piece.to_openai() for piece in pieces]
             return sum(piece.id is not None for piece in pieces)
-        content, calls = stream.feed(delta.pop("content", ""), final=last)
+        content, calls = stream.feed(delta.pop("content", ""), final=last, cut=cut)
         if content:
             delta["content"] = content
         if calls:
