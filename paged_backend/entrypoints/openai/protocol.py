@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
 )
 
@@ -75,9 +76,17 @@ def _no_lone_surrogates(value: str) -> str:
 Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
 StopString = Annotated[str, Field(min_length=1), AfterValidator(_no_lone_surrogates)]
 TokenId = Annotated[int, Field(ge=0, lt=INT64_END)]
-# OpenAI's logit_bias: JSON object keys are strings, here a token id's decimal digits
-TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,19}$")]
-Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+# OpenAI's logit_bias: JSON object keys are strings, here a token id's decimal digits; the schema says no other
+# key is allowed (pydantic's own leaves other keys open)
+_TOKEN_ID_KEY = r"^[0-9]{1,19}$"
+_BIAS = {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}
+LogitBias = Annotated[
+    dict[
+        Annotated[str, Field(pattern=_TOKEN_ID_KEY)],
+        Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)],
+    ],
+    WithJsonSchema({"type": "object", "patternProperties": {_TOKEN_ID_KEY: _BIAS}, "additionalProperties": False}),
+]
 
 
 def _prompt_form(value: Any) -> str | None:
@@ -154,7 +163,7 @@ class SamplingFields(StructuredOutputRequest):
     min_tokens: int = Field(default=0, ge=0, lt=INT64_END, description="at most max_tokens")
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
-    logit_bias: dict[TokenIdKey, Bias] | None = Field(
+    logit_bias: LogitBias | None = Field(
         default=None, description="token id -> a number in [-100, 100] added to its logit"
     )
 
