@@ -43,6 +43,7 @@ from tests.conftest import tiny_model  # noqa: E402
 
 logger = logging.getLogger(__name__)
 KEY, NAME, MAX_MODEL_LEN = "fuzz-key", "tiny", 64
+VOCAB = 512  # the tiny tokenizer's
 EXAMPLES = int(os.environ.get("PAGED_BACKEND_FUZZ_EXAMPLES", "15"))
 SEED = int(os.environ.get("PAGED_BACKEND_FUZZ_SEED", "0"))
 OPERATIONS = [
@@ -52,6 +53,7 @@ OPERATIONS = [
     "GET /v1/models/{model_id}",
     "POST /v1/completions",
     "POST /v1/chat/completions",
+    "POST /v1/responses",
     "POST /tokenize",
     "POST /detokenize",
 ]
@@ -136,6 +138,8 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
         "guided_choice",
         "guided_grammar",
     )
+    if logit_bias_past_vocab(body):
+        broken.add("logit_bias")
     if chat and OWN_ARGUMENTS & set(body.get("chat_template_kwargs") or {}):
         broken.add("chat_template_kwargs")  # what the server itself passes to the template
     asked = {name for name in formats if body.get(name) not in (None, {"type": "text"})}
@@ -156,6 +160,26 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
         # the engine's own length check names no field (see the report: input_processor's FieldError)
         broken.update({"messages", "prompt", None} if chat else {"prompt", None})
     return broken
+
+
+def responses_params(body: Body, lengths: PromptLengths) -> set[str | None]:
+    """The rules a Responses body breaks: those of the chat request it runs (its fields named as the Responses
+    API names them), and its own (no stored response to continue; a json_schema format needs name and schema)."""
+    from paged_backend.entrypoints.openai.responses_api import ResponsesRequest
+    from paged_backend.entrypoints.openai.serving_responses import _FIELDS
+
+    try:
+        chat = ResponsesRequest.model_validate(body).chat_request()
+    except ValueError:  # previous_response_id, or a json_schema format without its name or schema
+        return {"previous_response_id", "text"}
+    if logit_bias_past_vocab(chat):
+        return {"logit_bias"}
+    return {_FIELDS.get(p or "", p) for p in cross_field_params(chat, True, lengths)}
+
+
+def logit_bias_past_vocab(body: Body) -> bool:
+    """A ``logit_bias`` token id past the vocabulary: the schema bounds its keys by their digits only."""
+    return any(int(token) >= VOCAB for token in body.get("logit_bias") or {})
 
 
 def not_an_int(body: Body, param: str | None) -> bool:
@@ -232,6 +256,8 @@ def fuzz(app: Any, examples: int, mode: str, seed: int = 0) -> Report:
             return not (param in ("prompt", "messages") and max(lengths(case.body, "messages" in case.body)) > 64)
         if case.operation.path == "/detokenize":  # ids past the vocabulary: the schema bounds ids by int64 only
             return not (param == "tokens" and any(t >= server.llm.llm_engine.vocab_size for t in case.body["tokens"]))
+        if case.operation.path == "/v1/responses":
+            return param not in responses_params(case.body, lengths)
         chat = case.operation.path == "/v1/chat/completions"
         return param not in cross_field_params(case.body, chat, lengths)
 

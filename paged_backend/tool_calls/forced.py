@@ -39,8 +39,8 @@ def forced_tool_format(
     return StructuredOutputsParams(json=listed, disable_any_whitespace=True)
 
 
-# A call of "required"'s list as the grammar writes it (compact, keys in the schema's order)
-CALL_HEAD = re.compile(r'\{"name":("(?:[^"\\]|\\.)*"),"parameters":')
+# A call of "required"'s list as the grammar writes it (keys in the schema's order), up to its parameters' value
+CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
 
 
 def parse_forced_tool_calls(choice: str, text: str) -> list[ToolCall]:
@@ -58,6 +58,6 @@ def parse_forced_tool_calls(choice: str, text: str) -> list[ToolCall]:
         if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "parameters" in call):
             continue
         head = CALL_HEAD.match(text, start)
-        raw = text[head.end() : end - 1] if head is not None else None
+        raw = text[head.end() : end - 1].rstrip() if head is not None else None
         calls.append(ToolCall(call["name"], raw if raw is not None else json.dumps(call["parameters"])))
     return calls

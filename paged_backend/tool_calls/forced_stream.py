@@ -12,10 +12,14 @@ where the output did.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from paged_backend.tool_calls.forced import CALL_HEAD, parse_forced_tool_calls
 from paged_backend.tool_calls.parsers import ToolCall, new_tool_call_id
+
+_FIRST = re.compile(r"\s*\[\s*" + CALL_HEAD.pattern)  # the list's first call, up to its parameters
+_NEXT = re.compile(r"\s*\}\s*,\s*" + CALL_HEAD.pattern)  # from the end of a call's parameters to the next's
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,9 @@ class ForcedCallStreamer:
     text: str = ""
     calls: int = 0  # calls announced
     scanned: int = 0  # characters of ``text`` read by the delta scan
-    call_start: int = 1  # where the next call starts ("required": after "[" or ",")
+    call_start: int = 0  # where the text before the next call's head starts
     reading: bool = False  # inside a call whose head was announced, until its arguments close
+    started: bool = False  # the current call's arguments have begun (whitespace before them is not passed on)
     depth: int = 0  # nesting inside the current arguments object
     in_string: bool = False
     escaped: bool = False
@@ -61,27 +66,37 @@ class ForcedCallStreamer:
             return [ToolCallDelta(i, call.arguments, call.id, call.name) for i, call in enumerate(calls)]
         if self.mode != "required":  # the whole output is the named function's arguments
             first = [] if self.calls else [self._announce(self.mode)]
+            piece = self._arguments(piece)
             return first + ([ToolCallDelta(0, piece)] if piece else [])
         deltas: list[ToolCallDelta] = []
         while True:
             if not self.reading:  # between calls: wait for the next call's head
-                head = CALL_HEAD.match(self.text, self.call_start)
+                head = (_NEXT if self.calls else _FIRST).match(self.text, self.call_start)
                 if head is None:
                     break
                 deltas.append(self._announce(json.loads(head.group(1))))
                 self.scanned, self.reading = head.end(), True
             start = self.scanned
             closed = self._scan()
-            if self.scanned > start:
-                deltas.append(ToolCallDelta(self.calls - 1, self.text[start : self.scanned]))
+            piece = self._arguments(self.text[start : self.scanned])
+            if piece:
+                deltas.append(ToolCallDelta(self.calls - 1, piece))
             if not closed:
                 break
-            self.reading, self.call_start = False, self.scanned + 2  # past the call's "}" and its "," or "]"
+            self.reading, self.call_start = False, self.scanned
         return deltas
+
+    def _arguments(self, piece: str) -> str:
+        """A piece of the current call's arguments, less the whitespace before they begin."""
+        if not self.started:
+            piece = piece.lstrip()
+            self.started = bool(piece)
+        return piece
 
     def _announce(self, name: str) -> ToolCallDelta:
         self.ids.append(new_tool_call_id())
         self.calls += 1
+        self.started = False
         return ToolCallDelta(self.calls - 1, "", self.ids[-1], name)
 
     def _scan(self) -> bool:

@@ -57,10 +57,14 @@ try:
         Health,
         ModelCard,
         ModelList,
+        ResponseEvent,
+        ResponseObject,
         TokenizeResponse,
     )
+    from paged_backend.entrypoints.openai.responses_api import ResponsesRequest
     from paged_backend.entrypoints.openai.serving_chat import OpenAIServingChat
     from paged_backend.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from paged_backend.entrypoints.openai.serving_responses import OpenAIServingResponses
     from paged_backend.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
     from paged_backend.entrypoints.openai.streams import guarded, merge
     from paged_backend.entrypoints.openai.tokenization import ServerTokenizer
@@ -238,6 +242,7 @@ class OpenAIServer:
 def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     server = OpenAIServer(llm, args)
     serving_completion, serving_chat = OpenAIServingCompletion(server), OpenAIServingChat(server)
+    serving_responses = OpenAIServingResponses(serving_chat)
     serving_tokenization = OpenAIServingTokenization(server, llm.llm_engine.vocab_size)
 
     @contextlib.asynccontextmanager
@@ -314,6 +319,13 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
         warn_ignored(body)
         server.check(body.model)
         return await serving_chat.create_chat_completion(body)
+
+    @app.post("/v1/responses", response_model=None, responses=openapi.streamed(ResponseObject, ResponseEvent))
+    @with_cancellation
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        warn_ignored(body)
+        server.check(body.model)
+        return await serving_responses.create_response(body)
 
     @app.post(
         "/tokenize",

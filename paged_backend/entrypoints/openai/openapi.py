@@ -18,7 +18,7 @@ from pydantic.json_schema import models_json_schema
 from paged_backend.entrypoints.openai.auth import OPEN_PATHS
 from paged_backend.entrypoints.openai.errors import ErrorResponse
 from paged_backend.entrypoints.openai.protocol import MAX_N
-from paged_backend.entrypoints.openai.responses import ChatCompletionChunk, CompletionChunk
+from paged_backend.entrypoints.openai.responses import ChatCompletionChunk, CompletionChunk, ResponseEvent
 
 _REF = "#/components/schemas/{model}"
 ERROR_DESCRIPTIONS = {
@@ -93,7 +93,8 @@ def install_openapi(app: FastAPI, limits: ModelLimits, secured: bool) -> None:
 def fix_schema(schema: dict[str, Any], limits: ModelLimits, secured: bool) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     _, defs = models_json_schema(
-        [(m, "serialization") for m in (CompletionChunk, ChatCompletionChunk, ErrorResponse)], ref_template=_REF
+        [(m, "serialization") for m in (CompletionChunk, ChatCompletionChunk, ResponseEvent, ErrorResponse)],
+        ref_template=_REF,
     )
     components.update(defs.get("$defs", {}))
     for name in ("HTTPValidationError", "ValidationError"):
@@ -121,11 +122,12 @@ def _bound_requests(components: dict[str, Any], limits: ModelLimits) -> None:
     last_token = limits.vocab_size - 1
     longest_output = limits.max_model_len - 1  # a prompt has at least one token
     samples = min(MAX_N, limits.max_num_seqs)
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
         properties = components.get(name, {}).get("properties", {})
         bounds: dict[str, Callable[[dict[str, Any]], None]] = {
             "max_tokens": _maximum(longest_output),
             "max_completion_tokens": _maximum(longest_output),
+            "max_output_tokens": _maximum(longest_output),
             "min_tokens": _maximum(longest_output),
             "n": _maximum(samples),
             "best_of": _maximum(samples),

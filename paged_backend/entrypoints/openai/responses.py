@@ -3,9 +3,9 @@ fuzz tests check every response against these models)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
@@ -163,3 +163,24 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's Responses API ``response`` (the fields clients read; ``serving_responses.py`` writes them all)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
+
+
+class ResponseEvent(BaseModel):
+    """One event of a streamed response: ``type`` names it (``response.output_text.delta``, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paged_backend.entrypoints.openai.errors import APIError
@@ -23,11 +24,30 @@ if TYPE_CHECKING:
     from paged_backend.entrypoints.openai.api_server import OpenAIServer
 
 
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request queued on the engine: its body, how its text is read for calls, its output streams."""
+
+    body: ChatCompletionRequest
+    tools: ToolCallReader
+    streams: list[AsyncIterator[RequestOutput]]
+    base: dict[str, Any]  # id, created, model
+    rid: str
+
+
 class OpenAIServingChat:
     def __init__(self, server: OpenAIServer) -> None:
         self.server = server
 
     async def create_chat_completion(self, body: ChatCompletionRequest) -> Any:
+        run = await self.start(body)
+        if body.stream:
+            return self.server.streaming(self._sse(run), run.rid, 1)
+        return await self.whole(run)
+
+    async def start(self, body: ChatCompletionRequest) -> ChatRun:
+        """Template, tokenize, check and queue the request (the Responses endpoint runs its requests through
+        here too)."""
         tokenization = self.server.tokenization
         if tokenization is None:
             raise APIError(400, "chat needs a tokenizer", "invalid_request_error")
@@ -59,10 +79,12 @@ class OpenAIServingChat:
         streams = await self.server.start(
             [{"prompt": text, "prompt_token_ids": ids}], params, rid, requested, body.model, body.output_format_field()
         )
-        base = {"id": rid, "created": created, "model": body.model}
-        if body.stream:
-            return self.server.streaming(self._stream_chat(body, tools, streams[0], base), rid, 1)
-        (final,) = await self.server.collect(streams, rid)
+        return ChatRun(body, tools, streams, {"id": rid, "created": created, "model": body.model}, rid)
+
+    async def whole(self, run: ChatRun) -> dict[str, Any]:
+        """The chat completion, once every choice has finished."""
+        body, tools, base = run.body, run.tools, run.base
+        (final,) = await self.server.collect(run.streams, run.rid)
         choices = []
         for c in final.outputs:
             message, finish_reason = self._message(c.text, tools, c.finish_reason)
@@ -85,17 +107,18 @@ class OpenAIServingChat:
             message["tool_calls"] = [call.to_openai() for call in calls]
         return message, tools.finish_reason(bool(calls), finish_reason)
 
-    async def _stream_chat(
-        self,
-        body: ChatCompletionRequest,
-        tools: ToolCallReader,
-        stream: AsyncIterator[RequestOutput],
-        base: dict[str, Any],
-    ) -> AsyncIterator[str]:
-        base = {**base, "object": "chat.completion.chunk"}
+    async def _sse(self, run: ChatRun) -> AsyncIterator[str]:
+        async for chunk in self.chunks(run):
+            yield sse(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self, run: ChatRun) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks, as they come (the usage chunk last when asked for)."""
+        body, tools, stream = run.body, run.tools, run.streams[0]
+        base = {**run.base, "object": "chat.completion.chunk"}
         for j in range(body.n):
             delta = {"role": "assistant", "content": ""}
-            yield sse({**base, "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}]})
+            yield {**base, "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}]}
         sent: dict[int, tuple[int, int]] = {}  # sample -> (characters, tokens) sent
         parser = self.server.args.reasoning_parser
         splitters = {j: ReasoningSplitter(parser) for j in range(body.n)} if parser is not None else {}
@@ -123,11 +146,10 @@ class OpenAIServingChat:
                         ),
                         "finish_reason": tools.finish_reason(num_calls[c.index] > 0, c.finish_reason),
                     }
-                    yield sse({**base, "choices": [choice]})
+                    yield {**base, "choices": [choice]}
             final = out
         if body.stream_options is not None and body.stream_options.include_usage and final is not None:
-            yield sse({**base, "choices": [], "usage": usage([final])})
-        yield "data: [DONE]\n\n"
+            yield {**base, "choices": [], "usage": usage([final])}
 
     @staticmethod
     def _stream_tools(stream: ToolStream | None, delta: dict[str, Any], last: bool, sent: int, cut: bool) -> int:
