@@ -3,8 +3,9 @@
     paged-backend serve MODEL [vLLM's flags]
     python -m paged_backend.entrypoints.openai.api_server --model MODEL [vLLM's flags]
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with
-server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus). Errors are OpenAI error bodies
+Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``, ``POST /v1/chat/completions``
+and ``POST /v1/responses`` (each streaming with server-sent events), ``/tokenize``, ``/detokenize``, ``GET
+/health``, ``GET /metrics`` (Prometheus). Errors are OpenAI error bodies
 (``errors.py``): 400 naming the field for invalid parameters and prompts longer than ``max_model_len``, 401 for
 a missing or wrong API key (``auth.py``, checked before the body is read), 404 for an unknown model, 413 for a
 body over ``--max-request-body-mb`` (``limits.py``), 429 when ``--max-waiting-requests`` are already waiting,
