@@ -110,6 +110,8 @@ def test_a_json_schema_is_filled_from_the_prompt(llm: LLM) -> None:
 
 
 def test_a_forced_tool_call_through_the_server_and_the_models_template(llm: LLM) -> None:
+    """Chat completions and the Responses API, each with SmolLM2's own chat template: the arguments come from the
+    question."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     from paged_backend.entrypoints.openai.cli_args import ServerArgs
@@ -137,8 +139,18 @@ def test_a_forced_tool_call_through_the_server_and_the_models_template(llm: LLM)
             max_tokens=30,
             temperature=0,
         )
+        response = client.responses.create(  # the Responses API runs the same chat path
+            model="smollm2",
+            input="What is 7 plus 5?",
+            tools=[{"type": "function", **add["function"]}],
+            tool_choice={"type": "function", "name": "add"},
+            max_output_tokens=30,
+            temperature=0,
+        )
     (call,) = chat.choices[0].message.tool_calls
     assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 7, "b": 5}
+    (item,) = response.output
+    assert item.type == "function_call" and item.name == "add" and json.loads(item.arguments) == {"a": 7, "b": 5}
 
 
 MC_QUESTIONS = [
