@@ -54,6 +54,7 @@ OPERATIONS = [
     "POST /v1/completions",
     "POST /v1/chat/completions",
     "POST /v1/responses",
+    "POST /v1/messages",
     "POST /tokenize",
     "POST /detokenize",
 ]
@@ -177,6 +178,22 @@ def responses_params(body: Body, lengths: PromptLengths) -> set[str | None]:
     return {_FIELDS.get(p or "", p) for p in cross_field_params(chat, True, lengths)}
 
 
+def messages_rule(body: Body, message: str, lengths: PromptLengths) -> bool:
+    """Whether an Anthropic error (which has no ``param``: its message starts with the field) names a rule of the
+    chat request the Messages body runs, as Anthropic's fields name them."""
+    from paged_backend.entrypoints.openai.anthropic_api import MessagesRequest
+    from paged_backend.entrypoints.openai.serving_messages import _FIELDS
+
+    try:
+        chat = MessagesRequest.model_validate(body).chat_request()
+    except ValueError:  # an integer sent as a float (see not_an_int): schema-valid, refused as OpenAI's API does
+        return True
+    if logit_bias_past_vocab(chat):
+        return True
+    broken = {_FIELDS.get(p or "", p) for p in cross_field_params(chat, True, lengths)}
+    return any(p is None or message.startswith(f"{p}") for p in broken)
+
+
 def logit_bias_past_vocab(body: Body) -> bool:
     """A ``logit_bias`` token id past the vocabulary: the schema bounds its keys by their digits only."""
     return any(int(token) >= VOCAB for token in body.get("logit_bias") or {})
@@ -249,6 +266,8 @@ def fuzz(app: Any, examples: int, mode: str, seed: int = 0) -> Report:
         a rule between fields, or an integer sent as a float."""
         if type(failure).__name__ != "RejectedPositiveData" or response.status_code != 400:
             return True
+        if case.operation.path == "/v1/messages":  # Anthropic's error body: no param, the field leads the message
+            return not messages_rule(case.body, response.json()["error"]["message"], lengths)
         param = response.json()["error"]["param"]
         if not_an_int(case.body, param):
             return False

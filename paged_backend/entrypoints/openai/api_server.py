@@ -36,10 +36,17 @@ try:
 
     from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
     from paged_backend.entrypoints.openai import openapi
+    from paged_backend.entrypoints.openai.anthropic_api import MessagesRequest
+    from paged_backend.entrypoints.openai.anthropic_errors import AnthropicErrors
     from paged_backend.entrypoints.openai.auth import APIKeyMiddleware
     from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
     from paged_backend.entrypoints.openai.disconnect import with_cancellation
-    from paged_backend.entrypoints.openai.errors import APIError, SafeJSONResponse, install_error_handlers
+    from paged_backend.entrypoints.openai.errors import (
+        AnthropicErrorResponse,
+        APIError,
+        SafeJSONResponse,
+        install_error_handlers,
+    )
     from paged_backend.entrypoints.openai.limits import MIB, RequestBodyLimit
     from paged_backend.entrypoints.openai.metrics import ServerMetrics
     from paged_backend.entrypoints.openai.protocol import (
@@ -50,6 +57,8 @@ try:
         TokenizeCompletionRequest,
     )
     from paged_backend.entrypoints.openai.responses import (
+        AnthropicEvent,
+        AnthropicMessage,
         ChatCompletionChunk,
         ChatCompletionResponse,
         CompletionChunk,
@@ -65,6 +74,7 @@ try:
     from paged_backend.entrypoints.openai.responses_api import ResponsesRequest
     from paged_backend.entrypoints.openai.serving_chat import OpenAIServingChat
     from paged_backend.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from paged_backend.entrypoints.openai.serving_messages import AnthropicServingMessages
     from paged_backend.entrypoints.openai.serving_responses import OpenAIServingResponses
     from paged_backend.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
     from paged_backend.entrypoints.openai.streams import guarded, merge
@@ -243,7 +253,7 @@ class OpenAIServer:
 def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     server = OpenAIServer(llm, args)
     serving_completion, serving_chat = OpenAIServingCompletion(server), OpenAIServingChat(server)
-    serving_responses = OpenAIServingResponses(serving_chat)
+    serving_responses, serving_messages = OpenAIServingResponses(serving_chat), AnthropicServingMessages(serving_chat)
     serving_tokenization = OpenAIServingTokenization(server, llm.llm_engine.vocab_size)
 
     @contextlib.asynccontextmanager
@@ -262,6 +272,7 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     install_error_handlers(app)
     if args.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(AnthropicErrors)  # outermost: every error of /v1/messages in Anthropic's shape
     engine = llm.llm_engine
     limits = openapi.ModelLimits(engine.vocab_size, server.max_model_len, engine.config.scheduler_config.max_num_seqs)
     openapi.install_openapi(app, limits, secured=args.api_key is not None)
@@ -327,6 +338,17 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
         warn_ignored(body)
         server.check(body.model)
         return await serving_responses.create_response(body)
+
+    @app.post(
+        "/v1/messages",
+        response_model=None,
+        responses=openapi.streamed(AnthropicMessage, AnthropicEvent, AnthropicErrorResponse),
+    )
+    @with_cancellation
+    async def messages(body: MessagesRequest, request: Request) -> Any:
+        warn_ignored(body)
+        server.check(body.model)
+        return await serving_messages.create_message(body)
 
     @app.post(
         "/tokenize",

@@ -1,7 +1,8 @@
 """The API key check, as ASGI middleware: it runs before routing and before the body is read, so a client
 without the key learns nothing from the server but 401 (not which fields a body needs, nor which paths exist).
 
-``Authorization: Bearer KEY``, the scheme in any case (RFC 9110), the key compared in constant time. What stays
+``Authorization: Bearer KEY``, the scheme in any case (RFC 9110), or ``x-api-key: KEY`` (Anthropic's clients), the
+key compared in constant time. What stays
 open without a key: ``/health`` (as in vLLM, for load balancers), ``/metrics`` (as in vLLM, for Prometheus
 scrapers) and the API's own description (``/openapi.json``, ``/docs``, ``/redoc``: OpenAI's API is public).
 Everything else, ``/v1/*`` and any path the server does not know, needs the key."""
@@ -38,7 +39,7 @@ class APIKeyMiddleware:
             return
         response = error_body(
             401,
-            "invalid API key: send it as `Authorization: Bearer <key>`",
+            "invalid API key: send it as `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
             "authentication_error",
             headers={"WWW-Authenticate": "Bearer"},
         )
@@ -47,4 +48,7 @@ class APIKeyMiddleware:
     def authorized(self, scope: Scope) -> bool:
         values = [value for name, value in scope["headers"] if name == b"authorization"]
         token = bearer_token(values[0]) if len(values) == 1 else None  # two Authorization headers: ambiguous
+        if token is None and not values:
+            keys = [value.strip() for name, value in scope["headers"] if name == b"x-api-key"]
+            token = keys[0] if len(keys) == 1 and keys[0] else None
         return token is not None and hmac.compare_digest(token, self.key)

@@ -10,7 +10,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,6 +47,18 @@ class ErrorResponse(BaseModel):
     """OpenAI's error body; ``code`` repeats the HTTP status, ``param`` names the offending field or is null."""
 
     error: ErrorInfo
+
+
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error body, which ``/v1/messages`` answers with (``anthropic_errors.py``)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorInfo
 
 
 class SafeJSONResponse(JSONResponse):

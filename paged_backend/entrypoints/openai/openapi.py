@@ -16,9 +16,14 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from paged_backend.entrypoints.openai.auth import OPEN_PATHS
-from paged_backend.entrypoints.openai.errors import ErrorResponse
+from paged_backend.entrypoints.openai.errors import AnthropicErrorResponse, ErrorResponse
 from paged_backend.entrypoints.openai.protocol import MAX_N
-from paged_backend.entrypoints.openai.responses import ChatCompletionChunk, CompletionChunk, ResponseEvent
+from paged_backend.entrypoints.openai.responses import (
+    AnthropicEvent,
+    ChatCompletionChunk,
+    CompletionChunk,
+    ResponseEvent,
+)
 
 _REF = "#/components/schemas/{model}"
 ERROR_DESCRIPTIONS = {
@@ -30,18 +35,28 @@ ERROR_DESCRIPTIONS = {
     503: "The engine has stopped",
 }
 UNAUTHORIZED = {
-    "description": "No valid API key: send `Authorization: Bearer <key>`",
+    "description": "No valid API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
     "headers": {"WWW-Authenticate": {"required": True, "schema": {"type": "string", "const": "Bearer"}}},
     "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}},
 }
+UNAUTHORIZED_ANTHROPIC = {
+    **UNAUTHORIZED,
+    "content": {"application/json": {"schema": {"$ref": _REF.format(model="AnthropicErrorResponse")}}},
+}
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` of a route: OpenAI's error body at each status (401 is added where a key is required)."""
-    return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})  # their errors are Anthropic's body, 401 included
 
 
-def streamed(whole: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+def error_responses(*statuses: int, model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a route: OpenAI's error body (or ``model``) at each status (401 is added where a key is
+    required)."""
+    return {status: {"model": model, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+def streamed(
+    whole: type[BaseModel], chunk: type[BaseModel], error: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
     """``responses=`` of a generating endpoint: ``whole`` as JSON, or with ``stream: true`` a server-sent event
     stream whose events' ``data`` are ``chunk``s (or an error body, when the engine fails midway), then
     ``[DONE]``; and every error a request body can meet."""
@@ -53,7 +68,7 @@ def streamed(whole: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, 
                 "not": {"const": "[DONE]"},
                 "contentMediaType": "application/json",
                 "contentSchema": {
-                    "anyOf": [{"$ref": _REF.format(model=chunk.__name__)}, {"$ref": _REF.format(model="ErrorResponse")}]
+                    "anyOf": [{"$ref": _REF.format(model=chunk.__name__)}, {"$ref": _REF.format(model=error.__name__)}]
                 },
             },
         ],
@@ -61,7 +76,7 @@ def streamed(whole: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, 
     event = {"type": "object", "required": ["data"], "properties": {"data": data}}
     ok = {"model": whole, "description": "The whole response, or its event stream", "content": {}}
     ok["content"] = {"text/event-stream": {"schema": event}}
-    return {200: ok, **error_responses(400, 404, 413, 429, 500, 503)}
+    return {200: ok, **error_responses(400, 404, 413, 429, 500, 503, model=error)}
 
 
 PROMETHEUS: dict[int | str, dict[str, Any]] = {
@@ -93,7 +108,11 @@ def install_openapi(app: FastAPI, limits: ModelLimits, secured: bool) -> None:
 def fix_schema(schema: dict[str, Any], limits: ModelLimits, secured: bool) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     _, defs = models_json_schema(
-        [(m, "serialization") for m in (CompletionChunk, ChatCompletionChunk, ResponseEvent, ErrorResponse)],
+        [
+            (m, "serialization")
+            for m in (CompletionChunk, ChatCompletionChunk, ResponseEvent, AnthropicEvent)
+            + (ErrorResponse, AnthropicErrorResponse)
+        ],
         ref_template=_REF,
     )
     components.update(defs.get("$defs", {}))
@@ -103,7 +122,8 @@ def fix_schema(schema: dict[str, Any], limits: ModelLimits, secured: bool) -> di
         operation.get("responses", {}).pop("422", None)
         if secured and path not in OPEN_PATHS:
             operation["security"] = [{"APIKey": []}]
-            operation["responses"]["401"] = UNAUTHORIZED
+            anthropic = path in ANTHROPIC_PATHS
+            operation["responses"]["401"] = UNAUTHORIZED_ANTHROPIC if anthropic else UNAUTHORIZED
     if secured:
         schemes = schema["components"].setdefault("securitySchemes", {})
         schemes["APIKey"] = {"type": "http", "scheme": "bearer", "description": "the server's --api-key"}
@@ -122,7 +142,7 @@ def _bound_requests(components: dict[str, Any], limits: ModelLimits) -> None:
     last_token = limits.vocab_size - 1
     longest_output = limits.max_model_len - 1  # a prompt has at least one token
     samples = min(MAX_N, limits.max_num_seqs)
-    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "MessagesRequest"):
         properties = components.get(name, {}).get("properties", {})
         bounds: dict[str, Callable[[dict[str, Any]], None]] = {
             "max_tokens": _maximum(longest_output),

@@ -184,3 +184,23 @@ class ResponseEvent(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     sequence_number: int
+
+
+class AnthropicMessage(BaseModel):
+    """Anthropic's Messages API ``message`` (``serving_messages.py`` writes it; an error there is Anthropic's
+    shape, ``{"type": "error", "error": {...}}``)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    usage: dict[str, int]
+
+
+class AnthropicEvent(BaseModel):
+    """One event of a streamed message: ``type`` names it (``content_block_delta``, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
