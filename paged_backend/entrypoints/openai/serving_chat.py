@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
+from paged_backend.config import FieldError
 from paged_backend.entrypoints.openai.errors import APIError
 from paged_backend.entrypoints.openai.logprobs import chat_logprobs
 from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest
@@ -44,6 +47,27 @@ class OpenAIServingChat:
         if body.stream:
             return self.server.streaming(self._sse(run), run.rid, 1)
         return await self.whole(run)
+
+    async def start_as(self, chat_request: Callable[[], dict[str, Any]], fields: Mapping[str, str]) -> ChatRun:
+        """Run another API's request (Responses, Anthropic's Messages) as the chat request ``chat_request()``
+        translates it to; a 400's ``param`` is named as that API names its fields (``fields``: chat's name -> its)."""
+
+        def named(field: str) -> str:
+            return fields.get(field, field)
+
+        try:
+            body = ChatCompletionRequest.model_validate(chat_request())
+        except FieldError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", named(exc.field)) from exc
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = [named(str(error["loc"][0])), *map(str, error["loc"][1:])]
+            raise APIError(400, f"{'.'.join(where)}: {error['msg']}", "invalid_request_error", where[0]) from exc
+        try:
+            return await self.start(body)
+        except APIError as exc:
+            exc.param = named(exc.param) if exc.param else exc.param
+            raise
 
     async def start(self, body: ChatCompletionRequest) -> ChatRun:
         """Template, tokenize, check and queue the request (the Responses endpoint runs its requests through

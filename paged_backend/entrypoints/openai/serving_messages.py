@@ -17,12 +17,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError
-
 from paged_backend.engine.engine_loop import EngineDeadError, RequestFailedError
 from paged_backend.entrypoints.openai.anthropic_api import MessagesRequest
-from paged_backend.entrypoints.openai.errors import APIError
-from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest
 from paged_backend.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 
 # chat request fields -> the Messages request's own, for a 400's ``param``
@@ -61,17 +57,7 @@ class AnthropicServingMessages:
         self.chat = chat
 
     async def create_message(self, body: MessagesRequest) -> Any:
-        try:
-            chat_body = ChatCompletionRequest.model_validate(body.chat_request())
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            where = [_FIELDS.get(str(error["loc"][0]), str(error["loc"][0])), *map(str, error["loc"][1:])]
-            raise APIError(400, f"{'.'.join(where)}: {error['msg']}", "invalid_request_error", where[0]) from exc
-        try:
-            run = await self.chat.start(chat_body)
-        except APIError as exc:  # named as this request names its fields
-            exc.param = _FIELDS.get(exc.param or "", exc.param)
-            raise
+        run = await self.chat.start_as(body.chat_request, _FIELDS)
         mid = f"msg_{uuid.uuid4().hex}"
         if body.stream:
             return self.chat.server.streaming(self._events(run, mid, body.model), run.rid, 1)

@@ -19,11 +19,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError
-
-from paged_backend.config import FieldError
-from paged_backend.entrypoints.openai.errors import APIError
-from paged_backend.entrypoints.openai.protocol import ChatCompletionRequest
 from paged_backend.entrypoints.openai.responses_api import ResponsesRequest
 from paged_backend.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 
@@ -45,19 +40,7 @@ class OpenAIServingResponses:
         self.chat = chat
 
     async def create_response(self, body: ResponsesRequest) -> Any:
-        try:
-            chat_body = ChatCompletionRequest.model_validate(body.chat_request())
-        except FieldError as exc:
-            raise APIError(400, str(exc), "invalid_request_error", _FIELDS.get(exc.field, exc.field)) from exc
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            where = [_FIELDS.get(str(error["loc"][0]), str(error["loc"][0])), *map(str, error["loc"][1:])]
-            raise APIError(400, f"{'.'.join(where)}: {error['msg']}", "invalid_request_error", where[0]) from exc
-        try:
-            run = await self.chat.start(chat_body)
-        except APIError as exc:  # named as this request names its fields
-            exc.param = _FIELDS.get(exc.param or "", exc.param)
-            raise
+        run = await self.chat.start_as(body.chat_request, _FIELDS)
         response = ResponseBuilder(body, _id("resp"), int(time.time()))
         if body.stream:
             return self.chat.server.streaming(self._events(run, response), run.rid, 1)
