@@ -185,10 +185,10 @@ def test_logits_processors_run_on_their_row_only(tokenizer) -> None:
         SamplingParams(logits_processors=[1])
 
 
-def test_logit_bias_forces_or_bars_a_token_on_its_row_only(tokenizer) -> None:
+def test_logit_bias_forces_or_bars_a_token_on_its_row_only(tokenizer, monkeypatch) -> None:
     """OpenAI's ``logit_bias``: +100 on a token makes greedy decoding choose it at every step, -100 on the token
-    greedy decoding chose bars it; an unbiased greedy request beside them keeps its tokens (and could run
-    multi-step rounds: the biased ones take single steps, as the sampler applies the bias)."""
+    greedy decoding chose bars it; an unbiased greedy request beside them keeps its tokens. Alone, a biased
+    greedy request runs multi-step rounds, whose every step adds the bias too."""
     from paged_backend import LLM
     from tests.conftest import assert_idle, tiny_model
 
@@ -203,8 +203,17 @@ def test_logit_bias_forces_or_bars_a_token_on_its_row_only(tokenizer) -> None:
     assert outs[0] == [forced_token] * 6
     assert free[1][0] not in outs[1] and outs[1] != free[1]
     assert outs[2] == free[2]
-    alone = llm.generate([prompts[0]], forced, use_tqdm=False)[0]  # a lone greedy request would run rounds
-    assert list(alone.outputs[0].token_ids) == [forced_token] * 6
+    runner = llm.llm_engine.executor.model_runner
+    biased_rounds: list[bool] = []
+    run_decode_steps = runner.run_decode_steps
+
+    def spy(steps, grammars=None, first_input_ids=None, bias=None):
+        biased_rounds.append(bias is not None)
+        return run_decode_steps(steps, grammars, first_input_ids, bias)
+
+    monkeypatch.setattr(runner, "run_decode_steps", spy)
+    alone = llm.generate([prompts[0]], forced, use_tqdm=False)[0]  # a lone greedy request runs rounds
+    assert list(alone.outputs[0].token_ids) == [forced_token] * 6 and biased_rounds and all(biased_rounds)
     assert_idle(llm)
     with pytest.raises(ValueError, match=r"logit_bias\[5\] must be a number in \[-100, 100\], got 100.5"):
         SamplingParams(logit_bias={5: 100.5})

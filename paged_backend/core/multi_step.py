@@ -28,11 +28,11 @@ def can_run_ahead(seq: Sequence, grammar_rounds: bool) -> bool:
         and params.greedy
         and not params.has_penalties
         and not params.logits_processors
-        and not params.logit_bias  # applied by the sampler, which a round's device-side argmax skips
         and params.logprobs is None
         and not seq.request.keep_logits
         and seq.num_output_tokens >= params.min_tokens
-        and (grammar_rounds or seq.grammar is None)
+        # a grammar's mask and a logit bias are the round's rank-0 state: rounds only where one worker runs
+        and (grammar_rounds or (seq.grammar is None and not params.logit_bias))
     )
 
 

@@ -37,7 +37,7 @@ from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.invariant_siblings import SiblingProducts
 from paged_backend.worker.prompt_logprobs import prompt_logprobs
-from paged_backend.worker.sampler import Sampler
+from paged_backend.worker.sampler import RoundBias, Sampler
 from paged_backend.worker.step_inputs import (
     EmbedsPieces,
     StepInputs,
@@ -219,7 +219,8 @@ class ModelRunner:
         first = self._round_inputs(batch.prev_rows)
         with self._lora_step(batch, [1] * batch.num_seqs, scheduler_output.seqs):
             grammars = RoundGrammars.of(seqs, batch.num_steps, self.device)
-            tokens, logprobs = self._run_round(inputs, batch.num_steps, grammars, first)
+            bias = RoundBias.of(seqs, self.device)
+            tokens, logprobs = self._run_round(inputs, batch.num_steps, grammars, first, bias)
         self._last_round = (tokens, batch.num_steps)
         return PendingRound(tokens, logprobs, batch.num_steps, grammars, sampling=bool(seqs))
 
@@ -337,6 +338,7 @@ class ModelRunner:
         num_steps: list[int],
         grammars: RoundGrammars | None = None,
         first_input_ids: torch.Tensor | None = None,
+        bias: RoundBias | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``max(num_steps)`` decode steps from ``inputs`` (step 0; row i takes ``num_steps[i]``)."""
         per_row = np.asarray(num_steps, dtype=np.int64)
@@ -344,13 +346,14 @@ class ModelRunner:
             inputs = replace(inputs, block_tables=inputs.block_tables.pin_memory())
         steps = [inputs]
         steps += [advance_decode_inputs(inputs, k, per_row, self.block_size) for k in range(1, max(num_steps))]
-        return self.run_decode_steps(steps, grammars, first_input_ids)
+        return self.run_decode_steps(steps, grammars, first_input_ids, bias)
 
     def run_decode_steps(
         self,
         steps: list[StepInputs],
         grammars: RoundGrammars | None = None,
         first_input_ids: torch.Tensor | None = None,
+        bias: RoundBias | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy decode steps back to back, each fed the previous one's tokens on the device (the first fed
         ``first_input_ids`` [B] on the device, when given). Returns the sampled tokens and their logprobs,
@@ -364,6 +367,8 @@ class ModelRunner:
         first_staging = self._round_parity * self._graph_shape[2]  # num_scheduler_steps buffers each
         for k, inputs in enumerate(steps):
             logits = self.run(inputs, previous, first_staging + k)
+            if bias is not None:
+                bias.apply(logits)
             if grammars is not None:
                 grammars.apply(k, logits)
             token, logprob = self.sampler.greedy(logits)  # [B], [B]

@@ -153,6 +153,31 @@ def apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
     row.index_add_(0, ids, torch.tensor(list(bias.values()), dtype=row.dtype, device=row.device))
 
 
+class RoundBias:
+    """The logit biases of a multi-step round's rows (``seqs``, in the round's row order), added to every step's
+    logits by one scatter before the greedy choice, as the sampler adds them to a single step's."""
+
+    def __init__(self, rows: torch.Tensor, tokens: torch.Tensor, values: torch.Tensor) -> None:
+        self.rows, self.tokens, self.values = rows, tokens, values
+
+    @staticmethod
+    def of(seqs: list[Sequence], device: torch.device) -> RoundBias | None:
+        """None when no row has a bias."""
+        entries = [(row, t, b) for row, seq in enumerate(seqs) for t, b in (seq.params.logit_bias or {}).items()]
+        if not entries:
+            return None
+        rows, tokens, values = zip(*entries)
+
+        def to_device(items: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
+            host = torch.tensor(items, dtype=dtype)  # pinned on a GPU: queued, never waiting for the device
+            return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
+        return RoundBias(to_device(rows, torch.long), to_device(tokens, torch.long), to_device(values, torch.float32))
+
+    def apply(self, logits: torch.Tensor) -> None:  # [B, V], in place
+        logits.index_put_((self.rows, self.tokens), self.values.to(logits.dtype), accumulate=True)
+
+
 class Sampler:
     """Turns the last-token logits of each sampling sequence into a token, its logprob and top-k logprobs."""
 
