@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_backend.paths import is_gguf_path
 from paged_backend.reasoning import REASONING_PARSERS
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -117,9 +118,9 @@ class ModelConfig:
         check_int("max_model_len", self.max_model_len, 1, allow_none=True)
         check_int("seed", self.seed, 0, 2**63 - 1)
         if self.gguf_file is not None:
-            if not isinstance(self.gguf_file, str) or not self.gguf_file.lower().endswith(".gguf"):
+            if not isinstance(self.gguf_file, str) or not is_gguf_path(self.gguf_file):
                 raise FieldError("gguf_file", f"gguf_file must be a file name ending in .gguf, got {self.gguf_file!r}")
-            if self.model.lower().endswith(".gguf"):
+            if is_gguf_path(self.model):
                 raise FieldError(
                     "gguf_file",
                     f"gguf_file names the file inside the folder model; model is already a GGUF file ({self.model!r})",

@@ -17,9 +17,14 @@ def looks_local(name: str) -> bool:
     )
 
 
+def is_gguf_path(name: str) -> bool:
+    """A GGUF file's name (``model="x.gguf"``, as vLLM takes one)."""
+    return name.lower().endswith(".gguf")
+
+
 def missing_local_model(name: str) -> bool:
     """A model that can only be a local path (or a ``.gguf`` file, which is always one) and is not there."""
     path = os.path.expanduser(name)
-    if name.lower().endswith(".gguf"):
+    if is_gguf_path(name):
         return not os.path.isfile(path)
     return looks_local(name) and not os.path.exists(path)

@@ -24,6 +24,7 @@ import torch
 
 from paged_backend.demo_checkpoint import build_once, demo_checkpoint
 from paged_backend.model_loader.gguf import GGUFSource, save_as_checkpoint
+from paged_backend.paths import is_gguf_path
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ def demo_model(model: str | None, cache_dir: Path) -> tuple[str, bool]:
     """(checkpoint path or hub id, whether it is a trained model): ``model`` (a GGUF file converted first), else
     SmolLM2 when its package is installed, else the embedded random-weight Llama."""
     if model is not None:
-        if model.lower().endswith(".gguf"):
+        if is_gguf_path(model):
             return str(gguf_checkpoint(Path(model).expanduser().resolve(), cache_dir)), True
         return model, True
     gguf = smollm2_gguf()

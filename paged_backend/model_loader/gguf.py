@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-GGUF_SUFFIX = ".gguf"
+from paged_backend.paths import is_gguf_path
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,6 @@ class GGUFSource:
     @property
     def path(self) -> str:
         return os.path.join(self.folder, self.file)
-
-
-def is_gguf_path(name: str) -> bool:
-    return name.lower().endswith(GGUF_SUFFIX)
 
 
 def gguf_source(model: str, gguf_file: str | None) -> GGUFSource | None:
