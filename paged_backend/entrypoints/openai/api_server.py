@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -47,6 +46,7 @@ try:
         SafeJSONResponse,
         install_error_handlers,
     )
+    from paged_backend.entrypoints.openai.launch import run
     from paged_backend.entrypoints.openai.limits import MIB, RequestBodyLimit
     from paged_backend.entrypoints.openai.metrics import ServerMetrics
     from paged_backend.entrypoints.openai.protocol import (
@@ -381,51 +381,6 @@ def main(argv: list[str] | None = None, prog: str = MODULE_PROG) -> int:
     """Parse vLLM's serving flags, then ``run``."""
     args, engine_kwargs = parse_args(argv, prog)
     return run(args, engine_kwargs, prog)
-
-
-def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-backend serve") -> int:
-    """Load the model and serve until SIGTERM or Ctrl-C (``GracefulServer``: requests in flight get
-    ``--shutdown-timeout`` seconds), then join the engine's thread and return 0. A model that cannot be loaded (a
-    mistyped path, a folder without a checkpoint, a bad engine argument) ends the process with one line naming it
-    and the reason, exit status 1: its traceback says nothing more to someone typing a command (it is logged at
-    DEBUG)."""
-    import uvicorn
-
-    from paged_backend.engine.fresh_thread import call_in_fresh_thread
-    from paged_backend.entrypoints.llm import LLM
-    from paged_backend.entrypoints.openai.shutdown import GracefulServer
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from paged_backend.entrypoints.openai.listener import bind
-
-    listener = bind(args.host, args.port, prog)  # a busy port is said now, not once the model has loaded
-    try:
-        # Built on a thread that then ends, so the engine loop's thread holds the process's only OpenMP team.
-        llm = call_in_fresh_thread(lambda: LLM(args.model, **engine_kwargs))
-    except (OSError, ValueError) as exc:
-        listener.close()
-        logger.debug("loading %s failed", args.model, exc_info=True)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if isinstance(exc, FileNotFoundError) and exc.filename == args.model:
-            reason = str(exc.strerror)  # the path itself is in the line already
-        raise SystemExit(f"{prog}: cannot load the model {args.model!r}: {reason}") from None
-    except KeyboardInterrupt:
-        listener.close()
-        raise SystemExit(f"{prog}: interrupted while loading the model") from None
-    app = build_app(llm, args)
-    server: OpenAIServer = app.state.server
-    http = GracefulServer(
-        uvicorn.Config(app, host=args.host, port=args.port),
-        drain=server.drain,
-        abort=server.abort_all,
-        timeout_s=args.shutdown_timeout,
-    )
-    try:
-        http.run(sockets=[listener])
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # one more Ctrl-C while winding down: gone, no traceback
-        server.close()  # a forced exit skips the app's own shutdown
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,75 @@
+"""The server process: bind the port, load the model, serve until a signal, shut down (``run``). The port is
+bound before the model loads (minutes for a large one), so a port in use is said at once."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from typing import Any
+
+from paged_backend.entrypoints.openai.cli_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-backend serve") -> int:
+    """Load the model and serve until SIGTERM or Ctrl-C (``GracefulServer``: requests in flight get
+    ``--shutdown-timeout`` seconds), then join the engine's thread and return 0. A model that cannot be loaded (a
+    mistyped path, a folder without a checkpoint, a bad engine argument) ends the process with one line naming it
+    and the reason, exit status 1: its traceback says nothing more to someone typing a command (it is logged at
+    DEBUG)."""
+    import uvicorn
+
+    from paged_backend.engine.fresh_thread import call_in_fresh_thread
+    from paged_backend.entrypoints.llm import LLM
+    from paged_backend.entrypoints.openai.api_server import build_app
+    from paged_backend.entrypoints.openai.shutdown import GracefulServer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    listener = bind(args.host, args.port, prog)  # a busy port is said now, not once the model has loaded
+    try:
+        # Built on a thread that then ends, so the engine loop's thread holds the process's only OpenMP team.
+        llm = call_in_fresh_thread(lambda: LLM(args.model, **engine_kwargs))
+    except (OSError, ValueError) as exc:
+        listener.close()
+        logger.debug("loading %s failed", args.model, exc_info=True)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, FileNotFoundError) and exc.filename == args.model:
+            reason = str(exc.strerror)  # the path itself is in the line already
+        raise SystemExit(f"{prog}: cannot load the model {args.model!r}: {reason}") from None
+    except KeyboardInterrupt:
+        listener.close()
+        raise SystemExit(f"{prog}: interrupted while loading the model") from None
+    app = build_app(llm, args)
+    server = app.state.server
+    http = GracefulServer(
+        uvicorn.Config(app, host=args.host, port=args.port),
+        drain=server.drain,
+        abort=server.abort_all,
+        timeout_s=args.shutdown_timeout,
+    )
+    try:
+        http.run(sockets=[listener])
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # one more Ctrl-C while winding down: gone, no traceback
+        server.close()  # a forced exit skips the app's own shutdown
+    return 0
+
+
+def bind(host: str, port: int, prog: str) -> socket.socket:
+    """The server's listening socket, bound before the model loads (which takes minutes for a large one): a port
+    in use ends the command at once with one line saying so."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise SystemExit(
+            f"{prog}: cannot listen on {host}:{port}: {exc.strerror or exc} (another server on that port? --port "
+            "picks another)"
+        ) from None
+    listener.set_inheritable(True)
+    return listener
