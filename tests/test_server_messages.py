@@ -106,3 +106,20 @@ def test_errors_come_in_anthropics_shape(base, client) -> None:
             client.post("/v1/messages", body=request, cast_to=object)
         assert error.value.body["error"]["type"] == "invalid_request_error"
         assert field in error.value.body["error"]["message"], error.value.body
+
+
+def test_a_stop_sequence_is_named_as_the_reason(base, client) -> None:
+    """The stop string that ended the text is Anthropic's ``stop_sequence`` (and vLLM's chat ``stop_reason``)."""
+    ask = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], **GREEDY}
+    free = client.messages.create(max_tokens=12, **ask).content[0].text
+    stop = free[3:6]  # a string the greedy text writes, so it stops there
+    message = client.messages.create(max_tokens=12, stop_sequences=[stop], **ask)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+    assert stop not in message.content[0].text and free.startswith(message.content[0].text)
+    with client.messages.stream(max_tokens=12, stop_sequences=[stop], **ask) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    chat = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
+        model=NAME, max_tokens=12, temperature=0, stop=[stop], messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert chat.choices[0].model_extra["stop_reason"] == stop and chat.choices[0].finish_reason == "stop"

@@ -98,6 +98,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (EOS: null)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -109,8 +110,16 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ToolCallDelta(ToolCall):
-    index: int  # the call's place among the choice's calls (each call comes whole in one delta)
+class FunctionDelta(BaseModel):
+    name: str | None = None  # in a call's first piece
+    arguments: str  # JSON text: the whole arguments (auto), or their next piece (a forced call)
+
+
+class ToolCallDelta(BaseModel):
+    index: int  # the call's place among the choice's calls
+    id: str | None = None  # in a call's first piece, with its type
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
 
 class ChatDelta(BaseModel):
@@ -125,6 +134,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
+    stop_reason: int | str | None = None  # in the last chunk, as vLLM's
 
 
 class ChatCompletionChunk(BaseModel):

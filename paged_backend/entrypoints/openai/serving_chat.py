@@ -113,7 +113,8 @@ class OpenAIServingChat:
         for c in final.outputs:
             message, finish_reason = self._message(c.text, tools, c.finish_reason)
             logprobs = chat_logprobs(c, self.server.decode, body.top_logprobs or 0) if body.logprobs else None
-            choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
+            choice = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+            choices.append({**choice, "stop_reason": c.stop_reason})
         return {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
 
     def _message(
@@ -170,6 +171,8 @@ class OpenAIServingChat:
                         ),
                         "finish_reason": tools.finish_reason(num_calls[c.index] > 0, c.finish_reason),
                     }
+                    if last:
+                        choice["stop_reason"] = c.stop_reason
                     yield {**base, "choices": [choice]}
             final = out
         if body.stream_options is not None and body.stream_options.include_usage and final is not None:

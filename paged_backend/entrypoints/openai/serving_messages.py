@@ -3,7 +3,8 @@ chat request; this turns the chat completion, or its chunks, into a message, or 
 
 Content blocks: the thinking (``--reasoning-parser``) as a ``thinking`` block, the text as a ``text`` block, each
 tool call as a ``tool_use`` block (its arguments parsed into ``input``). ``stop_reason``: ``max_tokens`` when
-cut, ``tool_use`` when the model called, else ``end_turn``. Streamed: ``message_start``, per block
+cut, ``stop_sequence`` (with ``stop_sequence``) when a stop string ended it, ``tool_use`` when the model called,
+else ``end_turn``. Streamed: ``message_start``, per block
 ``content_block_start``, its ``content_block_delta``s (``text_delta``, ``input_json_delta``, ``thinking_delta``)
 and ``content_block_stop``, then ``message_delta`` (the stop reason and output tokens) and ``message_stop``; a
 failure midway is an ``error`` event. Errors are Anthropic's shape, ``{"type": "error", "error": {"type",
@@ -39,8 +40,14 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-def _stop_reason(called: bool, finish: str | None) -> str:
-    return "max_tokens" if finish == "length" else "tool_use" if called else "end_turn"
+def _stop(called: bool, finish: str | None, stop_reason: object) -> dict[str, Any]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` (the chat choice's ``stop_reason`` is the stop string
+    that ended it, if one did)."""
+    if finish == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if isinstance(stop_reason, str):
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop_reason}
+    return {"stop_reason": "tool_use" if called else "end_turn", "stop_sequence": None}
 
 
 def _input(arguments: str) -> dict[str, Any]:
@@ -81,8 +88,7 @@ class AnthropicServingMessages:
             "role": "assistant",
             "model": body.model,
             "content": blocks,
-            "stop_reason": _stop_reason(bool(message.get("tool_calls")), choice["finish_reason"]),
-            "stop_sequence": None,
+            **_stop(bool(message.get("tool_calls")), choice["finish_reason"], choice.get("stop_reason")),
             "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
         }
 
@@ -95,12 +101,13 @@ class AnthropicServingMessages:
         message["usage"] = {"input_tokens": 0, "output_tokens": 0}
         yield event("message_start", message=message)
         blocks = BlockWriter(event)
-        finish, usage, called = None, None, False
+        finish, usage, called, stop_reason = None, None, False, None
         try:
             async for chunk in self.chat.chunks(run):
                 usage = chunk.get("usage") or usage
                 for choice in chunk["choices"]:
                     finish = choice["finish_reason"] or finish
+                    stop_reason = choice.get("stop_reason", stop_reason)
                     delta = choice["delta"]
                     if delta.get("reasoning_content"):
                         yield blocks.piece(
@@ -117,7 +124,7 @@ class AnthropicServingMessages:
             return
         yield blocks.close()
         counts = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]} if usage else {}
-        delta = {"stop_reason": _stop_reason(called, finish), "stop_sequence": None}
+        delta = _stop(called, finish, stop_reason)
         yield event("message_delta", delta=delta, usage=counts)  # the prompt's tokens too: only now are they known
         yield event("message_stop")
 
