@@ -45,6 +45,7 @@ from paged_backend.worker.step_inputs import (
     build_step_inputs,
     pad_step_inputs,
     prompt_embeds_pieces,
+    queued_copy,
 )
 from paged_backend.worker.structured_output import RoundGrammars, apply_grammar_bitmask, fill_grammar_bitmask
 from paged_backend.worker.weights import WeightAddresses
@@ -232,12 +233,7 @@ class ModelRunner:
             raise RuntimeError("a round that continues the previous round, but the previous step was no round")
         tokens, num_steps = self._last_round
         last_step, rows = torch.tensor([num_steps[row] - 1 for row in prev_rows]), torch.tensor(prev_rows)
-        return tokens[self._to_device(last_step), self._to_device(rows)]
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor's copy on the device, queued without waiting for the device (from pinned memory)."""
-        pinned = tensor.pin_memory() if self.device.type == "cuda" else tensor
-        return pinned.to(self.device, non_blocking=True)
+        return tokens[queued_copy(last_step, self.device), queued_copy(rows, self.device)]
 
     def _execute_step(self, inputs: StepInputs, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """A single step: its forward, then sampling on the host."""
@@ -360,8 +356,7 @@ class ModelRunner:
         ``[K, B]`` each. No host sync, except that rows under a grammar wait for the previous step's tokens (while
         the device runs the next forward) to mask each step. Two rounds may be queued at once: they take turns
         on the CUDA graphs' pinned staging buffers."""
-        tokens: list[torch.Tensor] = []
-        logprobs: list[torch.Tensor] = []
+        tokens, logprobs = [], []
         previous = first_input_ids
         self._round_parity ^= 1
         first_staging = self._round_parity * self._graph_shape[2]  # num_scheduler_steps buffers each

@@ -22,6 +22,7 @@ from paged_backend.core.sequence import Sequence
 from paged_backend.kernels.greedy import greedy_tokens
 from paged_backend.worker.batch_invariant import block_rows
 from paged_backend.worker.invariant_products import rows_in_blocks
+from paged_backend.worker.step_inputs import queued_copy
 
 
 @dataclass
@@ -167,12 +168,11 @@ class RoundBias:
         if not entries:
             return None
         rows, tokens, values = zip(*entries)
-
-        def to_device(items: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
-            host = torch.tensor(items, dtype=dtype)  # pinned on a GPU: queued, never waiting for the device
-            return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-
-        return RoundBias(to_device(rows, torch.long), to_device(tokens, torch.long), to_device(values, torch.float32))
+        return RoundBias(
+            queued_copy(torch.tensor(rows, dtype=torch.long), device),
+            queued_copy(torch.tensor(tokens, dtype=torch.long), device),
+            queued_copy(torch.tensor(values, dtype=torch.float32), device),
+        )
 
     def apply(self, logits: torch.Tensor) -> None:  # [B, V], in place
         logits.index_put_((self.rows, self.tokens), self.values.to(logits.dtype), accumulate=True)

@@ -16,6 +16,11 @@ from paged_backend.core.scheduler_output import ScheduledBatch, SchedulerOutput
 from paged_backend.worker.attention import AttentionMetadata
 
 
+def queued_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on ``device``, queued without waiting for the device (from pinned memory on a GPU)."""
+    return (tensor.pin_memory() if device.type == "cuda" else tensor).to(device, non_blocking=True)
+
+
 @dataclass
 class StepInputs:
     """Host tensors of one step (``int64`` except where noted)."""
@@ -41,8 +46,8 @@ class StepInputs:
         return self.num_tokens == self.num_seqs
 
     def to(self, device: torch.device, exact: bool = False) -> DeviceInputs:
-        def to(tensor: torch.Tensor) -> torch.Tensor:  # from pinned memory: queued, never waiting for the device
-            return (tensor.pin_memory() if device.type == "cuda" else tensor).to(device, non_blocking=True)
+        def to(tensor: torch.Tensor) -> torch.Tensor:
+            return queued_copy(tensor, device)
 
         metadata = AttentionMetadata(
             slot_mapping=to(self.slot_mapping),
