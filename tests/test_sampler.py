@@ -185,14 +185,17 @@ def test_logits_processors_run_on_their_row_only(tokenizer) -> None:
         SamplingParams(logits_processors=[1])
 
 
-def test_logit_bias_forces_or_bars_a_token_on_its_row_only(tokenizer, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU"))]
+)
+def test_logit_bias_forces_or_bars_a_token_on_its_row_only(tokenizer, monkeypatch, device: str) -> None:
     """OpenAI's ``logit_bias``: +100 on a token makes greedy decoding choose it at every step, -100 on the token
     greedy decoding chose bars it; an unbiased greedy request beside them keeps its tokens. Alone, a biased
-    greedy request runs multi-step rounds, whose every step adds the bias too."""
+    greedy request runs multi-step rounds, whose every step adds the bias too (on a GPU: inside CUDA graphs)."""
     from paged_backend import LLM
     from tests.conftest import assert_idle, tiny_model
 
-    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, max_model_len=64)
+    llm = LLM(tiny_model("llama").to(device), tokenizer=tokenizer, max_model_len=64)
     prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     free = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]

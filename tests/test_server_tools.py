@@ -173,3 +173,31 @@ def test_bad_tool_requests_are_a_400_naming_the_field(client) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=NAME, messages=MESSAGES, tool_choice="required", max_tokens=5)
     assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_instructors_create_partial_sees_the_arguments_grow(client) -> None:
+    """instructor's partial streaming (its TOOLS mode: a named function forced) parses the streamed ``arguments``
+    as they arrive: several partial objects, each a prefix of the next, the last the whole validated answer."""
+    instructor = pytest.importorskip("instructor")
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        city: Literal["Paris", "Oslo"]
+        days: int = Field(ge=1, le=7)
+        unit: Literal["celsius", "fahrenheit"]
+
+    patched = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
+    partials = [
+        p.model_dump()
+        for p in patched.chat.completions.create_partial(
+            model=NAME, messages=MESSAGES, response_model=Forecast, max_tokens=60, temperature=0, max_retries=0
+        )
+    ]
+    distinct = [p for i, p in enumerate(partials) if i == 0 or p != partials[i - 1]]
+    assert len(distinct) >= 3, partials  # the fields fill in one by one, not all in one delta
+    final = Forecast.model_validate(distinct[-1])
+    assert final.city in ("Paris", "Oslo") and 1 <= final.days <= 7
+    for earlier, later in zip(distinct, distinct[1:]):
+        assert all(later[k] == v for k, v in earlier.items() if v is not None and not isinstance(v, str))

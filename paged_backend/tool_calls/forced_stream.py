@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from paged_backend.tool_calls.forced import CALL_HEAD, parse_forced_tool_calls
 from paged_backend.tool_calls.parsers import ToolCall, new_tool_call_id
@@ -60,6 +60,17 @@ class ForcedCallStreamer:
         return ("", parse_forced_tool_calls(self.mode, self.text)) if final else ("", [])
 
     def feed_deltas(self, piece: str, final: bool = False) -> list[ToolCallDelta]:
+        """The new pieces, one per call: clients read a chunk's ``delta.tool_calls`` one entry per index (a call's
+        head and its first arguments arrive together, as OpenAI sends them)."""
+        merged: list[ToolCallDelta] = []
+        for delta in self._deltas(piece, final):
+            if merged and merged[-1].index == delta.index:
+                last = merged.pop()
+                delta = replace(last, arguments=last.arguments + delta.arguments)
+            merged.append(delta)
+        return merged
+
+    def _deltas(self, piece: str, final: bool) -> list[ToolCallDelta]:
         self.text += piece
         if final and self.mode == "required" and not self.calls:  # the calls were not laid out as expected: whole
             calls = parse_forced_tool_calls(self.mode, self.text)
