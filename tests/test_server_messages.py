@@ -24,6 +24,14 @@ TOOL = {"name": "add", "description": "Add two integers", "input_schema": ADD}
 GREEDY = {"extra_body": {"temperature": 0}}  # Anthropic's newest SDK has no temperature argument
 
 
+def raw_events(client, **kwargs) -> list:
+    """The stream's raw events, each validated against its Anthropic type (the SDK builds them unvalidated)."""
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    return [adapter.validate_python(e.model_dump(mode="json")) for e in client.messages.create(stream=True, **kwargs)]
+
+
 @pytest.fixture(scope="module")
 def base(tokenizer):
     llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=1024, max_model_len=256)
@@ -55,6 +63,8 @@ def test_text_equals_chat_and_streams_the_same(base, client) -> None:
     assert kinds[1:-2] == ["content_block_start", *["content_block_delta"] * (len(kinds) - 5), "content_block_stop"]
     assert final.content[0].text == block.text and final.stop_reason == "max_tokens"
     assert final.usage.output_tokens == 8
+    anthropic.types.Message.model_validate(message.model_dump(mode="json"))
+    assert [e.type for e in raw_events(client, **kwargs, **GREEDY)] == kinds
 
 
 def test_a_tool_round_trip_whole_and_streamed(client) -> None:
@@ -71,6 +81,9 @@ def test_a_tool_round_trip_whole_and_streamed(client) -> None:
         final = stream.get_final_message()
     assert len(deltas) >= 2 and json.loads("".join(deltas)) == use.input  # greedy: the same call, in pieces
     assert final.content[0].input == use.input and final.stop_reason == "tool_use"
+    anthropic.types.Message.model_validate(message.model_dump(mode="json"))
+    raw = raw_events(client, messages=[ask], tool_choice=forced, **kwargs)
+    assert [e.delta.partial_json for e in raw if e.type == "content_block_delta"] == deltas
     answer = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}
     turn = {"role": "assistant", "content": [use.model_dump(include={"type", "id", "name", "input"})]}
     reply = client.messages.create(messages=[ask, turn, answer], tool_choice={"type": "none"}, **kwargs)

@@ -27,6 +27,14 @@ ADD = {
 TOOL = {"type": "function", "name": "add", "description": "Add two integers", "parameters": ADD}
 
 
+def validated(events: list) -> list:
+    """The SDK builds stream events without validating them: each is validated here against its OpenAI type."""
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    return [adapter.validate_python(e.model_dump(mode="json", by_alias=True)) for e in events]
+
+
 @pytest.fixture(scope="module")
 def client(tokenizer):
     llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=1024, max_model_len=256)
@@ -72,7 +80,10 @@ def test_a_forced_function_call_whole_and_streamed(client) -> None:
     (call,) = whole.output
     assert call.type == "function_call" and call.name == "add" and call.call_id.startswith("chatcmpl-tool-")
     assert set(json.loads(call.arguments)) == {"a", "b"} and whole.status == "completed"
-    events = list(client.responses.create(tool_choice={"type": "function", "name": "add"}, stream=True, **kwargs))
+    openai.types.responses.Response.model_validate(whole.model_dump(mode="json", by_alias=True))
+    events = validated(
+        list(client.responses.create(tool_choice={"type": "function", "name": "add"}, stream=True, **kwargs))
+    )
     kinds = [e.type for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
@@ -91,13 +102,11 @@ def test_a_json_schema_holds_the_text(client) -> None:
     )
     value = json.loads(response.output_text)
     assert set(value) == {"a", "b"} and all(isinstance(v, int) for v in value.values())
-    text = "".join(
-        e.delta
-        for e in client.responses.create(
-            model=NAME, input="two numbers", text={"format": fmt}, temperature=0, max_output_tokens=80, stream=True
-        )
-        if e.type == "response.output_text.delta"
+    openai.types.responses.Response.model_validate(response.model_dump(mode="json", by_alias=True))
+    stream = client.responses.create(
+        model=NAME, input="two numbers", text={"format": fmt}, temperature=0, max_output_tokens=80, stream=True
     )
+    text = "".join(e.delta for e in validated(list(stream)) if e.type == "response.output_text.delta")
     assert text == response.output_text
 
 
@@ -122,3 +131,35 @@ def test_bad_requests_are_400s_naming_the_field(client, extra: dict, param: str)
 def test_an_unknown_model_is_a_404(client) -> None:
     with pytest.raises(openai.NotFoundError, match=f"served: `{NAME}`"):
         client.responses.create(model="other", input="hi")
+
+
+def test_a_reasoning_parsers_thinking_streams_as_a_reasoning_item() -> None:
+    """The chat stream's ``reasoning_content`` deltas (``--reasoning-parser``) open a ``reasoning`` item before the
+    message: each event is one the openai SDK reads, the deltas add up to each item's text, and the items done
+    equal the ones a whole response builds from the same message."""
+    from pydantic import TypeAdapter
+
+    from paged_backend.entrypoints.openai.serving_responses import EventWriter, _items
+
+    events = EventWriter()
+    written = [
+        *events.piece("reasoning", "Two "),
+        *events.piece("reasoning", "plus three."),
+        *events.piece("message", "5"),
+    ]
+    written += events.close()
+    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    parsed = [adapter.validate_json(e.split("data: ", 1)[1]) for e in written]
+    assert [e.type for e in parsed] == [
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+    ]  # fmt: skip
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    reasoning, message = (e.item for e in parsed if e.type == "response.output_item.done")
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Two plus three."
+    assert message.type == "message" and message.content[0].text == "5"
+    whole = _items({"reasoning_content": "Two plus three.", "content": "5"})
+    strip = lambda items: [{k: v for k, v in item.items() if k != "id"} for item in items]  # noqa: E731
+    assert strip(whole) == strip(events.items)

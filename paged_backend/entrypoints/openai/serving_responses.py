@@ -111,7 +111,7 @@ class ResponseBuilder:
             "user": body.user,
             "usage": None if usage is None else {
                 "input_tokens": usage["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": usage["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage["total_tokens"],
@@ -183,8 +183,9 @@ class EventWriter:
                 part = {"type": "output_text", "text": "", "annotations": []}
                 events.append(self("response.content_part.added", **self._at(), part=part))
         self.open["text"] += text
-        delta = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        return [*events, self(delta, **self._at(), delta=text)]
+        if kind == "message":
+            return [*events, self("response.output_text.delta", **self._at(), delta=text, logprobs=[])]
+        return [*events, self("response.reasoning_text.delta", **self._at(), delta=text)]
 
     def call(self, call: dict[str, Any]) -> list[str]:
         """A piece of a tool call's delta: its first piece (with an id) opens a ``function_call`` item."""
@@ -218,7 +219,7 @@ class EventWriter:
         if item["kind"] == "message":
             done = _message_item(item["id"], text)
             at = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            events.append(self("response.output_text.done", **at, text=text))
+            events.append(self("response.output_text.done", **at, text=text, logprobs=[]))
             events.append(self("response.content_part.done", **at, part=done["content"][0]))
         elif item["kind"] == "reasoning":
             done = _reasoning_item(item["id"], text)
