@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from paged_backend import json_limits
 from paged_backend.config import FieldError, check_bool, check_float, check_int
+from paged_backend.json_limits import JSONTooDeep
 
 MAX_LOGPROBS = 20
 MAX_INT64 = 2**63 - 1
@@ -55,10 +56,17 @@ class StructuredOutputsParams:
             )
         if isinstance(self.json, str):
             try:
-                json.loads(self.json)
+                json_limits.loads(self.json)
+            except JSONTooDeep as exc:
+                raise _bad("json", str(exc)) from None
             except ValueError as exc:
                 raise _bad("json", f"is not valid JSON: {exc}") from None
-        elif self.json is not None and not isinstance(self.json, dict):
+        elif isinstance(self.json, dict):
+            try:
+                json_limits.check_depth(self.json)
+            except JSONTooDeep as exc:
+                raise _bad("json", str(exc)) from None
+        elif self.json is not None:
             raise _bad("json", f"must be a dict or JSON text, got {self.json!r}")
         for name in ("regex", "grammar"):
             if not isinstance(getattr(self, name), (str, type(None))):

@@ -233,3 +233,18 @@ def test_auto_needs_the_servers_parser() -> None:
         tool_reader(body, "hermes", False)
     assert tool_reader(body, "hermes", True) == ToolCallReader("auto", "hermes")
     assert tool_reader(ToolFields.model_validate({}), None, False).streamer() is None
+
+
+@pytest.mark.parametrize("levels", [65, 5000])
+def test_model_output_nested_too_deep_is_no_call_and_no_crash(levels: int) -> None:
+    """The model's own output can nest past the parser's recursion (a recursive schema, a regex): each parser
+    reads it as no call, whole or streamed, instead of raising RecursionError."""
+    deep = "[" * levels + "]" * levels
+    hermes = '<tool_call>{"name": "f", "arguments": {"a": ' + deep + "}}</tool_call>"
+    assert parse_tool_calls("hermes", hermes) == (hermes, [])
+    assert parse_tool_calls("mistral", "[TOOL_CALLS]" + deep)[1] == []
+    assert parse_tool_calls("llama3_json", '{"name": "f", "parameters": {"a": ' + deep + "}}")[1] == []
+    assert parse_forced_tool_calls("f", '{"a": ' + deep + "}") == []
+    assert parse_forced_tool_calls("required", '[{"name": "f", "parameters": {"a": ' + deep + "}}]") == []
+    streamer = ToolCallStreamer("hermes")
+    assert streamer.feed(hermes[:40]) == ("", []) and streamer.feed(hermes[40:], final=True) == (hermes, [])

@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from paged_backend import json_limits
 from paged_backend.sampling_params import StructuredOutputsParams
 from paged_backend.tool_calls.parsers import ToolCall, whole_list_items
 
@@ -49,7 +50,7 @@ def parse_forced_tool_calls(choice: str, text: str) -> list[ToolCall]:
     function's arguments only when whole, ``"required"``'s list up to its last whole call."""
     if choice != "required":
         try:
-            value = json.loads(text)
+            value = json_limits.loads(text)
         except ValueError:
             return []
         return [ToolCall(choice, text.strip())] if isinstance(value, dict) else []

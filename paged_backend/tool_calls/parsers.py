@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_backend import json_limits
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _START = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "<|python_tag|>"}
@@ -83,7 +85,6 @@ def parse_tool_calls(parser: str, text: str, cut: bool = False) -> tuple[str | N
 def whole_list_items(text: str) -> list[tuple[Any, tuple[int, int]]]:
     """The items of a JSON list that are whole, from the start of ``text`` (which may end anywhere), each with
     its span in ``text``."""
-    decoder = json.JSONDecoder()
     i = len(text) - len(text.lstrip())
     if not text.startswith("[", i):
         return []
@@ -95,7 +96,7 @@ def whole_list_items(text: str) -> list[tuple[Any, tuple[int, int]]]:
         if i >= len(text) or text[i] == "]":
             return items
         try:
-            value, end = decoder.raw_decode(text, i)
+            value, end = json_limits.raw_decode(text, i)
         except ValueError:
             return items
         items.append((value, (i, end)))
@@ -104,7 +105,7 @@ def whole_list_items(text: str) -> list[tuple[Any, tuple[int, int]]]:
 
 def _loads(text: str) -> Any:
     try:
-        return json.loads(text)
+        return json_limits.loads(text)
     except ValueError:
         return None
 
@@ -112,11 +113,11 @@ def _loads(text: str) -> Any:
 def _json_objects(text: str, cut: bool = False) -> list[Any] | None:
     """JSON values joined by ``;`` (Llama 3's parallel calls), or None if the text is not that (``cut``: the
     values before one the output stopped in)."""
-    decoder, at = json.JSONDecoder(), 0
+    at = 0
     values: list[Any] = []
     while True:
         try:
-            value, at = decoder.raw_decode(text, at)
+            value, at = json_limits.raw_decode(text, at)
         except ValueError:
             return (values or None) if cut else None
         values.append(value)

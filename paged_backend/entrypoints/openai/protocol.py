@@ -238,6 +238,12 @@ class CalledFunction(BaseModel):
     name: Text = Field(pattern=NAME_PATTERN)
     arguments: Text
 
+    @field_validator("arguments")
+    @classmethod
+    def _not_too_deep(cls, value: str) -> str:
+        template_arguments(value)  # JSONTooDeep, a ValueError: a 400 naming this field
+        return value
+
 
 class MessageToolCall(BaseModel):
     """A tool call of an earlier assistant message."""

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from paged_backend import json_limits
 from paged_backend.engine.engine_loop import EngineDeadError, RequestFailedError
 from paged_backend.entrypoints.openai.anthropic_api import MessagesRequest
 from paged_backend.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
@@ -53,7 +54,7 @@ def _stop(called: bool, finish: str | None, stop_reason: object) -> dict[str, An
 def _input(arguments: str) -> dict[str, Any]:
     """A call's arguments as a tool_use block's ``input`` (a call cut short has none whole: ``{}``)."""
     try:
-        value = json.loads(arguments)
+        value = json_limits.loads(arguments)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -72,8 +72,8 @@ class StructuredOutputRequest(BaseModel):
         ((field, values),) = asked.items()
         try:
             return StructuredOutputsParams(**values)
-        except FieldError as exc:  # named by the request's own field
-            raise FieldError(field, f"{field}: {exc}") from None
+        except FieldError as exc:  # named by the request's own field (``structured_outputs``' own: its sub-field)
+            raise FieldError(exc.field if field == "structured_outputs" else field, f"{field}: {exc}") from None
 
     def output_format_field(self) -> str | None:
         """The request field the output format came from (what a grammar that does not compile is named by)."""

@@ -9,12 +9,13 @@ so it needs ``--enable-auto-tool-choice``, as vLLM does), ``"required"`` or a na
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from paged_backend import json_limits
 from paged_backend.config import FieldError
+from paged_backend.json_limits import JSONTooDeep
 from paged_backend.sampling_params import StructuredOutputsParams
 from paged_backend.tool_calls import ToolCall, ToolCallReader, forced_tool_format
 
@@ -103,9 +104,12 @@ def tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[dict[str, 
 
 def template_arguments(arguments: str) -> Any:
     """An assistant message's call arguments as chat templates iterate them: the JSON object, where it is one
-    (as vLLM hands them over), else the text."""
+    (as vLLM hands them over), else the text. JSON nested too deep is a ``JSONTooDeep``: the template would
+    recurse as deep."""
     try:
-        value = json.loads(arguments)
+        value = json_limits.loads(arguments)
+    except JSONTooDeep:
+        raise
     except ValueError:
         return arguments
     return value if isinstance(value, dict) else arguments
