@@ -14,6 +14,7 @@ from paged_backend.json_limits import MAX_JSON_DEPTH  # noqa: E402
 from tests.test_server import KEY, NAME, serving, tiny_llm  # noqa: E402
 
 HEADERS = {"Authorization": f"Bearer {KEY}"}
+ARGUMENTS = "messages.1.tool_calls.0.function.arguments"
 ABYSS = "[" * 100_000 + "]" * 100_000  # past Python's recursion limit
 JUST_TOO_DEEP = "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)
 
@@ -38,8 +39,8 @@ def answer(base: str, path: str, body: dict) -> tuple[int, str | None]:
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions", lambda t: {"messages": called(t), "max_tokens": 1}, "messages.1.tool_calls.0.function.arguments"),
-        ("/tokenize", lambda t: {"messages": called(t)}, "messages.1.tool_calls.0.function.arguments"),
+        ("/v1/chat/completions", lambda t: {"messages": called(t), "max_tokens": 1}, ARGUMENTS),
+        ("/tokenize", lambda t: {"messages": called(t)}, ARGUMENTS),
         ("/v1/chat/completions", lambda t: {"messages": called("{}")[:1], "guided_json": t}, "guided_json"),
         ("/v1/completions", lambda t: {"prompt": "x", "structured_outputs": {"json": t}}, "structured_outputs.json"),
     ],
@@ -67,7 +68,7 @@ def test_a_schema_object_too_deep_is_a_400_and_the_deepest_allowed_runs(base) ->
 
 
 def test_a_body_nested_past_the_parsers_recursion_is_a_400(base) -> None:
-    body = '{"model": "%s", "prompt": %s}' % (NAME, ABYSS)
+    body = f'{{"model": "{NAME}", "prompt": {ABYSS}}}'
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize"):
         reply = httpx.post(base + path, content=body, headers={**HEADERS, "content-type": "application/json"})
         assert reply.status_code == 400, (path, reply.text)
