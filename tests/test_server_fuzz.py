@@ -157,6 +157,8 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
             asked.add("tool_choice")  # a grammar too: its parameters' schema may not compile
     if asked:
         broken.update(asked if len(asked) == 1 else {*formats, "tool_choice"})
+        if "structured_outputs" in broken:  # its own fields' errors name the field within it
+            broken.update(f"structured_outputs.{k}" for k in ("json", "regex", "choice", "grammar", "json_object"))
     if longest > MAX_MODEL_LEN:
         # the engine's own length check names no field (see the report: input_processor's FieldError)
         broken.update({"messages", "prompt", None} if chat else {"prompt", None})

@@ -34,6 +34,7 @@ from paged_backend.sampling_params import SamplingParams, StructuredOutputsParam
 
 if TYPE_CHECKING:
     from paged_backend.engine.llm_engine import LLMEngine
+    from paged_backend.structured_output.grammar_budget import GrammarService
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class EngineLoop:
         self.sinks: dict[str, Sink] = {}  # loop thread only
         self.error: BaseException | None = None
         self.stopped = False
+        self.grammars: GrammarService | None = None  # a server's: see ``structured_output/grammar_budget.py``
         self.thread = threading.Thread(target=self._run, name="paged-backend-engine", daemon=True)
         self.thread.start()
 
@@ -151,7 +153,10 @@ class EngineLoop:
         """Queue requests in one go, all or none: raises the engine's ValueError for a bad one, QueueFullError,
         EngineDeadError. A caller cancelled meanwhile (its client left) leaves nothing behind."""
         self._check_room(self.num_waiting, len(requests))  # answers at once, even while a long step runs
-        if _structured(params):
+        grammars = _structured(params)
+        if grammars and self.grammars is not None:
+            await self.grammars.prepare(grammars)  # caps, then a compile process under a time budget
+        elif grammars:
             await asyncio.to_thread(self.compile_grammars, params)
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue[Delivery]] = [asyncio.Queue() for _ in requests]
@@ -245,8 +250,11 @@ class EngineLoop:
         return await self.call(lambda engine: engine.stats())
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop after the current step: waiting requests and calls get EngineDeadError, requests are aborted.
-        ``wait``: until the loop thread has ended (a step is short; ten seconds at most)."""
+        """Stop after the current step: waiting requests and calls get EngineDeadError, requests are aborted, and
+        grammar compiles in progress are killed. ``wait``: until the loop thread has ended (a step is short; ten
+        seconds at most)."""
+        if self.grammars is not None:
+            self.grammars.close()
         self.stopped = True
         self.wake.set()
         if wait and threading.current_thread() is not self.thread:

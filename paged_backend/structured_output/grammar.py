@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from paged_backend.config import FieldError
@@ -25,8 +26,42 @@ if TYPE_CHECKING:
 # rewritten with JSON's class before it is compiled.
 _BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
-_MAX_CACHED_SCHEMAS = 512
-_CACHE_LIMIT_BYTES = 512 * 2**20  # xgrammar's own cache of compiled grammars (vLLM's bound)
+_CACHE_LIMIT_BYTES = 512 * 2**20  # the compiled grammars kept, by their size (vLLM's bound for xgrammar's cache)
+
+# What a compile depends on: the params' kind, its text (a schema as JSON text, a regex, the choices as a JSON list,
+# a grammar) and, for a schema, whether any whitespace is allowed. Plain strings, so a worker process can take it.
+GrammarKey = tuple[str, str, bool]
+
+
+def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
+    kind = params.kind
+    if kind in ("json", "json_object"):  # json_object: any object (xgrammar's built-in JSON takes arrays)
+        schema = params.json if kind == "json" else {"type": "object"}
+        text = schema if isinstance(schema, str) else json.dumps(schema)  # its property order kept
+        return kind, text, not params.disable_any_whitespace
+    if kind == "choice":
+        return kind, json.dumps(params.choice), False
+    return kind, str(params.regex if kind == "regex" else params.grammar), False
+
+
+def build(compiler: xgrammar.GrammarCompiler, key: GrammarKey) -> xgrammar.CompiledGrammar:
+    """Compile ``key`` with ``compiler`` (this process's or a compile worker's); a grammar xgrammar refuses raises
+    its own RuntimeError or ValueError (see ``refusal``)."""
+    kind, text, any_whitespace = key
+    if kind in ("json", "json_object"):
+        ebnf = str(_xgrammar().Grammar.from_json_schema(text, any_whitespace=any_whitespace))
+        return compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind == "choice":
+        return compiler.compile_grammar("root ::= " + " | ".join(map(ebnf_literal, json.loads(text))))
+    return compiler.compile_grammar(text)
+
+
+def refusal(kind: str, reason: str) -> FieldError:
+    """xgrammar's error for a grammar it cannot compile, as a ``FieldError`` naming the params' field."""
+    reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason).strip()  # less xgrammar's time and source line
+    return FieldError(f"structured_outputs.{kind}", f"structured_outputs.{kind} is not usable: {reason}")
 
 
 def _xgrammar() -> Any:
@@ -38,8 +73,9 @@ def _xgrammar() -> Any:
 
 
 class GrammarCompiler:
-    """One engine's compiler: the tokenizer's vocabulary read once; each grammar compiled once (xgrammar's
-    cache, keyed by the grammar's text and options)."""
+    """One engine's compiler: the tokenizer's vocabulary read once; each grammar compiled once and kept, the
+    least recently used dropped once the kept ones pass ``_CACHE_LIMIT_BYTES`` (a grammar compiled elsewhere, by
+    a compile worker, joins through ``store``)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         xgr = _xgrammar()
@@ -61,43 +97,40 @@ class GrammarCompiler:
                 stop_token_ids=stop_token_ids,
                 add_prefix_space=self.info.add_prefix_space,
             )
-        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=True, cache_limit_bytes=_CACHE_LIMIT_BYTES)
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
         self.vocab_size = vocab_size
-        self._schemas: dict[tuple[str, bool], xgrammar.CompiledGrammar] = {}
+        self._kept: OrderedDict[GrammarKey, xgrammar.CompiledGrammar] = OrderedDict()
+        self._kept_bytes = 0
         self._lock = threading.Lock()  # requests compile on callers' threads and on the engine's
 
     def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
         """The grammar of ``params``; a grammar xgrammar refuses is a ValueError naming the field."""
-        kind = params.kind
-        try:
-            if kind in ("json", "json_object"):  # json_object: any object (xgrammar's built-in JSON takes arrays)
-                schema = params.json if kind == "json" else {"type": "object"}
-                text = schema if isinstance(schema, str) else json.dumps(schema)  # its property order kept
-                return self._json_schema(text, not params.disable_any_whitespace)
-            if kind == "regex":
-                return self.compiler.compile_regex(params.regex)
-            if kind == "choice":
-                assert params.choice is not None
-                return self.compiler.compile_grammar("root ::= " + " | ".join(map(ebnf_literal, params.choice)))
-            return self.compiler.compile_grammar(params.grammar)
-        except (RuntimeError, ValueError) as exc:
-            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc)).strip()  # less xgrammar's time and source line
-            raise FieldError(
-                f"structured_outputs.{kind}", f"structured_outputs.{kind} is not usable: {reason}"
-            ) from None
-
-    def _json_schema(self, schema: str, any_whitespace: bool) -> xgrammar.CompiledGrammar:
-        key = (schema, any_whitespace)
-        with self._lock:
-            compiled = self._schemas.get(key)
+        key = grammar_key(params)
+        compiled = self.kept(key)
         if compiled is None:
-            ebnf = str(_xgrammar().Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
-            compiled = self.compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
-            with self._lock:
-                if len(self._schemas) >= _MAX_CACHED_SCHEMAS:
-                    self._schemas.pop(next(iter(self._schemas)))  # the oldest
-                self._schemas[key] = compiled
+            try:
+                compiled = build(self.compiler, key)
+            except (RuntimeError, ValueError) as exc:
+                raise refusal(params.kind, str(exc)) from None
+            self.store(key, compiled)
         return compiled
+
+    def kept(self, key: GrammarKey) -> xgrammar.CompiledGrammar | None:
+        with self._lock:
+            compiled = self._kept.get(key)
+            if compiled is not None:
+                self._kept.move_to_end(key)
+            return compiled
+
+    def store(self, key: GrammarKey, compiled: xgrammar.CompiledGrammar) -> None:
+        with self._lock:
+            if key in self._kept:
+                return
+            self._kept[key] = compiled
+            self._kept_bytes += compiled.memory_size_bytes
+            while self._kept_bytes > _CACHE_LIMIT_BYTES and len(self._kept) > 1:
+                _, dropped = self._kept.popitem(last=False)
+                self._kept_bytes -= dropped.memory_size_bytes
 
     def matcher(self, grammar: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
         """A fresh matcher: one per sample, as each sample's tokens differ."""

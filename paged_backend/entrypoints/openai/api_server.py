@@ -18,6 +18,7 @@ whole response) aborts its request, which frees its blocks at once. SIGTERM and 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import time
@@ -81,6 +82,8 @@ try:
     from paged_backend.entrypoints.openai.tokenization import ServerTokenizer
     from paged_backend.lora.request import LoRARequest
     from paged_backend.outputs import RequestOutput
+    from paged_backend.structured_output.compile_pool import CompileQueueFull
+    from paged_backend.structured_output.grammar_budget import GrammarService
 except ModuleNotFoundError as exc:  # ``python -m`` without the [server] extra: one line, as ``serve`` gives
     if __name__ != "__main__":
         raise
@@ -109,6 +112,8 @@ class OpenAIServer:
         self.loop = llm.start_engine_loop(
             max_waiting_requests=args.max_waiting_requests, on_output=self.metrics.observe, on_abort=self.metrics.forget
         )
+        # output grammars: capped, then compiled in worker processes under a time budget (killed when abandoned)
+        self.loop.grammars = GrammarService(args.grammar_budget, llm.llm_engine.input_processor.grammar_compiler)
         template = args.chat_template
         if template is not None and os.path.isfile(template):
             with open(template, encoding="utf-8") as f:
@@ -170,8 +175,8 @@ class OpenAIServer:
         requests = [(f"{prefix}-{i}", prompt) for i, prompt in enumerate(prompts)]
         try:
             queues = await self.loop.add(requests, params, lora_request=self.loras.get(model))
-        except (ValueError, QueueFullError, EngineDeadError) as exc:
-            if isinstance(exc, QueueFullError):
+        except (ValueError, QueueFullError, CompileQueueFull, EngineDeadError) as exc:
+            if isinstance(exc, QueueFullError | CompileQueueFull):
                 raise APIError(429, str(exc), "rate_limit_error") from exc
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, str(exc), "service_unavailable") from exc
@@ -258,6 +263,8 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if server.loop.grammars is not None and importlib.util.find_spec("xgrammar") is not None:
+            server.loop.grammars.start()  # the compile workers start now, not at the first structured request
         yield
         server.close()
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged_backend.paths import missing_local_model
+from paged_backend.structured_output.grammar_budget import GrammarBudget
 from paged_backend.tool_calls.parsers import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "PAGED_BACKEND_API_KEY"
@@ -52,6 +53,19 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
 ]
 
 
+# Output grammars (structured outputs, forced tool calls): caps checked before a compile, and the compile workers
+_GRAMMAR_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--max-grammar-bytes", "max_bytes", int, "a larger schema, pattern or grammar gets a 400 before it compiles"),
+    ("--max-grammar-choices", "max_choices", int, "more enum or choice values get a 400 before they compile"),
+    ("--max-grammar-regex-length", "max_regex_length", int, "a longer regex gets a 400 before it compiles"),
+    ("--grammar-compile-timeout", "compile_timeout_s", float, "seconds a compile may take; then it is killed and "
+     "its request gets a 400"),
+    ("--grammar-compile-workers", "compile_workers", int, "compile processes, each on one core at low priority"),
+    ("--max-queued-grammar-compiles", "max_queued_compiles", int, "compiles that may wait for a worker; more get "
+     "429"),
+]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """What the server needs besides the engine's arguments."""
@@ -69,6 +83,7 @@ class ServerArgs:
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter path
     max_request_body_mb: float = DEFAULT_MAX_REQUEST_BODY_MB
     shutdown_timeout: float = 0.0  # seconds in-flight requests get after SIGTERM / SIGINT (vLLM's default: none)
+    grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)  # caps and compile budget of grammars
 
     @property
     def model_name(self) -> str:
@@ -187,6 +202,10 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
         help="on SIGTERM or Ctrl-C, stop accepting requests and give those in flight this long to finish, then abort "
         "the rest (default 0: abort at once); a second signal stops at once",
     )
+    budget = GrammarBudget()
+    for flag, name, kind, text in _GRAMMAR_FLAGS:
+        parser.add_argument(flag, type=kind, default=getattr(budget, name), dest=f"grammar_{name}",
+                            help=f"{text} (default {getattr(budget, name):g})")  # fmt: skip
     parser.add_argument(
         "--worker-use-ray",
         action="store_true",
@@ -236,6 +255,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         )
     if not 0 <= args.shutdown_timeout < float("inf"):
         parser.error(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
+    try:
+        budget = GrammarBudget(**{name: getattr(args, f"grammar_{name}") for _, name, *_ in _GRAMMAR_FLAGS})
+    except ValueError as exc:
+        flag = next(flag for flag, name, *_ in _GRAMMAR_FLAGS if name == getattr(exc, "field", None))
+        parser.error(f"{flag}: {exc}")
     server = ServerArgs(
         model=model,
         host=args.host,
@@ -250,6 +274,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         lora_modules=dict(args.lora_modules),
         max_request_body_mb=args.max_request_body_mb,
         shutdown_timeout=args.shutdown_timeout,
+        grammar_budget=budget,
     )
     return server, engine
 

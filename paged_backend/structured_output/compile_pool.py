@@ -1,0 +1,172 @@
+"""Grammar compiles in worker processes, each of which can be abandoned.
+
+A compile inside xgrammar cannot be interrupted, so the only way to give one up (its time budget spent, its
+requester gone) is to end the process running it: each worker is a process of its own, killed and replaced when
+its compile is abandoned. Workers run at a lower CPU priority (``nice``) and compile on one thread each, so
+compiles take the cores the engine and the event loop leave; the event loop itself only waits on a pipe (on a
+thread) and turns the answer back into a grammar. At most ``workers`` compiles run and ``max_queued`` more wait;
+past that ``CompileQueueFull``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
+
+from paged_backend.config import FieldError
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from paged_backend.structured_output.grammar import GrammarKey
+
+logger = logging.getLogger(__name__)
+
+WORKER_NICENESS = 10
+_READY_TIMEOUT_S = 120.0  # a worker's start, the fork server's own included (it imports xgrammar and torch)
+
+
+class CompileQueueFull(RuntimeError):
+    """More grammar compiles wait than the pool's queue holds (the server answers 429)."""
+
+
+class CompileTimeout(FieldError):
+    """A compile ran past the pool's time budget and was abandoned."""
+
+
+def _serve(conn: Connection, tokenizer_info: str) -> None:
+    """A worker's loop: compile each key sent, answer with the grammar serialized or xgrammar's refusal."""
+    os.nice(WORKER_NICENESS)
+    import xgrammar as xgr
+
+    from paged_backend.structured_output.grammar import build
+
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.deserialize_json(tokenizer_info), max_threads=1, cache_enabled=False
+    )
+    conn.send(("ready", ""))
+    while True:
+        try:
+            key = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send(("ok", build(compiler, key).serialize_json()))
+        except (RuntimeError, ValueError) as exc:
+            conn.send(("error", str(exc)))
+
+
+def _context() -> Any:
+    """Workers fork from a server process of their own (``forkserver``), started once, that has imported xgrammar
+    (and the torch it imports): a new worker is then a fork, not a fresh interpreter's seconds of imports, and
+    never a fork of this process, which holds CUDA and threads."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["xgrammar", __name__])
+    return context
+
+
+class _Worker:
+    def __init__(self, tokenizer_info: str) -> None:
+        context = _context()
+        self.conn, child = context.Pipe()
+        self.process: BaseProcess = context.Process(
+            target=_serve, args=(child, tokenizer_info), name="paged-backend-grammar", daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.ready = False
+
+    def run(self, key: GrammarKey) -> tuple[str, str]:
+        """Send ``key`` and wait for the answer (on a thread: blocks until it comes or the worker is killed)."""
+        self.conn.send(key)
+        status, payload = self.conn.recv()
+        return str(status), str(payload)
+
+    def wait_ready(self) -> None:
+        if not self.ready:
+            if not self.conn.poll(_READY_TIMEOUT_S):
+                raise RuntimeError(f"a grammar compile worker did not start within {_READY_TIMEOUT_S:g} s")
+            self.conn.recv()
+            self.ready = True
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(5)
+        self.conn.close()
+
+
+class CompilePool:
+    """``workers`` compile processes, started at once and replaced when one is killed."""
+
+    def __init__(self, tokenizer_info: Any, workers: int, timeout_s: float, max_queued: int) -> None:
+        self.tokenizer_info: str = tokenizer_info.serialize_json()
+        self.workers, self.timeout_s, self.max_queued = workers, timeout_s, max_queued
+        self.idle = [_Worker(self.tokenizer_info) for _ in range(workers)]
+        self.started = set(self.idle)  # idle or busy: what ``close`` kills
+        self.pending = 0  # compiles running or waiting for a worker
+        self.slots: asyncio.Semaphore | None = None  # made on the event loop that first compiles
+        self.closed = False
+
+    @property
+    def busy(self) -> int:
+        """Compiles running now."""
+        return self.workers - len(self.idle)
+
+    async def compile(self, key: GrammarKey, tokenizer_info: Any) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of ``key`` (``tokenizer_info``: the engine's, which the grammar is read back
+        with); xgrammar's refusal as ``refusal``'s FieldError, ``CompileTimeout`` past the budget, and a
+        cancelled caller kills the worker that ran its compile."""
+        from paged_backend.structured_output.grammar import _xgrammar, refusal
+
+        if self.pending >= self.workers + self.max_queued:
+            raise CompileQueueFull(f"{self.pending} grammar compiles are running or waiting; try again later")
+        self.slots = self.slots or asyncio.Semaphore(self.workers)
+        self.pending += 1
+        try:
+            async with self.slots:
+                status, payload = await self._run(key)
+        finally:
+            self.pending -= 1
+        if status == "error":
+            raise refusal(key[0], payload)
+        return await asyncio.to_thread(_xgrammar().CompiledGrammar.deserialize_json, payload, tokenizer_info)
+
+    async def _run(self, key: GrammarKey) -> tuple[str, str]:
+        worker = self.idle.pop()
+        done = False
+        try:
+            await asyncio.to_thread(worker.wait_ready)
+            answer = await asyncio.wait_for(asyncio.to_thread(worker.run, key), self.timeout_s)
+            done = True
+            return answer
+        except asyncio.TimeoutError:
+            kind = key[0]
+            raise CompileTimeout(
+                f"structured_outputs.{kind}",
+                f"structured_outputs.{kind} took longer than {self.timeout_s:g} s to compile (the server's "
+                "--grammar-compile-timeout); a smaller schema, fewer choices or a simpler pattern compiles faster",
+            ) from None
+        except (EOFError, OSError):  # after TimeoutError, an OSError too
+            raise RuntimeError("a grammar compile worker ended before it answered") from None
+        finally:
+            if done:
+                self.idle.append(worker)
+            else:  # abandoned (timed out, cancelled, or the worker died): its process goes, a fresh one comes
+                worker.kill()
+                self.started.discard(worker)
+                if not self.closed:
+                    fresh = _Worker(self.tokenizer_info)
+                    self.started.add(fresh)
+                    self.idle.append(fresh)
+
+    def close(self) -> None:
+        """Kill every worker, busy or not: nothing waits on a compile to stop."""
+        self.closed = True
+        for worker in self.started:
+            worker.kill()
+        self.idle, self.started = [], set()

@@ -1,0 +1,142 @@
+"""What one request's output grammar may cost a server: caps checked before anything compiles, then a compile in
+a worker process under a time budget (``compile_pool.py``), whose result joins the engine's compiled grammars.
+
+The caps bound what makes compiles slow or large: the text of a schema, pattern or grammar (``max_bytes``), the
+values its enums and choices list (``max_choices``: an enum of thousands of strings compiles for seconds), and
+a regex's length (``max_regex_length``: repetition counts and alternations multiply its automaton). A request
+over one is refused with a 400 naming the field, the cap and the server flag that sets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from paged_backend.config import FieldError, check_float, check_int
+from paged_backend.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from paged_backend.structured_output.compile_pool import CompilePool
+    from paged_backend.structured_output.grammar import GrammarCompiler
+
+
+SMALL_BYTES = 16 * 1024  # a grammar this small, with few enum or choice values, compiles in milliseconds
+SMALL_CHOICES = 256
+
+
+def default_compile_workers() -> int:
+    """A quarter of the cores this process may use, 1 to 4: compiles never take most of the machine."""
+    return min(4, max(1, len(os.sched_getaffinity(0)) // 4))
+
+
+@dataclass(frozen=True)
+class GrammarBudget:
+    max_bytes: int = 256 * 1024
+    max_choices: int = 8192
+    max_regex_length: int = 4096
+    compile_timeout_s: float = 20.0
+    compile_workers: int = field(default_factory=default_compile_workers)
+    max_queued_compiles: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_choices", "max_regex_length", "compile_workers"):
+            check_int(name, getattr(self, name), 1)
+        check_int("max_queued_compiles", self.max_queued_compiles, 0)
+        check_float("compile_timeout_s", self.compile_timeout_s, 0.0, 86400.0, low_open=True)
+
+    def check(self, params: StructuredOutputsParams) -> tuple[int, int]:
+        """``params``' size in bytes and its enum or choice values, or a FieldError naming
+        ``structured_outputs.<kind>`` if they pass a cap."""
+        kind = params.kind
+        if kind == "json_object":
+            return 0, 0
+        name = f"structured_outputs.{kind}"
+        value: Any = getattr(params, kind)
+        text = value if isinstance(value, str) else json.dumps(value)
+        size = len(text.encode())
+        if size > self.max_bytes:
+            raise FieldError(name, f"{name} is {size} bytes; this server compiles at most {self.max_bytes} "
+                                   "(--max-grammar-bytes)")  # fmt: skip
+        choices = len(value) if kind == "choice" else enum_values(value) if kind == "json" else 0
+        if choices > self.max_choices:
+            raise FieldError(name, f"{name} lists {choices} enum or choice values; this server compiles at most "
+                                   f"{self.max_choices} (--max-grammar-choices)")  # fmt: skip
+        if kind == "regex" and len(text) > self.max_regex_length:
+            raise FieldError(name, f"{name} is {len(text)} characters long; this server compiles at most "
+                                   f"{self.max_regex_length} (--max-grammar-regex-length)")  # fmt: skip
+        return size, choices
+
+
+def enum_values(schema: Any) -> int:
+    """How many values the ``enum`` lists of a JSON schema (text or object) hold together, walked iteratively."""
+    if isinstance(schema, str):
+        schema = json.loads(schema)  # already checked to parse, and to nest no deeper than json_limits allows
+    count, stack = 0, [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            enum = item.get("enum")
+            count += len(enum) if isinstance(enum, list) else 0
+            stack.extend(v for k, v in item.items() if k != "enum")
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
+
+
+class GrammarService:
+    """The server's way to a request's grammars: caps, then the engine's compiled grammar or a compile in a worker
+    process. Two lanes of workers: one for small grammars (``SMALL_BYTES``, ``SMALL_CHOICES``), which compile in
+    milliseconds, and ``compile_workers`` for the rest, so a small schema never waits behind a large one.
+    ``compiler`` builds the engine's ``GrammarCompiler``; ``start`` makes it and the workers on a thread, so
+    that the first structured request does not wait for processes to start."""
+
+    def __init__(self, budget: GrammarBudget, compiler: Callable[[], GrammarCompiler]) -> None:
+        self.budget = budget
+        self._compiler_factory = compiler
+        self._made: asyncio.Future[tuple[GrammarCompiler, CompilePool, CompilePool]] | None = None
+        self.lanes: tuple[CompilePool, CompilePool] | None = None  # small, large
+        self.closed = False
+
+    def start(self) -> None:
+        """Begin making the compiler and the workers (on the running event loop's executor)."""
+        if self._made is None:
+            self._made = asyncio.ensure_future(asyncio.to_thread(self._make))
+
+    def _make(self) -> tuple[GrammarCompiler, CompilePool, CompilePool]:
+        from paged_backend.structured_output.compile_pool import CompilePool
+
+        compiler, budget = self._compiler_factory(), self.budget
+        timeout, queued = budget.compile_timeout_s, budget.max_queued_compiles
+        small = CompilePool(compiler.info, 1, timeout, queued)
+        large = CompilePool(compiler.info, budget.compile_workers, timeout, queued)
+        self.lanes = (small, large)
+        if self.closed:  # closed while they started
+            self.close()
+        return compiler, small, large
+
+    async def prepare(self, grammars: list[StructuredOutputsParams]) -> None:
+        """Check and compile each grammar (in a worker process) unless the engine has it: the engine's own
+        compile, when it adds the request, then finds it."""
+        from paged_backend.structured_output.grammar import grammar_key
+
+        sizes = [self.budget.check(params) for params in grammars]
+        if self.closed:
+            raise RuntimeError("the server is shutting down")
+        self.start()
+        assert self._made is not None
+        compiler, small, large = await asyncio.shield(self._made)
+        for params, (size, choices) in zip(grammars, sizes):
+            key = grammar_key(params)
+            if compiler.kept(key) is None:
+                lane = small if size <= SMALL_BYTES and choices <= SMALL_CHOICES else large
+                compiler.store(key, await lane.compile(key, compiler.info))
+
+    def close(self) -> None:
+        """Kill every compile worker (a shutdown never waits on a compile)."""
+        self.closed = True
+        for pool in self.lanes or ():
+            pool.close()
