@@ -1,13 +1,18 @@
-"""Two behaviours of ``paged-backend serve`` under a hostile or departing client, measured on a real server
-process over the demo checkpoint (CPU is enough):
+"""Behaviours of ``paged-backend serve`` under a hostile or departing client, measured on a real server process
+over the demo checkpoint (CPU is enough):
 
 - a 10 MB prompt posted while another client streams: how long the big request takes to be refused, and the
-  largest gap between the stream's events while it is handled, against the same stream's largest gap alone;
+  largest gap between the stream's events while it is handled, against the same stream's largest gap alone
+  (``--busy N``: with N CPU-bound processes beside the server);
+- adversarial grammar compiles (with caps raised so that they compile): a 20,000-value enum schema and six
+  15,000-value ones whose clients leave after half a second, sent while four clients stream: each stream's
+  largest gap against its gap alone, and a fresh small schema's answer time against its time alone; and the
+  same 20,000-value schema against a server with the default caps (refused before any compile);
 - SIGTERM under 32 long streams with ``--shutdown-timeout``: when the streams end, when the server has finished
   (its "Finished server process" line, after the engine thread is joined), when the process exits, its status,
   and whether anything printed a traceback.
 
-    python benchmarks/server_robustness.py --repeats 3 --json benchmarks/results/server_robustness.json
+    python benchmarks/server_robustness.py --repeats 3 --busy 2 --json benchmarks/results/server_robustness.json
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +86,14 @@ def largest_gap(times: list[float], start: float = float("-inf"), end: float = f
     return max((b - a for a, b in zip(times, times[1:]) if b >= start and a <= end), default=0.0)
 
 
-def big_prompt(model: str, repeats: int) -> list[dict[str, Any]]:
+def burners(count: int) -> list[subprocess.Popen[bytes]]:
+    """``count`` CPU-bound processes (the machine otherwise busy)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def big_prompt(model: str, repeats: int, busy: int) -> list[dict[str, Any]]:
     server = Server(model)
+    burning = burners(busy)
     big = json.dumps({"model": "m", "prompt": "x" * 10_000_000, "max_tokens": 5}).encode()
     runs = []
     try:
@@ -111,9 +123,97 @@ def big_prompt(model: str, repeats: int) -> list[dict[str, Any]]:
             )
             logger.info("10 MB prompt: %s", runs[-1])
     finally:
+        for proc in burning:
+            proc.kill()
         server.proc.terminate()
         server.proc.wait(60)
     return runs
+
+
+def enum_schema(values: int, tag: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"x": {"enum": [f"{tag} value {i}" for i in range(values)]}}}
+
+
+def structured(base: str, schema: dict[str, Any], timeout: float = 120) -> tuple[int, float]:
+    """(status, seconds) of a short completion held to ``schema``; status 0 when the client gave up first."""
+    start = time.monotonic()
+    body = {"model": "m", "prompt": "x", "max_tokens": 8, "structured_outputs": {"json": schema}}
+    try:
+        status = httpx.post(base + "/v1/completions", json=body, timeout=timeout).status_code
+    except httpx.TimeoutException:
+        status = 0
+    return status, time.monotonic() - start
+
+
+def four_streams(base: str, during: Callable[[], Any] | None = None) -> tuple[list[list[float]], Any]:
+    """Four streams' event times, and what ``during`` returned (run on this thread once they have started)."""
+    times: list[list[float]] = [[] for _ in range(4)]
+    threads = [threading.Thread(target=lambda i=i: times[i].extend(stream_event_times(base))) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    while not all(times):
+        time.sleep(0.01)
+    result = during() if during is not None else None
+    for thread in threads:
+        thread.join()
+    return times, result
+
+
+def adversarial_compiles(model: str, repeats: int) -> dict[str, Any]:
+    refused = Server(model)
+    try:
+        status, seconds = structured(refused.base, enum_schema(20_000, "default"))
+        default_caps = {"status": status, "answered_s": seconds}
+    finally:
+        refused.proc.terminate()
+        refused.proc.wait(60)
+    server = Server(model, "--max-grammar-choices", "100000", "--max-grammar-bytes", "4000000")
+    runs = []
+    try:
+        structured(server.base, enum_schema(2, "warm-up"))
+        for r in range(repeats):
+            alone_small = structured(server.base, enum_schema(3, f"small alone {r}"))[1]
+            alone, _ = four_streams(server.base)
+
+            def attack(r: int = r) -> dict[str, Any]:
+                start = time.monotonic()
+                big: list[tuple[int, float]] = []
+                threads = [
+                    threading.Thread(
+                        target=lambda: big.append(structured(server.base, enum_schema(20_000, f"big {r}")))
+                    )
+                ]
+                threads += [
+                    threading.Thread(target=structured, args=(server.base, enum_schema(15_000, f"left {r} {i}"), 0.5))
+                    for i in range(6)
+                ]
+                for thread in threads:
+                    thread.start()
+                time.sleep(1.0)
+                small = structured(server.base, enum_schema(3, f"small during {r}"))
+                for thread in threads:
+                    thread.join()
+                return {"start": start, "end": time.monotonic(), "small": small, "big": big[0]}
+
+            during, attacked = four_streams(server.base, attack)
+            gaps_alone = [largest_gap(t) for t in alone]
+            gaps_during = [largest_gap(t, attacked["start"], attacked["end"]) for t in during]
+            runs.append(
+                {
+                    "largest_gap_alone_s": gaps_alone,
+                    "largest_gap_during_s": gaps_during,
+                    "gap_growth_s": max(gaps_during) - max(gaps_alone),
+                    "small_schema_alone_s": alone_small,
+                    "small_schema_during_s": attacked["small"][1],
+                    "small_schema_status": attacked["small"][0],
+                    "big_schema": {"status": attacked["big"][0], "answered_s": attacked["big"][1]},
+                }
+            )
+            logger.info("adversarial compiles: %s", runs[-1])
+    finally:
+        server.proc.terminate()
+        server.proc.wait(60)
+    return {"default_caps_20000_values": default_caps, "raised_caps": runs}
 
 
 def sigterm(model: str, grace: float, streams: int) -> dict[str, Any]:
@@ -164,6 +264,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--grace", type=float, default=1.0, help="--shutdown-timeout of the SIGTERM runs")
+    parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside the 10 MB prompt runs")
     parser.add_argument("--json", required=True)
     parser.add_argument("--commit", default=None, help="the commit measured (recorded in the JSON)")
     args = parser.parse_args()
@@ -176,7 +277,9 @@ def main() -> None:
         "commit": args.commit,
         "cpus": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
-        "big_prompt": big_prompt(model, args.repeats),
+        "busy_processes": args.busy,
+        "big_prompt": big_prompt(model, args.repeats, args.busy),
+        "adversarial_compiles": adversarial_compiles(model, args.repeats),
         "sigterm_32_streams": [sigterm(model, args.grace, 32) for _ in range(args.repeats)],
     }
     Path(args.json).write_text(json.dumps(result, indent=1))

@@ -16,6 +16,9 @@ MAX_LOGPROBS = 20
 MAX_INT64 = 2**63 - 1
 MAX_FLOAT32 = 3.4028234663852886e38
 MAX_LOGIT_BIAS = 100  # OpenAI's bound
+# The stop strings' characters together: each may hold back as much of a stream, and their failure tables are
+# built per request (engine/stop_strings.py).
+MAX_STOP_CHARS = 16384
 # The penalty divides or multiplies float32 logits: both it and its inverse stay finite there.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-30, 1e30
 # Temperatures below this are greedy (as in vLLM): dividing by them overflows the logits.
@@ -170,6 +173,10 @@ class SamplingParams:
                 "stop", f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}"
             )
         self.stop = list(self.stop or [])
+        if sum(map(len, self.stop)) > MAX_STOP_CHARS:
+            raise FieldError(
+                "stop", f"stop strings may have {MAX_STOP_CHARS} characters together, got {sum(map(len, self.stop))}"
+            )
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise FieldError(
                 "stop_token_ids", f"stop_token_ids must be a list of integers >= 0, got {self.stop_token_ids!r}"

@@ -72,3 +72,23 @@ def test_a_body_nested_past_the_parsers_recursion_is_a_400(base) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize"):
         reply = httpx.post(base + path, content=body, headers={**HEADERS, "content-type": "application/json"})
         assert reply.status_code == 400, (path, reply.text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_the_model_nests_past_the_bound_is_a_well_formed_answer(base, stream: bool) -> None:
+    """A named tool whose schema only closes arrays inside arrays: the grammar makes the model open brackets until
+    ``max_tokens``. The answer is a 200 (whole: no call, finish ``length``; streamed: no call, ``[DONE]``)."""
+    recursive = {"type": "array", "minItems": 1, "items": {"$ref": "#"}}
+    tool = {"type": "function", "function": {"name": "nest", "parameters": recursive}}
+    body = {
+        "messages": [{"role": "user", "content": "nest"}], "tools": [tool], "max_tokens": 100, "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "nest"}}, "stream": stream,
+    }  # fmt: skip
+    reply = httpx.post(base + "/v1/chat/completions", json={"model": NAME, **body}, headers=HEADERS, timeout=120)
+    assert reply.status_code == 200, reply.text
+    if not stream:
+        (choice,) = reply.json()["choices"]
+        assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls")
+        return
+    lines = [line for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in reply.text.replace(" ", "")

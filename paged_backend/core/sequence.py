@@ -80,6 +80,10 @@ class Sequence:
     # incremental detokenization offsets into token_ids (vLLM's prefix_offset / read_offset)
     prefix_offset: int = 0
     read_offset: int = 0
+    # with stop strings: how much of each the text's tail spells (engine/stop_strings.py), and the characters of
+    # the tail held back from a stream because they may still become one
+    stop_states: list[int] | None = None
+    stop_held: int = 0
 
     @property
     def params(self) -> SamplingParams:

@@ -66,31 +66,8 @@ def flush_text(tokenizer: Tokenizer, seq: Sequence, num_tokens: int) -> str:
     return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
 
 
-def find_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
-    """Earliest stop string that ends inside the last ``new_chars`` characters: (start index, stop string)."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        start = max(0, len(text) - new_chars - len(stop) + 1)
-        i = text.find(stop, start)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, stop)
-    return best
-
-
-def held_back_chars(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
-
-
 def visible_text(seq: Sequence) -> str:
     """Text that is safe to show now: all of it once finished, else without a possible stop-string start."""
-    if seq.status.finished or not seq.params.stop:
+    if seq.status.finished or not seq.stop_held:
         return seq.output_text
-    held = held_back_chars(seq.output_text, seq.params.stop_strings)
-    return seq.output_text[: len(seq.output_text) - held]
+    return seq.output_text[: len(seq.output_text) - seq.stop_held]

@@ -18,11 +18,11 @@ from paged_backend.engine.detokenizer import (
     Tokenizer,
     decode_text,
     detokenize_incrementally,
-    find_stop_string,
     flush_text,
     init_offsets,
     visible_text,
 )
+from paged_backend.engine.stop_strings import StopStrings
 from paged_backend.logprobs import Logprob, LogprobsArrays, PromptLogprob, PromptLogprobs
 from paged_backend.outputs import CompletionOutput, RequestOutput
 
@@ -43,6 +43,7 @@ class OutputProcessor:
         self.num_generated_tokens = 0
         # each request's prompt logprobs as reported, built once; gone with the request
         self._built_prompt_logprobs: weakref.WeakKeyDictionary[Request, PromptLogprobs] = weakref.WeakKeyDictionary()
+        self._stop_strings: weakref.WeakKeyDictionary[Request, StopStrings] = weakref.WeakKeyDictionary()
 
     def add_request(self, request: Request) -> None:
         for seq in request.seqs:
@@ -80,9 +81,13 @@ class OutputProcessor:
                 continue
             delta = detokenize_incrementally(self.tokenizer, seq, first + j + 1)
             seq.output_text += delta
-            if stop_token or not params.stop or not delta or first + j + 1 - seq.num_prompt_tokens < params.min_tokens:
+            if not params.stop or not delta:
                 continue
-            hit = find_stop_string(seq.output_text, len(delta), params.stop_strings)
+            stops = self._stops(seq.request)
+            seq.stop_states = seq.stop_states or stops.start()
+            counts = not stop_token and first + j + 1 - seq.num_prompt_tokens >= params.min_tokens
+            hit = stops.feed(seq.stop_states, delta, len(seq.output_text), report=counts)
+            seq.stop_held = stops.held_back(seq.stop_states)
             if hit is not None:
                 start, stop = hit
                 seq.output_text = seq.output_text[: start + len(stop) if params.include_stop_str_in_output else start]
@@ -93,6 +98,12 @@ class OutputProcessor:
             end = len(seq.token_ids) - (1 if stop_token else 0)
             seq.output_text += flush_text(self.tokenizer, seq, end)
         return None
+
+    def _stops(self, request: Request) -> StopStrings:
+        stops = self._stop_strings.get(request)
+        if stops is None:  # built once a request, at its first text: its samples share the failure tables
+            stops = self._stop_strings[request] = StopStrings(request.params.stop_strings)
+        return stops
 
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else decode_text(self.tokenizer, [token_id])

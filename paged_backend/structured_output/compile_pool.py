@@ -137,6 +137,8 @@ class CompilePool:
         return await asyncio.to_thread(_xgrammar().CompiledGrammar.deserialize_json, payload, tokenizer_info)
 
     async def _run(self, key: GrammarKey) -> tuple[str, str]:
+        if self.closed:
+            raise RuntimeError("the server is shutting down")
         worker = self.idle.pop()
         done = False
         try:
