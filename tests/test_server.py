@@ -152,6 +152,10 @@ def test_error_bodies(server, client) -> None:
         client.completions.create(model=NAME, prompt="x", max_tokens=-5)
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=NAME, prompt=[5] * 200, max_tokens=2)
+    # token ids past max_model_len without max_tokens: refused by the server, before the engine sees them
+    with pytest.raises(openai.BadRequestError, match="the prompt has 200 tokens") as too_long:
+        client.completions.create(model=NAME, prompt=[5] * 200)
+    assert too_long.value.body["param"] == "prompt"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError, match=r"requested 1000000003 tokens \(3 in the prompt"):
         client.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=10**9)
     with pytest.raises(openai.BadRequestError, match="max_model_len"):

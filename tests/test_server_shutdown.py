@@ -100,3 +100,27 @@ def test_a_second_signal_stops_at_once(checkpoint) -> None:
     finished = server.logged_at("Finished server process")
     # not the 60 s of the timeout (about 0.1 s when measured; 10 s leaves a loaded machine room)
     assert finished is not None and finished - sent < 10.0, server.stderr[-2000:]
+
+
+def test_sigterm_while_a_grammar_compiles_exits_at_once(checkpoint) -> None:
+    """A compile runs in a worker process that nothing can interrupt but a kill: shutdown kills it rather than
+    wait for it (a compile given 600 s here), and exits 0 without a traceback."""
+    flags = ("--max-grammar-choices", "1000000", "--max-grammar-bytes", "100000000", "--grammar-compile-timeout", "600")
+    server = ServerProcess(checkpoint, *LIMITS, "--served-model-name", "m", *flags)
+    schema = {"type": "object", "properties": {"x": {"enum": [f"value{i}" for i in range(200_000)]}}}
+    body = {"model": "m", "prompt": "x", "max_tokens": 4, "structured_outputs": {"json": schema}}
+
+    async def main() -> float:
+        async with httpx.AsyncClient(timeout=120) as client:
+            request = asyncio.create_task(client.post(server.base + "/v1/completions", json=body))
+            await asyncio.sleep(2.0)  # the compile under way
+            assert not request.done(), request.result().text
+            sent = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.gather(request, return_exceptions=True)
+            return sent
+
+    sent = asyncio.run(main())
+    assert server.wait(60) == 0, server.stderr[-3000:]
+    finished = server.logged_at("Finished server process")
+    assert finished is not None and finished - sent < 10.0, server.stderr[-2000:]

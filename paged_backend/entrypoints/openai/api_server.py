@@ -48,7 +48,7 @@ try:
         install_error_handlers,
     )
     from paged_backend.entrypoints.openai.launch import run
-    from paged_backend.entrypoints.openai.limits import MIB, RequestBodyLimit
+    from paged_backend.entrypoints.openai.limits import MIB, RequestBodyLimit, logprob_entries
     from paged_backend.entrypoints.openai.metrics import ServerMetrics
     from paged_backend.entrypoints.openai.protocol import (
         ChatCompletionRequest,
@@ -163,6 +163,14 @@ class OpenAIServer:
             if "prompt_token_ids" not in prompt and self.tokenization is not None:
                 prompt["prompt_token_ids"] = await self.tokenization.encode(prompt["prompt"])  # as the engine would
             length = len(prompt.get("prompt_token_ids", ()))
+            if length > self.max_model_len:  # whatever max_tokens says: the engine never sees it
+                raise APIError(
+                    400,
+                    f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens. However, "
+                    f"the prompt has {length} tokens. Please reduce the length of the prompt.",
+                    "invalid_request_error",
+                    "prompt",
+                )
             if requested_max_tokens is not None and length + requested_max_tokens > self.max_model_len:
                 raise APIError(
                     400,
@@ -172,6 +180,7 @@ class OpenAIServer:
                     "invalid_request_error",
                     "max_tokens",
                 )
+        self.check_logprob_budget(params, [len(p.get("prompt_token_ids", ())) for p in prompts], requested_max_tokens)
         requests = [(f"{prefix}-{i}", prompt) for i, prompt in enumerate(prompts)]
         try:
             queues = await self.loop.add(requests, params, lora_request=self.loras.get(model))
@@ -185,6 +194,23 @@ class OpenAIServer:
                 raise APIError(400, f"{format_field}: {exc}", "invalid_request_error", format_field) from exc
             raise APIError(400, str(exc), "invalid_request_error") from exc
         return [self.loop.stream(request_id, queue) for (request_id, _), queue in zip(requests, queues)]
+
+    def check_logprob_budget(self, params: SamplingParams, lengths: list[int], max_tokens: int | None) -> None:
+        """A 400 for a request whose logprobs could pass ``--max-logprob-entries`` (see ``limits.py``)."""
+        new_tokens = [max_tokens if max_tokens is not None else self.max_model_len - length for length in lengths]
+        n = params.best_of or params.n
+        prompt, sampled = logprob_entries(lengths, n, new_tokens, params.logprobs, params.prompt_logprobs)
+        budget = self.args.max_logprob_entries
+        if prompt + sampled > budget:
+            param = "prompt_logprobs" if prompt >= sampled else "logprobs"
+            raise APIError(
+                400,
+                f"{param}: this request could return {prompt + sampled} logprob entries ({prompt} for its prompt "
+                f"tokens, {sampled} for the tokens it generates, each token's alternatives and its own); this server "
+                f"returns at most {budget} (--max-logprob-entries): ask for fewer alternatives, tokens or prompts",
+                "invalid_request_error",
+                param,
+            )
 
     def check_length_bound(self, text: str, requested_max_tokens: int | None, param: str) -> None:
         """A 400 for a text whose length alone proves it too long for ``max_model_len``: before tokenizing it.

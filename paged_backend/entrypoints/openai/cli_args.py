@@ -22,6 +22,7 @@ API_KEY_ENV = "PAGED_BACKEND_API_KEY"
 # a batch of dozens of such prompts fits), while one request's JSON, its parsed copy and its validated copy stay
 # within a small multiple of it.
 DEFAULT_MAX_REQUEST_BODY_MB = 32.0
+DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20  # about 50 MB of JSON
 
 # (flag, type, help): each flag's name with underscores is its LLM keyword; defaults are the engine's own.
 _ENGINE_FLAGS: list[tuple[str, type, str]] = [
@@ -82,6 +83,7 @@ class ServerArgs:
     max_waiting_requests: int | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter path
     max_request_body_mb: float = DEFAULT_MAX_REQUEST_BODY_MB
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # per request: tokens x (alternatives + 1)
     shutdown_timeout: float = 0.0  # seconds in-flight requests get after SIGTERM / SIGINT (vLLM's default: none)
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)  # caps and compile budget of grammars
 
@@ -195,6 +197,14 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
         help=f"larger request bodies get 413, refused before they are read (default {DEFAULT_MAX_REQUEST_BODY_MB:g})",
     )
     parser.add_argument(
+        "--max-logprob-entries",
+        type=int,
+        default=DEFAULT_MAX_LOGPROB_ENTRIES,
+        metavar="N",
+        help="a request whose logprobs or prompt_logprobs could return more entries (tokens x alternatives) gets 400 "
+        f"before any work (default {DEFAULT_MAX_LOGPROB_ENTRIES})",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=0.0,
@@ -253,6 +263,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         parser.error(
             "--enable-auto-tool-choice needs --tool-call-parser (one of: " + ", ".join(TOOL_CALL_PARSERS) + ")"
         )
+    if args.max_logprob_entries < 1:
+        parser.error(f"--max-logprob-entries must be >= 1, got {args.max_logprob_entries}")
     if not 0 <= args.shutdown_timeout < float("inf"):
         parser.error(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     try:
@@ -273,6 +285,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         max_waiting_requests=args.max_waiting_requests,
         lora_modules=dict(args.lora_modules),
         max_request_body_mb=args.max_request_body_mb,
+        max_logprob_entries=args.max_logprob_entries,
         shutdown_timeout=args.shutdown_timeout,
         grammar_budget=budget,
     )

@@ -1,0 +1,52 @@
+"""What one request may cost everyone else, refused up front: the logprob entries a response could hold
+(``--max-logprob-entries``, counted from the request before any work) and stop strings' total length."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from paged_backend.entrypoints.openai.cli_args import ServerArgs  # noqa: E402
+from paged_backend.sampling_params import MAX_STOP_CHARS  # noqa: E402
+from tests.test_server import KEY, NAME, serving, tiny_llm  # noqa: E402
+
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+BUDGET = 5000
+
+
+@pytest.fixture(scope="module")
+def base(tokenizer):
+    args = ServerArgs(model="tiny-path", served_model_name=NAME, api_key=KEY, max_logprob_entries=BUDGET)
+    with serving(tiny_llm(tokenizer), args) as url:
+        yield url
+
+
+def post(base: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(base + path, json={"model": NAME, **body}, headers=HEADERS, timeout=60)
+
+
+def test_prompt_logprobs_past_the_budget_are_a_400_before_any_work(base) -> None:
+    """64 prompts of 100 ids with 20 alternatives: 134,400 entries, refused; one prompt of them runs."""
+    prompts = [[5 + i % 7] * 100 for i in range(64)]
+    reply = post(base, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": 20})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_logprobs", reply.text
+    assert "134400 logprob entries" in reply.json()["error"]["message"] and "--max-logprob-entries" in reply.text
+    one = post(base, "/v1/completions", {"prompt": prompts[:1], "max_tokens": 1, "prompt_logprobs": 20})
+    assert one.status_code == 200 and len(one.json()["choices"][0]["prompt_logprobs"]) == 100
+
+
+def test_sampled_logprobs_count_every_sample_and_the_default_length(base) -> None:
+    """``max_tokens`` unset: a sample may run to ``max_model_len`` (128), each token with its alternatives."""
+    reply = post(base, "/v1/completions", {"prompt": [5, 6], "logprobs": 20, "n": 2})  # 2 x 126 x 21 = 5292
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs", reply.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20, "n": 4}
+    assert post(base, "/v1/chat/completions", {**chat, "max_tokens": 100}).status_code == 400
+    assert post(base, "/v1/chat/completions", {**chat, "max_tokens": 10}).status_code == 200
+
+
+def test_stop_strings_past_their_total_length_are_a_400(base) -> None:
+    stops = ["a" * (MAX_STOP_CHARS // 2), "b" * (MAX_STOP_CHARS // 2 + 1)]
+    reply = post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2, "stop": stops})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "stop", reply.text
