@@ -50,3 +50,18 @@ def test_stop_strings_past_their_total_length_are_a_400(base) -> None:
     stops = ["a" * (MAX_STOP_CHARS // 2), "b" * (MAX_STOP_CHARS // 2 + 1)]
     reply = post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2, "stop": stops})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stop", reply.text
+
+
+def test_suffix_is_refused_not_dropped(base) -> None:
+    reply = post(base, "/v1/completions", {"prompt": "def f(", "suffix": "return 1", "max_tokens": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "suffix", reply.text
+    assert "suffix is not supported" in reply.json()["error"]["message"]
+    assert post(base, "/v1/completions", {"prompt": "x", "suffix": None, "max_tokens": 1}).status_code == 200
+
+
+def test_many_unknown_fields_make_one_short_warning(base, caplog) -> None:
+    fields = {f"unknown_{i}_" + "k" * 200: i for i in range(1000)}
+    with caplog.at_level("WARNING", logger="paged_backend.entrypoints.openai.api_server"):
+        assert post(base, "/v1/completions", {"prompt": "x", "max_tokens": 1, **fields}).status_code == 200
+    (record,) = [r for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(record.getMessage()) < 2000 and "and 984 more" in record.getMessage()

@@ -85,6 +85,8 @@ def test_formats_stream_as_they_complete(client) -> None:
         ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"guided_grammar": "root ::= root"}, "guided_grammar"),  # no output satisfies it
+        ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 3}}, "guided_json"),
     ],
 )
 def test_bad_formats_are_a_400_naming_the_field(client, extra: dict, param: str) -> None:

@@ -5,6 +5,7 @@ to be a call, or not, by a regex), whole and streamed; tools and earlier calls r
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import pytest
@@ -179,7 +180,6 @@ def test_instructors_create_partial_sees_the_arguments_grow(client) -> None:
     """instructor's partial streaming (its TOOLS mode: a named function forced) parses the streamed ``arguments``
     as they arrive: several partial objects, each a prefix of the next, the last the whole validated answer."""
     instructor = pytest.importorskip("instructor")
-    from typing import Literal
 
     from pydantic import BaseModel, Field
 
@@ -201,3 +201,27 @@ def test_instructors_create_partial_sees_the_arguments_grow(client) -> None:
     assert final.city in ("Paris", "Oslo") and 1 <= final.days <= 7
     for earlier, later in zip(distinct, distinct[1:]):
         assert all(later[k] == v for k, v in earlier.items() if v is not None and not isinstance(v, str))
+
+
+def test_required_takes_a_pydantic_schema_with_defs(client) -> None:
+    """A tool whose parameters refer to their own ``$defs`` (a Pydantic model with a nested one) is accepted under
+    ``"required"`` as under a named tool, and the call holds the schema."""
+    from pydantic import BaseModel
+
+    class Place(BaseModel):
+        city: Literal["Paris", "Oslo"]
+
+    class Trip(BaseModel):
+        start: Place
+        end: Place
+
+    schema = Trip.model_json_schema()
+    assert "$defs" in schema
+    tools = [{"type": "function", "function": {"name": "plan", "parameters": schema}}]
+    for choice in ("required", {"type": "function", "function": {"name": "plan"}}):
+        chat = client.chat.completions.create(
+            model=NAME, messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=80, temperature=0
+        )
+        (call,) = chat.choices[0].message.tool_calls
+        assert call.function.name == "plan"
+        Trip.model_validate_json(call.function.arguments)

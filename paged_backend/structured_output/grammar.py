@@ -45,17 +45,26 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
 
 
 def build(compiler: xgrammar.GrammarCompiler, key: GrammarKey) -> xgrammar.CompiledGrammar:
-    """Compile ``key`` with ``compiler`` (this process's or a compile worker's); a grammar xgrammar refuses raises
-    its own RuntimeError or ValueError (see ``refusal``)."""
+    """Compile ``key`` with ``compiler`` (this process's or a compile worker's); a grammar xgrammar refuses, or one
+    that no output can satisfy, raises a RuntimeError or ValueError (see ``refusal``)."""
     kind, text, any_whitespace = key
+    xgr = _xgrammar()
     if kind in ("json", "json_object"):
-        ebnf = str(_xgrammar().Grammar.from_json_schema(text, any_whitespace=any_whitespace))
-        return compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
-    if kind == "regex":
-        return compiler.compile_regex(text)
-    if kind == "choice":
-        return compiler.compile_grammar("root ::= " + " | ".join(map(ebnf_literal, json.loads(text))))
-    return compiler.compile_grammar(text)
+        ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace))
+        compiled = compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+    elif kind == "regex":
+        compiled = compiler.compile_regex(text)
+    elif kind == "choice":
+        compiled = compiler.compile_grammar("root ::= " + " | ".join(map(ebnf_literal, json.loads(text))))
+    else:
+        compiled = compiler.compile_grammar(text)
+    # A grammar whose first step allows no token (``root ::= root``) would leave the sampler nothing to choose.
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    if not bool(bitmask.any()) and not matcher.is_terminated():
+        raise ValueError("no output satisfies it: no token can begin one")
+    return compiled
 
 
 def refusal(kind: str, reason: str) -> FieldError:

@@ -26,18 +26,48 @@ def forced_tool_format(
     ``parameters`` schema, None for none)."""
     if choice != "required":
         return StructuredOutputsParams(json=dict(tools[choice] or ANY_OBJECT), disable_any_whitespace=True)
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": dict(schema or ANY_OBJECT)},
-            "required": ["name", "parameters"],
-        }
-        for name, schema in tools.items()
-    ]
-    listed: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    defs: dict[str, Any] = {}
+    calls = []
+    for name, schema in tools.items():
+        defs.update(_hoisted(name, dict(schema or ANY_OBJECT)))
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": {"$ref": _at(name)}},
+                "required": ["name", "parameters"],
+            }
+        )
+    listed: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
     if not parallel:
         listed["maxItems"] = 1
     return StructuredOutputsParams(json=listed, disable_any_whitespace=True)
+
+
+def _at(name: str, definition: str | None = None) -> str:
+    return f"#/$defs/{name}" if definition is None else f"#/$defs/{name}.{definition}"
+
+
+def _hoisted(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema as root definitions of the list's schema: the schema itself under its name and
+    its own ``$defs`` / ``definitions`` beside it, every local ``$ref`` rewritten to match (a Pydantic model's
+    nested models are ``$ref: "#/$defs/Model"``, and ``"#"`` refers to the schema itself), so that refs written
+    for the tool's schema as a root still resolve inside the list."""
+    own = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+
+    def rewrite(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: _ref(v) if k == "$ref" and isinstance(v, str) else rewrite(v) for k, v in value.items()}
+        return [rewrite(v) for v in value] if isinstance(value, list) else value
+
+    def _ref(ref: str) -> str:
+        for section in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(section):
+                return _at(name, ref[len(section) :])
+        return _at(name) + ref[1:] if ref.startswith("#") else ref
+
+    return {_at(name)[len("#/$defs/") :]: rewrite(schema)} | {
+        _at(name, key)[len("#/$defs/") :]: rewrite(value) for key, value in own.items()
+    }
 
 
 # A call of "required"'s list as the grammar writes it (keys in the schema's order), up to its parameters' value

@@ -404,10 +404,18 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     return app
 
 
+_MAX_NAMED, _MAX_NAME = 16, 64  # unknown fields a warning names, and the characters of each
+
+
 def warn_ignored(body: BaseModel) -> None:
-    """One warning naming the request fields this server does not know (vLLM ignores them likewise)."""
-    if body.model_extra:
-        logger.warning("The following fields were present in the request but ignored: %s", sorted(body.model_extra))
+    """One warning naming the request fields this server does not know (vLLM ignores them likewise): at most
+    ``_MAX_NAMED`` of them, each cut to ``_MAX_NAME`` characters, so a body of many long keys writes one short line."""
+    extra = body.model_extra
+    if extra:
+        names = [name if len(name) <= _MAX_NAME else name[:_MAX_NAME] + "..." for name in sorted(extra)[:_MAX_NAMED]]
+        more = f" and {len(extra) - _MAX_NAMED} more" if len(extra) > _MAX_NAMED else ""
+        logger.warning("The following fields were present in the request but ignored: %s%s", names, more)
+
 
 
 def main(argv: list[str] | None = None, prog: str = MODULE_PROG) -> int:

@@ -207,6 +207,14 @@ class CompletionRequest(SamplingFields):
         default=None, ge=0, le=MAX_LOGPROBS, description="vLLM's: each prompt token's logprob and the top k"
     )
     return_tokens_as_token_ids: bool = Field(default=False, description="vLLM's: logprobs' tokens as token_id:N")
+    suffix: None = Field(default=None, description="not supported (no insert mode): a 400 unless null")
+
+    @field_validator("suffix", mode="before")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> None:
+        if value is not None:  # as vLLM: refused, never silently dropped
+            raise ValueError("suffix is not supported: this server completes a prompt only at its end")
+        return value
 
     def scored_prompt_logprobs(self) -> int | None:
         """The prompt logprobs the engine computes: vLLM's field, or ``logprobs`` for the echoed prompt."""
