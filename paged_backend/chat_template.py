@@ -21,12 +21,35 @@ OWN_ARGUMENTS = frozenset(
 )
 
 
+# transformers passes the tokenizer's special tokens to every template (``bos_token`` opens most of them): a
+# request replacing them would write its own text where the model's markers belong.
+SPECIAL_TOKENS = frozenset(
+    {
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+    }
+)
+
+
 def chat_template_kwargs(extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``extra`` as template variables; setting one of the caller's own arguments is a ``FieldError``."""
+    """``extra`` as template variables; setting one of the caller's own arguments, or one of the tokenizer's
+    special tokens, is a ``FieldError``."""
     kwargs = dict(extra or {})
     taken = sorted(set(kwargs) & OWN_ARGUMENTS)
     if taken:
         raise FieldError(
             "chat_template_kwargs", f"chat_template_kwargs may not set {taken}: they are set by the caller"
+        )
+    special = sorted(set(kwargs) & SPECIAL_TOKENS)
+    if special:
+        raise FieldError(
+            "chat_template_kwargs",
+            f"chat_template_kwargs may not set {special}: they are the tokenizer's special tokens",
         )
     return kwargs

@@ -308,3 +308,26 @@ def test_a_request_that_finished_in_a_failed_step_still_fails(tokenizer, monkeyp
     finished, failed = run_all(llm)
     assert "1" in failed and "1" not in finished
     assert_idle(llm)
+
+
+def test_a_logits_processor_that_returns_nan_fails_its_request_naming_it(tokenizer) -> None:
+    """Sampling from NaN logits would pick an arbitrary token (a <pad>, empty text): the request fails instead,
+    the error naming the processor, and its neighbours finish as if alone."""
+    llm = make_llm(tokenizer)
+    loop = llm.engine_loop
+
+    def poison(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        return logits * float("nan") if len(output_ids) == 2 else logits
+
+    bad = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logits_processors=[poison])
+    requests = [(name, {"prompt_token_ids": p}) for name, p in zip("abc", PROMPTS)]
+    queues = loop.add_sync(requests, [GREEDY, bad, GREEDY])
+    with pytest.raises(RequestFailedError, match="the logits processor .*poison returned NaN logits"):
+        list(loop.stream_sync("b", queues[1]))
+    for (name, prompt), queue in zip(requests, queues):
+        if name != "b":
+            (*_, final) = loop.stream_sync(name, queue)
+            assert final.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompt["prompt_token_ids"], 6)
+    loop.call_sync(lambda engine: None)
+    assert_idle(llm)
+    loop.shutdown()

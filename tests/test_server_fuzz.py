@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from paged_backend.chat_template import OWN_ARGUMENTS
+from paged_backend.chat_template import OWN_ARGUMENTS, SPECIAL_TOKENS
 
 schemathesis = pytest.importorskip("schemathesis")
 pytest.importorskip("fastapi")
@@ -141,7 +141,7 @@ def cross_field_params(body: Body, chat: bool, lengths: PromptLengths) -> set[st
     )
     if logit_bias_past_vocab(body):
         broken.add("logit_bias")
-    if chat and OWN_ARGUMENTS & set(body.get("chat_template_kwargs") or {}):
+    if chat and (OWN_ARGUMENTS | SPECIAL_TOKENS) & set(body.get("chat_template_kwargs") or {}):
         broken.add("chat_template_kwargs")  # what the server itself passes to the template
     asked = {name for name in formats if body.get(name) not in (None, {"type": "text"})}
     if chat:  # completions ignore tools and tool_choice (unknown fields there, as in vLLM)

@@ -88,3 +88,8 @@ def test_chat_template_kwargs_reach_the_template(client) -> None:
             model=NAME, messages=messages, max_tokens=2, extra_body={"chat_template_kwargs": {"tokenize": True}}
         )
     assert info.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="the tokenizer's special tokens") as info:
+        client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=2, extra_body={"chat_template_kwargs": {"bos_token": "<evil>"}}
+        )
+    assert info.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]

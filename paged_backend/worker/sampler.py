@@ -145,6 +145,9 @@ def apply_logits_processors(seq: Sequence, logits: torch.Tensor) -> torch.Tensor
             logits = processor(prompt, output, logits)  # type: ignore[call-arg,arg-type]
         else:
             logits = processor(output, logits)  # type: ignore[call-arg,arg-type]
+        if bool(torch.isnan(logits).any()):  # sampling NaN picks an arbitrary token: the request fails instead
+            name = getattr(processor, "__qualname__", None) or type(processor).__qualname__
+            raise ValueError(f"the logits processor {name} returned NaN logits")
     return logits
 
 
