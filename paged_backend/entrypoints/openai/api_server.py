@@ -417,7 +417,6 @@ def warn_ignored(body: BaseModel) -> None:
         logger.warning("The following fields were present in the request but ignored: %s%s", names, more)
 
 
-
 def main(argv: list[str] | None = None, prog: str = MODULE_PROG) -> int:
     """Parse vLLM's serving flags, then ``run``."""
     args, engine_kwargs = parse_args(argv, prog)
