@@ -65,3 +65,24 @@ def test_many_unknown_fields_make_one_short_warning(base, caplog) -> None:
         assert post(base, "/v1/completions", {"prompt": "x", "max_tokens": 1, **fields}).status_code == 200
     (record,) = [r for r in caplog.records if "ignored" in r.getMessage()]
     assert len(record.getMessage()) < 2000 and "and 984 more" in record.getMessage()
+
+
+def test_a_body_that_stalls_is_a_408(tokenizer) -> None:
+    """A client that sends part of its body and then nothing: answered 408 after --body-read-timeout, not held."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    args = ServerArgs(model="tiny-path", served_model_name=NAME, api_key=KEY, body_read_timeout=0.5)
+    with serving(tiny_llm(tokenizer), args) as url:
+        address = urlparse(url)
+        with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+            head = (
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            )
+            sock.sendall(head.encode() + b'{"model": ')
+            start = time.monotonic()
+            answer = sock.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408") and "--body-read-timeout" in answer, answer
+        assert time.monotonic() - start < 5

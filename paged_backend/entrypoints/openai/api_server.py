@@ -301,7 +301,9 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
         default_response_class=SafeJSONResponse,
     )
     app.state.server = server
-    app.add_middleware(RequestBodyLimit, max_bytes=int(args.max_request_body_mb * MIB))
+    app.add_middleware(
+        RequestBodyLimit, max_bytes=int(args.max_request_body_mb * MIB), read_timeout_s=args.body_read_timeout
+    )
     install_error_handlers(app)
     if args.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)

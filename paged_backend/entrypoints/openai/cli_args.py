@@ -84,6 +84,8 @@ class ServerArgs:
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter path
     max_request_body_mb: float = DEFAULT_MAX_REQUEST_BODY_MB
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # per request: tokens x (alternatives + 1)
+    body_read_timeout: float = 30.0  # seconds without a request body's next bytes: 408
+    timeout_keep_alive: int = 5  # uvicorn's: an idle connection closes after this long (vLLM's default)
     shutdown_timeout: float = 0.0  # seconds in-flight requests get after SIGTERM / SIGINT (vLLM's default: none)
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)  # caps and compile budget of grammars
 
@@ -205,6 +207,20 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
         f"before any work (default {DEFAULT_MAX_LOGPROB_ENTRIES})",
     )
     parser.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request body whose next bytes take longer gets 408 (default 30)",
+    )
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        metavar="SECONDS",
+        help="close a connection idle this long between requests (default 5, as vLLM)",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=0.0,
@@ -263,6 +279,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         parser.error(
             "--enable-auto-tool-choice needs --tool-call-parser (one of: " + ", ".join(TOOL_CALL_PARSERS) + ")"
         )
+    for flag in ("body_read_timeout", "timeout_keep_alive"):
+        if not 0 < getattr(args, flag) < float("inf"):
+            parser.error(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {getattr(args, flag)}")
     if args.max_logprob_entries < 1:
         parser.error(f"--max-logprob-entries must be >= 1, got {args.max_logprob_entries}")
     if not 0 <= args.shutdown_timeout < float("inf"):
@@ -286,6 +305,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         lora_modules=dict(args.lora_modules),
         max_request_body_mb=args.max_request_body_mb,
         max_logprob_entries=args.max_logprob_entries,
+        body_read_timeout=args.body_read_timeout,
+        timeout_keep_alive=args.timeout_keep_alive,
         shutdown_timeout=args.shutdown_timeout,
         grammar_budget=budget,
     )

@@ -44,7 +44,7 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
     app = build_app(llm, args)
     server = app.state.server
     http = GracefulServer(
-        uvicorn.Config(app, host=args.host, port=args.port),
+        uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=args.timeout_keep_alive),
         drain=server.drain,
         abort=server.abort_all,
         timeout_s=args.shutdown_timeout,

@@ -2,7 +2,8 @@
 
 The request-body cap (``--max-request-body-mb``): a body over it is a 413 OpenAI error, refused before it is read
 when its ``Content-Length`` says so, else as soon as the bytes received pass the cap (a chunked body), so one
-request can never make the server hold more than the cap (plus one network chunk) of it in memory.
+request can never make the server hold more than the cap (plus one network chunk) of it in memory. A body whose
+next bytes do not come within ``--body-read-timeout`` is a 408, so a stalling client holds no handler for long.
 
 The logprob budget (``--max-logprob-entries``): a response holds an entry per token and per alternative asked
 for, so a small body (64 prompts of 2,000 ids with ``prompt_logprobs: 20``) can ask for a response of hundreds of
@@ -10,6 +11,8 @@ megabytes and gigabytes of the server's memory while it is built. The entries a 
 from the request itself, before any work, and a request over the budget is a 400."""
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,9 +26,10 @@ class RequestBodyLimit:
     """Pure ASGI middleware (Starlette's ``BaseHTTPMiddleware`` would buffer streamed responses and hide client
     disconnects from the handlers)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s  # the longest wait for the body's next bytes (a client that stalls)
 
     def message(self, size: str) -> str:
         return f"the request body ({size}) is larger than --max-request-body-mb allows ({self.max_bytes} bytes)"
@@ -41,11 +45,19 @@ class RequestBodyLimit:
             response.headers["connection"] = "close"
             await response(scope, receive, send)
             return
-        received = 0
+        received, whole = 0, False
 
         async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, whole
+            if whole:  # after the body: only the disconnect is left, which may come at any time
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except asyncio.TimeoutError:
+                raise HTTPException(
+                    408, f"the request body stalled: no bytes for {self.read_timeout_s:g} s (--body-read-timeout)"
+                ) from None
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
