@@ -72,9 +72,10 @@ class Server:
         return next((t for t, line in self.lines if text in line), None)
 
 
-def stream_event_times(base: str) -> list[float]:
+def stream_event_times(base: str, times: list[float] | None = None) -> list[float]:
+    """The arrival time of each event of a 400-token stream, appended to ``times`` as they come."""
     body = {"model": "m", "prompt": "a b c", "max_tokens": 400, "stream": True, "ignore_eos": True}
-    times = []
+    times = [] if times is None else times
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -148,7 +149,7 @@ def structured(base: str, schema: dict[str, Any], timeout: float = 120) -> tuple
 def four_streams(base: str, during: Callable[[], Any] | None = None) -> tuple[list[list[float]], Any]:
     """Four streams' event times, and what ``during`` returned (run on this thread once they have started)."""
     times: list[list[float]] = [[] for _ in range(4)]
-    threads = [threading.Thread(target=lambda i=i: times[i].extend(stream_event_times(base))) for i in range(4)]
+    threads = [threading.Thread(target=stream_event_times, args=(base, times[i])) for i in range(4)]
     for thread in threads:
         thread.start()
     while not all(times):
