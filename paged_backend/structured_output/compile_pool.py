@@ -14,6 +14,8 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import sys
+import threading
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
@@ -63,10 +65,14 @@ def _serve(conn: Connection, tokenizer_info: str) -> None:
 
 def _context() -> Any:
     """Workers fork from a server process of their own (``forkserver``), started once, that has imported xgrammar
-    (and the torch it imports): a new worker is then a fork, not a fresh interpreter's seconds of imports, and
-    never a fork of this process, which holds CUDA and threads."""
+    (and the torch it imports) and this process's main module: a new worker is then a fork, not a fresh
+    interpreter's seconds of imports (which would run before it lowers its priority), and never a fork of this
+    process, which holds CUDA and threads. Each worker runs its main module's body again (multiprocessing does),
+    which finds every import it makes already done."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["xgrammar", __name__])
+    main = getattr(sys.modules["__main__"].__spec__, "name", None)
+    preload = ["xgrammar", __name__, *([main] if main and not main.endswith("__main__") else [])]
+    context.set_forkserver_preload(preload)
     return context
 
 
@@ -95,8 +101,14 @@ class _Worker:
             self.ready = True
 
     def kill(self) -> None:
+        """SIGKILL, then reaped on a thread of its own: a process that held a large compile's memory can take a
+        second to go, which the event loop must not wait for. Its end of the pipe closes only once it is gone, so
+        a thread still reading from it gets the end of the stream, never a closed descriptor under its read."""
         self.process.kill()
-        self.process.join(5)
+        threading.Thread(target=self._reap, name="paged-backend-grammar-reaper", daemon=True).start()
+
+    def _reap(self) -> None:
+        self.process.join(60)
         self.conn.close()
 
 

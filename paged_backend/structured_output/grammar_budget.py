@@ -123,14 +123,15 @@ class GrammarService:
         compile, when it adds the request, then finds it."""
         from paged_backend.structured_output.grammar import grammar_key
 
-        sizes = [self.budget.check(params) for params in grammars]
+        # on a thread: a large schema's walk and its text take milliseconds the event loop must not wait
+        sizes = await asyncio.to_thread(lambda: [self.budget.check(params) for params in grammars])
+        keys = await asyncio.to_thread(lambda: [grammar_key(params) for params in grammars])
         if self.closed:
             raise RuntimeError("the server is shutting down")
         self.start()
         assert self._made is not None
         compiler, small, large = await asyncio.shield(self._made)
-        for params, (size, choices) in zip(grammars, sizes):
-            key = grammar_key(params)
+        for key, (size, choices) in zip(keys, sizes):
             if compiler.kept(key) is None:
                 lane = small if size <= SMALL_BYTES and choices <= SMALL_CHOICES else large
                 compiler.store(key, await lane.compile(key, compiler.info))

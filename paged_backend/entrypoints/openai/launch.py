@@ -3,6 +3,7 @@ bound before the model loads (minutes for a large one), so a port in use is said
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import socket
@@ -43,6 +44,11 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
         raise SystemExit(f"{prog}: interrupted while loading the model") from None
     app = build_app(llm, args)
     server = app.state.server
+    # What exists now (the model, torch, transformers: millions of objects) lives as long as the process: frozen
+    # out of the collector's reach, a full collection walks only what requests made, not the whole heap, whose
+    # walk would stall every stream while it runs.
+    gc.collect()
+    gc.freeze()
     http = GracefulServer(
         uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=args.timeout_keep_alive),
         drain=server.drain,
