@@ -135,12 +135,21 @@ def enum_schema(values: int, tag: str) -> dict[str, Any]:
     return {"type": "object", "properties": {"x": {"enum": [f"{tag} value {i}" for i in range(values)]}}}
 
 
-def structured(base: str, schema: dict[str, Any], timeout: float = 120) -> tuple[int, float]:
-    """(status, seconds) of a short completion held to ``schema``; status 0 when the client gave up first."""
+def structured_body(schema: dict[str, Any]) -> bytes:
+    """A short completion held to ``schema``, encoded ahead: this process's own JSON work must not land inside the
+    streams it times (their reader threads share its GIL)."""
+    return json.dumps({"model": "m", "prompt": "x", "max_tokens": 8, "structured_outputs": {"json": schema}}).encode()
+
+
+def structured(base: str, body: bytes | dict[str, Any], timeout: float = 120) -> tuple[int, float]:
+    """(status, seconds) of a completion with ``body`` (encoded by ``structured_body``, or a schema encoded now);
+    status 0 when the client gave up first."""
+    content = body if isinstance(body, bytes) else structured_body(body)
     start = time.monotonic()
-    body = {"model": "m", "prompt": "x", "max_tokens": 8, "structured_outputs": {"json": schema}}
     try:
-        status = httpx.post(base + "/v1/completions", json=body, timeout=timeout).status_code
+        status = httpx.post(
+            base + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=timeout
+        ).status_code
     except httpx.TimeoutException:
         status = 0
     return status, time.monotonic() - start
@@ -176,22 +185,21 @@ def adversarial_compiles(model: str, repeats: int) -> dict[str, Any]:
             alone_small = structured(server.base, enum_schema(3, f"small alone {r}"))[1]
             alone, _ = four_streams(server.base)
 
-            def attack(r: int = r) -> dict[str, Any]:
+            big_body = structured_body(enum_schema(20_000, f"big {r}"))
+            left_bodies = [structured_body(enum_schema(15_000, f"left {r} {i}")) for i in range(6)]
+            small_body = structured_body(enum_schema(3, f"small during {r}"))
+
+            def attack(
+                big_body: bytes = big_body, left_bodies: list[bytes] = left_bodies, small_body: bytes = small_body
+            ) -> dict[str, Any]:
                 start = time.monotonic()
                 big: list[tuple[int, float]] = []
-                threads = [
-                    threading.Thread(
-                        target=lambda: big.append(structured(server.base, enum_schema(20_000, f"big {r}")))
-                    )
-                ]
-                threads += [
-                    threading.Thread(target=structured, args=(server.base, enum_schema(15_000, f"left {r} {i}"), 0.5))
-                    for i in range(6)
-                ]
+                threads = [threading.Thread(target=lambda: big.append(structured(server.base, big_body)))]
+                threads += [threading.Thread(target=structured, args=(server.base, b, 0.5)) for b in left_bodies]
                 for thread in threads:
                     thread.start()
                 time.sleep(1.0)
-                small = structured(server.base, enum_schema(3, f"small during {r}"))
+                small = structured(server.base, small_body)
                 for thread in threads:
                     thread.join()
                 return {"start": start, "end": time.monotonic(), "small": small, "big": big[0]}
