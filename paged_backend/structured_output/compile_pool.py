@@ -115,7 +115,7 @@ class _Worker:
 class CompilePool:
     """``workers`` compile processes, started at once and replaced when one is killed."""
 
-    def __init__(self, tokenizer_info: Any, workers: int, timeout_s: float, max_queued: int) -> None:
+    def __init__(self, tokenizer_info: xgrammar.TokenizerInfo, workers: int, timeout_s: float, max_queued: int) -> None:
         self.tokenizer_info: str = tokenizer_info.serialize_json()
         self.workers, self.timeout_s, self.max_queued = workers, timeout_s, max_queued
         self.idle = [_Worker(self.tokenizer_info) for _ in range(workers)]
@@ -129,11 +129,11 @@ class CompilePool:
         """Compiles running now."""
         return self.workers - len(self.idle)
 
-    async def compile(self, key: GrammarKey, tokenizer_info: Any) -> xgrammar.CompiledGrammar:
+    async def compile(self, key: GrammarKey, tokenizer_info: xgrammar.TokenizerInfo) -> xgrammar.CompiledGrammar:
         """The compiled grammar of ``key`` (``tokenizer_info``: the engine's, which the grammar is read back
         with); xgrammar's refusal as ``refusal``'s FieldError, ``CompileTimeout`` past the budget, and a
         cancelled caller kills the worker that ran its compile."""
-        from paged_backend.structured_output.grammar import _xgrammar, refusal
+        from paged_backend.structured_output.grammar import refusal, xgrammar_module
 
         if self.pending >= self.workers + self.max_queued:
             raise CompileQueueFull(f"{self.pending} grammar compiles are running or waiting; try again later")
@@ -146,7 +146,7 @@ class CompilePool:
             self.pending -= 1
         if status == "error":
             raise refusal(key[0], payload)
-        return await asyncio.to_thread(_xgrammar().CompiledGrammar.deserialize_json, payload, tokenizer_info)
+        return await asyncio.to_thread(xgrammar_module().CompiledGrammar.deserialize_json, payload, tokenizer_info)
 
     async def _run(self, key: GrammarKey) -> tuple[str, str]:
         if self.closed:
@@ -160,6 +160,8 @@ class CompilePool:
             return answer
         except asyncio.TimeoutError:
             kind = key[0]
+            logger.warning("a %s grammar of %d characters compiled past %g s: its worker is killed", kind, len(key[1]),
+                           self.timeout_s)  # fmt: skip
             raise CompileTimeout(
                 f"structured_outputs.{kind}",
                 f"structured_outputs.{kind} took longer than {self.timeout_s:g} s to compile (the server's "

@@ -48,7 +48,7 @@ def build(compiler: xgrammar.GrammarCompiler, key: GrammarKey) -> xgrammar.Compi
     """Compile ``key`` with ``compiler`` (this process's or a compile worker's); a grammar xgrammar refuses, or one
     that no output can satisfy, raises a RuntimeError or ValueError (see ``refusal``)."""
     kind, text, any_whitespace = key
-    xgr = _xgrammar()
+    xgr = xgrammar_module()
     if kind in ("json", "json_object"):
         ebnf = str(xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace))
         compiled = compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
@@ -73,7 +73,7 @@ def refusal(kind: str, reason: str) -> FieldError:
     return FieldError(f"structured_outputs.{kind}", f"structured_outputs.{kind} is not usable: {reason}")
 
 
-def _xgrammar() -> Any:
+def xgrammar_module() -> Any:
     try:
         import xgrammar
     except ImportError:
@@ -87,7 +87,7 @@ class GrammarCompiler:
     a compile worker, joins through ``store``)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        xgr = _xgrammar()
+        xgr = xgrammar_module()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         hidden = hidden_special_ids(tokenizer) - set(stop_token_ids) - set(self.info.special_token_ids)
         if hidden:
@@ -143,7 +143,7 @@ class GrammarCompiler:
 
     def matcher(self, grammar: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
         """A fresh matcher: one per sample, as each sample's tokens differ."""
-        return _xgrammar().GrammarMatcher(grammar)
+        return xgrammar_module().GrammarMatcher(grammar)
 
 
 def hidden_special_ids(tokenizer: Any) -> set[int]:
