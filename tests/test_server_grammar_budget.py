@@ -81,7 +81,7 @@ def test_a_compile_past_the_time_budget_fails_its_request_only(served) -> None:
 
 def test_a_compile_whose_requester_leaves_is_killed(served) -> None:
     llm, url = served
-    post(url, {"guided_choice": ["warm"]})  # the pool exists and its worker is ready
+    post(url, {"guided_json": enum_schema(300, "warm")})  # the large grammars' lane has a worker, and it is ready
     pool = compile_pool(llm)
     (worker,) = pool.idle
     with pytest.raises(httpx.ReadTimeout):
@@ -106,3 +106,25 @@ def test_compiles_past_the_queue_bound_get_a_429(served) -> None:
     assert second.status_code == 429, second.text
     assert small.status_code == 200, small.text
     assert first[0].status_code == 400  # past the time budget
+
+
+def test_a_worker_that_dies_costs_one_request_a_503_and_the_next_gets_a_fresh_one(served) -> None:
+    import os
+    import signal
+
+    llm, url = served
+    post(url, {"guided_json": enum_schema(300, "alive")})  # a ready worker in the large grammars' lane
+    pool = compile_pool(llm)
+    (idle,) = pool.idle
+    os.kill(idle.process.pid, signal.SIGKILL)  # dies while idle: found dead, replaced
+    idle.process.join(5)
+    assert post(url, {"guided_json": enum_schema(300, "after idle death")}).status_code == 200
+    (worker,) = pool.idle
+    dying: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: dying.append(post(url, {"guided_json": enum_schema(40_000, "dies")})))
+    thread.start()
+    time.sleep(0.3)
+    os.kill(worker.process.pid, signal.SIGKILL)  # dies mid-compile
+    thread.join()
+    assert dying[0].status_code == 503, dying[0].text
+    assert post(url, {"guided_json": enum_schema(300, "after")}).status_code == 200

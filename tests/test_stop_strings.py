@@ -4,7 +4,7 @@ the tail held back from a stream equal their definitions, computed here from the
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from paged_backend.engine.stop_strings import StopStrings, failure_table
@@ -64,3 +64,19 @@ def test_stop_strings_have_a_total_length_bound() -> None:
     with pytest.raises(ValueError, match=f"stop strings may have {MAX_STOP_CHARS} characters together") as info:
         SamplingParams(stop=["a" * (MAX_STOP_CHARS // 2), "b" * (MAX_STOP_CHARS // 2 + 1)])
     assert info.value.field == "stop"  # type: ignore[attr-defined]
+
+
+@given(texts, stop_lists, st.integers(0, 40), st.lists(st.integers(1, 7), min_size=1))
+@example("Hi\n\n\n", ["\n\n"], 4, [4, 1])  # "\n\n" completed uncounted, then one more "\n" stops it
+def test_text_before_min_tokens_is_held_back_as_any_other(text: str, stops: list[str], counted: int, cuts) -> None:
+    """The first ``counted`` characters cannot stop the sample (``min_tokens``), yet a stop string they complete
+    may go on into one that does: what may still become a stop string is held back all along, so a stream never
+    shows text that the final answer cuts."""
+    matcher, states, i, found = StopStrings(stops), None, 0, None
+    states = matcher.start()
+    while i < len(text) and found is None:
+        piece = text[i : i + cuts[i % len(cuts)]]
+        i += len(piece)
+        found = matcher.feed(states, piece, i, report=i > counted)
+        if found is None:
+            assert matcher.held_back(states) == held(text[:i], stops)

@@ -248,3 +248,17 @@ def test_model_output_nested_too_deep_is_no_call_and_no_crash(levels: int) -> No
     assert parse_forced_tool_calls("required", '[{"name": "f", "parameters": {"a": ' + deep + "}}]") == []
     streamer = ToolCallStreamer("hermes")
     assert streamer.feed(hermes[:40]) == ("", []) and streamer.feed(hermes[40:], final=True) == (hermes, [])
+
+
+def test_a_required_list_refuses_tool_schemas_it_cannot_hoist() -> None:
+    """A tool's ``$defs`` that is not an object, or parameters nested past the bound, are a FieldError naming
+    ``tools`` (never a TypeError or a RecursionError from the hoisting walk)."""
+    from paged_backend.config import FieldError
+
+    deep: dict = {"type": "object"}
+    for _ in range(500):
+        deep = {"type": "object", "properties": {"a": deep}}
+    for schema in ({"type": "object", "$defs": None}, {"type": "object", "definitions": []}, deep):
+        with pytest.raises(FieldError) as info:
+            forced_tool_format({"f": schema}, "required")
+        assert info.value.field == "tools"

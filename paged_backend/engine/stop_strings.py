@@ -59,5 +59,10 @@ class StopStrings:
         return None
 
     def held_back(self, states: list[int]) -> int:
-        """How many characters at the text's end may still start a stop string (a proper prefix's length)."""
-        return max((k for k, stop in zip(states, self.stops) if k < len(stop)), default=0)
+        """How many characters at the text's end may still start a stop string (a proper prefix's length). A state
+        at a whole match (one before ``min_tokens``, not reported) goes on from its border, which a next character
+        can extend into a match: that border is held back too."""
+        return max(
+            (table[k - 1] if k == len(stop) else k for k, stop, table in zip(states, self.stops, self.tables)),
+            default=0,
+        )

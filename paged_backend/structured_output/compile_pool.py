@@ -37,6 +37,11 @@ class CompileQueueFull(RuntimeError):
     """More grammar compiles wait than the pool's queue holds (the server answers 429)."""
 
 
+class CompileUnavailable(RuntimeError):
+    """No worker could run the compile: the server is shutting down, or the worker ended before it answered
+    (the server answers 503; the next compile gets a fresh worker)."""
+
+
 class CompileTimeout(FieldError):
     """A compile ran past the pool's time budget and was abandoned."""
 
@@ -86,6 +91,7 @@ class _Worker:
         self.process.start()
         child.close()
         self.ready = False
+        self.killed = False
 
     def run(self, key: GrammarKey) -> tuple[str, str]:
         """Send ``key`` and wait for the answer (on a thread: blocks until it comes or the worker is killed)."""
@@ -104,8 +110,10 @@ class _Worker:
         """SIGKILL, then reaped on a thread of its own: a process that held a large compile's memory can take a
         second to go, which the event loop must not wait for. Its end of the pipe closes only once it is gone, so
         a thread still reading from it gets the end of the stream, never a closed descriptor under its read."""
-        self.process.kill()
-        threading.Thread(target=self._reap, name="paged-backend-grammar-reaper", daemon=True).start()
+        if not self.killed:  # once: a worker killed by ``close`` is killed again by the compile it was running
+            self.killed = True
+            self.process.kill()
+            threading.Thread(target=self._reap, name="paged-backend-grammar-reaper", daemon=True).start()
 
     def _reap(self) -> None:
         self.process.join(60)
@@ -113,13 +121,14 @@ class _Worker:
 
 
 class CompilePool:
-    """``workers`` compile processes, started at once and replaced when one is killed."""
+    """``workers`` compile processes, started at once; one killed (or found dead) is replaced by the next compile
+    that needs it, on a thread (a start is a fork, but its data is pickled)."""
 
     def __init__(self, tokenizer_info: xgrammar.TokenizerInfo, workers: int, timeout_s: float, max_queued: int) -> None:
         self.tokenizer_info: str = tokenizer_info.serialize_json()
         self.workers, self.timeout_s, self.max_queued = workers, timeout_s, max_queued
-        self.idle = [_Worker(self.tokenizer_info) for _ in range(workers)]
-        self.started = set(self.idle)  # idle or busy: what ``close`` kills
+        self.idle: list[_Worker | None] = [_Worker(self.tokenizer_info) for _ in range(workers)]  # None: to start
+        self.started = {worker for worker in self.idle if worker is not None}  # idle or busy: what ``close`` kills
         self.pending = 0  # compiles running or waiting for a worker
         self.slots: asyncio.Semaphore | None = None  # made on the event loop that first compiles
         self.closed = False
@@ -150,10 +159,16 @@ class CompilePool:
 
     async def _run(self, key: GrammarKey) -> tuple[str, str]:
         if self.closed:
-            raise RuntimeError("the server is shutting down")
+            raise CompileUnavailable("the server is shutting down")
         worker = self.idle.pop()
         done = False
         try:
+            if worker is None or worker.process.exitcode is not None:  # killed before, or died while idle
+                if worker is not None:
+                    worker.kill()
+                    self.started.discard(worker)
+                worker = await asyncio.to_thread(_Worker, self.tokenizer_info)
+                self.started.add(worker)
             await asyncio.to_thread(worker.wait_ready)
             answer = await asyncio.wait_for(asyncio.to_thread(worker.run, key), self.timeout_s)
             done = True
@@ -168,17 +183,15 @@ class CompilePool:
                 "--grammar-compile-timeout); a smaller schema, fewer choices or a simpler pattern compiles faster",
             ) from None
         except (EOFError, OSError):  # after TimeoutError, an OSError too
-            raise RuntimeError("a grammar compile worker ended before it answered") from None
+            raise CompileUnavailable("the grammar compile worker ended before it answered; try again") from None
         finally:
             if done:
                 self.idle.append(worker)
-            else:  # abandoned (timed out, cancelled, or the worker died): its process goes, a fresh one comes
-                worker.kill()
-                self.started.discard(worker)
-                if not self.closed:
-                    fresh = _Worker(self.tokenizer_info)
-                    self.started.add(fresh)
-                    self.idle.append(fresh)
+            else:  # abandoned (timed out, cancelled, or the worker died): its process goes, the next compile forks
+                if worker is not None:
+                    worker.kill()
+                    self.started.discard(worker)
+                self.idle.append(None)
 
     def close(self) -> None:
         """Kill every worker, busy or not: nothing waits on a compile to stop."""

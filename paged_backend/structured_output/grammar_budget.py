@@ -128,6 +128,9 @@ class GrammarService:
         keys = await asyncio.to_thread(lambda: [grammar_key(params) for params in grammars])
         if self.closed:
             raise RuntimeError("the server is shutting down")
+        made = self._made
+        if made is not None and made.done() and (made.cancelled() or made.exception() is not None):
+            self._made = None  # the last start failed: try again rather than fail every request after it
         self.start()
         assert self._made is not None
         compiler, small, large = await asyncio.shield(self._made)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from paged_backend import json_limits
+from paged_backend.config import FieldError
 from paged_backend.sampling_params import StructuredOutputsParams
 from paged_backend.tool_calls.parsers import ToolCall, whole_list_items
 
@@ -52,7 +53,16 @@ def _hoisted(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     its own ``$defs`` / ``definitions`` beside it, every local ``$ref`` rewritten to match (a Pydantic model's
     nested models are ``$ref: "#/$defs/Model"``, and ``"#"`` refers to the schema itself), so that refs written
     for the tool's schema as a root still resolve inside the list."""
-    own = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+    try:
+        json_limits.check_depth(schema)  # before the walk below, which recurses
+    except json_limits.JSONTooDeep as exc:
+        raise FieldError("tools", f"tool {name}'s parameters {exc}") from None
+    own: dict[str, Any] = {}
+    for section in ("definitions", "$defs"):
+        found = schema.pop(section, {})
+        if not isinstance(found, dict):
+            raise FieldError("tools", f"tool {name}'s parameters: {section} must be an object, got {found!r:.80}")
+        own.update(found)
 
     def rewrite(value: Any) -> Any:
         if isinstance(value, dict):

@@ -82,7 +82,7 @@ try:
     from paged_backend.entrypoints.openai.tokenization import ServerTokenizer
     from paged_backend.lora.request import LoRARequest
     from paged_backend.outputs import RequestOutput
-    from paged_backend.structured_output.compile_pool import CompileQueueFull
+    from paged_backend.structured_output.compile_pool import CompileQueueFull, CompileUnavailable
     from paged_backend.structured_output.grammar_budget import GrammarService
 except ModuleNotFoundError as exc:  # ``python -m`` without the [server] extra: one line, as ``serve`` gives
     if __name__ != "__main__":
@@ -184,10 +184,10 @@ class OpenAIServer:
         requests = [(f"{prefix}-{i}", prompt) for i, prompt in enumerate(prompts)]
         try:
             queues = await self.loop.add(requests, params, lora_request=self.loras.get(model))
-        except (ValueError, QueueFullError, CompileQueueFull, EngineDeadError) as exc:
+        except (ValueError, QueueFullError, CompileQueueFull, CompileUnavailable, EngineDeadError) as exc:
             if isinstance(exc, QueueFullError | CompileQueueFull):
                 raise APIError(429, str(exc), "rate_limit_error") from exc
-            if isinstance(exc, EngineDeadError):
+            if isinstance(exc, EngineDeadError | CompileUnavailable):
                 raise APIError(503, str(exc), "service_unavailable") from exc
             if format_field is not None and str(getattr(exc, "field", "")).startswith("structured_outputs."):
                 # a grammar that does not compile: named by the request field it came from
@@ -197,7 +197,9 @@ class OpenAIServer:
 
     def check_logprob_budget(self, params: SamplingParams, lengths: list[int], max_tokens: int | None) -> None:
         """A 400 for a request whose logprobs could pass ``--max-logprob-entries`` (see ``limits.py``)."""
-        new_tokens = [max_tokens if max_tokens is not None else self.max_model_len - length for length in lengths]
+        cap = max_tokens if max_tokens is not None else params.max_tokens  # the engine's default when unset
+        new_tokens = [self.max_model_len - length if cap is None else min(cap, self.max_model_len - length)
+                      for length in lengths]  # fmt: skip
         n = params.best_of or params.n
         prompt, sampled = logprob_entries(lengths, n, new_tokens, params.logprobs, params.prompt_logprobs)
         budget = self.args.max_logprob_entries
