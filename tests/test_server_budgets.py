@@ -38,11 +38,14 @@ def test_prompt_logprobs_past_the_budget_are_a_400_before_any_work(base) -> None
 
 
 def test_sampled_logprobs_count_every_sample_and_the_default_length(base) -> None:
-    """``max_tokens`` unset: a sample may run to ``max_model_len`` (128), each token with its alternatives."""
-    reply = post(base, "/v1/completions", {"prompt": [5, 6], "logprobs": 20, "n": 2})  # 2 x 126 x 21 = 5292
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs", reply.text
+    """Each sample's tokens count, up to ``max_tokens`` or, unset, what the engine would run to: completions'
+    default of 16 tokens, chat's ``max_model_len`` (128)."""
+    completion = {"prompt": [5, 6], "logprobs": 20, "n": 2}
+    assert post(base, "/v1/completions", {**completion, "max_tokens": 120}).status_code == 400  # 2 x 120 x 21
+    assert post(base, "/v1/completions", completion).status_code == 200  # 2 x 16 x 21 = 672
     chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 20, "n": 4}
-    assert post(base, "/v1/chat/completions", {**chat, "max_tokens": 100}).status_code == 400
+    reply = post(base, "/v1/chat/completions", chat)  # 4 x (128 - prompt) x 21
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "logprobs", reply.text
     assert post(base, "/v1/chat/completions", {**chat, "max_tokens": 10}).status_code == 200
 
 
