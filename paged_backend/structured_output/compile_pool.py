@@ -56,16 +56,23 @@ def _serve(conn: Connection, tokenizer_info: str) -> None:
     compiler = xgr.GrammarCompiler(
         xgr.TokenizerInfo.deserialize_json(tokenizer_info), max_threads=1, cache_enabled=False
     )
-    conn.send(("ready", ""))
+    try:
+        conn.send(("ready", ""))
+    except OSError:  # the server went away while this worker started
+        return
     while True:
         try:
             key = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            conn.send(("ok", build(compiler, key).serialize_json()))
+            answer = ("ok", build(compiler, key).serialize_json())
         except (RuntimeError, ValueError) as exc:
-            conn.send(("error", str(exc)))
+            answer = ("error", str(exc))
+        try:
+            conn.send(answer)
+        except OSError:  # the server went away meanwhile
+            return
 
 
 def _context() -> Any:
