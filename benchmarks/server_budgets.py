@@ -14,11 +14,8 @@ checkpoint, CPU is enough), against the budgets that bound it:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
-import platform
 import signal
 import sys
 import threading
@@ -30,7 +27,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.server_robustness import Server, largest_gap, stream_event_times  # noqa: E402
+from benchmarks.server_robustness import (  # noqa: E402
+    Server,
+    common_args,
+    largest_gap,
+    setup,
+    stream_event_times,
+)
 from paged_backend.sampling_params import MAX_STOP_CHARS  # noqa: E402
 
 logger = logging.getLogger("benchmarks.server_budgets")
@@ -160,20 +163,10 @@ def _post_quietly(base: str, body: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", required=True)
-    parser.add_argument("--commit", default=None, help="the commit measured (recorded in the JSON)")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from paged_backend.demo_checkpoint import default_cache_dir, demo_checkpoint
-
-    model = str(demo_checkpoint(default_cache_dir()))
+    args = common_args(__doc__).parse_args()
+    model, header = setup(args)
     result = {
-        "command": " ".join(sys.argv),
-        "commit": args.commit,
-        "cpus": len(os.sched_getaffinity(0)),
-        "python": platform.python_version(),
+        **header,
         "floods": floods(model, args.repeats),
         "stop_strings_n64": stop_strings(model, args.repeats),
         "sigterm_during_compile": [sigterm_during_compile(model) for _ in range(args.repeats)],

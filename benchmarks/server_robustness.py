@@ -269,23 +269,37 @@ def sigterm(model: str, grace: float, streams: int) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_args(description: str | None) -> argparse.ArgumentParser:
+    """The flags every server benchmark takes (``--repeats``, ``--json``, ``--commit``)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--grace", type=float, default=1.0, help="--shutdown-timeout of the SIGTERM runs")
-    parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside the 10 MB prompt runs")
     parser.add_argument("--json", required=True)
     parser.add_argument("--commit", default=None, help="the commit measured (recorded in the JSON)")
-    args = parser.parse_args()
+    return parser
+
+
+def setup(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """Logging on, and (the demo checkpoint's path, the JSON's header: command, commit, CPUs, Python)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from paged_backend.demo_checkpoint import default_cache_dir, demo_checkpoint
 
-    model = str(demo_checkpoint(default_cache_dir()))
-    result = {
+    header = {
         "command": " ".join(sys.argv),
         "commit": args.commit,
         "cpus": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
+    }
+    return str(demo_checkpoint(default_cache_dir())), header
+
+
+def main() -> None:
+    parser = common_args(__doc__)
+    parser.add_argument("--grace", type=float, default=1.0, help="--shutdown-timeout of the SIGTERM runs")
+    parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside the 10 MB prompt runs")
+    args = parser.parse_args()
+    model, header = setup(args)
+    result = {
+        **header,
         "busy_processes": args.busy,
         "big_prompt": big_prompt(model, args.repeats, args.busy),
         "adversarial_compiles": adversarial_compiles(model, args.repeats),
