@@ -34,6 +34,16 @@ GrammarKey = tuple[str, str, bool]
 
 
 def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
+    """The key of ``params``, made once per params object: a large schema's text takes milliseconds to write, and
+    the server's budget check, its compile and the engine's lookup all ask for it."""
+    made: GrammarKey | None = params.__dict__.get("_grammar_key")
+    if made is None:
+        made = _make_key(params)
+        object.__setattr__(params, "_grammar_key", made)  # a cache beside the frozen fields, not one of them
+    return made
+
+
+def _make_key(params: StructuredOutputsParams) -> GrammarKey:
     kind = params.kind
     if kind in ("json", "json_object"):  # json_object: any object (xgrammar's built-in JSON takes arrays)
         schema = params.json if kind == "json" else {"type": "object"}

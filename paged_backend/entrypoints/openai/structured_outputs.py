@@ -87,8 +87,13 @@ class StructuredOutputRequest(BaseModel):
                 asked["response_format"] = {"json": self.response_format.json_schema.schema_}
             else:
                 asked["response_format"] = {"json_object": True}
-        if self.structured_outputs is not None:
-            asked["structured_outputs"] = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        if self.structured_outputs is not None:  # its fields as given: a schema is not copied (it may be large)
+            fields = self.structured_outputs
+            asked["structured_outputs"] = {
+                "json" if name == "json_" else name: getattr(fields, name)
+                for name in type(fields).model_fields
+                if getattr(fields, name) is not None
+            }
         for name, field in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
                             ("grammar", "guided_grammar")):  # fmt: skip
             value = getattr(self, field)
