@@ -48,7 +48,7 @@ try:
         install_error_handlers,
     )
     from paged_backend.entrypoints.openai.launch import run
-    from paged_backend.entrypoints.openai.limits import MIB, RequestBodyLimit, logprob_entries
+    from paged_backend.entrypoints.openai.limits import MIB, RequestBodyLimit
     from paged_backend.entrypoints.openai.metrics import ServerMetrics
     from paged_backend.entrypoints.openai.protocol import (
         ChatCompletionRequest,
@@ -57,6 +57,7 @@ try:
         TokenizeChatRequest,
         TokenizeCompletionRequest,
     )
+    from paged_backend.entrypoints.openai.request_limits import RequestLimits
     from paged_backend.entrypoints.openai.responses import (
         AnthropicEvent,
         AnthropicMessage,
@@ -108,6 +109,7 @@ class OpenAIServer:
         self.tokenization = None if self.tokenizer is None else ServerTokenizer(self.tokenizer)
         self.draining = False  # set on SIGTERM / SIGINT: new requests get 503, those in flight go on
         self.max_model_len = llm.llm_engine.max_model_len
+        self.limits = RequestLimits(self.max_model_len, args.max_logprob_entries, self.tokenization)
         self.metrics = ServerMetrics(args.model_name)
         self.loop = llm.start_engine_loop(
             max_waiting_requests=args.max_waiting_requests, on_output=self.metrics.observe, on_abort=self.metrics.forget
@@ -158,29 +160,12 @@ class OpenAIServer:
             raise APIError(400, "prompt must not be empty", "invalid_request_error", "prompt")
         for prompt in prompts:
             if "prompt_token_ids" not in prompt:
-                self.check_length_bound(prompt["prompt"], requested_max_tokens, "prompt")
+                self.limits.check_text(prompt["prompt"], requested_max_tokens, "prompt")
         for prompt in prompts:
             if "prompt_token_ids" not in prompt and self.tokenization is not None:
                 prompt["prompt_token_ids"] = await self.tokenization.encode(prompt["prompt"])  # as the engine would
-            length = len(prompt.get("prompt_token_ids", ()))
-            if length > self.max_model_len:  # whatever max_tokens says: the engine never sees it
-                raise APIError(
-                    400,
-                    f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens. However, "
-                    f"the prompt has {length} tokens. Please reduce the length of the prompt.",
-                    "invalid_request_error",
-                    "prompt",
-                )
-            if requested_max_tokens is not None and length + requested_max_tokens > self.max_model_len:
-                raise APIError(
-                    400,
-                    f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens. "
-                    f"However, you requested {length + requested_max_tokens} tokens ({length} in the prompt, "
-                    f"{requested_max_tokens} in the completion). Please reduce the length of the prompt or completion.",
-                    "invalid_request_error",
-                    "max_tokens",
-                )
-        self.check_logprob_budget(params, [len(p.get("prompt_token_ids", ())) for p in prompts], requested_max_tokens)
+            self.limits.check_ids(len(prompt.get("prompt_token_ids", ())), requested_max_tokens)
+        self.limits.check_logprobs(params, [len(p.get("prompt_token_ids", ())) for p in prompts], requested_max_tokens)
         requests = [(f"{prefix}-{i}", prompt) for i, prompt in enumerate(prompts)]
         try:
             queues = await self.loop.add(requests, params, lora_request=self.loras.get(model))
@@ -194,45 +179,6 @@ class OpenAIServer:
                 raise APIError(400, f"{format_field}: {exc}", "invalid_request_error", format_field) from exc
             raise APIError(400, str(exc), "invalid_request_error") from exc
         return [self.loop.stream(request_id, queue) for (request_id, _), queue in zip(requests, queues)]
-
-    def check_logprob_budget(self, params: SamplingParams, lengths: list[int], max_tokens: int | None) -> None:
-        """A 400 for a request whose logprobs could pass ``--max-logprob-entries`` (see ``limits.py``)."""
-        cap = max_tokens if max_tokens is not None else params.max_tokens  # the engine's default when unset
-        new_tokens = [self.max_model_len - length if cap is None else min(cap, self.max_model_len - length)
-                      for length in lengths]  # fmt: skip
-        n = params.best_of or params.n
-        prompt, sampled = logprob_entries(lengths, n, new_tokens, params.logprobs, params.prompt_logprobs)
-        budget = self.args.max_logprob_entries
-        if prompt + sampled > budget:
-            param = "prompt_logprobs" if prompt >= sampled else "logprobs"
-            raise APIError(
-                400,
-                f"{param}: this request could return {prompt + sampled} logprob entries ({prompt} for its prompt "
-                f"tokens, {sampled} for the tokens it generates, each token's alternatives and its own); this server "
-                f"returns at most {budget} (--max-logprob-entries): ask for fewer alternatives, tokens or prompts",
-                "invalid_request_error",
-                param,
-            )
-
-    def check_length_bound(self, text: str, requested_max_tokens: int | None, param: str) -> None:
-        """A 400 for a text whose length alone proves it too long for ``max_model_len``: before tokenizing it.
-        It names the text's field when the text alone is too long, else ``max_tokens``, as the exact check after
-        tokenizing does."""
-        if self.tokenization is None:
-            return
-        at_least = self.tokenization.min_tokens(text)
-        if at_least + (requested_max_tokens or 0) > self.max_model_len:
-            param = param if at_least > self.max_model_len else "max_tokens"
-            completion = f", plus {requested_max_tokens} in the completion" if requested_max_tokens else ""
-            raise APIError(
-                400,
-                f"This model's maximum context length (max_model_len) is {self.max_model_len} tokens. However, "
-                f"the prompt has {len(text)} characters, so at least {at_least} tokens (no token of this tokenizer "
-                f"spans more than {self.tokenization.max_chars_per_token} characters){completion}. Please reduce "
-                "the length of the prompt or completion.",
-                "invalid_request_error",
-                param,
-            )
 
     async def collect(self, streams: list[AsyncIterator[RequestOutput]], prefix: str) -> list[RequestOutput]:
         """Every request's final output. Leaving early aborts them all (the client went away and the handler was

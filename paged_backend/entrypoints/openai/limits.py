@@ -1,14 +1,7 @@
-"""What one request may make the server hold.
-
-The request-body cap (``--max-request-body-mb``): a body over it is a 413 OpenAI error, refused before it is read
+"""The request-body cap (``--max-request-body-mb``): a body over it is a 413 OpenAI error, refused before it is read
 when its ``Content-Length`` says so, else as soon as the bytes received pass the cap (a chunked body), so one
 request can never make the server hold more than the cap (plus one network chunk) of it in memory. A body whose
-next bytes do not come within ``--body-read-timeout`` is a 408, so a stalling client holds no handler for long.
-
-The logprob budget (``--max-logprob-entries``): a response holds an entry per token and per alternative asked
-for, so a small body (64 prompts of 2,000 ids with ``prompt_logprobs: 20``) can ask for a response of hundreds of
-megabytes and gigabytes of the server's memory while it is built. The entries a request could return are counted
-from the request itself, before any work, and a request over the budget is a 400."""
+next bytes do not come within ``--body-read-timeout`` is a 408, so a stalling client holds no handler for long."""
 
 from __future__ import annotations
 
@@ -67,13 +60,3 @@ class RequestBodyLimit:
             return message
 
         await self.app(scope, counting_receive, send)
-
-
-def logprob_entries(
-    prompt_lengths: list[int], n: int, max_new_tokens: list[int], logprobs: int | None, prompt_logprobs: int | None
-) -> tuple[int, int]:
-    """(the prompt logprob entries, the sampled ones) that prompts of these lengths could return: each prompt token
-    has ``prompt_logprobs`` alternatives and its own, each of ``n`` samples' new tokens ``logprobs`` and its own."""
-    prompt = 0 if prompt_logprobs is None else sum(prompt_lengths) * (prompt_logprobs + 1)
-    sampled = 0 if logprobs is None else n * sum(max_new_tokens) * (logprobs + 1)
-    return prompt, sampled

@@ -89,7 +89,7 @@ class OpenAIServingChat:
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
             raise APIError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
         requested = body.max_completion_tokens or body.max_tokens
-        self.server.check_length_bound(text, requested, "messages")
+        self.server.limits.check_text(text, requested, "messages")
         ids = await tokenization.encode(text, add_special_tokens=False)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.server.max_model_len - len(ids))
         top = body.top_logprobs if body.logprobs else None

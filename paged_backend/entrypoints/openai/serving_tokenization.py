@@ -36,7 +36,7 @@ class OpenAIServingTokenization:
             param = "messages"
         else:
             text, param = body.prompt, "prompt"
-        self.server.check_length_bound(text, None, param)
+        self.server.limits.check_text(text, None, param)
         ids = await tokenization.encode(text, add_special_tokens=body.add_special_tokens)
         strs = await tokenization.token_strs(ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.server.max_model_len, "tokens": ids, "token_strs": strs}
