@@ -128,7 +128,7 @@ class Request:
     unforked: list[Sequence] = field(default_factory=list)  # samples waiting for the first one's prefill
     arrival_time: float = 0.0
     first_token_time: float | None = None
-    num_failed_steps: int = 0  # steps that failed with this request in them (see LLMEngine._step_failed)
+    num_failed_steps: int = 0  # steps that failed with this request in them (see engine/step_failures.py)
     # With params.prompt_logprobs: prompt tokens 1.. in order, a chunk of arrays each prefill chunk (token 0 has none)
     prompt_logprobs: list[LogprobsArrays] | None = None
     num_prompt_logprobs: int = 0  # prompt tokens with their entry so far

@@ -9,7 +9,7 @@ every caller share each step (continuous batching across callers). A request add
 receives its final output, and when no request streams the engine skips building per-step outputs.
 
 When steps fail, the engine fails the requests it holds responsible (``StepError``, see
-``LLMEngine._step_failed``): each gets a ``RequestFailedError`` naming the cause, and the loop steps on with the
+``step_failures.step_failed``): each gets a ``RequestFailedError`` naming the cause, and the loop steps on with the
 rest. Only an error the engine cannot recover from (the device's own, the scheduler's), or a shutdown, stops the
 loop: then every waiting request and call gets an ``EngineDeadError`` (the server's ``/health`` then answers 503).
 """

@@ -14,50 +14,30 @@ import logging
 import weakref
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel
 
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.core.scheduler_output import SchedulerOutput
-from paged_backend.core.sequence import Request, SequenceStatus
-from paged_backend.distributed.tp_executor import TPExecutor
+from paged_backend.core.sequence import SequenceStatus
+from paged_backend.engine.engine_setup import async_scheduling, eos_token_ids, input_embedding, make_executor
+from paged_backend.engine.engine_stats import engine_stats
 from paged_backend.engine.input_processor import InputProcessor, PromptType
 from paged_backend.engine.output_processor import OutputProcessor
+from paged_backend.engine.step_failures import StepError, step_failed
 from paged_backend.engine.weight_updates import WeightUpdates
 from paged_backend.lora.request import LoRARequest
-from paged_backend.model_loader import causal_lm_class, load_hf_config, load_model, load_tokenizer, model_max_length
+from paged_backend.model_loader import causal_lm_class, load_hf_config, load_tokenizer, model_max_length
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.worker.async_output import AsyncModelRunnerOutput, ReadyOutput
 from paged_backend.worker.attention import check_model_supported
 from paged_backend.worker.kv_sizing import num_cpu_blocks, num_gpu_blocks
-from paged_backend.worker.worker import Executor, Worker
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "PromptType", "StepError"]
-
-
-class StepError(RuntimeError):
-    """A step raised, and the requests held responsible (``request_ids``) were aborted; the others are intact (or
-    being redone) and the engine can step on. The original error is ``__cause__``."""
-
-    def __init__(self, request_ids: list[str], error: Exception) -> None:
-        super().__init__(f"a step running request(s) {request_ids} failed: {error!r}")
-        self.request_ids = request_ids
-
-
-def make_executor(config: EngineConfig, model: str | PreTrainedModel) -> Executor:
-    """One ``Worker`` on one device, or a tensor-parallel group whose workers each load their shard."""
-    if config.parallel_config.tensor_parallel_size == 1:
-        return Worker(*load_model(config, model))
-    if not isinstance(model, str):
-        raise ValueError(
-            "tensor_parallel_size > 1 loads the model in every worker process: pass model as a path or hub id"
-        )
-    return TPExecutor.start(config, model)
 
 
 class LLMEngine:
@@ -79,11 +59,8 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len
         if self.device.type != "cuda":
             swap = "" if self.config.scheduler_config.preemption_mode == "swap" else "swap_space, "
-            logger.info(
-                "running on %s: gpu_memory_utilization, %storch.compile and CUDA graphs have no effect here",
-                self.device,
-                swap,
-            )
+            logger.info("running on %s: gpu_memory_utilization, %storch.compile and CUDA graphs have no effect here",
+                        self.device, swap)  # fmt: skip
         self.executor.init_lora(self.config)
         self.lora_manager = self.executor.lora_manager
         spec = self.executor.kv_cache_spec(self.config)
@@ -99,7 +76,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.config, block_manager)
         self.asleep = False  # sleep(): no KV cache until wake_up()
-        self.async_scheduling = self._async_scheduling()
+        self.async_scheduling = async_scheduling(self.config, self.device)
         # Cached prefixes hold KV of the weights they were computed with, and a queued round was computed with the
         # weights of its time (see engine/weight_updates.py).
         watch = self.config.cache_config.enable_prefix_caching or self.async_scheduling
@@ -111,57 +88,24 @@ class LLMEngine:
             self.config,
             self.tokenizer,
             self.vocab_size,
-            self._eos_token_ids(),
+            eos_token_ids(self.model, self.tokenizer),
             self.device,
             self.lora_manager,
             hf_tokenizer=self.tokenizer,
-            embedding=self._input_embedding(),
+            embedding=input_embedding(self.config, self.model),
             kv_shape=(spec.num_layers, spec.num_kv_heads, spec.head_dim),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests = self.output_processor.requests  # unfinished requests by id
         self.num_prompt_tokens = 0
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB) on %s",
-            num_blocks,
-            self.config.block_size,
-            num_blocks * spec.bytes_per_block(self.config.block_size) / 2**30,
-            self.device,
-        )
+        gib = num_blocks * spec.bytes_per_block(self.config.block_size) / 2**30
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB) on %s", num_blocks, self.config.block_size, gib,
+                    self.device)  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers now and take LoRA's hooks off the model (both also happen when the
         engine is garbage-collected)."""
         self._finalizer()
-
-    def _async_scheduling(self) -> bool:
-        """On where asked; by default on a single GPU (a CPU would compute a queued round before it could read
-        the one before it) whenever rounds run."""
-        asked = self.config.scheduler_config.async_scheduling
-        rounds = self.config.scheduler_config.num_scheduler_steps > 1
-        if asked is None:
-            return rounds and self.device.type == "cuda" and self.config.parallel_config.tensor_parallel_size == 1
-        return asked
-
-    def _input_embedding(self) -> torch.nn.Embedding | None:
-        """The model's input embedding, when prompts may be embeddings."""
-        if not self.config.model_config.enable_prompt_embeds:
-            return None
-        embedding = self.model.get_input_embeddings()
-        return embedding if isinstance(embedding, torch.nn.Embedding) else None
-
-    def _eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        generation_config = getattr(self.model, "generation_config", None)
-        for source in (
-            getattr(generation_config, "eos_token_id", None),
-            getattr(self.tokenizer, "eos_token_id", None),
-        ):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(t) for t in source)
-        return frozenset(ids)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -235,7 +179,7 @@ class LLMEngine:
             runner_output = pending.get_output()
         except Exception as error:  # no token of the step was taken: its requests are redone, or fail
             self._in_flight = None
-            failed = self._step_failed(owners, error, retry=True)
+            failed = step_failed(self, owners, error, retry=True)
             if failed:
                 raise StepError(failed, error) from error
             return []
@@ -247,7 +191,7 @@ class LLMEngine:
             return self.output_processor.make_outputs(updates, finished_only)
         except Exception as error:
             self._in_flight = None
-            raise StepError(self._step_failed(owners, error, retry=False), error) from error
+            raise StepError(step_failed(self, owners, error, retry=False), error) from error
 
     def _live_in_flight(self) -> tuple[SchedulerOutput, AsyncModelRunnerOutput] | None:
         """The queued round, unless every row of it has ended (or was aborted) meanwhile: then its work is
@@ -299,56 +243,5 @@ class LLMEngine:
             self.executor.wake_up()
             self.asleep = False
 
-    def _step_failed(self, owners: list[Request], error: Exception, retry: bool) -> list[str]:
-        """A step raised. Unrecoverable (the device's own error): raise it. Else the requests it touched
-        (``owners``) are suspects. A step of one request, or a second failure of a request, fails that request
-        (``StepError``); the others of a failed forward are redone alone (``Scheduler.retry_alone``), so that a
-        request that makes steps fail takes no neighbour down with it, while a passing fault costs its batch only a
-        recompute. A failure after the forward (sampled tokens partly taken) fails every request it touched.
-        Returns the ids of the requests that failed (aborted)."""
-        if not self.executor.is_recoverable(error):
-            raise error
-        for request in owners:
-            request.num_failed_steps += 1
-        if retry and len(owners) > 1:
-            failed = [r.request_id for r in owners if r.num_failed_steps > 1]
-            for request in owners:
-                if request.num_failed_steps == 1 and not request.finished:
-                    self.scheduler.retry_alone(request)
-        else:  # those that finished in the step too: their final output was never made
-            failed = [r.request_id for r in owners]
-        logger.warning(
-            "a step of %d request(s) failed (%r): %d fail, any others are redone alone",
-            len(owners),
-            error,
-            len(failed),
-            exc_info=error,
-        )
-        self.abort_request(failed, cache_blocks=False)
-        return failed
-
-    # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
-        scheduler = self.scheduler
-        bm = scheduler.block_manager
-        in_cache = {seq.seq_id: seq.num_computed_tokens for seq in scheduler.running}
-        return {
-            "num_kv_blocks": bm.num_blocks,
-            "num_free_blocks": bm.num_free_blocks,
-            "block_size": bm.block_size,
-            "num_running": len(scheduler.running),
-            "num_waiting": len(scheduler.waiting),
-            "num_preemptions": scheduler.num_preemptions,
-            "num_swapped_out": scheduler.num_swapped_out,
-            "num_swapped": len(scheduler.swapped),
-            "num_free_cpu_blocks": len(bm.cpu_free_block_ids),
-            "num_cpu_blocks": bm.num_cpu_blocks,
-            "num_chunked_prefill_steps": scheduler.num_chunked_prefill_steps,
-            "num_cached_blocks": bm.num_cached_blocks,
-            # prompt tokens served from the prefix cache / prompt tokens, over first admissions
-            "prefix_cache_hit_rate": scheduler.num_prompt_tokens_cached / max(1, scheduler.num_prompt_tokens_admitted),
-            "num_prompt_tokens_cached": scheduler.num_prompt_tokens_cached,
-            "kv_waste_fraction": bm.kv_waste_fraction(in_cache),
-            "num_prompt_tokens": self.num_prompt_tokens,
-            "num_generated_tokens": self.num_generated_tokens,
-        }
+        return engine_stats(self)
