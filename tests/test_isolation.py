@@ -105,6 +105,19 @@ def test_direct_generate_raises_the_step_error_and_leaves_nothing_behind(tokeniz
     assert_idle(llm)
 
 
+def neighbours_finish_as_alone(llm: LLM, requests: list, queues: list, failed: str) -> None:
+    """Every request on the loop but ``failed`` ends with HF's greedy tokens; then the loop is alive and idle."""
+    loop = llm.engine_loop
+    for (name, prompt), queue in zip(requests, queues):
+        if name != failed:
+            (*_, final) = loop.stream_sync(name, queue)
+            assert final.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompt["prompt_token_ids"], 6)
+    assert loop.alive
+    loop.call_sync(lambda engine: None)  # let the loop finish its bookkeeping
+    assert_idle(llm)
+    loop.shutdown()
+
+
 def test_on_the_loop_only_the_failing_request_fails(tokenizer) -> None:
     llm = make_llm(tokenizer)
     loop = llm.engine_loop
@@ -113,14 +126,7 @@ def test_on_the_loop_only_the_failing_request_fails(tokenizer) -> None:
     queues = loop.add_sync(requests, GREEDY)
     with pytest.raises(RequestFailedError, match="request b failed: RuntimeError\\('boom'\\)"):
         list(loop.stream_sync("b", queues[1]))
-    for (name, prompt), queue in zip(requests, queues):
-        if name != "b":
-            (*_, final) = loop.stream_sync(name, queue)
-            assert final.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompt["prompt_token_ids"], 6)
-    assert loop.alive
-    loop.call_sync(lambda engine: None)  # let the loop finish its bookkeeping
-    assert_idle(llm)
-    loop.shutdown()
+    neighbours_finish_as_alone(llm, requests, queues, failed="b")
 
 
 _ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", None)
@@ -324,10 +330,4 @@ def test_a_logits_processor_that_returns_nan_fails_its_request_naming_it(tokeniz
     queues = loop.add_sync(requests, [GREEDY, bad, GREEDY])
     with pytest.raises(RequestFailedError, match="the logits processor .*poison returned NaN logits"):
         list(loop.stream_sync("b", queues[1]))
-    for (name, prompt), queue in zip(requests, queues):
-        if name != "b":
-            (*_, final) = loop.stream_sync(name, queue)
-            assert final.outputs[0].token_ids == hf_greedy(tiny_model("llama"), prompt["prompt_token_ids"], 6)
-    loop.call_sync(lambda engine: None)
-    assert_idle(llm)
-    loop.shutdown()
+    neighbours_finish_as_alone(llm, requests, queues, failed="b")
