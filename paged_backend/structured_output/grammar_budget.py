@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged_backend.config import FieldError, check_float, check_int
 from paged_backend.sampling_params import StructuredOutputsParams
+from paged_backend.structured_output.grammar import grammar_key
 
 if TYPE_CHECKING:
     from paged_backend.structured_output.compile_pool import CompilePool
@@ -56,7 +57,7 @@ class GrammarBudget:
             return 0, 0
         name = f"structured_outputs.{kind}"
         value: Any = getattr(params, kind)
-        text = value if isinstance(value, str) else json.dumps(value)
+        text = grammar_key(params)[1]  # the text the compile reads (written once per params)
         size = len(text.encode())
         if size > self.max_bytes:
             raise FieldError(name, f"{name} is {size} bytes; this server compiles at most {self.max_bytes} "
@@ -125,7 +126,7 @@ class GrammarService:
 
         # on a thread: a large schema's walk and its text take milliseconds the event loop must not wait
         sizes = await asyncio.to_thread(lambda: [self.budget.check(params) for params in grammars])
-        keys = await asyncio.to_thread(lambda: [grammar_key(params) for params in grammars])
+        keys = [grammar_key(params) for params in grammars]  # made by the check
         if self.closed:
             raise RuntimeError("the server is shutting down")
         made = self._made
