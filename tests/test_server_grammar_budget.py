@@ -4,6 +4,7 @@ bounded compile queue (429)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -128,3 +129,22 @@ def test_a_worker_that_dies_costs_one_request_a_503_and_the_next_gets_a_fresh_on
     thread.join()
     assert dying[0].status_code == 503, dying[0].text
     assert post(url, {"guided_json": enum_schema(300, "after")}).status_code == 200
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is per thread on Linux only")
+def test_the_server_side_of_a_compile_runs_below_the_engine_s_priority(served) -> None:
+    """Reading a large grammar back takes a core for a second or more: its threads yield to the engine's."""
+    import os
+
+    from paged_backend.structured_output.compile_pool import WORKER_NICENESS
+
+    llm, url = served
+    post(url, {"guided_json": enum_schema(300, "nice")})  # the lane's threads have started
+    pool = compile_pool(llm)
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    engine_thread = llm._engine_loop.thread.native_id
+    assert pool.threads.submit(priority).result() == min(19, priority() + WORKER_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, engine_thread) == priority()  # the engine's thread kept its own

@@ -3,8 +3,10 @@
 A compile inside xgrammar cannot be interrupted, so the only way to give one up (its time budget spent, its
 requester gone) is to end the process running it: each worker is a process of its own, killed and replaced when
 its compile is abandoned. Workers run at a lower CPU priority (``nice``) and compile on one thread each, so
-compiles take the cores the engine and the event loop leave; the event loop itself only waits on a pipe (on a
-thread) and turns the answer back into a grammar. At most ``workers`` compiles run and ``max_queued`` more wait;
+compiles take the cores the engine and the event loop leave. The server's side of a compile runs on threads of
+the same lower priority: they wait on the pipe and turn the answer back into a grammar, which for a large enum is
+tens of megabytes and a second or more of a core (the GIL released), time the engine's thread must not share
+at equal weight. At most ``workers`` compiles run and ``max_queued`` more wait;
 past that ``CompileQueueFull``.
 """
 
@@ -16,9 +18,11 @@ import multiprocessing
 import os
 import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from paged_backend.config import FieldError
 
@@ -28,6 +32,7 @@ if TYPE_CHECKING:
     from paged_backend.structured_output.grammar import GrammarKey
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WORKER_NICENESS = 10
 _READY_TIMEOUT_S = 120.0  # a worker's start, the fork server's own included (it imports xgrammar and torch)
@@ -73,6 +78,12 @@ def _serve(conn: Connection, tokenizer_info: str) -> None:
             conn.send(answer)
         except OSError:  # the server went away meanwhile
             return
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's priority (Linux sets ``nice`` per thread; elsewhere it would be the process's)."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
 
 
 def _context() -> Any:
@@ -139,6 +150,11 @@ class CompilePool:
         self.pending = 0  # compiles running or waiting for a worker
         self.slots: asyncio.Semaphore | None = None  # made on the event loop that first compiles
         self.closed = False
+        # a thread per running compile (each waits on its worker's pipe) and as many reading grammars back
+        self.threads = ThreadPoolExecutor(2 * workers, "paged-backend-grammar", initializer=_lower_priority)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
 
     @property
     def busy(self) -> int:
@@ -162,7 +178,7 @@ class CompilePool:
             self.pending -= 1
         if status == "error":
             raise refusal(key[0], payload)
-        return await asyncio.to_thread(xgrammar_module().CompiledGrammar.deserialize_json, payload, tokenizer_info)
+        return await self._off_loop(xgrammar_module().CompiledGrammar.deserialize_json, payload, tokenizer_info)
 
     async def _run(self, key: GrammarKey) -> tuple[str, str]:
         if self.closed:
@@ -176,8 +192,8 @@ class CompilePool:
                     self.started.discard(worker)
                 worker = await asyncio.to_thread(_Worker, self.tokenizer_info)
                 self.started.add(worker)
-            await asyncio.to_thread(worker.wait_ready)
-            answer = await asyncio.wait_for(asyncio.to_thread(worker.run, key), self.timeout_s)
+            await self._off_loop(worker.wait_ready)
+            answer = await asyncio.wait_for(self._off_loop(worker.run, key), self.timeout_s)
             done = True
             return answer
         except asyncio.TimeoutError:
@@ -206,3 +222,4 @@ class CompilePool:
         for worker in self.started:
             worker.kill()
         self.idle, self.started = [], set()
+        self.threads.shutdown(wait=False)
