@@ -14,6 +14,7 @@ from typing import Any
 
 MAX_JSON_DEPTH = 64
 _DECODER = json.JSONDecoder()
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 class JSONTooDeep(ValueError):
@@ -25,16 +26,19 @@ class JSONTooDeep(ValueError):
 
 def check_depth(value: Any, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``value`` (already parsed, e.g. a request body's object), or JSONTooDeep if its arrays and objects nest
-    deeper than ``max_depth``; walked without recursion, and only as deep as the bound."""
+    deeper than ``max_depth``; walked without recursion, and only as deep as the bound. A container whose
+    children are all scalars (a long enum) is passed over by a set of their types, made in C: the server walks
+    request bodies on its event loop, holding the GIL that the engine's thread takes back after every torch op."""
     stack = [(value, 1)]
     while stack:
         item, level = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list | tuple) else None
         if children is None:
             continue
         if level > max_depth:
             raise JSONTooDeep(max_depth)
-        stack.extend((child, level + 1) for child in children if isinstance(child, dict | list))
+        if not set(map(type, children)) <= _SCALARS:
+            stack.extend((child, level + 1) for child in children if isinstance(child, dict | list | tuple))
     return value
 
 
