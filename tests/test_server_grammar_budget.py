@@ -137,9 +137,11 @@ def test_the_server_side_of_a_compile_runs_below_the_engine_s_priority(served) -
     import os
 
     from paged_backend.structured_output.compile_pool import WORKER_NICENESS
+    from paged_backend.structured_output.grammar_budget import SMALL_NICENESS
 
     llm, url = served
-    post(url, {"guided_json": enum_schema(300, "nice")})  # the lane's threads have started
+    post(url, {"guided_json": enum_schema(300, "nice")})  # the lanes' threads have started
+    post(url, {"guided_json": enum_schema(3, "nice")})
     pool = compile_pool(llm)
 
     def priority() -> int:
@@ -147,4 +149,6 @@ def test_the_server_side_of_a_compile_runs_below_the_engine_s_priority(served) -
 
     engine_thread = llm._engine_loop.thread.native_id
     assert pool.threads.submit(priority).result() == min(19, priority() + WORKER_NICENESS)
+    small = llm._engine_loop.grammars.lanes[0]  # small grammars, which a request waits on, at a higher priority
+    assert small.threads.submit(priority).result() == min(19, priority() + SMALL_NICENESS) < WORKER_NICENESS
     assert os.getpriority(os.PRIO_PROCESS, engine_thread) == priority()  # the engine's thread kept its own

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-WORKER_NICENESS = 10
+WORKER_NICENESS = 10  # the default: large grammars' workers take the cores the engine leaves
 _READY_TIMEOUT_S = 120.0  # a worker's start, the fork server's own included (it imports xgrammar and torch)
 
 
@@ -51,9 +51,9 @@ class CompileTimeout(FieldError):
     """A compile ran past the pool's time budget and was abandoned."""
 
 
-def _serve(conn: Connection, tokenizer_info: str) -> None:
+def _serve(conn: Connection, tokenizer_info: str, niceness: int) -> None:
     """A worker's loop: compile each key sent, answer with the grammar serialized or xgrammar's refusal."""
-    os.nice(WORKER_NICENESS)
+    os.nice(niceness)
     import xgrammar as xgr
 
     from paged_backend.structured_output.grammar import build
@@ -80,10 +80,10 @@ def _serve(conn: Connection, tokenizer_info: str) -> None:
             return
 
 
-def _lower_priority() -> None:
+def _lower_priority(niceness: int) -> None:
     """Lower the calling thread's priority (Linux sets ``nice`` per thread; elsewhere it would be the process's)."""
     if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
 
 def _context() -> Any:
@@ -100,11 +100,11 @@ def _context() -> Any:
 
 
 class _Worker:
-    def __init__(self, tokenizer_info: str) -> None:
+    def __init__(self, tokenizer_info: str, niceness: int) -> None:
         context = _context()
         self.conn, child = context.Pipe()
         self.process: BaseProcess = context.Process(
-            target=_serve, args=(child, tokenizer_info), name="paged-backend-grammar", daemon=True
+            target=_serve, args=(child, tokenizer_info, niceness), name="paged-backend-grammar", daemon=True
         )
         self.process.start()
         child.close()
@@ -142,16 +142,27 @@ class CompilePool:
     """``workers`` compile processes, started at once; one killed (or found dead) is replaced by the next compile
     that needs it, on a thread (a start is a fork, but its data is pickled)."""
 
-    def __init__(self, tokenizer_info: xgrammar.TokenizerInfo, workers: int, timeout_s: float, max_queued: int) -> None:
+    def __init__(
+        self,
+        tokenizer_info: xgrammar.TokenizerInfo,
+        workers: int,
+        timeout_s: float,
+        max_queued: int,
+        niceness: int = WORKER_NICENESS,
+    ) -> None:
         self.tokenizer_info: str = tokenizer_info.serialize_json()
-        self.workers, self.timeout_s, self.max_queued = workers, timeout_s, max_queued
-        self.idle: list[_Worker | None] = [_Worker(self.tokenizer_info) for _ in range(workers)]  # None: to start
+        self.workers, self.timeout_s, self.max_queued, self.niceness = workers, timeout_s, max_queued, niceness
+        self.idle: list[_Worker | None] = [
+            _Worker(self.tokenizer_info, niceness) for _ in range(workers)
+        ]  # None: to start
         self.started = {worker for worker in self.idle if worker is not None}  # idle or busy: what ``close`` kills
         self.pending = 0  # compiles running or waiting for a worker
         self.slots: asyncio.Semaphore | None = None  # made on the event loop that first compiles
         self.closed = False
         # a thread per running compile (each waits on its worker's pipe) and as many reading grammars back
-        self.threads = ThreadPoolExecutor(2 * workers, "paged-backend-grammar", initializer=_lower_priority)
+        self.threads = ThreadPoolExecutor(
+            2 * workers, "paged-backend-grammar", initializer=_lower_priority, initargs=(niceness,)
+        )
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
@@ -190,7 +201,7 @@ class CompilePool:
                 if worker is not None:
                     worker.kill()
                     self.started.discard(worker)
-                worker = await asyncio.to_thread(_Worker, self.tokenizer_info)
+                worker = await asyncio.to_thread(_Worker, self.tokenizer_info, self.niceness)
                 self.started.add(worker)
             await self._off_loop(worker.wait_ready)
             answer = await asyncio.wait_for(self._off_loop(worker.run, key), self.timeout_s)

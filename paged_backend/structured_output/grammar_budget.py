@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 SMALL_BYTES = 16 * 1024  # a grammar this small, with few enum or choice values, compiles in milliseconds
 SMALL_CHOICES = 256
+# A request waits on its small grammar's few milliseconds of compile: that lane runs between the engine's priority
+# (nice 0) and the large lane's, so a large compile on the same core does not halve it.
+SMALL_NICENESS = 5
 
 
 def default_compile_workers() -> int:
@@ -91,7 +94,8 @@ def enum_values(schema: Any) -> int:
 class GrammarService:
     """The server's way to a request's grammars: caps, then the engine's compiled grammar or a compile in a worker
     process. Two lanes of workers: one for small grammars (``SMALL_BYTES``, ``SMALL_CHOICES``), which compile in
-    milliseconds, and ``compile_workers`` for the rest, so a small schema never waits behind a large one.
+    milliseconds, at a higher priority than the rest (``SMALL_NICENESS``), and ``compile_workers`` for the rest, so
+    a small schema never waits behind a large one.
     ``compiler`` builds the engine's ``GrammarCompiler``; ``start`` makes it and the workers on a thread, so
     that the first structured request does not wait for processes to start."""
 
@@ -112,7 +116,7 @@ class GrammarService:
 
         compiler, budget = self._compiler_factory(), self.budget
         timeout, queued = budget.compile_timeout_s, budget.max_queued_compiles
-        small = CompilePool(compiler.info, 1, timeout, queued)
+        small = CompilePool(compiler.info, 1, timeout, queued, niceness=SMALL_NICENESS)
         large = CompilePool(compiler.info, budget.compile_workers, timeout, queued)
         self.lanes = (small, large)
         if self.closed:  # closed while they started

@@ -84,6 +84,7 @@ class ServerArgs:
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> adapter path
     max_request_body_mb: float = DEFAULT_MAX_REQUEST_BODY_MB
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES  # per request: tokens x (alternatives + 1)
+    header_read_timeout: float = 20.0  # seconds for a request's whole header block: 408, connection closed
     body_read_timeout: float = 30.0  # seconds without a request body's next bytes: 408
     timeout_keep_alive: int = 5  # uvicorn's: an idle connection closes after this long (vLLM's default)
     shutdown_timeout: float = 0.0  # seconds in-flight requests get after SIGTERM / SIGINT (vLLM's default: none)
@@ -207,6 +208,14 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
         f"before any work (default {DEFAULT_MAX_LOGPROB_ENTRIES})",
     )
     parser.add_argument(
+        "--header-read-timeout",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="a request whose headers take longer (from the connection's start, or the previous response's end) "
+        "gets 408 and its connection closes (default 20)",
+    )
+    parser.add_argument(
         "--body-read-timeout",
         type=float,
         default=30.0,
@@ -279,7 +288,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         parser.error(
             "--enable-auto-tool-choice needs --tool-call-parser (one of: " + ", ".join(TOOL_CALL_PARSERS) + ")"
         )
-    for flag in ("body_read_timeout", "timeout_keep_alive"):
+    for flag in ("header_read_timeout", "body_read_timeout", "timeout_keep_alive"):
         if not 0 < getattr(args, flag) < float("inf"):
             parser.error(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {getattr(args, flag)}")
     if args.max_logprob_entries < 1:
@@ -305,6 +314,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         lora_modules=dict(args.lora_modules),
         max_request_body_mb=args.max_request_body_mb,
         max_logprob_entries=args.max_logprob_entries,
+        header_read_timeout=args.header_read_timeout,
         body_read_timeout=args.body_read_timeout,
         timeout_keep_alive=args.timeout_keep_alive,
         shutdown_timeout=args.shutdown_timeout,

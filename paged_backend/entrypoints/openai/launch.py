@@ -25,6 +25,7 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
     from paged_backend.engine.fresh_thread import call_in_fresh_thread
     from paged_backend.entrypoints.llm import LLM
     from paged_backend.entrypoints.openai.api_server import build_app
+    from paged_backend.entrypoints.openai.header_timeout import http_protocol
     from paged_backend.entrypoints.openai.shutdown import GracefulServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -50,7 +51,13 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
     gc.collect()
     gc.freeze()
     http = GracefulServer(
-        uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=args.timeout_keep_alive),
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            http=http_protocol(args.header_read_timeout),
+            timeout_keep_alive=args.timeout_keep_alive,
+        ),
         drain=server.drain,
         abort=server.abort_all,
         timeout_s=args.shutdown_timeout,
