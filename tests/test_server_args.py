@@ -140,3 +140,12 @@ def test_an_empty_api_key_is_refused_not_an_open_server(key: str, monkeypatch, c
         parse_args(["M"])
     assert exit_info.value.code == 2 and f"${API_KEY_ENV} is set but empty" in capsys.readouterr().err
     assert parse_args(["M", "--api-key", "k"])[0].api_key == "k"  # the flag wins over the environment
+
+
+def test_an_engine_serving_on_cpu_leaves_a_core_to_the_http_side() -> None:
+    from paged_backend.entrypoints.openai.launch import engine_cpu_threads
+
+    assert engine_cpu_threads("cpu", {}, 16) == 15
+    assert engine_cpu_threads("cpu", {}, 1) == 1
+    assert engine_cpu_threads("cpu", {"OMP_NUM_THREADS": "4"}, 16) is None  # the user's choice stands
+    assert engine_cpu_threads("cuda", {}, 16) is None

@@ -54,6 +54,11 @@ def compile_pool(llm):
         ({"structured_outputs": {"json": {"enum": list(range(100_001))}}}, "structured_outputs",
          "--max-grammar-choices"),
         ({"guided_regex": "a" * 101}, "guided_regex", "--max-grammar-regex-length"),
+        ({"guided_json": {"type": "object", "properties": {"pattern": {"type": "string", "pattern": "(a|b)" * 21}}}},
+         "guided_json", "--max-grammar-regex-length"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "patternProperties": {"^k" + "[0-9]" * 30: {"type": "integer"}}}}}},
+         "response_format", "--max-grammar-regex-length"),
     ],
 )  # fmt: skip
 def test_a_grammar_over_a_cap_is_a_400_before_any_compile(served, body: dict, param: str, flag: str) -> None:

@@ -51,7 +51,7 @@ def test_what_each_parser_calls_reasoning() -> None:
         ReasoningSplitter("r2")
 
 
-TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{{ flavour | default('') }}"
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{{ (flavour | default(''))[:40] }}"
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +93,13 @@ def test_chat_template_kwargs_reach_the_template(client) -> None:
             model=NAME, messages=messages, max_tokens=2, extra_body={"chat_template_kwargs": {"bos_token": "<evil>"}}
         )
     assert info.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+
+
+def test_a_template_error_that_chat_template_kwargs_cause_names_them(client) -> None:
+    """The template slices ``flavour``: a number there fails the template, and the 400 blames the variables,
+    not the messages (which render without them)."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"flavour": 5}})  # fmt: skip
+    assert info.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
+    assert "chat template failed" in info.value.body["message"]  # type: ignore[index]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -70,6 +71,9 @@ def test_sigterm_under_32_streams_ends_each_and_exits_0(checkpoint) -> None:
     results, sent = asyncio.run(main())
     assert server.wait(60) == 0, server.stderr[-3000:]
     assert "Traceback" not in server.stderr, server.stderr[-3000:]
+    if "OMP_NUM_THREADS" not in os.environ:  # one core left to the HTTP side (launch.engine_cpu_threads)
+        cores = len(os.sched_getaffinity(0))
+        assert f"the engine computes on {max(1, cores - 1)} threads" in server.stderr, server.stderr[-3000:]
     endings = []
     for events in results:
         assert not isinstance(events, BaseException), events

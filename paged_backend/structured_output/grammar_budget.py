@@ -65,30 +65,35 @@ class GrammarBudget:
         if size > self.max_bytes:
             raise FieldError(name, f"{name} is {size} bytes; this server compiles at most {self.max_bytes} "
                                    "(--max-grammar-bytes)")  # fmt: skip
-        choices = len(value) if kind == "choice" else enum_values(value) if kind == "json" else 0
+        choices, pattern = schema_counts(value) if kind == "json" else (len(value) if kind == "choice" else 0, 0)
         if choices > self.max_choices:
             raise FieldError(name, f"{name} lists {choices} enum or choice values; this server compiles at most "
                                    f"{self.max_choices} (--max-grammar-choices)")  # fmt: skip
-        if kind == "regex" and len(text) > self.max_regex_length:
-            raise FieldError(name, f"{name} is {len(text)} characters long; this server compiles at most "
+        regex = len(text) if kind == "regex" else pattern
+        if regex > self.max_regex_length:
+            what = "is" if kind == "regex" else "has a `pattern` (or `patternProperties` key)"
+            raise FieldError(name, f"{name} {what} {regex} characters long; this server compiles at most "
                                    f"{self.max_regex_length} (--max-grammar-regex-length)")  # fmt: skip
         return size, choices
 
 
-def enum_values(schema: Any) -> int:
-    """How many values the ``enum`` lists of a JSON schema (text or object) hold together, walked iteratively."""
+def schema_counts(schema: Any) -> tuple[int, int]:
+    """How many values the ``enum`` lists of a JSON schema (text or object) hold together, and the length of its
+    longest regular expression (a ``pattern``, or a ``patternProperties`` key), walked iteratively."""
     if isinstance(schema, str):
         schema = json.loads(schema)  # already checked to parse, and to nest no deeper than json_limits allows
-    count, stack = 0, [schema]
+    count, longest, stack = 0, 0, [schema]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
-            enum = item.get("enum")
+            enum, pattern, keyed = item.get("enum"), item.get("pattern"), item.get("patternProperties")
             count += len(enum) if isinstance(enum, list) else 0
+            longest = max(longest, len(pattern) if isinstance(pattern, str) else 0)
+            longest = max(longest, *map(len, keyed)) if isinstance(keyed, dict) and keyed else longest
             stack.extend(v for k, v in item.items() if k != "enum")
         elif isinstance(item, list):
             stack.extend(item)
-    return count
+    return count, longest
 
 
 class GrammarService:

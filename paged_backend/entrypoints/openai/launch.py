@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 from paged_backend.entrypoints.openai.cli_args import ServerArgs
@@ -43,6 +45,13 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
     except KeyboardInterrupt:
         listener.close()
         raise SystemExit(f"{prog}: interrupted while loading the model") from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = engine_cpu_threads(llm.llm_engine.device.type, os.environ, cores)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)  # the engine's thread, started next, makes its team of this many
+        logger.info("CPU: the engine computes on %d threads, one core is left to the HTTP server", threads)
     app = build_app(llm, args)
     server = app.state.server
     # What exists now (the model, torch, transformers: millions of objects) lives as long as the process: frozen
@@ -86,3 +95,13 @@ def bind(host: str, port: int, prog: str) -> socket.socket:
         ) from None
     listener.set_inheritable(True)
     return listener
+
+
+def engine_cpu_threads(device_type: str, environ: Mapping[str, str], cores: int) -> int | None:
+    """The intra-op threads of an engine serving on CPU: one core fewer than this process may use, unless
+    ``OMP_NUM_THREADS`` says otherwise (None: leave torch's choice). The event loop, the tokenizer's thread and
+    the grammar workers need a core now and then; a matrix product whose threads fill every core waits at its
+    barrier for the one that lost its core, so each such moment would stall every stream for a whole time slice."""
+    if device_type != "cpu" or "OMP_NUM_THREADS" in environ:
+        return None
+    return max(1, cores - 1)

@@ -87,7 +87,8 @@ class OpenAIServingChat:
         try:
             text = await tokenization.render_chat(messages, self.server.chat_template, **template_kwargs)
         except Exception as exc:  # noqa: BLE001 - a template error is the request's problem
-            raise APIError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
+            param = await self._template_culprit(messages, template_kwargs, body.chat_template_kwargs)
+            raise APIError(400, f"chat template failed: {exc}", "invalid_request_error", param) from exc
         requested = body.max_completion_tokens or body.max_tokens
         self.server.limits.check_text(text, requested, "messages")
         ids = await tokenization.encode(text, add_special_tokens=False)
@@ -104,6 +105,21 @@ class OpenAIServingChat:
             [{"prompt": text, "prompt_token_ids": ids}], params, rid, requested, body.model, body.output_format_field()
         )
         return ChatRun(body, tools, streams, {"id": rid, "created": created, "model": body.model}, rid)
+
+    async def _template_culprit(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], extra: dict[str, Any] | None
+    ) -> str:
+        """The field a failed chat template blames: ``chat_template_kwargs`` when the template renders without
+        them (a second render, made only once one has failed), else ``messages``."""
+        tokenization = self.server.tokenization
+        if not extra or tokenization is None:
+            return "messages"
+        without = {name: value for name, value in template_kwargs.items() if name not in extra}
+        try:
+            await tokenization.render_chat(messages, self.server.chat_template, **without)
+        except Exception:  # noqa: BLE001 - it fails without them too: the messages
+            return "messages"
+        return "chat_template_kwargs"
 
     async def whole(self, run: ChatRun) -> dict[str, Any]:
         """The chat completion, once every choice has finished."""
