@@ -229,6 +229,51 @@ class DeviceConfig:
         check_bool("enforce_eager", self.enforce_eager)
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: each step proposes up to ``num_speculative_tokens`` tokens per decoding
+    sequence, which one forward verifies. ``ngram`` (prompt lookup) proposes the tokens that followed the last
+    earlier occurrence of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        check_choice("speculative_config.method", self.method, SPECULATIVE_METHODS)
+        check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 32)
+        check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, 64)
+        check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 64)
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """From ``LLM(speculative_config=...)``: a dict of vLLM's keys (an unknown key is an error naming it)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise FieldError("speculative_config", f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise FieldError(
+                "speculative_config", f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**value)
+
+
+def getattr_any(config: EngineConfig, name: str) -> object:
+    """A field's value by name, from whichever section holds it."""
+    for section in _SECTIONS:
+        value = getattr(config, section)
+        if hasattr(value, name):
+            return getattr(value, name)
+    raise AttributeError(name)
+
+
 _SECTIONS: dict[str, type] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
@@ -249,8 +294,11 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            self._check_speculation()
         if self.scheduler_config.preemption_mode == "swap" and self.cache_config.swap_space == 0:
             raise FieldError(
                 "preemption_mode", "preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)"
@@ -273,9 +321,30 @@ class EngineConfig:
                 "enable_prompt_embeds", "enable_prompt_embeds needs tensor_parallel_size=1 (embeddings stay on rank 0)"
             )
 
+    def _check_speculation(self) -> None:
+        """What speculative decoding does not run beside yet, refused by name."""
+        scheduler = self.scheduler_config
+        others = {
+            "num_scheduler_steps": scheduler.num_scheduler_steps > 1,  # a round's tokens are never proposals
+            "async_scheduling": bool(scheduler.async_scheduling),  # the next step's proposals need this one's tokens
+            "tensor_parallel_size": self.parallel_config.tensor_parallel_size > 1,
+            "batch_invariant": self.model_config.batch_invariant,
+        }
+        clash = [name for name, on in others.items() if on]
+        if clash:
+            raise FieldError(
+                "speculative_config",
+                f"speculative_config needs num_scheduler_steps=1, async_scheduling off, tensor_parallel_size=1 and "
+                f"batch_invariant=False (for now); got {', '.join(f'{n}={getattr_any(self, n)!r}' for n in clash)}",
+            )
+
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
-        """Split flat ``LLM(...)`` kwargs into sections; an unknown name is a TypeError naming it."""
+        """Split flat ``LLM(...)`` kwargs into sections; an unknown name is a TypeError naming it. With
+        ``speculative_config``, ``num_scheduler_steps`` defaults to 1 (speculation replaces multi-step rounds)."""
+        speculative = SpeculativeConfig.of(kwargs.pop("speculative_config", None))
+        if speculative is not None:
+            kwargs.setdefault("num_scheduler_steps", 1)
         owners = {f.name: section for section, kind in _SECTIONS.items() for f in dataclasses.fields(kind)}
         unknown = sorted(set(kwargs) - set(owners))
         if unknown:
@@ -290,6 +359,7 @@ class EngineConfig:
                 if section != "model_config"
             },
             model_config=ModelConfig(model=model, **grouped["model_config"]),
+            speculative_config=speculative,
         )
 
     @property

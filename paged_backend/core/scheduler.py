@@ -35,6 +35,7 @@ from paged_backend.core.scheduler_output import (
     SequenceUpdate,
 )
 from paged_backend.core.sequence import Request, Sequence, SequenceStatus
+from paged_backend.core.spec_decode import DraftPlanner
 from paged_backend.core.stop_checker import append_tokens
 
 
@@ -50,15 +51,19 @@ class _Plan:
     swap_in: BlockMoves = field(default_factory=list)
     swapped: list[Sequence] = field(default_factory=list)  # whose blocks swap_out and swap_in move
     kv_imports: list[KVImport] = field(default_factory=list)  # admitted with their prompt's first KV (prompt_kv)
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # proposed tokens (counted in ``scheduled``)
 
-    def add(self, seq: Sequence, num_new_tokens: int, copies: BlockMoves) -> None:
+    def add(self, seq: Sequence, num_new_tokens: int, copies: BlockMoves, drafts: list[int] | None = None) -> None:
         self.copies[seq] = copies
         self.scheduled[seq] = num_new_tokens
         self.budget -= num_new_tokens
+        if drafts:
+            self.drafts[seq] = drafts
 
     def drop(self, seq: Sequence) -> BlockMoves:
         """Unschedule a sequence (it is being preempted); returns the copies planned for it."""
         self.budget += self.scheduled.pop(seq, 0)
+        self.drafts.pop(seq, None)
         return self.copies.pop(seq, [])
 
 
@@ -73,6 +78,8 @@ class Scheduler:
         self.grammar_rounds = config.parallel_config.tensor_parallel_size == 1  # see multi_step.py
         self.long_prefill_token_threshold = config.scheduler_config.long_prefill_token_threshold
         self.block_manager = block_manager
+        spec = config.speculative_config
+        self.drafter = None if spec is None else DraftPlanner(spec, config.max_model_len)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # preempted with their KV in CPU memory, oldest first
@@ -169,6 +176,12 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or (include is not None and not include(seq)):
                 continue  # preempted earlier in this loop, or not in this step
             num_new = self._chunk(seq, plan)
+            drafts = self.drafter.drafts(seq, plan.budget) if self.drafter is not None and num_new == 1 else []
+            if drafts:  # its proposals' slots too, if they fit; else it decodes one token like the others
+                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, 1 + len(drafts))
+                if copies is not None:
+                    plan.add(seq, 1 + len(drafts), copies, drafts)
+                    continue
             if num_new == 1 and self.block_manager.has_private_slot(seq.seq_id, seq.num_computed_tokens):
                 plan.add(seq, 1, [])  # a decode whose slot is already allocated and not shared
                 continue
@@ -276,9 +289,9 @@ class Scheduler:
         tokens: list[int] = []
         sampling_rows: list[int] = []
         for row, (seq, n) in enumerate(zip(seqs, num_new)):
-            start = seq.num_computed_tokens
-            tokens += seq.token_ids[start : start + n]
-            if start + n == len(seq.token_ids):
+            start, drafts = seq.num_computed_tokens, plan.drafts.get(seq, [])
+            tokens += seq.token_ids[start : start + n - len(drafts)] + drafts
+            if start + n - len(drafts) == len(seq.token_ids):
                 sampling_rows.append(row)
         sampling_seqs = [seqs[row] for row in sampling_rows]
         fork_parents: list[int] = []
@@ -298,6 +311,7 @@ class Scheduler:
             blocks_to_copy=blocks_to_copy,
             lora_requests=None if self.max_loras is None else [seq.request.lora_request for seq in seqs],
             prompt_logprob_rows=prompt_rows,
+            draft_token_ids=[plan.drafts.get(seq, []) for seq in seqs] if plan.drafts else None,
         )
         return SchedulerOutput(batch, seqs, sampling_seqs, fork_parents, plan.swapped, plan.kv_imports)
 
@@ -351,9 +365,10 @@ class Scheduler:
         in_round = output.batch.num_steps is not None
         for row, entries in runner_output.prompt_logprobs.items():
             take_prompt_logprobs(output.seqs[row], output.batch.num_computed_tokens[row], entries)
-        if not in_round:  # a round counts its tokens one by one below, as they are taken
-            for seq, n in zip(output.seqs, output.batch.num_scheduled_tokens):
-                seq.num_computed_tokens += n
+        drafts = output.batch.draft_token_ids
+        if not in_round:  # a round, and a row with proposals, count their tokens one by one below, as taken
+            for row, (seq, n) in enumerate(zip(output.seqs, output.batch.num_scheduled_tokens)):
+                seq.num_computed_tokens += n if not drafts or not drafts[row] else 0
             self.cache_full_blocks(output.seqs)
         num_parents = len(output.sampling_seqs) - len(output.fork_parents)
         for child, parent in zip(output.sampling_seqs[num_parents:], output.fork_parents):
@@ -367,13 +382,16 @@ class Scheduler:
             tokens = runner_output.sampled_token_ids[row]
             if runner_output.grammars and runner_output.grammars[row] is not None:
                 seq.grammar = runner_output.grammars[row]  # the round's, which took these tokens already
-            taken, finish = append_tokens(seq, tokens, in_round, self.max_model_len)
+            row_drafts = drafts[output.batch.sampling_rows[row]] if drafts and row < num_parents else []
+            taken, finish = append_tokens(seq, tokens, in_round or bool(row_drafts), self.max_model_len)
+            if row_drafts and self.drafter is not None:
+                self.drafter.count(len(row_drafts), max(0, taken - 1))
             if finish is not None:
                 self.finish_seq(seq, *finish)
             top = runner_output.top_logprobs[row] if runner_output.top_logprobs else None
             logits = runner_output.logits[row] if runner_output.logits else None
             updates.append(SequenceUpdate(seq, tokens[:taken], runner_output.logprobs[row][:taken], top, logits))
-        if in_round:  # finished sequences offered their blocks to the prefix cache in finish_seq
+        if in_round or drafts:  # finished sequences offered their blocks to the prefix cache in finish_seq
             self.cache_full_blocks([seq for seq in output.seqs if not seq.status.finished])
         return updates
 

@@ -45,6 +45,9 @@ class ScheduledBatch:
     # Async scheduling: a round queued behind the previous round, before its tokens were read. Row i's first
     # input is the last token row prev_rows[i] of that round sampled (on the device; input_token_ids hold zeros).
     prev_rows: list[int] | None = None
+    # Speculative decoding: each row's proposed tokens, the last of its new tokens (a row with some samples,
+    # and its logits come one per new token from its last sampled one on). None when no row has any.
+    draft_token_ids: list[list[int]] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -37,6 +37,7 @@ from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.invariant_siblings import SiblingProducts
 from paged_backend.worker.prompt_logprobs import prompt_logprobs
+from paged_backend.worker.rejection_sampler import draft_views, sampling_drafts, take_verified
 from paged_backend.worker.sampler import RoundBias, Sampler
 from paged_backend.worker.step_inputs import (
     EmbedsPieces,
@@ -241,8 +242,10 @@ class ModelRunner:
         embeds = prompt_embeds_pieces(scheduler_output)
         with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
             logits = self.run(inputs, use_graphs=not batch.prompt_logprob_rows and not embeds, prompt_embeds=embeds)
-        # on the host while the forward runs
-        grammar_mask = fill_grammar_bitmask(seqs, logits.shape[-1], pin=self.device.type == "cuda")
+        # on the host while the forward runs: a logit row per sequence, or per proposal (rejection_sampler.py)
+        drafts = sampling_drafts(batch, len(seqs))
+        views, firsts = draft_views(seqs, drafts)
+        grammar_mask = fill_grammar_bitmask(views, logits.shape[-1], pin=self.device.type == "cuda")
         prompt = {}
         if batch.prompt_logprob_rows:
             num_prompt = sum(count for _, count in batch.prompt_logprob_rows)
@@ -252,15 +255,15 @@ class ModelRunner:
         if not seqs:
             return ModelRunnerOutput(prompt_logprobs=prompt)
         if scheduler_output.fork_parents:  # forked samples draw their first token from their parent's row
-            logits = torch.cat([logits, logits[scheduler_output.fork_parents]])  # [N + F, V]
-        kept = [logits[row].float().cpu() if seq.request.keep_logits else None for row, seq in enumerate(seqs)]
+            logits = torch.cat([logits, logits[[firsts[p] for p in scheduler_output.fork_parents]]])  # [N + F, V]
+        kept = [logits[firsts[i]].float().cpu() if seq.request.keep_logits else None for i, seq in enumerate(seqs)]
         if grammar_mask is not None:  # after the raw rows are kept
             apply_grammar_bitmask(logits, grammar_mask)
-        results = self.sampler(logits, seqs)
+        results = take_verified(self.sampler(logits, views), drafts)
         return ModelRunnerOutput(
-            [[r.token_id] for r in results],
-            [[r.logprob] for r in results],
-            [r.top_logprobs for r in results],
+            [[r.token_id for r in taken] for taken in results],
+            [[r.logprob for r in taken] for taken in results],
+            [taken[0].top_logprobs for taken in results],
             kept if any(row is not None for row in kept) else [],
             prompt,
         )

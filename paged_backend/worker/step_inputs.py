@@ -94,8 +94,13 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
 
 def _logits_indices(batch: ScheduledBatch, cu: np.ndarray) -> np.ndarray:
     """The flat rows whose logits the step returns: the prompt-logprob rows' positions first, then each sampling
-    row's last token."""
+    row's last token (a row with d proposed tokens: its last d + 1)."""
     sampling = cu[1:][np.asarray(batch.sampling_rows, dtype=np.int64)] - 1
+    if batch.draft_token_ids is not None:
+        ends, drafts = sampling, batch.draft_token_ids
+        sampling = np.concatenate(
+            [np.arange(end - len(drafts[row]), end + 1) for row, end in zip(batch.sampling_rows, ends)]
+        ).astype(np.int64)
     if not batch.prompt_logprob_rows:
         return sampling
     prompt = [np.arange(cu[row], cu[row] + count) for row, count in batch.prompt_logprob_rows]

@@ -1,0 +1,49 @@
+"""The scheduler's side of speculative decoding: which decoding sequences get proposed tokens this step, and
+how many (``DraftPlanner``).
+
+A sequence with d proposals runs d + 1 tokens in the step's forward — its last sampled token, then the
+proposals — and the sampler verifies them (worker/rejection_sampler.py): it takes the proposals up to the first
+one the model would not have produced, then one token of the model's own. Each token taken counts one more
+computed token (the forward that produced it cached its input), as in a multi-step round; the KV written for
+rejected proposals lies past ``num_computed_tokens`` in the sequence's own blocks and is written over later.
+
+Not proposed for (each runs as a plain decode in the same step): samples of a request with several (``n``,
+``best_of``), requests that return logprobs or keep logits (one entry per step), and samples under a grammar.
+"""
+
+from __future__ import annotations
+
+from paged_backend.config import SpeculativeConfig
+from paged_backend.core.sequence import Sequence
+from paged_backend.spec_decode.ngram_proposer import NgramProposer
+
+
+class DraftPlanner:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = 0  # proposed ...
+        self.num_accepted_tokens = 0  # ... and taken, over the engine's life
+
+    def drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The proposals for ``seq``'s next step, within ``budget`` tokens for the whole row (its last sampled
+        token needs one), its ``max_tokens`` and ``max_model_len`` (the token after the last proposal is the
+        model's own, and must fit too)."""
+        request, params = seq.request, seq.params
+        if (
+            seq.num_uncomputed_tokens != 1
+            or len(request.seqs) > 1
+            or params.logprobs is not None
+            or request.keep_logits
+            or seq.grammar is not None
+        ):
+            return []
+        max_len = self.max_model_len
+        if params.max_tokens is not None:
+            max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
+        room = min(budget - 1, max_len - len(seq.token_ids) - 1)
+        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+
+    def count(self, proposed: int, accepted: int) -> None:
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted

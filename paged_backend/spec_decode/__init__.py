@@ -1,0 +1,1 @@
+"""Speculative decoding's proposers: cheap guesses of a sequence's next tokens, which one forward verifies."""

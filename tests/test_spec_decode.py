@@ -1,0 +1,171 @@
+"""Speculative decoding (``speculative_config``, prompt lookup): greedy output equals HF ``generate`` token for
+token whatever is proposed, sampled output keeps the target distribution, and proposals were made and both
+taken and refused (a test where none were would prove nothing)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.config import EngineConfig
+from paged_backend.core.sequence import Request, Sequence
+from paged_backend.spec_decode.ngram_proposer import NgramProposer
+from paged_backend.worker.rejection_sampler import draft_views, take_verified
+from paged_backend.worker.sampler import Sampler
+from tests.conftest import assert_idle, hf_greedy, tiny_model
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def repetitive_prompts(seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat pieces of themselves, so that prompt lookup finds something to propose."""
+    rng = random.Random(seed)
+    prompts = []
+    for length in (3, 5, 7, 9):
+        piece = [rng.randrange(3, 500) for _ in range(length)]
+        prompts.append(piece * 3 + piece[: length // 2])
+    return prompts
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_occurrence_of_the_longest_suffix() -> None:
+    proposer = NgramProposer(1, 3, 3)
+    assert proposer.propose([1, 2, 3, 4, 9, 1, 2, 3]) == [4, 9, 1]  # the 3-gram (1, 2, 3) occurred at 0
+    assert proposer.propose([5, 1, 8, 2, 1, 9, 2, 1]) == [9, 2, 1]  # (2, 1) last at 4, not (1) at 1
+    assert proposer.propose([1, 2, 3, 1, 2, 3, 4, 1, 2, 3], max_tokens=2) == [4, 1]
+    assert proposer.propose([5, 6, 7]) == [] and proposer.propose([5]) == []
+    assert NgramProposer(2, 3, 3).propose([4, 1, 7, 1]) == []  # (1) repeats, but no 2-gram does
+
+
+class OracleProposer:
+    """A test double for prompt lookup: it proposes each prompt's true greedy continuation (HF's), with every
+    third proposal changed, so that steps take several proposals, refuse some, and cross block boundaries."""
+
+    def __init__(self, model, prompts: list[list[int]], k: int = 4) -> None:
+        self.truth = [prompt + hf_greedy(model, prompt, 60) for prompt in prompts]
+        self.k, self.calls = k, 0
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        self.calls += 1
+        k = self.k if max_tokens is None else min(self.k, max_tokens)
+        for full in self.truth:
+            if full[: len(token_ids)] == token_ids:
+                guess = full[len(token_ids) : len(token_ids) + k]
+                if self.calls % 3 == 0 and guess:
+                    guess[len(guess) // 2] = (guess[len(guess) // 2] + 1) % 500 + 3
+                return guess
+        return []
+
+
+def spec_llm(model, tokenizer, prompts: list[list[int]] | None = None, **kwargs) -> LLM:
+    """An engine with prompt lookup, or with the oracle in its place when ``prompts`` are given."""
+    kwargs = {"block_size": 4, "num_kv_blocks": 256, "max_model_len": 128, **kwargs}
+    llm = LLM(model, tokenizer=tokenizer, speculative_config=SPEC, **kwargs)
+    if prompts is not None:
+        llm.llm_engine.scheduler.drafter.proposer = OracleProposer(model, prompts)
+    return llm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mistral"])
+def test_greedy_output_equals_hf_with_proposals(tokenizer, arch: str) -> None:
+    model = tiny_model(arch)
+    prompts = repetitive_prompts()
+    for llm in (spec_llm(model, tokenizer), spec_llm(model, tokenizer, prompts)):  # prompt lookup, the oracle
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)  # fmt: skip
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40), (arch, prompt)
+        assert llm.llm_engine.scheduler.drafter.num_draft_tokens > 0
+        assert_idle(llm)
+    drafter = llm.llm_engine.scheduler.drafter
+    assert 0 < drafter.num_accepted_tokens < drafter.num_draft_tokens, vars(drafter)
+
+
+def test_greedy_equality_through_preemption_prefix_hits_and_chunked_prefill(tokenizer) -> None:
+    """Few blocks (sequences preempted and recomputed), a shared prefix (cache hits), chunked prompts."""
+    model = tiny_model("llama")
+    shared = repetitive_prompts(1)[2]
+    prompts = [shared + tail for tail in ([7], [8, 9], [10, 11, 12], [13])] + repetitive_prompts(2)
+    llm = spec_llm(model, tokenizer, prompts, num_kv_blocks=40, enable_prefix_caching=True,
+                   long_prefill_token_threshold=8)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=32)
+    first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)  # its blocks stay cached
+    outs = first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 32)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_prompt_tokens_cached"] > 0, stats
+    assert llm.llm_engine.scheduler.drafter.num_accepted_tokens > 0
+    assert_idle(llm)
+
+
+def test_stops_and_max_tokens_cut_taken_proposals(tokenizer) -> None:
+    """A stop token or max_tokens inside a row's taken proposals ends it there, as without proposals."""
+    model = tiny_model("llama")
+    plain = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_model_len=128)
+    spec = spec_llm(model, tokenizer, repetitive_prompts()[1:2])
+    prompt = {"prompt_token_ids": repetitive_prompts()[1]}
+    full = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    stop = full.token_ids[17]
+    for params in (SamplingParams(temperature=0, max_tokens=13), SamplingParams(temperature=0, max_tokens=40,
+                                                                                stop_token_ids=[stop])):  # fmt: skip
+        want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    assert spec.llm_engine.scheduler.drafter.num_accepted_tokens > 0
+    assert_idle(spec)
+
+
+def test_seeded_sampling_with_proposals_repeats_itself(tokenizer) -> None:
+    llm = spec_llm(tiny_model("llama"), tokenizer)
+    prompt = {"prompt_token_ids": repetitive_prompts()[0]}
+    params = SamplingParams(temperature=0.3, max_tokens=30, seed=11, repetition_penalty=1.1)
+    first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert llm.llm_engine.scheduler.drafter.num_draft_tokens > 0
+
+
+def _verify_first_token(logits: torch.Tensor, draft: int, n: int, take=take_verified) -> list[int]:
+    """The first token ``n`` unseeded samples take when a step proposes ``draft`` after rows of ``logits``."""
+    params = SamplingParams(temperature=1.0)
+    request = Request("r", None, [5, 6], params)
+    seqs = [Sequence(i, 0, request, [5, 6], 2, arrival=i) for i in range(n)]
+    views, _ = draft_views(seqs, [[draft]] * n)
+    rows = logits.repeat(n, 1)  # [2n, V]: each sequence's row before and after the proposal
+    results = take(Sampler(torch.device("cpu"), seed=3)(rows, views), [[draft]] * n)
+    return [taken[0].token_id for taken in results]
+
+
+def _follows(firsts: list[int], p: list[float]) -> bool:
+    n = len(firsts)
+    return all(abs(firsts.count(t) - n * q) <= 5 * math.sqrt(n * q * (1 - q)) for t, q in enumerate(p))
+
+
+def test_verified_tokens_keep_the_target_distribution() -> None:
+    """The first token taken follows p, whatever the proposal; a verifier that reads the wrong row does not."""
+    p = [0.5, 0.3, 0.15, 0.05]
+    logits = torch.stack([torch.tensor(p).log(), torch.tensor([0.1, 0.2, 0.3, 0.4]).log()])
+    for draft in (0, 2):
+        assert _follows(_verify_first_token(logits, draft, 20000), p), draft
+
+    def off_by_one_row(results, drafts):
+        return [[results[2 * i + 1]] for i in range(len(drafts))]
+
+    assert not _follows(_verify_first_token(logits, 2, 20000, take=off_by_one_row), p)
+
+
+def test_speculative_config_is_checked_by_name() -> None:
+    config = EngineConfig.from_kwargs("m", speculative_config={"num_speculative_tokens": 3})
+    assert config.speculative_config.num_speculative_tokens == 3 and config.scheduler_config.num_scheduler_steps == 1
+    for bad, field in [({"method": "eagle"}, "speculative_config.method"),
+                       ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+                       ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
+                       ({"k": 2}, "speculative_config")]:  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            EngineConfig.from_kwargs("m", speculative_config=bad)
+        assert info.value.field == field, info.value
+    with pytest.raises(ValueError, match="num_scheduler_steps=4"):
+        EngineConfig.from_kwargs("m", speculative_config={}, num_scheduler_steps=4)
