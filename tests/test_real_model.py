@@ -273,3 +273,22 @@ def test_gemma3_sliding_and_global_layers_equal_hf(tmp_path: Path) -> None:
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         )
         assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+COPYING = [
+    "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the old river bank.",
+    "Here is a passage: 'The Eiffel Tower was completed in 1889 and is 330 metres tall.' When was the Eiffel "
+    "Tower completed, and how tall is it? Answer with the passage's words.",
+    "Rewrite this Python function with type hints: def add(a, b):\n    return a + b",
+]
+
+
+def test_speculative_decoding_answers_equal_hf_and_take_the_copied_tokens(smollm2: RealModel, hf) -> None:
+    """Prompt lookup on answers that copy from their prompt: greedy output equals HF ``generate`` token for
+    token, and the proposals are taken often (what speeds a copying answer up)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    with LLM(str(smollm2.checkpoint), dtype="float32", num_kv_blocks=256, max_model_len=1024,
+             speculative_config=spec) as llm:  # fmt: skip
+        assert engine_answers(llm, COPYING) == [hf_answer(hf, q) for q in COPYING]
+        stats = llm.stats()
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.3 * stats["spec_decode_num_draft_tokens"] > 0, stats

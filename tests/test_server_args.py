@@ -149,3 +149,16 @@ def test_an_engine_serving_on_cpu_leaves_a_core_to_the_http_side() -> None:
     assert engine_cpu_threads("cpu", {}, 1) == 1
     assert engine_cpu_threads("cpu", {"OMP_NUM_THREADS": "4"}, 16) is None  # the user's choice stands
     assert engine_cpu_threads("cuda", {}, 16) is None
+
+
+def test_speculative_config_flag_is_json_checked_before_the_model_loads(capsys) -> None:
+    from paged_backend.entrypoints.openai.cli_args import parse_args
+
+    _, engine = parse_args(["--model", "m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+                           "serve")  # fmt: skip
+    assert engine["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    for bad, said in (('{"method": "eagle"}', "speculative_config.method must be one of ['ngram']"),
+                      ("[1]", "invalid json_dict value")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", "--speculative-config", bad], "serve")
+        assert said in capsys.readouterr().err

@@ -169,3 +169,23 @@ def test_speculative_config_is_checked_by_name() -> None:
         assert info.value.field == field, info.value
     with pytest.raises(ValueError, match="num_scheduler_steps=4"):
         EngineConfig.from_kwargs("m", speculative_config={}, num_scheduler_steps=4)
+
+
+def test_counters_reach_stats_and_the_server_metrics(tokenizer) -> None:
+    pytest.importorskip("prometheus_client")
+    from paged_backend.entrypoints.openai.metrics import ServerMetrics
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()[:2]
+    llm = spec_llm(model, tokenizer, prompts)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
+                 use_tqdm=False)  # fmt: skip
+    stats, drafter = llm.stats(), llm.llm_engine.scheduler.drafter
+    assert (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"]) == (
+        drafter.num_drafts, drafter.num_draft_tokens)  # fmt: skip
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    metrics = ServerMetrics("m")
+    metrics.render(stats)
+    text = metrics.render(stats).decode()  # rendered twice: a counter grows by what changed, not by the total
+    line = f'paged_backend:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(drafter.num_draft_tokens)}'
+    assert line in text, text

@@ -22,8 +22,8 @@ class DraftPlanner:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
         self.max_model_len = max_model_len
-        self.num_draft_tokens = 0  # proposed ...
-        self.num_accepted_tokens = 0  # ... and taken, over the engine's life
+        # over the engine's life: rows verified, tokens proposed in them, and those taken
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The proposals for ``seq``'s next step, within ``budget`` tokens for the whole row (its last sampled
@@ -45,5 +45,6 @@ class DraftPlanner:
         return self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
     def count(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted

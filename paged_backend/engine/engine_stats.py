@@ -1,4 +1,5 @@
-"""The engine's counters as one dict (``LLMEngine.stats``): blocks, queues, preemptions, the prefix cache."""
+"""The engine's counters as one dict (``LLMEngine.stats``): blocks, queues, preemptions, the prefix cache, and
+speculative decoding's proposals."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ if TYPE_CHECKING:
 def engine_stats(engine: LLMEngine) -> dict[str, Any]:
     scheduler = engine.scheduler
     bm = scheduler.block_manager
+    drafter = scheduler.drafter
     in_cache = {seq.seq_id: seq.num_computed_tokens for seq in scheduler.running}
     return {
         "num_kv_blocks": bm.num_blocks,
@@ -31,4 +33,8 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "kv_waste_fraction": bm.kv_waste_fraction(in_cache),
         "num_prompt_tokens": engine.num_prompt_tokens,
         "num_generated_tokens": engine.num_generated_tokens,
+        # speculative decoding (vLLM's spec_decode counters): rows with proposals, tokens proposed, tokens taken
+        "spec_decode_num_drafts": 0 if drafter is None else drafter.num_drafts,
+        "spec_decode_num_draft_tokens": 0 if drafter is None else drafter.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": 0 if drafter is None else drafter.num_accepted_tokens,
     }

@@ -9,10 +9,12 @@ the server itself (``ServerArgs``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from paged_backend.config import SpeculativeConfig
 from paged_backend.paths import missing_local_model
 from paged_backend.structured_output.grammar_budget import GrammarBudget
 from paged_backend.tool_calls.parsers import TOOL_CALL_PARSERS
@@ -129,6 +131,13 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     for flag, kind, text in _ENGINE_FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=text)
+    parser.add_argument(
+        "--speculative-config",
+        type=json_dict,
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s: speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -272,6 +281,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         "disable_custom_all_reduce",
     ]
     engine: dict[str, Any] = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.speculative_config is not None:
+        try:  # checked now: a bad key is this flag's error, not the model's
+            SpeculativeConfig.of(args.speculative_config)
+        except ValueError as exc:
+            parser.error(f"--speculative-config: {exc}")
+        engine["speculative_config"] = args.speculative_config
     if args.tokenizer is not None:
         engine["tokenizer"] = args.tokenizer
     if args.reasoning_parser is not None:  # the server splits the thinking off; the engine starts grammars after it
@@ -333,3 +348,11 @@ def _api_key(parser: argparse.ArgumentParser, flag: str | None) -> str | None:
     if key is not None and not key.strip():
         parser.error(f"${API_KEY_ENV} is set but empty: set a key, or unset it to serve without authentication")
     return key
+
+
+def json_dict(text: str) -> dict[str, Any]:
+    """A flag's value as a JSON object (argparse reports the ValueError as an invalid value)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON object is needed, got {type(value).__name__}")
+    return value

@@ -49,6 +49,15 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.spec = {  # vLLM's spec_decode counters, from the engine's running totals
+            name: Counter(f"paged_backend:{name}", text, labels, registry=self.registry)
+            for name, text in (
+                ("spec_decode_num_drafts", "decoding rows that had proposed tokens"),
+                ("spec_decode_num_draft_tokens", "proposed tokens"),
+                ("spec_decode_num_accepted_tokens", "proposed tokens taken"),
+            )
+        }
+        self.spec_seen: dict[str, int] = dict.fromkeys(self.spec, 0)
         self.labels = {"model_name": model_name}
         self.progress: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, time of the last)
 
@@ -80,4 +89,7 @@ class ServerMetrics:
         self.swapped.labels(**self.labels).set(stats["num_swapped"])
         self.kv_usage.labels(**self.labels).set(1 - stats["num_free_blocks"] / stats["num_kv_blocks"])
         self.hit_rate.labels(**self.labels).set(stats["prefix_cache_hit_rate"])
+        for name, counter in self.spec.items():
+            counter.labels(**self.labels).inc(stats[name] - self.spec_seen[name])
+            self.spec_seen[name] = stats[name]
         return generate_latest(self.registry)
