@@ -150,12 +150,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = {name: [chat_ids(tokenizer, t) for t in texts[name][: per_run + 1]] for name in WORKLOADS}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    engines = {
-        "engine": LLM(path, dtype=str(dtype).removeprefix("torch."), max_model_len=2048),
-        "engine_spec": LLM(
-            path, dtype=str(dtype).removeprefix("torch."), max_model_len=2048, speculative_config=spec
-        ),  # fmt: skip
-    }
+    # two engines in one process: each sizes its KV cache from its own share of the GPU
+    common = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 2048, "gpu_memory_utilization": 0.4}
+    engines = {"engine": LLM(path, **common), "engine_spec": LLM(path, **common, speculative_config=spec)}
     answers = {name: engine_answer(llm, args.max_tokens) for name, llm in engines.items()}
     answers["hf"] = hf_answer(hf, args.max_tokens, None)
     answers["hf_lookup"] = hf_answer(hf, args.max_tokens, args.k)
