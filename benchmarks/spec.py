@@ -150,8 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = {name: [chat_ids(tokenizer, t) for t in texts[name][: per_run + 1]] for name in WORKLOADS}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    # two engines in one process: each sizes its KV cache from its own share of the GPU
-    common = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 2048, "gpu_memory_utilization": 0.4}
+    # two engines in one process: each with a KV cache of its own fixed size (4,096 blocks: 65,536 tokens)
+    common = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 2048, "num_kv_blocks": 4096}
     engines = {"engine": LLM(path, **common), "engine_spec": LLM(path, **common, speculative_config=spec)}
     answers = {name: engine_answer(llm, args.max_tokens) for name, llm in engines.items()}
     answers["hf"] = hf_answer(hf, args.max_tokens, None)
