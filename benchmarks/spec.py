@@ -100,7 +100,7 @@ def pools(needed: int) -> dict[str, list[str]]:
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return [int(t) for t in (ids if isinstance(ids, list) else ids["input_ids"])]  # a BatchEncoding in 5.x
 
 
 def engine_answer(llm: LLM, max_tokens: int) -> Callable[[list[int]], int]:
