@@ -8,6 +8,7 @@ copies) and replays. Every bucket shares one memory pool; larger buckets are cap
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -86,13 +87,20 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)
-        for size in reversed(self.sizes):
-            self._run(size)  # warm-up: compile kernels, settle the allocator
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._run(size)
-            self.graphs[size] = graph
+        # An engine dropped earlier in this process may still be garbage in a reference cycle: collected during a
+        # capture, its graphs' reset is an operation a capturing stream refuses, and the capture fails.
+        gc.collect()
+        gc.disable()
+        try:
+            for size in reversed(self.sizes):
+                self._run(size)  # warm-up: compile kernels, settle the allocator
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self._run(size)
+                self.graphs[size] = graph
+        finally:
+            gc.enable()
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d CUDA graphs (batch sizes %s) in %.1f s",
