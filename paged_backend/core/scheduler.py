@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
@@ -28,7 +27,6 @@ from paged_backend.core.multi_step import continuation, plan_round
 from paged_backend.core.prompt_logprobs import prompt_logprob_rows, take_prompt_logprobs
 from paged_backend.core.scheduler_output import (
     BlockMoves,
-    KVImport,
     ModelRunnerOutput,
     ScheduledBatch,
     SchedulerOutput,
@@ -36,35 +34,8 @@ from paged_backend.core.scheduler_output import (
 )
 from paged_backend.core.sequence import Request, Sequence, SequenceStatus
 from paged_backend.core.spec_decode import DraftPlanner
+from paged_backend.core.step_plan import StepPlan
 from paged_backend.core.stop_checker import append_tokens
-
-
-@dataclass
-class _Plan:
-    """The step being scheduled: who runs how many tokens, and the block moves that takes."""
-
-    budget: int
-    scheduled: dict[Sequence, int] = field(default_factory=dict)
-    copies: dict[Sequence, BlockMoves] = field(default_factory=dict)
-    preempted: set[Sequence] = field(default_factory=set)
-    swap_out: BlockMoves = field(default_factory=list)
-    swap_in: BlockMoves = field(default_factory=list)
-    swapped: list[Sequence] = field(default_factory=list)  # whose blocks swap_out and swap_in move
-    kv_imports: list[KVImport] = field(default_factory=list)  # admitted with their prompt's first KV (prompt_kv)
-    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # proposed tokens (counted in ``scheduled``)
-
-    def add(self, seq: Sequence, num_new_tokens: int, copies: BlockMoves, drafts: list[int] | None = None) -> None:
-        self.copies[seq] = copies
-        self.scheduled[seq] = num_new_tokens
-        self.budget -= num_new_tokens
-        if drafts:
-            self.drafts[seq] = drafts
-
-    def drop(self, seq: Sequence) -> BlockMoves:
-        """Unschedule a sequence (it is being preempted); returns the copies planned for it."""
-        self.budget += self.scheduled.pop(seq, 0)
-        self.drafts.pop(seq, None)
-        return self.copies.pop(seq, [])
 
 
 class Scheduler:
@@ -142,7 +113,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        plan = _Plan(self.max_num_batched_tokens)
+        plan = StepPlan(self.max_num_batched_tokens)
         include: Callable[[Sequence], bool] | None = None
         if self.run_alone:
             alone = self._alone_request()
@@ -161,14 +132,14 @@ class Scheduler:
         """Async scheduling's round after ``in_flight``, or None (``multi_step.continuation``)."""
         return continuation(self, in_flight)
 
-    def _chunk(self, seq: Sequence, plan: _Plan) -> int:
+    def _chunk(self, seq: Sequence, plan: StepPlan) -> int:
         """The sequence's tokens this step: what it has left, within the step's budget and the chunk cap."""
         num_new = min(seq.num_uncomputed_tokens, plan.budget)
         if 0 < self.long_prefill_token_threshold < num_new:
             return self.long_prefill_token_threshold
         return num_new
 
-    def _schedule_running(self, plan: _Plan, include: Callable[[Sequence], bool] | None) -> None:
+    def _schedule_running(self, plan: StepPlan, include: Callable[[Sequence], bool] | None) -> None:
         """Running sequences: decodes first, then unfinished prefills; oldest first within each."""
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival)):
             if plan.budget == 0:
@@ -201,7 +172,7 @@ class Scheduler:
                     plan.swapped += victims
                 plan.preempted.update(victims)
 
-    def _schedule_swapped(self, plan: _Plan, include: Callable[[Sequence], bool] | None) -> None:
+    def _schedule_swapped(self, plan: StepPlan, include: Callable[[Sequence], bool] | None) -> None:
         """Swapped requests, oldest first, come back before new ones are admitted, when all their blocks fit."""
         bm = self.block_manager
         while self.swapped and plan.budget > 0 and (include is None or include(self.swapped[0])):
@@ -230,7 +201,7 @@ class Scheduler:
                 if copies is not None:  # else it runs from the next step on, like any running sequence
                     plan.add(seq, num_new, copies)
 
-    def _schedule_waiting(self, plan: _Plan, include: Callable[[Sequence], bool] | None) -> None:
+    def _schedule_waiting(self, plan: StepPlan, include: Callable[[Sequence], bool] | None) -> None:
         """Waiting sequences, FIFO, while the blocks of their whole prompt fit (plus a watermark when others run);
         blocks of a cached prefix are reused and their tokens skipped; only the chunk that fits the token budget
         is allocated now. Samples that will fork once their request's first sample has prefilled need room too."""
@@ -276,7 +247,7 @@ class Scheduler:
             to_fork += len(seq.request.unforked)
             plan.add(seq, num_new, copies)
 
-    def _make_output(self, plan: _Plan) -> SchedulerOutput:
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         seqs, num_new = list(plan.scheduled), list(plan.scheduled.values())
         blocks_to_copy = [pair for seq in seqs for pair in plan.copies[seq]]
         prompt_rows = prompt_logprob_rows(seqs, num_new)
