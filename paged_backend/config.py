@@ -236,15 +236,21 @@ SPECULATIVE_METHODS = ("ngram",)
 class SpeculativeConfig:
     """vLLM's ``speculative_config``: each step proposes up to ``num_speculative_tokens`` tokens per decoding
     sequence, which one forward verifies. ``ngram`` (prompt lookup) proposes the tokens that followed the last
-    earlier occurrence of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens."""
+    earlier occurrence of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens. Proposals
+    stop where they do not pay: for the whole step from ``disable_by_batch_size`` running sequences, and for a
+    sample whose proposals are seldom taken (core/spec_decode.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # vLLM's: no proposals in a step where this many sequences run or more (a large batch's step is bound by
+    # compute, and every rejected proposal costs it); None: never switched off by the batch
+    disable_by_batch_size: int | None = 32
 
     def __post_init__(self) -> None:
         check_choice("speculative_config.method", self.method, SPECULATIVE_METHODS)
+        check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1, allow_none=True)
         check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 32)
         check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, 64)
         check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 64)

@@ -189,3 +189,42 @@ def test_counters_reach_stats_and_the_server_metrics(tokenizer) -> None:
     text = metrics.render(stats).decode()  # rendered twice: a counter grows by what changed, not by the total
     line = f'paged_backend:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(drafter.num_draft_tokens)}'
     assert line in text, text
+
+
+class WrongProposer:
+    """Proposes k tokens that are never the model's (they are out of the tiny vocabulary's used range)."""
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        return [2] * min(4, 4 if max_tokens is None else max_tokens)  # </s>, which greedy never picks here
+
+
+def test_a_sample_whose_proposals_are_refused_gets_none_for_a_while(tokenizer) -> None:
+    """Every proposal refused: after one window (16 proposed tokens) the sample is paused for 32 tokens, so 40
+    tokens cost at most two windows of proposals, not 160; the output is still greedy's; the request's metrics
+    count what it was proposed and took."""
+    from paged_backend.core.spec_decode import WINDOW_TOKENS
+
+    model = tiny_model("llama")
+    llm = spec_llm(model, tokenizer)
+    llm.llm_engine.scheduler.drafter.proposer = WrongProposer()
+    prompt = repetitive_prompts()[0]
+    (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                          use_tqdm=False)  # fmt: skip
+    assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40)[: len(out.outputs[0].token_ids)]
+    proposed = llm.llm_engine.scheduler.drafter.num_draft_tokens
+    assert WINDOW_TOKENS <= proposed <= 2 * WINDOW_TOKENS, proposed  # 40 tokens: one pause of PAUSE_TOKENS
+    assert out.metrics["spec_num_draft_tokens"] == proposed and out.metrics["spec_acceptance_rate"] == 0
+
+
+def test_no_proposals_while_the_batch_is_large(tokenizer) -> None:
+    model = tiny_model("llama")
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128,
+              speculative_config={**SPEC, "disable_by_batch_size": 3})  # fmt: skip
+    prompts = repetitive_prompts()
+    llm.llm_engine.scheduler.drafter.proposer = OracleProposer(model, prompts)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # 4 running: none
+    assert llm.stats()["spec_decode_num_drafts"] == 0
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 16)[:16] for p in prompts]
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # 2 running: proposals
+    assert llm.stats()["spec_decode_num_drafts"] > 0

@@ -141,13 +141,14 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan, include: Callable[[Sequence], bool] | None) -> None:
         """Running sequences: decodes first, then unfinished prefills; oldest first within each."""
+        speculate = self.drafter is not None and self.drafter.active(len(self.running))
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival)):
             if plan.budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or (include is not None and not include(seq)):
                 continue  # preempted earlier in this loop, or not in this step
             num_new = self._chunk(seq, plan)
-            drafts = self.drafter.drafts(seq, plan.budget) if self.drafter is not None and num_new == 1 else []
+            drafts = self.drafter.drafts(seq, plan.budget) if self.drafter and speculate and num_new == 1 else []
             if drafts:  # its proposals' slots too, if they fit; else it decodes one token like the others
                 copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, 1 + len(drafts))
                 if copies is not None:
@@ -356,7 +357,7 @@ class Scheduler:
             row_drafts = drafts[output.batch.sampling_rows[row]] if drafts and row < num_parents else []
             taken, finish = append_tokens(seq, tokens, in_round or bool(row_drafts), self.max_model_len)
             if row_drafts and self.drafter is not None:
-                self.drafter.count(len(row_drafts), max(0, taken - 1))
+                self.drafter.count(seq, len(row_drafts), max(0, taken - 1))
             if finish is not None:
                 self.finish_seq(seq, *finish)
             top = runner_output.top_logprobs[row] if runner_output.top_logprobs else None

@@ -84,6 +84,12 @@ class Sequence:
     # the tail held back from a stream because they may still become one
     stop_states: list[int] | None = None
     stop_held: int = 0
+    # speculative decoding (core/spec_decode.py): tokens proposed for this sample and taken, over its life; the
+    # window the planner judges its acceptance by; the length below which it gets no proposals (paused)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    spec_window: tuple[int, int] = (0, 0)
+    spec_paused_until: int = 0
 
     @property
     def params(self) -> SamplingParams:

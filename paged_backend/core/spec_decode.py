@@ -7,8 +7,11 @@ one the model would not have produced, then one token of the model's own. Each t
 computed token (the forward that produced it cached its input), as in a multi-step round; the KV written for
 rejected proposals lies past ``num_computed_tokens`` in the sequence's own blocks and is written over later.
 
-Not proposed for (each runs as a plain decode in the same step): samples of a request with several (``n``,
-``best_of``), requests that return logprobs or keep logits (one entry per step), and samples under a grammar.
+Proposals stop where they do not pay: in a step where ``disable_by_batch_size`` sequences or more run, and for a
+sample whose last ``WINDOW_TOKENS`` proposals were taken less than ``MIN_ACCEPTANCE`` of the time (for its next
+``PAUSE_TOKENS`` tokens). Not proposed for either (each runs as a plain decode in the same step): samples of a
+request with several (``n``, ``best_of``), requests that return logprobs or keep logits (one entry per step),
+and samples under a grammar.
 """
 
 from __future__ import annotations
@@ -17,13 +20,24 @@ from paged_backend.config import SpeculativeConfig
 from paged_backend.core.sequence import Sequence
 from paged_backend.spec_decode.ngram_proposer import NgramProposer
 
+# A sample's acceptance is judged over windows of this many proposed tokens: under MIN_ACCEPTANCE taken, it gets
+# no proposals for its next PAUSE_TOKENS tokens (then it is tried again: text that copies may start later).
+WINDOW_TOKENS = 16
+MIN_ACCEPTANCE = 0.25
+PAUSE_TOKENS = 32
+
 
 class DraftPlanner:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
         self.max_model_len = max_model_len
+        self.disable_by_batch_size = config.disable_by_batch_size
         # over the engine's life: rows verified, tokens proposed in them, and those taken
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def active(self, num_running: int) -> bool:
+        """Whether this step makes proposals at all: not once the batch is large."""
+        return self.disable_by_batch_size is None or num_running < self.disable_by_batch_size
 
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The proposals for ``seq``'s next step, within ``budget`` tokens for the whole row (its last sampled
@@ -36,6 +50,7 @@ class DraftPlanner:
             or params.logprobs is not None
             or request.keep_logits
             or seq.grammar is not None
+            or len(seq.token_ids) < seq.spec_paused_until
         ):
             return []
         max_len = self.max_model_len
@@ -44,7 +59,16 @@ class DraftPlanner:
         room = min(budget - 1, max_len - len(seq.token_ids) - 1)
         return self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
-    def count(self, proposed: int, accepted: int) -> None:
+    def count(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """A verified row: the engine's and the sample's counts, and the sample paused if it seldom takes any."""
+        seq.num_draft_tokens += proposed
+        seq.num_accepted_tokens += accepted
+        window_proposed, window_accepted = seq.spec_window[0] + proposed, seq.spec_window[1] + accepted
+        if window_proposed >= WINDOW_TOKENS:
+            if window_accepted < MIN_ACCEPTANCE * window_proposed:
+                seq.spec_paused_until = len(seq.token_ids) + PAUSE_TOKENS
+            window_proposed = window_accepted = 0
+        seq.spec_window = (window_proposed, window_accepted)
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted

@@ -163,6 +163,11 @@ def make_request_output(request: Request, prompt_logprobs: SequenceOf[PromptLogp
     metrics = {"arrival_time": request.arrival_time}
     if request.first_token_time is not None:
         metrics["first_token_time"] = request.first_token_time
+    proposed = sum(seq.num_draft_tokens for seq in seqs)
+    if proposed:  # speculative decoding: its tokens proposed and taken, and the share taken
+        taken = sum(seq.num_accepted_tokens for seq in seqs)
+        metrics |= {"spec_num_draft_tokens": proposed, "spec_num_accepted_tokens": taken}
+        metrics["spec_acceptance_rate"] = taken / proposed
     return RequestOutput(
         request_id=request.request_id,
         prompt=request.prompt,
