@@ -228,3 +228,72 @@ def test_no_proposals_while_the_batch_is_large(tokenizer) -> None:
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 16)[:16] for p in prompts]
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # 2 running: proposals
     assert llm.stats()["spec_decode_num_drafts"] > 0
+
+
+def test_verifying_steps_through_the_graph_runner_give_hf_greedy(tokenizer) -> None:
+    """The verify-graph path (rows padded to k + 1 tokens, every token's logits, the step's picked back, padding
+    sequences of a bucket) feeds the forward what the eager path does: greedy output equals HF's. Graphs are
+    replaced by re-running the forward on the static buffers, so this runs on CPU."""
+    from paged_backend.worker.cuda_graphs import CUDAGraphRunner
+    from tests.test_model_runner import _ReplayInPython
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()
+    llm = spec_llm(model, tokenizer, prompts, max_num_seqs=8)
+    runner = llm.llm_engine.executor.model_runner
+    graphs = CUDAGraphRunner(runner._model_forward, 8, runner._graph_shape[1], torch.device("cpu"),
+                             q_len=SPEC["num_speculative_tokens"] + 1)  # fmt: skip
+    graphs.graphs = {size: _ReplayInPython(graphs, size) for size in graphs.sizes}
+    used = []
+    replay = graphs.run
+    graphs.run = lambda inputs, *args: used.append(inputs.num_seqs) or replay(inputs, *args)
+    runner.verify_graphs = graphs
+    lengths = (9, 17, 26, 40)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out, n in zip(prompts, outs, lengths):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, n)
+    assert len(used) > 5 and {4, 3, 2, 1} <= set(used), used  # the batch shrank through buckets 4, 2 and 1
+    assert llm.llm_engine.scheduler.drafter.num_accepted_tokens > 0
+    assert_idle(llm)
+
+
+def test_rows_padded_for_the_verify_graphs_keep_their_positions_and_logits() -> None:
+    from paged_backend.worker.step_inputs import StepInputs
+    from paged_backend.worker.verify_inputs import pad_rows
+
+    inputs = StepInputs(  # a decode (1 token at 7), a row with 2 proposals (at 10..12), a 2-token prompt chunk
+        input_ids=torch.tensor([5, 6, 7, 8, 9, 10]),
+        positions=torch.tensor([7, 10, 11, 12, 0, 1]),
+        slot_mapping=torch.tensor([70, 100, 101, 102, 200, 201]),
+        block_tables=torch.zeros(3, 4, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1, 4, 6], dtype=torch.int32),
+        context_lens=torch.tensor([8, 13, 2]),
+        logits_indices=torch.tensor([0, 1, 2, 3, 5]),
+    )
+    padded, keep = pad_rows(inputs, 4, block_size=4, max_blocks=4)
+    assert padded.input_ids.tolist() == [5, 0, 0, 0, 6, 7, 8, 0, 9, 10, 0, 0]
+    assert padded.positions.tolist() == [7, 8, 9, 10, 10, 11, 12, 13, 0, 1, 2, 3]
+    assert padded.slot_mapping.tolist() == [70, -1, -1, -1, 100, 101, 102, -1, 200, 201, -1, -1]
+    assert padded.context_lens.tolist() == [11, 14, 4]  # the pads counted: each real query keeps its position
+    assert padded.cu_seqlens_q.tolist() == [0, 4, 8, 12] and keep.tolist() == [0, 4, 5, 6, 9]
+    assert pad_rows(inputs, 2, block_size=4, max_blocks=4) is None  # a row of 3 tokens does not fit rows of 2
+    assert pad_rows(inputs, 4, block_size=4, max_blocks=3) is None  # the pads of row 1 reach its 4th block
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a GPU only")
+def test_a_gpu_engine_verifies_in_captured_graphs_with_hf_greedy(tokenizer) -> None:
+    model = tiny_model("llama").cuda()
+    prompts = repetitive_prompts()
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=256, max_model_len=128, speculative_config=SPEC)
+    runner = llm.llm_engine.executor.model_runner
+    assert runner.verify_graphs is not None and runner.verify_graphs.graphs
+    llm.llm_engine.scheduler.drafter.proposer = OracleProposer(model, prompts)
+    replays = []
+    replay = runner.verify_graphs.run
+    runner.verify_graphs.run = lambda inputs, *args: replays.append(inputs.num_seqs) or replay(inputs, *args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=30),
+                        use_tqdm=False)  # fmt: skip
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 30)
+    assert replays and llm.llm_engine.scheduler.drafter.num_accepted_tokens > 0

@@ -1,9 +1,11 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps, and for speculative decoding's verifying steps.
 
 A decode step is a few milliseconds of GPU work spread over hundreds of small kernel launches, so launching it
 from Python costs more than running it. We capture the whole forward once per bucket size (padding a batch up to
 the next bucket) over static input buffers, then each decode step copies its inputs in (two host-to-device
-copies) and replays. Every bucket shares one memory pool; larger buckets are captured first.
+copies) and replays. Every bucket shares one memory pool; larger buckets are captured first. A runner with
+``q_len`` > 1 holds rows of exactly that many tokens (a verifying step, its rows padded: verify_inputs.py) and
+returns every token's logits.
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s < max_num_seqs] + [next(s for s in sizes if s >= max_num_seqs)]
 
 
+def fits_verify_graph(inputs: StepInputs, max_size: int, q_len: int) -> bool:
+    """Every row ``q_len`` tokens and every token's logits asked for (verify_inputs.pad_rows makes such steps)."""
+    num_seqs, num_tokens = inputs.num_seqs, inputs.num_tokens
+    return (
+        num_tokens == num_seqs * q_len
+        and num_seqs <= max_size
+        and inputs.logits_indices.shape[0] == num_tokens
+        and bool(torch.equal(inputs.cu_seqlens_q.long(), torch.arange(0, num_tokens + 1, q_len)))
+    )
+
+
 def fits_decode_graph(inputs: StepInputs, max_size: int) -> bool:
     """One token per sequence and every sequence samples (a one-token prefill chunk that is not its prompt's
     end has the first property, not the second), in a batch no larger than the largest bucket. Read from the
@@ -49,38 +62,41 @@ class CUDAGraphRunner:
         device: torch.device,
         num_staging: int = 1,
         batch_invariant: bool = False,
+        q_len: int = 1,
     ) -> None:
         self.forward = forward
         self.batch_invariant = batch_invariant  # the attention's fixed-order configuration (AttentionMetadata.exact)
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.max_size = self.sizes[-1]
-        n = self.max_size
-        # Rows: input_ids, positions, slot_mapping, context_lens; one copy moves them all. Steps launched back to
-        # back without a host sync (multi-step decoding) each need their own pinned buffer: an asynchronous copy
-        # reads it only when the GPU gets there.
+        self.q_len = q_len
+        n = self.max_size * q_len  # tokens
+        # Rows: input_ids, positions, slot_mapping (a column a token), context_lens (a column a sequence, the
+        # first ones); one copy moves them all. Steps launched back to back without a host sync (multi-step
+        # decoding) each need their own pinned buffer: an asynchronous copy reads it only when the GPU gets there.
         self.staging = torch.zeros(num_staging, 4, n, dtype=torch.long, pin_memory=device.type == "cuda")
         # when each buffer's last copy has run: a buffer is written again only after it (any order of use is safe)
         self.copied = [torch.cuda.Event() for _ in range(num_staging)] if device.type == "cuda" else []
         self.static_ints = torch.zeros(4, n, dtype=torch.long, device=device)
         self.static_ints[2].fill_(-1)
         self.padding_column = torch.tensor([[0], [0], [-1], [0]])  # [4, 1]: see run()
-        self.static_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # decode: one token each
+        self.static_tables = torch.zeros(self.max_size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=device)  # q_len tokens each
         self.logits_indices = torch.arange(n, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def _run(self, size: int) -> torch.Tensor:  # [size, V]
-        ids, pos, slots, ctx = self.static_ints[:, :size]
+    def _run(self, size: int) -> torch.Tensor:  # [size * q_len, V]
+        tokens = size * self.q_len
+        ids, pos, slots = self.static_ints[:3, :tokens]
         metadata = AttentionMetadata(
             slot_mapping=slots,
             block_tables=self.static_tables[:size],
             cu_seqlens_q=self.cu_seqlens_q[: size + 1],
-            context_lens=ctx,
+            context_lens=self.static_ints[3, :size],
             exact=self.batch_invariant,
         )
-        return self.forward(ids, pos, metadata, self.logits_indices[:size])
+        return self.forward(ids, pos, metadata, self.logits_indices[:tokens])
 
     def capture(self) -> None:
         """Capture every bucket, largest first. Inputs are all padding: no cache slot is read or written."""
@@ -110,23 +126,26 @@ class CUDAGraphRunner:
         )
 
     def can_run(self, inputs: StepInputs) -> bool:
+        if self.q_len > 1:
+            return bool(self.graphs) and fits_verify_graph(inputs, self.max_size, self.q_len)
         return bool(self.graphs) and fits_decode_graph(inputs, self.max_size)
 
     def run(self, inputs: StepInputs, input_ids: torch.Tensor | None = None, staging_index: int = 0) -> torch.Tensor:
         """Replay the bucket that holds the batch; returns ``[B, V]``, a view valid until the next replay.
         ``input_ids`` [B] on the device replaces ``inputs.input_ids``; steps launched without a host sync in
         between must use different ``staging_index`` values."""
-        b = inputs.num_seqs
+        b, t = inputs.num_seqs, inputs.num_tokens
         size = next(s for s in self.sizes if s >= b)
         staging = self.staging[staging_index]
         if self.copied:
             self.copied[staging_index].synchronize()
         # Rows b..size are padding sequences: token 0 at position 0, slot -1 (no write), context 0 (no read).
-        staging[0, :b] = inputs.input_ids
-        staging[1, :b] = inputs.positions
-        staging[2, :b] = inputs.slot_mapping
+        staging[0, :t] = inputs.input_ids
+        staging[1, :t] = inputs.positions
+        staging[2, :t] = inputs.slot_mapping
         staging[3, :b] = inputs.context_lens
-        staging[:, b:size] = self.padding_column
+        staging[:, t : size * self.q_len] = self.padding_column
+        staging[3, b:size] = 0
         self.static_ints.copy_(staging, non_blocking=True)  # whole and contiguous: a true async copy
         if self.copied:
             self.copied[staging_index].record()
@@ -135,4 +154,4 @@ class CUDAGraphRunner:
         width = inputs.block_tables.shape[1]
         self.static_tables[:b, :width].copy_(inputs.block_tables, non_blocking=True)
         self.graphs[size].replay()
-        return self.outputs[size][:b]
+        return self.outputs[size][:t]

@@ -25,7 +25,6 @@ from transformers import PreTrainedModel
 
 from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput
 from paged_backend.core.sequence import Sequence as Seq
-from paged_backend.logprobs import LogprobsArrays
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
 from paged_backend.worker import batch_invariant as invariance
@@ -36,7 +35,7 @@ from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.invariant_siblings import SiblingProducts
-from paged_backend.worker.prompt_logprobs import prompt_logprobs
+from paged_backend.worker.prompt_logprobs import step_prompt_logprobs
 from paged_backend.worker.rejection_sampler import draft_views, sampling_drafts, take_verified
 from paged_backend.worker.sampler import RoundBias, Sampler
 from paged_backend.worker.step_inputs import (
@@ -49,6 +48,7 @@ from paged_backend.worker.step_inputs import (
     queued_copy,
 )
 from paged_backend.worker.structured_output import RoundGrammars, apply_grammar_bitmask, fill_grammar_bitmask
+from paged_backend.worker.verify_inputs import pad_rows
 from paged_backend.worker.weights import WeightAddresses
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class ModelRunner:
         seed: int = 0,
         calculate_kv_scales: bool = False,
         logprobs_mode: str = "raw_logprobs",
+        verify_shape: tuple[int, int] | None = None,  # speculative decoding: (tokens a row, rows) of its graphs
     ) -> None:
         self.model = model
         if batch_invariant:
@@ -88,6 +89,8 @@ class ModelRunner:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.regions: RegionalCompile | None = None
         self.graphs: CUDAGraphRunner | None = None
+        self.verify_graphs: CUDAGraphRunner | None = None  # steps whose rows are short: verifying ones
+        self.verify_shape = verify_shape
         self.weights: WeightAddresses | None = None
         self._recapture = False  # sleep() dropped CUDA graphs that wake_up() captures again
         self._last_round: tuple[torch.Tensor, list[int]] | None = None  # its tokens [K, B] and rows' steps
@@ -110,12 +113,19 @@ class ModelRunner:
             self.graphs = CUDAGraphRunner(
                 self._model_forward, max_num_seqs, width, self.device, 2 * num_scheduler_steps, self.batch_invariant
             )
+            if self.verify_shape is not None:
+                q_len, rows = self.verify_shape
+                self.verify_graphs = CUDAGraphRunner(
+                    self._model_forward, rows, width, self.device, 1, self.batch_invariant, q_len
+                )
         try:
             with torch.inference_mode(), self.switch, self._compiled(), self._invariant():
-                self.graphs.capture()
+                for runner in (self.graphs, self.verify_graphs):
+                    if runner is not None:
+                        runner.capture()
         except Exception as exc:  # noqa: BLE001 - steps still run, without graphs
             logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
-            self.graphs = None
+            self.graphs = self.verify_graphs = None
 
     def sleep(self) -> None:
         """Free the KV cache and the CUDA graphs (and their memory pools); the weights are the user's and stay."""
@@ -250,7 +260,7 @@ class ModelRunner:
         if batch.prompt_logprob_rows:
             num_prompt = sum(count for _, count in batch.prompt_logprob_rows)
             if scheduler_output.seqs:  # rank 0: it has the sequences, and so the tokens after each chunk
-                prompt = self._prompt_logprobs(logits[:num_prompt], scheduler_output)
+                prompt = step_prompt_logprobs(logits[:num_prompt], scheduler_output)
             logits = logits[num_prompt:]
         if not seqs:
             return ModelRunnerOutput(prompt_logprobs=prompt)
@@ -267,20 +277,6 @@ class ModelRunner:
             kept if any(row is not None for row in kept) else [],
             prompt,
         )
-
-    @staticmethod
-    def _prompt_logprobs(logits: torch.Tensor, scheduler_output: SchedulerOutput) -> dict[int, LogprobsArrays]:
-        """Each prompt-logprob row's entries, from its positions' logits (the first rows of ``logits``)."""
-        batch, next_tokens, top_k = scheduler_output.batch, [], []
-        for row, count in batch.prompt_logprob_rows:
-            seq, start = scheduler_output.seqs[row], batch.num_computed_tokens[row]
-            next_tokens += seq.token_ids[start + 1 : start + 1 + count]
-            top_k.append(seq.params.prompt_logprobs or 0)
-        arrays = prompt_logprobs(logits, next_tokens, max(top_k))
-        out, offset = {}, 0
-        for (row, count), k in zip(batch.prompt_logprob_rows, top_k):
-            out[row], offset = arrays.take(offset, offset + count, k), offset + count
-        return out
 
     @contextlib.contextmanager
     def _lora_step(self, batch: ScheduledBatch, tokens_per_seq: Sequence[int], seqs: list[Seq]) -> Iterator[None]:
@@ -317,6 +313,12 @@ class ModelRunner:
         if use_graphs and self.graphs is not None and self.graphs.can_run(inputs):
             with self.switch:  # [B, V]: every decode sequence samples
                 return self.graphs.run(inputs, input_ids, staging_index)
+        verify = self.verify_graphs
+        if use_graphs and verify is not None and input_ids is None and not self.calibrate_kv_scales:
+            padded = pad_rows(inputs, verify.q_len, self.block_size, self._graph_shape[1])
+            if padded is not None and verify.can_run(padded[0]):
+                with self.switch:  # every token's logits, of which the step's
+                    return verify.run(padded[0])[queued_copy(padded[1], self.device)]
         n = inputs.logits_indices.shape[0]
         if self.regions is not None:
             short = inputs.num_seqs < 2 or inputs.num_tokens < 2

@@ -10,10 +10,15 @@ float32 tensor is made. What is kept stays on the device until the end: one host
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from paged_backend.kernels.token_rank import token_rank
 from paged_backend.logprobs import LogprobsArrays
+
+if TYPE_CHECKING:
+    from paged_backend.core.scheduler_output import SchedulerOutput
 
 
 @torch.inference_mode()
@@ -31,3 +36,17 @@ def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> Log
     ids = torch.cat([targets[:, None], top_ids], dim=1)  # [P, 1 + k]
     values = logits.gather(1, ids).float() - lse[:, None]
     return LogprobsArrays(ids.cpu().numpy(), values.cpu().numpy(), ranks.cpu().numpy())
+
+
+def step_prompt_logprobs(logits: torch.Tensor, scheduler_output: SchedulerOutput) -> dict[int, LogprobsArrays]:
+    """Each prompt-logprob row's entries, from its positions' logits (the first rows of ``logits``)."""
+    batch, next_tokens, top_k = scheduler_output.batch, [], []
+    for row, count in batch.prompt_logprob_rows:
+        seq, start = scheduler_output.seqs[row], batch.num_computed_tokens[row]
+        next_tokens += seq.token_ids[start + 1 : start + 1 + count]
+        top_k.append(seq.params.prompt_logprobs or 0)
+    arrays = prompt_logprobs(logits, next_tokens, max(top_k))
+    out, offset = {}, 0
+    for (row, count), k in zip(batch.prompt_logprob_rows, top_k):
+        out[row], offset = arrays.take(offset, offset + count, k), offset + count
+    return out

@@ -128,6 +128,7 @@ class Worker:
             seed=config.model_config.seed,
             calculate_kv_scales=config.cache_config.calculate_kv_scales,
             logprobs_mode=config.model_config.logprobs_mode,
+            verify_shape=verify_shape(config),
         )
 
     def _use_checkpoint_kv_scales(self, config: EngineConfig, cache_engine: CacheEngine) -> None:
@@ -174,3 +175,14 @@ class Worker:
         """Take LoRA's hooks off the model: it may be the user's and outlive the engine."""
         if self.lora_manager is not None:
             self.lora_manager.close()
+
+
+def verify_shape(config: EngineConfig) -> tuple[int, int] | None:
+    """Speculative decoding's graphs: rows of its proposals plus one token, as many as a step with proposals has."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    rows = config.scheduler_config.max_num_seqs
+    if spec.disable_by_batch_size is not None:  # a larger batch gets no proposals
+        rows = min(rows, spec.disable_by_batch_size - 1)
+    return spec.num_speculative_tokens + 1, max(1, rows)
