@@ -71,8 +71,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF ``generate``'s greedy continuation, cut after the first EOS (HF pads after it)."""
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt], device=model.device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=EOS,

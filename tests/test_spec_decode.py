@@ -283,7 +283,9 @@ def test_rows_padded_for_the_verify_graphs_keep_their_positions_and_logits() -> 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a GPU only")
 def test_a_gpu_engine_verifies_in_captured_graphs_with_hf_greedy(tokenizer) -> None:
-    model = tiny_model("llama").cuda()
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama")).cuda()  # the session's CPU model stays on the CPU
     prompts = repetitive_prompts()
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=256, max_model_len=128, speculative_config=SPEC)
     runner = llm.llm_engine.executor.model_runner
