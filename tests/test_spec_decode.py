@@ -299,3 +299,24 @@ def test_a_gpu_engine_verifies_in_captured_graphs_with_hf_greedy(tokenizer) -> N
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 30)
     assert replays and llm.llm_engine.scheduler.drafter.num_accepted_tokens > 0
+
+
+def test_logprobs_of_taken_proposals_are_the_models(tokenizer) -> None:
+    """A request asking for logprobs is proposed for too: each taken token has its own entry (the target's
+    logprob, rank and top k), as decoding without proposals gives them."""
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()[:2]
+    plain = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128, num_scheduler_steps=1)
+    spec = spec_llm(model, tokenizer, prompts)
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
+    for prompt in prompts:
+        want = plain.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        got = spec.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids and len(got.logprobs) == len(want.logprobs) == len(want.token_ids)
+        for mine, theirs in zip(got.logprobs, want.logprobs):
+            assert mine.keys() == theirs.keys()
+            for token, entry in mine.items():
+                assert entry.rank == theirs[token].rank
+                assert entry.logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+    assert spec.llm_engine.scheduler.drafter.num_accepted_tokens > 0

@@ -361,6 +361,7 @@ class Scheduler:
             if finish is not None:
                 self.finish_seq(seq, *finish)
             top = runner_output.top_logprobs[row] if runner_output.top_logprobs else None
+            top = None if top is None else top[:taken]
             logits = runner_output.logits[row] if runner_output.logits else None
             updates.append(SequenceUpdate(seq, tokens[:taken], runner_output.logprobs[row][:taken], top, logits))
         if in_round or drafts:  # finished sequences offered their blocks to the prefix cache in finish_seq

@@ -88,7 +88,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: list[list[int]] = field(default_factory=list)  # one token, or a round's tokens in order
     logprobs: list[list[float]] = field(default_factory=list)  # of each sampled token
-    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)  # when the sample asked for logprobs
+    # when the sample asked for logprobs: one entry per sampled token (a verified row takes several)
+    top_logprobs: list[list[TopLogprobs] | None] = field(default_factory=list)
     logits: list[torch.Tensor | None] = field(default_factory=list)  # raw rows, for requests that keep them
     # batch row -> the prompt logprobs of its new tokens' next tokens (see ScheduledBatch.prompt_logprob_rows)
     prompt_logprobs: dict[int, LogprobsArrays] = field(default_factory=dict)
@@ -104,5 +105,5 @@ class SequenceUpdate:
     seq: Sequence
     new_token_ids: list[int]
     logprobs: list[float]
-    top_logprobs: TopLogprobs | None = None
+    top_logprobs: list[TopLogprobs] | None = None  # one per new token, when the sample asked for logprobs
     logits: torch.Tensor | None = None

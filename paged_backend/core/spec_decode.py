@@ -10,8 +10,8 @@ rejected proposals lies past ``num_computed_tokens`` in the sequence's own block
 Proposals stop where they do not pay: in a step where ``disable_by_batch_size`` sequences or more run, and for a
 sample whose last ``WINDOW_TOKENS`` proposals were taken less than ``MIN_ACCEPTANCE`` of the time (for its next
 ``PAUSE_TOKENS`` tokens). Not proposed for either (each runs as a plain decode in the same step): samples of a
-request with several (``n``, ``best_of``), requests that return logprobs or keep logits (one entry per step),
-and samples under a grammar.
+request with several (``n``, ``best_of``), requests that keep logits (one row per step), and samples under a
+grammar.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ class DraftPlanner:
         if (
             seq.num_uncomputed_tokens != 1
             or len(request.seqs) > 1
-            or params.logprobs is not None
             or request.keep_logits
             or seq.grammar is not None
             or len(seq.token_ids) < seq.spec_paused_until

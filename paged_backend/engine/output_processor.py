@@ -71,7 +71,7 @@ class OutputProcessor:
             self.num_generated_tokens += 1
             if seq.logprobs is not None and update.top_logprobs is not None:
                 seq.logprobs.append(
-                    {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in update.top_logprobs}
+                    {tid: Logprob(lp, rank, self._decode_one(tid)) for tid, lp, rank in update.top_logprobs[j]}
                 )
             if seq.logits is not None and update.logits is not None:
                 seq.logits.append(update.logits)

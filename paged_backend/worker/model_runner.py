@@ -273,7 +273,7 @@ class ModelRunner:
         return ModelRunnerOutput(
             [[r.token_id for r in taken] for taken in results],
             [[r.logprob for r in taken] for taken in results],
-            [taken[0].top_logprobs for taken in results],
+            [None if taken[0].top_logprobs is None else [r.top_logprobs or [] for r in taken] for taken in results],
             kept if any(row is not None for row in kept) else [],
             prompt,
         )
