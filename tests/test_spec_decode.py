@@ -320,3 +320,46 @@ def test_logprobs_of_taken_proposals_are_the_models(tokenizer) -> None:
                 assert entry.logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
         assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
     assert spec.llm_engine.scheduler.drafter.num_accepted_tokens > 0
+
+
+class TruthProposer:
+    """Proposes what each prompt's run without proposals gave (every third proposal changed), so that proposals
+    are both taken and refused under a grammar."""
+
+    def __init__(self, truths: list[list[int]], k: int = 4) -> None:
+        self.truths, self.k, self.calls = truths, k, 0
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        self.calls += 1
+        k = self.k if max_tokens is None else min(self.k, max_tokens)
+        for full in self.truths:
+            if full[: len(token_ids)] == token_ids:
+                guess = full[len(token_ids) : len(token_ids) + k]
+                if self.calls % 3 == 0 and guess:
+                    guess[-1] = (guess[-1] + 7) % 500 + 3
+                return guess
+        return []
+
+
+def test_structured_output_with_proposals_equals_it_without(tokenizer) -> None:
+    """A grammar's sample is proposed only what its grammar allows (cut at the first token it refuses); each
+    position is masked by the grammar as it would stand; the output equals greedy under the grammar alone."""
+    pytest.importorskip("xgrammar")
+    from paged_backend import StructuredOutputsParams
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()[:3]
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"type": "integer"}},
+              "required": ["a", "b"]}  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    plain = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128, num_scheduler_steps=1)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                           use_tqdm=False)]  # fmt: skip
+    spec = spec_llm(model, tokenizer)
+    spec.llm_engine.scheduler.drafter.proposer = TruthProposer([p + w for p, w in zip(prompts, want)])
+    got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]  # fmt: skip
+    assert got == want
+    drafter = spec.llm_engine.scheduler.drafter
+    assert 0 < drafter.num_accepted_tokens < drafter.num_draft_tokens, vars(drafter)
+    assert_idle(spec)

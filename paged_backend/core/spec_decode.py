@@ -10,14 +10,14 @@ rejected proposals lies past ``num_computed_tokens`` in the sequence's own block
 Proposals stop where they do not pay: in a step where ``disable_by_batch_size`` sequences or more run, and for a
 sample whose last ``WINDOW_TOKENS`` proposals were taken less than ``MIN_ACCEPTANCE`` of the time (for its next
 ``PAUSE_TOKENS`` tokens). Not proposed for either (each runs as a plain decode in the same step): samples of a
-request with several (``n``, ``best_of``), requests that keep logits (one row per step), and samples under a
-grammar.
+request with several (``n``, ``best_of``) and requests that keep logits (one row per step). A sample under a
+grammar is proposed only the tokens its grammar allows, up to the first it does not.
 """
 
 from __future__ import annotations
 
 from paged_backend.config import SpeculativeConfig
-from paged_backend.core.sequence import Sequence
+from paged_backend.core.sequence import GrammarState, Sequence
 from paged_backend.spec_decode.ngram_proposer import NgramProposer
 
 # A sample's acceptance is judged over windows of this many proposed tokens: under MIN_ACCEPTANCE taken, it gets
@@ -48,7 +48,6 @@ class DraftPlanner:
             seq.num_uncomputed_tokens != 1
             or len(request.seqs) > 1
             or request.keep_logits
-            or seq.grammar is not None
             or len(seq.token_ids) < seq.spec_paused_until
         ):
             return []
@@ -56,7 +55,8 @@ class DraftPlanner:
         if params.max_tokens is not None:
             max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
         room = min(budget - 1, max_len - len(seq.token_ids) - 1)
-        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        return drafts if seq.grammar is None or not drafts else grammatical(seq.grammar, drafts)
 
     def count(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verified row: the engine's and the sample's counts, and the sample paused if it seldom takes any."""
@@ -71,3 +71,14 @@ class DraftPlanner:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+
+
+def grammatical(grammar: GrammarState, drafts: list[int]) -> list[int]:
+    """The proposals a copy of ``grammar`` takes in order, up to the first it refuses or the one that ends it."""
+    copy = grammar.fork()
+    for i, token in enumerate(drafts):
+        if not copy.accept_token(token):
+            return drafts[:i]
+        if copy.is_terminated():
+            return drafts[: i + 1]
+    return drafts

@@ -33,7 +33,7 @@ def sampling_drafts(batch: ScheduledBatch, num_sampling: int) -> list[list[int]]
 
 def draft_views(seqs: list[Sequence], drafts: list[list[int]] | None) -> tuple[list[Sequence], list[int]]:
     """The sequences a logit row each (a sequence, then a view of it per proposal: as if it had taken the ones
-    before), and where each sequence's first row is."""
+    before, its grammar too), and where each sequence's first row is."""
     if drafts is None:
         return seqs, list(range(len(seqs)))
     views: list[Sequence] = []
@@ -41,7 +41,12 @@ def draft_views(seqs: list[Sequence], drafts: list[list[int]] | None) -> tuple[l
     for seq, proposed in zip(seqs, drafts):
         firsts.append(len(views))
         views.append(seq)
-        views += [replace(seq, token_ids=seq.token_ids + proposed[:j]) for j in range(1, len(proposed) + 1)]
+        grammar = seq.grammar.fork() if seq.grammar is not None and proposed else None
+        for j in range(1, len(proposed) + 1):
+            if grammar is not None:  # this view's own place in the grammar: after the proposals before it
+                grammar.accept_token(proposed[j - 1])
+            view_grammar = None if grammar is None else grammar.fork()
+            views.append(replace(seq, token_ids=seq.token_ids + proposed[:j], grammar=view_grammar))
     return views, firsts
 
 
