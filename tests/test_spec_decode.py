@@ -363,3 +363,21 @@ def test_structured_output_with_proposals_equals_it_without(tokenizer) -> None:
     drafter = spec.llm_engine.scheduler.drafter
     assert 0 < drafter.num_accepted_tokens < drafter.num_draft_tokens, vars(drafter)
     assert_idle(spec)
+
+
+def test_samples_of_one_request_are_each_proposed_for(tokenizer) -> None:
+    """n and best_of: each sample (forked from the first one's prefill, its blocks shared copy-on-write) gets
+    proposals of its own; greedy samples all equal HF's greedy, and a seeded request repeats itself."""
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()[:2]
+    llm = spec_llm(model, tokenizer, prompts)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24, n=3),
+                        use_tqdm=False)  # fmt: skip
+    for prompt, out in zip(prompts, outs):
+        assert [c.token_ids for c in out.outputs] == [hf_greedy(model, prompt, 24)] * 3
+    assert llm.llm_engine.scheduler.drafter.num_accepted_tokens > 0
+    seeded = SamplingParams(temperature=0.8, max_tokens=24, n=2, best_of=3, seed=9)
+    first = [c.token_ids for c in llm.generate({"prompt_token_ids": prompts[0]}, seeded, use_tqdm=False)[0].outputs]
+    again = [c.token_ids for c in llm.generate({"prompt_token_ids": prompts[0]}, seeded, use_tqdm=False)[0].outputs]
+    assert first == again and len(first) == 2
+    assert_idle(llm)

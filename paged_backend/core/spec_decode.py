@@ -9,9 +9,9 @@ rejected proposals lies past ``num_computed_tokens`` in the sequence's own block
 
 Proposals stop where they do not pay: in a step where ``disable_by_batch_size`` sequences or more run, and for a
 sample whose last ``WINDOW_TOKENS`` proposals were taken less than ``MIN_ACCEPTANCE`` of the time (for its next
-``PAUSE_TOKENS`` tokens). Not proposed for either (each runs as a plain decode in the same step): samples of a
-request with several (``n``, ``best_of``) and requests that keep logits (one row per step). A sample under a
-grammar is proposed only the tokens its grammar allows, up to the first it does not.
+``PAUSE_TOKENS`` tokens). Not proposed for either: requests that keep logits (one row per step), which decode a
+token a step in the same batch. Each sample of a request with several (``n``, ``best_of``) is proposed for on
+its own; a sample under a grammar only the tokens its grammar allows, up to the first it does not.
 """
 
 from __future__ import annotations
@@ -44,12 +44,7 @@ class DraftPlanner:
         token needs one), its ``max_tokens`` and ``max_model_len`` (the token after the last proposal is the
         model's own, and must fit too)."""
         request, params = seq.request, seq.params
-        if (
-            seq.num_uncomputed_tokens != 1
-            or len(request.seqs) > 1
-            or request.keep_logits
-            or len(seq.token_ids) < seq.spec_paused_until
-        ):
+        if seq.num_uncomputed_tokens != 1 or request.keep_logits or len(seq.token_ids) < seq.spec_paused_until:
             return []
         max_len = self.max_model_len
         if params.max_tokens is not None:
