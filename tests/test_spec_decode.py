@@ -381,3 +381,24 @@ def test_samples_of_one_request_are_each_proposed_for(tokenizer) -> None:
     again = [c.token_ids for c in llm.generate({"prompt_token_ids": prompts[0]}, seeded, use_tqdm=False)[0].outputs]
     assert first == again and len(first) == 2
     assert_idle(llm)
+
+
+def test_hf_generate_with_prompt_lookup_on_a_patched_engine_that_speculates(tokenizer) -> None:
+    """HF's own words, ``generate(prompt_lookup_num_tokens=...)``, on ``patch(model, speculative_config=...)``:
+    the engine runs it, speculating by its own prompt lookup, and returns HF's result."""
+    import warnings
+
+    from paged_backend import patched
+
+    model = tiny_model("llama")
+    prompt = repetitive_prompts()[1]
+    ids = torch.tensor([prompt])
+    kwargs = dict(max_new_tokens=20, do_sample=False, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        want = model.generate(ids, prompt_lookup_num_tokens=4, **kwargs)
+    with patched(model, tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128, speculative_config=SPEC) as h:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback to HF's own generate warns
+            got = model.generate(ids, prompt_lookup_num_tokens=4, **kwargs)
+        assert h.llm.llm_engine.scheduler.drafter.num_draft_tokens > 0
+    assert torch.equal(got, want)
