@@ -229,7 +229,7 @@ class DeviceConfig:
         check_bool("enforce_eager", self.enforce_eager)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -247,10 +247,18 @@ class SpeculativeConfig:
     # vLLM's: no proposals in a step where this many sequences run or more (a large batch's step is bound by
     # compute, and every rejected proposal costs it); None: never switched off by the batch
     disable_by_batch_size: int | None = 32
+    # draft_model: a checkpoint path or a loaded HF causal LM sharing the target's tokenizer
+    model: Any = None
 
     def __post_init__(self) -> None:
         check_choice("speculative_config.method", self.method, SPECULATIVE_METHODS)
         check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1, allow_none=True)
+        if (self.method == "draft_model") != (self.model is not None):
+            raise FieldError(
+                "speculative_config.model",
+                "speculative_config.model (a checkpoint path or a loaded model) is needed by method 'draft_model' "
+                f"and by no other method; got method {self.method!r} with model {type(self.model).__name__}",
+            )
         check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 32)
         check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, 64)
         check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 64)

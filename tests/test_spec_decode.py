@@ -48,7 +48,7 @@ class OracleProposer:
         self.truth = [prompt + hf_greedy(model, prompt, 60) for prompt in prompts]
         self.k, self.calls = k, 0
 
-    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
         self.calls += 1
         k = self.k if max_tokens is None else min(self.k, max_tokens)
         for full in self.truth:
@@ -194,7 +194,7 @@ def test_counters_reach_stats_and_the_server_metrics(tokenizer) -> None:
 class WrongProposer:
     """Proposes k tokens that are never the model's (they are out of the tiny vocabulary's used range)."""
 
-    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
         return [2] * min(4, 4 if max_tokens is None else max_tokens)  # </s>, which greedy never picks here
 
 
@@ -329,7 +329,7 @@ class TruthProposer:
     def __init__(self, truths: list[list[int]], k: int = 4) -> None:
         self.truths, self.k, self.calls = truths, k, 0
 
-    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
         self.calls += 1
         k = self.k if max_tokens is None else min(self.k, max_tokens)
         for full in self.truths:
@@ -402,3 +402,41 @@ def test_hf_generate_with_prompt_lookup_on_a_patched_engine_that_speculates(toke
             got = model.generate(ids, prompt_lookup_num_tokens=4, **kwargs)
         assert h.llm.llm_engine.scheduler.drafter.num_draft_tokens > 0
     assert torch.equal(got, want)
+
+
+def test_a_draft_model_proposes_and_greedy_output_stays_hf_s(tokenizer) -> None:
+    """``method: draft_model``: a draft equal to the target has every proposal taken (the verifying step's
+    cost alone, what the 8B figure needs); another model of the same vocabulary has some refused. Greedy output
+    equals HF's either way, and each sequence's draft cache goes when it ends."""
+    from tests.fixtures.tiny_models import build_tiny_model
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()
+    for draft, all_taken in ((model, True), (build_tiny_model("qwen2", vocab_size=512), False)):
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": None}
+        llm = LLM(
+            model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128, speculative_config=spec
+        )
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(model, prompt, 24)[:24]
+        drafter = llm.llm_engine.scheduler.drafter
+        assert drafter.num_draft_tokens > 0
+        if all_taken:
+            assert drafter.num_accepted_tokens == drafter.num_draft_tokens, vars(drafter)
+        else:
+            assert drafter.num_accepted_tokens < drafter.num_draft_tokens
+        assert drafter.proposer.states == {}
+        assert_idle(llm)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_by_name(tokenizer) -> None:
+    from tests.fixtures.tiny_models import build_tiny_model
+
+    spec = {"method": "draft_model", "model": build_tiny_model("llama", vocab_size=600)}
+    with pytest.raises(ValueError, match="the draft model's vocabulary .600 tokens. must be the target's") as info:
+        LLM(tiny_model("llama"), tokenizer=tokenizer, num_kv_blocks=64, max_model_len=64, speculative_config=spec)
+    assert info.value.field == "speculative_config.model"
+    with pytest.raises(ValueError, match="needed by method 'draft_model'"):
+        EngineConfig.from_kwargs("m", speculative_config={"method": "draft_model"})

@@ -33,13 +33,13 @@ from paged_backend.core.scheduler_output import (
     SequenceUpdate,
 )
 from paged_backend.core.sequence import Request, Sequence, SequenceStatus
-from paged_backend.core.spec_decode import DraftPlanner
+from paged_backend.core.spec_decode import DraftPlanner, Proposer
 from paged_backend.core.step_plan import StepPlan
 from paged_backend.core.stop_checker import append_tokens
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, proposer: Proposer | None = None) -> None:
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         # At most this many distinct adapters among running sequences, so any step's fit the device's LoRA indices.
         self.max_loras = config.lora_config.max_loras if config.lora_config.enable_lora else None
@@ -50,7 +50,7 @@ class Scheduler:
         self.long_prefill_token_threshold = config.scheduler_config.long_prefill_token_threshold
         self.block_manager = block_manager
         spec = config.speculative_config
-        self.drafter = None if spec is None else DraftPlanner(spec, config.max_model_len)
+        self.drafter = None if spec is None else DraftPlanner(spec, config.max_model_len, proposer)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # preempted with their KV in CPU memory, oldest first
@@ -104,6 +104,8 @@ class Scheduler:
         if cache_blocks:
             self.cache_full_blocks([seq])
         self.block_manager.free(seq.seq_id)
+        if self.drafter is not None:
+            self.drafter.forget(seq)
 
     def retry_alone(self, request: Request) -> None:
         """A step that ran this request beside others failed, which of them made it fail unknown: redo it from its

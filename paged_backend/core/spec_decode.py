@@ -16,9 +16,19 @@ its own; a sample under a grammar only the tokens its grammar allows, up to the 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from paged_backend.config import SpeculativeConfig
 from paged_backend.core.sequence import GrammarState, Sequence
 from paged_backend.spec_decode.ngram_proposer import NgramProposer
+
+
+class Proposer(Protocol):
+    """Where proposals come from: prompt lookup (spec_decode/ngram_proposer.py) or a draft model
+    (spec_decode/draft_model_proposer.py, which keeps state per sequence until ``forget``)."""
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]: ...
+
 
 # A sample's acceptance is judged over windows of this many proposed tokens: under MIN_ACCEPTANCE taken, it gets
 # no proposals for its next PAUSE_TOKENS tokens (then it is tried again: text that copies may start later).
@@ -28,8 +38,10 @@ PAUSE_TOKENS = 32
 
 
 class DraftPlanner:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
+        self.proposer: Proposer = proposer or NgramProposer(
+            config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens
+        )
         self.max_model_len = max_model_len
         self.disable_by_batch_size = config.disable_by_batch_size
         # over the engine's life: rows verified, tokens proposed in them, and those taken
@@ -50,8 +62,14 @@ class DraftPlanner:
         if params.max_tokens is not None:
             max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
         room = min(budget - 1, max_len - len(seq.token_ids) - 1)
-        drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+        drafts = self.proposer.propose(seq.token_ids, room, seq_id=seq.seq_id) if room > 0 else []
         return drafts if seq.grammar is None or not drafts else grammatical(seq.grammar, drafts)
+
+    def forget(self, seq: Sequence) -> None:
+        """The sample ended: a proposer with state per sequence drops its own."""
+        forget = getattr(self.proposer, "forget", None)
+        if forget is not None:
+            forget(seq.seq_id)
 
     def count(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verified row: the engine's and the sample's counts, and the sample paused if it seldom takes any."""

@@ -1,12 +1,18 @@
 """What an engine is built from, besides its config: the executor (one worker or a tensor-parallel group), the
-model's EOS ids, its input embedding when prompts may be embeddings, and whether steps schedule ahead."""
+model's EOS ids, its input embedding when prompts may be embeddings, whether steps schedule ahead, and a draft
+model's proposer."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from paged_backend.config import EngineConfig
+from paged_backend.config import EngineConfig, FieldError
+from paged_backend.core.block_manager import BlockManager
+from paged_backend.core.scheduler import Scheduler
+from paged_backend.core.spec_decode import Proposer
 from paged_backend.distributed.tp_executor import TPExecutor
 from paged_backend.model_loader import load_model
 from paged_backend.worker.worker import Executor, Worker
@@ -51,3 +57,42 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: object) -> frozenset[int]:
         elif isinstance(source, (list, tuple)):
             ids.update(int(t) for t in source)
     return frozenset(ids)
+
+
+def make_scheduler(
+    config: EngineConfig, num_blocks: int, num_swap_blocks: int, model: PreTrainedModel, device: torch.device
+) -> Scheduler:
+    """The scheduler over a block manager of ``num_blocks`` (and ``num_swap_blocks`` in CPU memory), with the
+    draft model's proposer when speculative decoding has one."""
+    block_manager = BlockManager(
+        num_blocks,
+        config.block_size,
+        enable_prefix_caching=config.cache_config.enable_prefix_caching,
+        num_cpu_blocks=num_swap_blocks,
+    )
+    return Scheduler(config, block_manager, draft_model_proposer(config, model, device))
+
+
+def draft_model_proposer(config: EngineConfig, target: PreTrainedModel, device: torch.device) -> Proposer | None:
+    """With ``speculative_config`` method ``draft_model``: its model (loaded from a path in the target's dtype,
+    or the model given) on the engine's device, which must share the target's vocabulary."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from transformers import AutoModelForCausalLM
+
+    from paged_backend.spec_decode.draft_model_proposer import DraftModelProposer
+
+    draft = spec.model
+    if isinstance(draft, str):
+        draft = AutoModelForCausalLM.from_pretrained(draft, dtype=target.dtype)
+    if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
+        raise FieldError("speculative_config.model", "speculative_config.model must be a path or an HF causal LM")
+    draft_config: Any = getattr(draft, "config")  # noqa: B009 - a module attribute mypy reads as a tensor
+    vocab, target_vocab = draft_config.get_text_config().vocab_size, target.config.get_text_config().vocab_size
+    if vocab != target_vocab:
+        raise FieldError(
+            "speculative_config.model",
+            f"the draft model's vocabulary ({vocab} tokens) must be the target's ({target_vocab}): one tokenizer",
+        )
+    return DraftModelProposer(draft.to(device), spec.num_speculative_tokens)

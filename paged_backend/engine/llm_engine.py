@@ -17,11 +17,15 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from paged_backend.config import EngineConfig
-from paged_backend.core.block_manager import BlockManager
-from paged_backend.core.scheduler import Scheduler
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.sequence import SequenceStatus
-from paged_backend.engine.engine_setup import async_scheduling, eos_token_ids, input_embedding, make_executor
+from paged_backend.engine.engine_setup import (
+    async_scheduling,
+    eos_token_ids,
+    input_embedding,
+    make_executor,
+    make_scheduler,
+)
 from paged_backend.engine.engine_stats import engine_stats
 from paged_backend.engine.input_processor import InputProcessor, PromptType
 from paged_backend.engine.output_processor import OutputProcessor
@@ -68,13 +72,7 @@ class LLMEngine:
         num_blocks = num_gpu_blocks(self.config, spec, self.device, profile)
         num_swap_blocks = num_cpu_blocks(self.config, spec, self.device)
         self.executor.initialize_cache(self.config, num_blocks, num_swap_blocks)
-        block_manager = BlockManager(
-            num_blocks,
-            self.config.block_size,
-            enable_prefix_caching=self.config.cache_config.enable_prefix_caching,
-            num_cpu_blocks=num_swap_blocks,
-        )
-        self.scheduler = Scheduler(self.config, block_manager)
+        self.scheduler = make_scheduler(self.config, num_blocks, num_swap_blocks, self.model, self.device)
         self.asleep = False  # sleep(): no KV cache until wake_up()
         self.async_scheduling = async_scheduling(self.config, self.device)
         # Cached prefixes hold KV of the weights they were computed with, and a queued round was computed with the

@@ -17,7 +17,7 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int, num_speculative_tokens: int) -> None:
         self.min_n, self.max_n, self.k = min_n, max_n, num_speculative_tokens
 
-    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
         """Up to ``min(k, max_tokens)`` tokens that followed the last earlier occurrence of the longest suffix
         of ``token_ids`` between ``min_n`` and ``max_n`` tokens long; none when no such suffix occurred before."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
