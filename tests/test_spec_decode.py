@@ -40,18 +40,18 @@ def test_prompt_lookup_proposes_what_followed_the_last_occurrence_of_the_longest
     assert NgramProposer(2, 3, 3).propose([4, 1, 7, 1]) == []  # (1) repeats, but no 2-gram does
 
 
-class OracleProposer:
-    """A test double for prompt lookup: it proposes each prompt's true greedy continuation (HF's), with every
-    third proposal changed, so that steps take several proposals, refuse some, and cross block boundaries."""
+class TruthProposer:
+    """A test double for prompt lookup: it proposes what follows in each given full sequence (prompt and its
+    true output), with every third proposal changed, so that steps take several proposals, refuse some, and
+    cross block boundaries."""
 
-    def __init__(self, model, prompts: list[list[int]], k: int = 4) -> None:
-        self.truth = [prompt + hf_greedy(model, prompt, 60) for prompt in prompts]
-        self.k, self.calls = k, 0
+    def __init__(self, truths: list[list[int]], k: int = 4) -> None:
+        self.truths, self.k, self.calls = truths, k, 0
 
     def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
         self.calls += 1
         k = self.k if max_tokens is None else min(self.k, max_tokens)
-        for full in self.truth:
+        for full in self.truths:
             if full[: len(token_ids)] == token_ids:
                 guess = full[len(token_ids) : len(token_ids) + k]
                 if self.calls % 3 == 0 and guess:
@@ -60,12 +60,17 @@ class OracleProposer:
         return []
 
 
+def oracle_proposer(model, prompts: list[list[int]]) -> TruthProposer:
+    """The truth is HF's greedy continuation of each prompt."""
+    return TruthProposer([prompt + hf_greedy(model, prompt, 60) for prompt in prompts])
+
+
 def spec_llm(model, tokenizer, prompts: list[list[int]] | None = None, **kwargs) -> LLM:
     """An engine with prompt lookup, or with the oracle in its place when ``prompts`` are given."""
     kwargs = {"block_size": 4, "num_kv_blocks": 256, "max_model_len": 128, **kwargs}
     llm = LLM(model, tokenizer=tokenizer, speculative_config=SPEC, **kwargs)
     if prompts is not None:
-        llm.llm_engine.scheduler.drafter.proposer = OracleProposer(model, prompts)
+        llm.llm_engine.scheduler.drafter.proposer = oracle_proposer(model, prompts)
     return llm
 
 
@@ -221,7 +226,7 @@ def test_no_proposals_while_the_batch_is_large(tokenizer) -> None:
     llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128,
               speculative_config={**SPEC, "disable_by_batch_size": 3})  # fmt: skip
     prompts = repetitive_prompts()
-    llm.llm_engine.scheduler.drafter.proposer = OracleProposer(model, prompts)
+    llm.llm_engine.scheduler.drafter.proposer = oracle_proposer(model, prompts)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # 4 running: none
     assert llm.stats()["spec_decode_num_drafts"] == 0
@@ -290,7 +295,7 @@ def test_a_gpu_engine_verifies_in_captured_graphs_with_hf_greedy(tokenizer) -> N
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=256, max_model_len=128, speculative_config=SPEC)
     runner = llm.llm_engine.executor.model_runner
     assert runner.verify_graphs is not None and runner.verify_graphs.graphs
-    llm.llm_engine.scheduler.drafter.proposer = OracleProposer(model, prompts)
+    llm.llm_engine.scheduler.drafter.proposer = oracle_proposer(model, prompts)
     replays = []
     replay = runner.verify_graphs.run
     runner.verify_graphs.run = lambda inputs, *args: replays.append(inputs.num_seqs) or replay(inputs, *args)
@@ -320,25 +325,6 @@ def test_logprobs_of_taken_proposals_are_the_models(tokenizer) -> None:
                 assert entry.logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
         assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
     assert spec.llm_engine.scheduler.drafter.num_accepted_tokens > 0
-
-
-class TruthProposer:
-    """Proposes what each prompt's run without proposals gave (every third proposal changed), so that proposals
-    are both taken and refused under a grammar."""
-
-    def __init__(self, truths: list[list[int]], k: int = 4) -> None:
-        self.truths, self.k, self.calls = truths, k, 0
-
-    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
-        self.calls += 1
-        k = self.k if max_tokens is None else min(self.k, max_tokens)
-        for full in self.truths:
-            if full[: len(token_ids)] == token_ids:
-                guess = full[len(token_ids) : len(token_ids) + k]
-                if self.calls % 3 == 0 and guess:
-                    guess[-1] = (guess[-1] + 7) % 500 + 3
-                return guess
-        return []
 
 
 def test_structured_output_with_proposals_equals_it_without(tokenizer) -> None:
