@@ -278,7 +278,7 @@ def test_rows_padded_for_the_verify_graphs_keep_their_positions_and_logits() -> 
     )
     padded, keep = pad_rows(inputs, 4, block_size=4, max_blocks=4)
     assert padded.input_ids.tolist() == [5, 0, 0, 0, 6, 7, 8, 0, 9, 10, 0, 0]
-    assert padded.positions.tolist() == [7, 8, 9, 10, 10, 11, 12, 13, 0, 1, 2, 3]
+    assert padded.positions.tolist() == [7, 7, 7, 7, 10, 11, 12, 12, 0, 1, 1, 1]  # a pad at its row's last
     assert padded.slot_mapping.tolist() == [70, -1, -1, -1, 100, 101, 102, -1, 200, 201, -1, -1]
     assert padded.context_lens.tolist() == [11, 14, 4]  # the pads counted: each real query keeps its position
     assert padded.cu_seqlens_q.tolist() == [0, 4, 8, 12] and keep.tolist() == [0, 4, 5, 6, 9]
@@ -426,3 +426,26 @@ def test_a_draft_model_of_another_vocabulary_is_refused_by_name(tokenizer) -> No
     assert info.value.field == "speculative_config.model"
     with pytest.raises(ValueError, match="needed by method 'draft_model'"):
         EngineConfig.from_kwargs("m", speculative_config={"method": "draft_model"})
+
+
+def test_taken_proposals_count_a_row_that_stops_on_one() -> None:
+    from paged_backend.core.spec_decode import taken_proposals
+
+    assert taken_proposals([5, 6], [5, 6, 7]) == 2  # stopped (EOS, a stop token) on its second proposal
+    assert taken_proposals([5, 9], [5, 6]) == 1 and taken_proposals([5, 6, 8], [5, 6]) == 2
+    assert taken_proposals([4], [5, 6]) == 0
+
+
+def test_a_failing_proposer_costs_its_proposals_not_the_request(tokenizer, caplog) -> None:
+    class Failing:
+        def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
+            raise RuntimeError("out of memory, say")
+
+    model = tiny_model("llama")
+    llm = spec_llm(model, tokenizer)
+    llm.llm_engine.scheduler.drafter.proposer = Failing()
+    prompt = repetitive_prompts()[0]
+    (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+    assert "the proposer failed" in caplog.text
+    assert_idle(llm)

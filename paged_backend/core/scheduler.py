@@ -33,7 +33,7 @@ from paged_backend.core.scheduler_output import (
     SequenceUpdate,
 )
 from paged_backend.core.sequence import Request, Sequence, SequenceStatus
-from paged_backend.core.spec_decode import DraftPlanner, Proposer
+from paged_backend.core.spec_decode import DraftPlanner, Proposer, taken_proposals
 from paged_backend.core.step_plan import StepPlan
 from paged_backend.core.stop_checker import append_tokens
 
@@ -151,7 +151,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or not in this step
             num_new = self._chunk(seq, plan)
             drafts = self.drafter.drafts(seq, plan.budget) if self.drafter and speculate and num_new == 1 else []
-            if drafts:  # its proposals' slots too, if they fit; else it decodes one token like the others
+            if drafts and self._spare_blocks_for(seq, 1 + len(drafts)):  # else it decodes a token like the others
                 copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, 1 + len(drafts))
                 if copies is not None:
                     plan.add(seq, 1 + len(drafts), copies, drafts)
@@ -174,6 +174,12 @@ class Scheduler:
                     plan.swap_out += swap_out
                     plan.swapped += victims
                 plan.preempted.update(victims)
+
+    def _spare_blocks_for(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq``'s proposals' blocks leave the watermark free: they never push a request out."""
+        bm = self.block_manager
+        needed = bm.num_new_blocks_needed(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + num_tokens)
+        return bm.num_free_blocks - needed >= bm.watermark_blocks
 
     def _schedule_swapped(self, plan: StepPlan, include: Callable[[Sequence], bool] | None) -> None:
         """Swapped requests, oldest first, come back before new ones are admitted, when all their blocks fit."""
@@ -359,7 +365,7 @@ class Scheduler:
             row_drafts = drafts[output.batch.sampling_rows[row]] if drafts and row < num_parents else []
             taken, finish = append_tokens(seq, tokens, in_round or bool(row_drafts), self.max_model_len)
             if row_drafts and self.drafter is not None:
-                self.drafter.count(seq, len(row_drafts), max(0, taken - 1))
+                self.drafter.count(seq, len(row_drafts), taken_proposals(tokens[:taken], row_drafts))
             if finish is not None:
                 self.finish_seq(seq, *finish)
             top = runner_output.top_logprobs[row] if runner_output.top_logprobs else None

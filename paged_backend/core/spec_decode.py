@@ -16,11 +16,14 @@ its own; a sample under a grammar only the tokens its grammar allows, up to the 
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 from paged_backend.config import SpeculativeConfig
 from paged_backend.core.sequence import GrammarState, Sequence
 from paged_backend.spec_decode.ngram_proposer import NgramProposer
+
+logger = logging.getLogger(__name__)
 
 
 class Proposer(Protocol):
@@ -56,13 +59,26 @@ class DraftPlanner:
         token needs one), its ``max_tokens`` and ``max_model_len`` (the token after the last proposal is the
         model's own, and must fit too)."""
         request, params = seq.request, seq.params
-        if seq.num_uncomputed_tokens != 1 or request.keep_logits or len(seq.token_ids) < seq.spec_paused_until:
+        if (
+            seq.num_uncomputed_tokens != 1
+            or request.unforked  # its other samples fork from it after this step: from one computed token
+            or request.keep_logits
+            or len(seq.token_ids) < seq.spec_paused_until
+        ):
             return []
         max_len = self.max_model_len
         if params.max_tokens is not None:
             max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
         room = min(budget - 1, max_len - len(seq.token_ids) - 1)
-        drafts = self.proposer.propose(seq.token_ids, room, seq_id=seq.seq_id) if room > 0 else []
+        if room <= 0:
+            return []
+        try:
+            drafts = self.proposer.propose(seq.token_ids, room, seq_id=seq.seq_id)
+        except Exception:  # a draft model's failure (out of memory, ...) costs proposals, not the step
+            logger.warning("the proposer failed for sequence %d: it decodes without proposals", seq.seq_id,
+                           exc_info=True)  # fmt: skip
+            self.forget(seq)
+            return []
         return drafts if seq.grammar is None or not drafts else grammatical(seq.grammar, drafts)
 
     def forget(self, seq: Sequence) -> None:
@@ -95,3 +111,14 @@ def grammatical(grammar: GrammarState, drafts: list[int]) -> list[int]:
         if copy.is_terminated():
             return drafts[: i + 1]
     return drafts
+
+
+def taken_proposals(taken: list[int], proposed: list[int]) -> int:
+    """How many of a row's taken tokens were its proposals: the run they share from the start (all of them when
+    the row stopped on a proposal)."""
+    count = 0
+    for token, guess in zip(taken, proposed):
+        if token != guess:
+            break
+        count += 1
+    return count

@@ -118,18 +118,20 @@ class ModelRunner:
                 self.verify_graphs = CUDAGraphRunner(
                     self._model_forward, rows, width, self.device, 1, self.batch_invariant, q_len
                 )
-        try:
-            with torch.inference_mode(), self.switch, self._compiled(), self._invariant():
-                for runner in (self.graphs, self.verify_graphs):
+        for name in ("graphs", "verify_graphs"):
+            runner = getattr(self, name)
+            try:
+                with torch.inference_mode(), self.switch, self._compiled(), self._invariant():
                     if runner is not None:
                         runner.capture()
-        except Exception as exc:  # noqa: BLE001 - steps still run, without graphs
-            logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
-            self.graphs = self.verify_graphs = None
+            except Exception as exc:  # noqa: BLE001 - steps still run, without graphs
+                logger.warning("CUDA graph capture (%s) failed (%s: %s); those steps run eagerly", name,
+                               type(exc).__name__, exc)  # fmt: skip
+                setattr(self, name, None)
 
     def sleep(self) -> None:
         """Free the KV cache and the CUDA graphs (and their memory pools); the weights are the user's and stay."""
-        self._recapture, self.graphs = self.graphs is not None, None
+        self._recapture, self.graphs, self.verify_graphs = self.graphs is not None, None, None
         self.cache_engine.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

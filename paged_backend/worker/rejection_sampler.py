@@ -45,7 +45,8 @@ def draft_views(seqs: list[Sequence], drafts: list[list[int]] | None) -> tuple[l
         for j in range(1, len(proposed) + 1):
             if grammar is not None:  # this view's own place in the grammar: after the proposals before it
                 grammar.accept_token(proposed[j - 1])
-            view_grammar = None if grammar is None else grammar.fork()
+            # after a proposal that ends the grammar nothing is taken: its row is drawn unmasked, and dropped
+            view_grammar = None if grammar is None or grammar.is_terminated() else grammar.fork()
             views.append(replace(seq, token_ids=seq.token_ids + proposed[:j], grammar=view_grammar))
     return views, firsts
 

@@ -37,9 +37,11 @@ def pad_rows(
     ids[flat] = inputs.input_ids.numpy()
     slots = np.full(total, -1, dtype=np.int64)
     slots[flat] = inputs.slot_mapping.numpy()
-    # positions: each row's first position, then counting on through its pads (RoPE sees sensible values)
+    # positions: the real tokens' own, each pad the row's last (a model with learned positions has no row past
+    # the context's end)
     first = inputs.positions.numpy()[cu[:-1].clip(max=max(int(cu[-1]) - 1, 0))] if num_seqs else np.zeros(0)
-    positions = (first[:, None] + np.arange(q_len)[None, :]).reshape(-1)
+    steps = np.minimum(np.arange(q_len)[None, :], (lens - 1)[:, None])  # [B, q_len]
+    positions = (first[:, None] + steps).reshape(-1)
     keep = torch.from_numpy(flat[inputs.logits_indices.numpy()])
     padded = StepInputs(
         input_ids=torch.from_numpy(ids),

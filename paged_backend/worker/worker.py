@@ -180,7 +180,7 @@ class Worker:
 def verify_shape(config: EngineConfig) -> tuple[int, int] | None:
     """Speculative decoding's graphs: rows of its proposals plus one token, as many as a step with proposals has."""
     spec = config.speculative_config
-    if spec is None:
+    if spec is None or config.lora_config.enable_lora:  # LoRA's per-token adapter indices are not padded alike
         return None
     rows = config.scheduler_config.max_num_seqs
     if spec.disable_by_batch_size is not None:  # a larger batch gets no proposals
