@@ -157,7 +157,7 @@ def test_speculative_config_flag_is_json_checked_before_the_model_loads(capsys) 
     _, engine = parse_args(["--model", "m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
                            "serve")  # fmt: skip
     assert engine["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
-    for bad, said in (('{"method": "eagle"}', "speculative_config.method must be one of ['ngram']"),
+    for bad, said in (('{"method": "eagle"}', "speculative_config.method must be one of ['ngram', 'draft_model']"),
                       ("[1]", "invalid json_dict value")):  # fmt: skip
         with pytest.raises(SystemExit):
             parse_args(["--model", "m", "--speculative-config", bad], "serve")
