@@ -426,6 +426,7 @@ COLORS = {
     "paged_fp8kv": "#1a5",
     "paged_fp8": "#073",
     "paged_invariant": "#396",
+    "paged_spec": "#4b8",
     "hf_patched": "#8c8",
 }  # this library's engine, directly and under HF's generate
 
@@ -515,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workloads = args.workload.split(",")
     backends = args.backends.split(",")
     known_backends = {
-        *("paged", "paged_sync", "paged_fp8kv", "paged_fp8", "paged_invariant"),
+        *("paged", "paged_sync", "paged_fp8kv", "paged_fp8", "paged_invariant", "paged_spec"),
         *("hf_patched", "hf", "hf_cb", "hf_static"),
     }
     unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - known_backends
@@ -631,6 +632,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "paged_invariant" in backends:
         measure_engine("paged_invariant", {**base_args, "batch_invariant": True})
         release_engine("batch-invariant engine")
+    if "paged_spec" in backends:  # prompt lookup, k = 4: on W1 it must switch itself off (at least 0.97x paged)
+        measure_engine(
+            "paged_spec", {**base_args, "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}
+        )
+        release_engine("speculating engine")
     if "paged_fp8kv" in backends:
         measure_engine("paged_fp8kv", {**base_args, "kv_cache_dtype": "fp8"})
         release_engine("fp8-cache engine")
