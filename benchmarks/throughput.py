@@ -488,6 +488,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="comma list of paged, paged_sync (async_scheduling=False), paged_fp8kv (kv_cache_dtype='fp8'), "
         "paged_fp8 (quantization='fp8': the model saved and loaded, its linears' weights fp8), "
         "paged_invariant (batch_invariant=True; also checks a request alone and in a batch of 64), "
+        "paged_spec (speculative_config: prompt lookup, k=4), "
         "hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
     )
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
