@@ -449,3 +449,26 @@ def test_a_failing_proposer_costs_its_proposals_not_the_request(tokenizer, caplo
     assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
     assert "the proposer failed" in caplog.text
     assert_idle(llm)
+
+
+def test_the_server_speculates_and_reports_it_in_metrics(tokenizer) -> None:
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from paged_backend.entrypoints.openai.cli_args import ServerArgs
+    from tests.test_server import KEY, NAME, serving
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()[:1]
+    llm = spec_llm(model, tokenizer, prompts)
+    with serving(llm, ServerArgs(model="tiny-path", served_model_name=NAME, api_key=KEY)) as url:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        body = {"model": NAME, "prompt": prompts[0], "max_tokens": 20, "temperature": 0}
+        reply = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert reply.status_code == 200, reply.text
+        metrics = httpx.get(url + "/metrics", headers=headers, timeout=60).text
+    taken = llm.llm_engine.scheduler.drafter.num_accepted_tokens
+    assert (
+        taken > 0
+        and f'paged_backend:spec_decode_num_accepted_tokens_total{{model_name="{NAME}"}} {float(taken)}' in metrics
+    )
