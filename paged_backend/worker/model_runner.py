@@ -46,18 +46,13 @@ from paged_backend.worker.step_inputs import (
     pad_step_inputs,
     prompt_embeds_pieces,
     queued_copy,
+    warmup_inputs,
 )
 from paged_backend.worker.structured_output import RoundGrammars, apply_grammar_bitmask, fill_grammar_bitmask
 from paged_backend.worker.verify_inputs import pad_rows
 from paged_backend.worker.weights import WeightAddresses
 
 logger = logging.getLogger(__name__)
-
-# Compiled once on this batch: every dimension above 1, the graphs' block-table width too (size 1 is specialised on).
-_WARMUP_Q_LENS = [4, 2, 1]
-_WARMUP_CONTEXT_LENS = [4, 2, 1]
-_WARMUP_LOGITS_INDICES = [3, 6]
-_WARMUP_WIDTH = 5
 
 
 class ModelRunner:
@@ -162,7 +157,7 @@ class ModelRunner:
                 # A first dynamo-only trace packs sibling projections (fuse_linears.py), then the real compile.
                 packer = PackingBackend(list(layers))
                 self.regions = RegionalCompile(layers, packer)
-                self.run(self._warmup_inputs())
+                self.run(warmup_inputs())
                 packer.finish()
                 if self.batch_invariant:  # inductor's fused reductions pick their own splits: layers stay eager
                     self.regions, self.siblings = None, SiblingProducts(packer.packed.values())
@@ -170,7 +165,7 @@ class ModelRunner:
                     self.record_weights()
                     return
                 self.regions = RegionalCompile(layers, backend)
-                self.run(self._warmup_inputs())
+                self.run(warmup_inputs())
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             if self.regions.num_graphs == 0:  # dynamo gave up (e.g. a recompile limit) and ran eagerly
@@ -185,20 +180,6 @@ class ModelRunner:
             *(type(layers[0]).__name__, regions.num_graphs, len(layers), regions.num_fused_groups, seconds),
         )
         self.record_weights()
-
-    @staticmethod
-    def _warmup_inputs() -> StepInputs:
-        q_lens = _WARMUP_Q_LENS
-        num_tokens = sum(q_lens)
-        return StepInputs(
-            input_ids=torch.zeros(num_tokens, dtype=torch.long),
-            positions=torch.cat([torch.arange(n) for n in q_lens]),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long),  # writes nothing
-            block_tables=torch.zeros(len(q_lens), _WARMUP_WIDTH, dtype=torch.int32),
-            cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
-            context_lens=torch.tensor(_WARMUP_CONTEXT_LENS),
-            logits_indices=torch.tensor(_WARMUP_LOGITS_INDICES),
-        )
 
     def _compiled(self) -> contextlib.AbstractContextManager[object]:
         return self.regions if self.regions is not None else contextlib.nullcontext()

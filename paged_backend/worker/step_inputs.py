@@ -166,3 +166,26 @@ def prompt_embeds_pieces(scheduler_output: SchedulerOutput) -> list[tuple[int, t
             pieces.append((offset, embeds[start : start + count]))
         offset += count
     return pieces
+
+
+# Compiled once on this batch: every dimension above 1, the graphs' block-table width too (size 1 is specialised on).
+_WARMUP_Q_LENS = [4, 2, 1]
+_WARMUP_CONTEXT_LENS = [4, 2, 1]
+_WARMUP_LOGITS_INDICES = [3, 6]
+_WARMUP_WIDTH = 5
+
+
+def warmup_inputs() -> StepInputs:
+    """The batch the decoder layer is compiled on (worker/model_runner.py): every dimension above 1, the block
+    tables' width too (dynamo specialises on a size of 1). Its slots are -1: it writes no cache."""
+    q_lens = _WARMUP_Q_LENS
+    num_tokens = sum(q_lens)
+    return StepInputs(
+        input_ids=torch.zeros(num_tokens, dtype=torch.long),
+        positions=torch.cat([torch.arange(n) for n in q_lens]),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long),  # writes nothing
+        block_tables=torch.zeros(len(q_lens), _WARMUP_WIDTH, dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        context_lens=torch.tensor(_WARMUP_CONTEXT_LENS),
+        logits_indices=torch.tensor(_WARMUP_LOGITS_INDICES),
+    )
