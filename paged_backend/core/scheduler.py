@@ -143,14 +143,14 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan, include: Callable[[Sequence], bool] | None) -> None:
         """Running sequences: decodes first, then unfinished prefills; oldest first within each."""
-        speculate = self.drafter is not None and self.drafter.active(len(self.running))
+        drafter = self.drafter if self.drafter is not None and self.drafter.active(len(self.running)) else None
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival)):
             if plan.budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or (include is not None and not include(seq)):
                 continue  # preempted earlier in this loop, or not in this step
             num_new = self._chunk(seq, plan)
-            drafts = self.drafter.drafts(seq, plan.budget) if self.drafter and speculate and num_new == 1 else []
+            drafts = drafter.drafts(seq, plan.budget) if drafter is not None and num_new == 1 else []
             if drafts and self._spare_blocks_for(seq, 1 + len(drafts)):  # else it decodes a token like the others
                 copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, 1 + len(drafts))
                 if copies is not None:

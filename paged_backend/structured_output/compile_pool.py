@@ -4,10 +4,9 @@ A compile inside xgrammar cannot be interrupted, so the only way to give one up 
 requester gone) is to end the process running it: each worker is a process of its own, killed and replaced when
 its compile is abandoned. Workers run at a lower CPU priority (``nice``) and compile on one thread each, so
 compiles take the cores the engine and the event loop leave. The server's side of a compile runs on threads of
-the same lower priority: they wait on the pipe and turn the answer back into a grammar, which for a large enum is
-tens of megabytes and a second or more of a core (the GIL released), time the engine's thread must not share
-at equal weight. At most ``workers`` compiles run and ``max_queued`` more wait;
-past that ``CompileQueueFull``.
+the pool's priority too: they wait on the pipe and turn the answer back into a grammar, which for a large enum
+is large and takes a core for a while (the GIL released), time the engine's thread must not share at equal
+weight. At most ``workers`` compiles run and ``max_queued`` more wait; past that ``CompileQueueFull``.
 """
 
 from __future__ import annotations

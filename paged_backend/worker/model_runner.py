@@ -116,8 +116,8 @@ class ModelRunner:
         for name in ("graphs", "verify_graphs"):
             runner = getattr(self, name)
             try:
-                with torch.inference_mode(), self.switch, self._compiled(), self._invariant():
-                    if runner is not None:
+                if runner is not None:
+                    with torch.inference_mode(), self.switch, self._compiled(), self._invariant():
                         runner.capture()
             except Exception as exc:  # noqa: BLE001 - steps still run, without graphs
                 logger.warning("CUDA graph capture (%s) failed (%s: %s); those steps run eagerly", name,

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from paged_backend.core.scheduler_output import ScheduledBatch
 from paged_backend.core.sequence import Sequence
+from paged_backend.core.spec_decode import taken_proposals
 from paged_backend.worker.sampler import SampleResult
 
 
@@ -60,8 +61,5 @@ def take_verified(results: list[SampleResult], drafts: list[list[int]] | None) -
     for proposed in drafts:
         draws = results[at : at + len(proposed) + 1]
         at += len(proposed) + 1
-        matched = 0
-        while matched < len(proposed) and draws[matched].token_id == proposed[matched]:
-            matched += 1
-        taken.append(draws[: matched + 1])
+        taken.append(draws[: taken_proposals([draw.token_id for draw in draws], proposed) + 1])
     return taken

@@ -168,7 +168,6 @@ def prompt_embeds_pieces(scheduler_output: SchedulerOutput) -> list[tuple[int, t
     return pieces
 
 
-# Compiled once on this batch: every dimension above 1, the graphs' block-table width too (size 1 is specialised on).
 _WARMUP_Q_LENS = [4, 2, 1]
 _WARMUP_CONTEXT_LENS = [4, 2, 1]
 _WARMUP_LOGITS_INDICES = [3, 6]
