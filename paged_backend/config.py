@@ -189,7 +189,8 @@ class SpeculativeConfig:
     sequence, which one forward verifies. ``ngram`` (prompt lookup) proposes the tokens that followed the last
     earlier occurrence of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens. Proposals
     stop where they do not pay: for the whole step from ``disable_by_batch_size`` running sequences, and for a
-    sample whose proposals are seldom taken (core/spec_decode.py)."""
+    sample whose proposals are seldom taken (core/spec_decode.py); steps where no sample is proposed for run as
+    usual (multi-step rounds, async scheduling)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -288,10 +289,7 @@ class EngineConfig:
 
     def _check_speculation(self) -> None:
         """What speculative decoding does not run beside yet, refused by name."""
-        scheduler = self.scheduler_config
         others = {
-            "num_scheduler_steps": scheduler.num_scheduler_steps > 1,  # a round's tokens are never proposals
-            "async_scheduling": bool(scheduler.async_scheduling),  # the next step's proposals need this one's tokens
             "tensor_parallel_size": self.parallel_config.tensor_parallel_size > 1,
             "batch_invariant": self.model_config.batch_invariant,
         }
@@ -299,17 +297,14 @@ class EngineConfig:
         if clash:
             raise FieldError(
                 "speculative_config",
-                f"speculative_config needs num_scheduler_steps=1, async_scheduling off, tensor_parallel_size=1 and "
-                f"batch_invariant=False (for now); got {', '.join(f'{n}={getattr_any(self, n)!r}' for n in clash)}",
+                "speculative_config needs tensor_parallel_size=1 and batch_invariant=False (for now); got "
+                + ", ".join(f"{n}={getattr_any(self, n)!r}" for n in clash),
             )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
-        """Split flat ``LLM(...)`` kwargs into sections; an unknown name is a TypeError naming it. With
-        ``speculative_config``, ``num_scheduler_steps`` defaults to 1 (speculation replaces multi-step rounds)."""
+        """Split flat ``LLM(...)`` kwargs into sections; an unknown name is a TypeError naming it."""
         speculative = SpeculativeConfig.of(kwargs.pop("speculative_config", None))
-        if speculative is not None:
-            kwargs.setdefault("num_scheduler_steps", 1)
         owners = {f.name: section for section, kind in _SECTIONS.items() for f in dataclasses.fields(kind)}
         unknown = sorted(set(kwargs) - set(owners))
         if unknown:

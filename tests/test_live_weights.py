@@ -146,3 +146,26 @@ def test_the_train_mode_switch_reaches_a_torchscript_module() -> None:
         assert not any(m.training for m in model.modules())
         assert torch.equal(model.model.scripted(ones), ones)
     assert all(m.training for m in model.modules())
+
+
+def test_weight_updates_sees_in_place_writes_optimizer_steps_and_replaced_parameters(tokenizer) -> None:
+    """The engine's watch over the weights (engine/weight_updates.py) lists the parameters once, so a parameter
+    registered later on one of the model's modules must still count, and one on another model must not."""
+    from paged_backend.engine.weight_updates import WeightUpdates
+
+    model, other = fresh_model(tokenizer), fresh_model(tokenizer)
+    watch = WeightUpdates(model)
+    assert not watch.changed()
+    other.lm_head.weight = torch.nn.Parameter(other.lm_head.weight.detach().clone())
+    assert not watch.changed()
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert watch.changed() and not watch.changed()
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)  # new tensors, their version counters fresh
+    assert watch.changed() and not watch.changed()
+    with torch.no_grad():  # the new tensors are the ones watched now
+        model.lm_head.weight.mul_(2.0)
+    assert watch.changed()
+    torch.optim.AdamW(model.parameters(), fused=False).step()  # no gradients: the step writes nothing
+    assert watch.changed() and not watch.changed()

@@ -117,7 +117,7 @@ def continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> SchedulerO
     ``prev_rows``), planned as if none stops there (``plan_continuation``). None when the next step must be a
     normal one: a request is swapped out or must run alone, a waiting request could take a place (the batch is
     not full, or a row ends in the round in flight), the batch would change, or a row needs what only a normal
-    step does."""
+    step does (a sample speculative decoding proposes for next, among them)."""
     num_steps = in_flight.batch.num_steps
     if num_steps is None or scheduler.swapped or scheduler.run_alone:
         return None
@@ -126,6 +126,10 @@ def continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> SchedulerO
     live = [row for row, seq in enumerate(in_flight.seqs) if seq.status is SequenceStatus.RUNNING]
     if len(live) != len(scheduler.running):
         return None  # a sequence that did not run in that round would wait
+    drafter = scheduler.drafter
+    if drafter is not None and drafter.active(len(live)):
+        if any(drafter.speculates(in_flight.seqs[row], num_steps[row]) for row in live):
+            return None  # a sample is proposed for after that round: its proposals need the round's tokens
     bm = scheduler.block_manager
     plan = plan_continuation(
         [in_flight.seqs[row] for row in live],

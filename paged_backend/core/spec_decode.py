@@ -8,10 +8,12 @@ computed token (the forward that produced it cached its input), as in a multi-st
 rejected proposals lies past ``num_computed_tokens`` in the sequence's own blocks and is written over later.
 
 Proposals stop where they do not pay: in a step where ``disable_by_batch_size`` sequences or more run, and for a
-sample whose last ``WINDOW_TOKENS`` proposals were taken less than ``MIN_ACCEPTANCE`` of the time (for its next
-``PAUSE_TOKENS`` tokens). Not proposed for either: requests that keep logits (one row per step), which decode a
-token a step in the same batch. Each sample of a request with several (``n``, ``best_of``) is proposed for on
-its own; a sample under a grammar only the tokens its grammar allows, up to the first it does not.
+sample whose proposals seldom pay (``judge``): it is paused for a number of tokens. A step without proposals may
+be a multi-step round (core/multi_step.py), the cheapest way to decode a token where nothing is proposed; async
+scheduling queues the next round only when no sample of the round would be proposed for after it. Not proposed
+for either: requests that keep logits (one row per step), which decode a token a step in the same batch. Each
+sample of a request with several (``n``, ``best_of``) is proposed for on its own; a sample under a grammar only
+the tokens its grammar allows, up to the first it does not.
 """
 
 from __future__ import annotations
@@ -33,11 +35,15 @@ class Proposer(Protocol):
     def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]: ...
 
 
-# A sample's acceptance is judged over windows of this many proposed tokens: under MIN_ACCEPTANCE taken, it gets
-# no proposals for its next PAUSE_TOKENS tokens (then it is tried again: text that copies may start later).
-WINDOW_TOKENS = 16
-MIN_ACCEPTANCE = 0.25
+# A sample is judged over windows of WINDOW_STEPS steps that verified proposals of its. A verifying step costs a GPU
+# about as much as 1.6 tokens of a multi-step round (docs/benchmarks.md), so under MIN_TAKEN_PER_STEP taken
+# proposals a step the sample is paused:
+# PAUSE_TOKENS tokens, doubled after each window that fails again up to MAX_PAUSE_TOKENS (open chat seldom
+# copies), back to PAUSE_TOKENS after a window that pays (text that copies may start later).
+WINDOW_STEPS = 4
+MIN_TAKEN_PER_STEP = 1.0
 PAUSE_TOKENS = 32
+MAX_PAUSE_TOKENS = 512
 
 
 class DraftPlanner:
@@ -54,17 +60,21 @@ class DraftPlanner:
         """Whether this step makes proposals at all: not once the batch is large."""
         return self.disable_by_batch_size is None or num_running < self.disable_by_batch_size
 
+    def speculates(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether ``seq`` is proposed for once ``ahead`` more tokens are in (when its lookup finds something)."""
+        request = seq.request
+        return (
+            not request.unforked  # its other samples fork from it after this step: from one computed token
+            and not request.keep_logits
+            and len(seq.token_ids) + ahead >= seq.spec_paused_until
+        )
+
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The proposals for ``seq``'s next step, within ``budget`` tokens for the whole row (its last sampled
         token needs one), its ``max_tokens`` and ``max_model_len`` (the token after the last proposal is the
         model's own, and must fit too)."""
-        request, params = seq.request, seq.params
-        if (
-            seq.num_uncomputed_tokens != 1
-            or request.unforked  # its other samples fork from it after this step: from one computed token
-            or request.keep_logits
-            or len(seq.token_ids) < seq.spec_paused_until
-        ):
+        params = seq.params
+        if seq.num_uncomputed_tokens != 1 or not self.speculates(seq):
             return []
         max_len = self.max_model_len
         if params.max_tokens is not None:
@@ -88,18 +98,27 @@ class DraftPlanner:
             forget(seq.seq_id)
 
     def count(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        """A verified row: the engine's and the sample's counts, and the sample paused if it seldom takes any."""
+        """A verified row: the engine's and the sample's counts, and the sample judged."""
         seq.num_draft_tokens += proposed
         seq.num_accepted_tokens += accepted
-        window_proposed, window_accepted = seq.spec_window[0] + proposed, seq.spec_window[1] + accepted
-        if window_proposed >= WINDOW_TOKENS:
-            if window_accepted < MIN_ACCEPTANCE * window_proposed:
-                seq.spec_paused_until = len(seq.token_ids) + PAUSE_TOKENS
-            window_proposed = window_accepted = 0
-        seq.spec_window = (window_proposed, window_accepted)
+        judge(seq, accepted)
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+
+
+def judge(seq: Sequence, taken: int) -> None:
+    """One more step verified proposals of the sample, of which it took ``taken``: at the end of a window, the
+    sample is paused if the window's steps took too few (see WINDOW_STEPS)."""
+    steps, total = seq.spec_window[0] + 1, seq.spec_window[1] + taken
+    if steps >= WINDOW_STEPS:
+        if total < MIN_TAKEN_PER_STEP * steps:
+            seq.spec_pause = min(MAX_PAUSE_TOKENS, 2 * seq.spec_pause) if seq.spec_pause else PAUSE_TOKENS
+            seq.spec_paused_until = len(seq.token_ids) + seq.spec_pause
+        else:
+            seq.spec_pause = 0
+        steps = total = 0
+    seq.spec_window = (steps, total)
 
 
 def grammatical(grammar: GrammarState, drafts: list[int]) -> list[int]:
