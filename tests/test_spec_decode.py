@@ -40,6 +40,25 @@ def test_prompt_lookup_proposes_what_followed_the_last_occurrence_of_the_longest
     assert NgramProposer(2, 3, 3).propose([4, 1, 7, 1]) == []  # (1) repeats, but no 2-gram does
 
 
+def test_prompt_lookup_equals_a_plain_search_on_random_ids() -> None:
+    """The proposer's one-pass search against the definition, written out: the longest suffix first, its last
+    earlier occurrence."""
+
+    def plain(ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+        for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+            for end in range(len(ids) - 2, n - 2, -1):
+                if ids[end - n + 1 : end + 1] == ids[len(ids) - n :]:
+                    return ids[end + 1 : end + 1 + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids = [rng.randrange(rng.choice([2, 3, 20])) for _ in range(rng.randrange(40))]
+        min_n = rng.randrange(1, 4)
+        max_n, k = rng.randrange(min_n, 6), rng.randrange(1, 6)
+        assert NgramProposer(min_n, max_n, k).propose(ids) == plain(ids, min_n, max_n, k), (ids, min_n, max_n, k)
+
+
 class TruthProposer:
     """A test double for prompt lookup: it proposes what follows in each given full sequence (prompt and its
     true output), with every third proposal changed, so that steps take several proposals, refuse some, and

@@ -10,7 +10,6 @@ whose continuation is the likeliest to be repeated now.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -19,17 +18,25 @@ class NgramProposer:
 
     def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
         """Up to ``min(k, max_tokens)`` tokens that followed the last earlier occurrence of the longest suffix
-        of ``token_ids`` between ``min_n`` and ``max_n`` tokens long; none when no such suffix occurred before."""
+        of ``token_ids`` between ``min_n`` and ``max_n`` tokens long; none when no such suffix occurred before.
+
+        One pass over the ids finds where the last token occurred before; only those places are compared
+        further back (a step's lookup runs on the host between forwards, over thousands of ids)."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
         length = len(token_ids)
         if k <= 0 or length < self.min_n + 1:
             return []
         ids = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # windows starting at 0 .. length - n - 1: every n-gram but the suffix itself
-            windows = sliding_window_view(ids[: length - 1], n)  # [length - n, n]
-            found = np.flatnonzero((windows == ids[length - n :]).all(axis=1))
-            if found.size:
-                start = int(found[-1]) + n
-                return [int(t) for t in ids[start : start + k]]
-        return []
+        ends = np.flatnonzero(ids[: length - 1] == ids[length - 1])  # an earlier occurrence ends at each
+        matched = np.ones(ends.size, dtype=np.int64)  # how many of the suffix's tokens each end matches
+        alive = np.ones(ends.size, dtype=bool)
+        for back in range(1, min(self.max_n, length - 1)):
+            before = ends - back
+            alive &= before >= 0
+            alive[alive] = ids[before[alive]] == ids[length - 1 - back]
+            matched += alive
+        matched = np.minimum(matched, self.max_n)
+        if not ends.size or matched.max() < self.min_n:
+            return []
+        start = int(ends[np.flatnonzero(matched == matched.max())[-1]]) + 1
+        return [int(t) for t in ids[start : start + k]]
