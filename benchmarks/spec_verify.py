@@ -153,8 +153,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "shape": args.shape,
         "commit": args.commit,
         "versions": versions(),
-        "settings": {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "repetitions": args.repetitions,
-                     "k": args.k},  # fmt: skip
+        "settings": {
+            "prompt_tokens": PROMPT_TOKENS,
+            "new_tokens": NEW_TOKENS,
+            "repetitions": args.repetitions,
+            "k": args.k,
+        },  # fmt: skip
         "results": results,
     }
 
