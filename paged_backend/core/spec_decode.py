@@ -36,7 +36,7 @@ class Proposer(Protocol):
 
 
 # A sample is judged over windows of WINDOW_STEPS steps that verified proposals of its. A verifying step costs a GPU
-# about as much as 1.6 tokens of a multi-step round (docs/benchmarks.md), so under MIN_TAKEN_PER_STEP taken
+# about as much as two tokens of a multi-step round (docs/benchmarks.md), so under MIN_TAKEN_PER_STEP taken
 # proposals a step the sample is paused:
 # PAUSE_TOKENS tokens, doubled after each window that fails again up to MAX_PAUSE_TOKENS (open chat seldom
 # copies), back to PAUSE_TOKENS after a window that pays (text that copies may start later).
