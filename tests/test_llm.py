@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -308,3 +310,22 @@ def test_the_final_text_is_the_decode_of_the_tokens(tokenizer) -> None:
     texts = [(o.outputs[0].text, tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True)) for o in outs]
     assert all(text == decoded for text, decoded in texts)
     assert any(text.endswith("\ufffd") for text, _ in texts)  # the case this is about did occur
+
+
+def test_decode_text_is_the_tokenizer_s_decode(tokenizer) -> None:
+    """The detokenizer calls a transformers tokenizer's ``_decode`` (skipping ``decode``'s conversion of its
+    argument): the text must be ``decode``'s, special tokens and ``skip_special_tokens`` included; a tokenizer
+    without ``_decode`` is called through ``decode``."""
+    from paged_backend.engine.detokenizer import decode_text
+
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))]
+        for skip in (False, True):
+            assert decode_text(tokenizer, ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip), ids
+
+    class OnlyDecode:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            return f"{token_ids}{skip_special_tokens}"
+
+    assert decode_text(OnlyDecode(), [1, 2], True) == "[1, 2]True"

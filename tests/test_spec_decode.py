@@ -258,6 +258,27 @@ def test_a_sample_that_keeps_failing_is_paused_longer_each_time() -> None:
     assert window(1) <= 0 and window(0) == PAUSE_TOKENS  # one taken a step pays: the next pause is short again
 
 
+def test_a_paused_sample_whose_text_starts_copying_is_proposed_for_again() -> None:
+    """While paused, prompt lookup's guesses are made and checked against the tokens that follow: one that
+    would have had SHADOW_MIN_TAKEN proposals taken ends the pause; one refused at once is replaced by a new
+    guess, and the pause goes on."""
+    from paged_backend.config import SpeculativeConfig
+    from paged_backend.core.spec_decode import SHADOW_MIN_TAKEN, DraftPlanner
+
+    planner = DraftPlanner(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), max_model_len=1000)
+    request = Request("r", None, [5, 6], SamplingParams())
+    copying, wandering = (Sequence(i, 0, request, [10, 11, 12, 13, 14, 15, 20, 10, 11], 2, arrival=i) for i in (0, 1))
+    for seq, tokens in ((copying, [[12, 13], [14, 99]]), (wandering, [[50, 51, 52, 53]])):
+        seq.spec_paused_until = 10**6
+        planner.watch(seq)  # the first guess, from where it stands
+        assert seq.spec_shadow == (9, [12, 13, 14, 15])
+        for new in tokens:
+            seq.token_ids += new
+            planner.watch(seq)
+    assert SHADOW_MIN_TAKEN <= 3 and copying.spec_paused_until == 0  # 12, 13, 14 would have been taken
+    assert wandering.spec_paused_until == 10**6 and wandering.spec_shadow[0] == len(wandering.token_ids)
+
+
 class NoProposer:
     def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
         return []
@@ -371,6 +392,32 @@ def test_a_gpu_engine_verifies_in_captured_graphs_with_hf_greedy(tokenizer) -> N
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 30)
     assert replays and llm.llm_engine.scheduler.drafter.num_accepted_tokens > 0
+
+
+def test_penalties_min_tokens_and_logits_processors_see_the_proposals_before_each_position(tokenizer) -> None:
+    """Greedy under penalties, ``min_tokens`` and a logits processor that reads the tokens so far: each verified
+    position is sampled as if the proposals before it had been taken, so the output is the plain engine's
+    (proposed from that very output, every third proposal wrong)."""
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()
+
+    def no_repeat(token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if token_ids:
+            logits[token_ids[-1]] = float("-inf")  # never the same token twice in a row
+        return logits
+
+    params = SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.4,
+                            min_tokens=20, logits_processors=[no_repeat])  # fmt: skip
+    plain = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128, num_scheduler_steps=1)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                           use_tqdm=False)]  # fmt: skip
+    spec = spec_llm(model, tokenizer)
+    spec.llm_engine.scheduler.drafter.proposer = TruthProposer([p + w for p, w in zip(prompts, want)])
+    got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]  # fmt: skip
+    assert got == want
+    drafter = spec.llm_engine.scheduler.drafter
+    assert 0 < drafter.num_accepted_tokens < drafter.num_draft_tokens
 
 
 def test_logprobs_of_taken_proposals_are_the_models(tokenizer) -> None:

@@ -354,6 +354,7 @@ class Scheduler:
         for child, parent in zip(output.sampling_seqs[num_parents:], output.fork_parents):
             self._fork(output.sampling_seqs[parent], child)
         updates = []
+        watch = self.drafter is not None and self.drafter.active(len(self.running))
         if self.run_alone:  # a step that sampled them succeeded: they rejoin the batch
             self.run_alone.difference_update(seq.request for seq in output.sampling_seqs)
         for row, seq in enumerate(output.sampling_seqs):
@@ -364,8 +365,10 @@ class Scheduler:
                 seq.grammar = runner_output.grammars[row]  # the round's, which took these tokens already
             row_drafts = drafts[output.batch.sampling_rows[row]] if drafts and row < num_parents else []
             taken, finish = append_tokens(seq, tokens, in_round or bool(row_drafts), self.max_model_len)
-            if row_drafts and self.drafter is not None:
+            if self.drafter is not None and row_drafts:
                 self.drafter.count(seq, len(row_drafts), taken_proposals(tokens[:taken], row_drafts))
+            elif self.drafter is not None and finish is None and watch:
+                self.drafter.watch(seq)
             if finish is not None:
                 self.finish_seq(seq, *finish)
             top = runner_output.top_logprobs[row] if runner_output.top_logprobs else None

@@ -86,12 +86,13 @@ class Sequence:
     stop_held: int = 0
     # speculative decoding (core/spec_decode.py): tokens proposed for this sample and taken, over its life; the
     # window the planner judges it by (steps, proposals taken); the length below which it gets no proposals
-    # (paused) and the length of its last pause
+    # (paused) and the length of its last pause; while paused, the last lookup made for it and where
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     spec_window: tuple[int, int] = (0, 0)
     spec_paused_until: int = 0
     spec_pause: int = 0
+    spec_shadow: tuple[int, list[int]] = field(default_factory=lambda: (0, []))
 
     @property
     def params(self) -> SamplingParams:

@@ -37,13 +37,16 @@ class Proposer(Protocol):
 
 # A sample is judged over windows of WINDOW_STEPS steps that verified proposals of its. A verifying step costs a GPU
 # about as much as two tokens of a multi-step round (docs/benchmarks.md), so under MIN_TAKEN_PER_STEP taken
-# proposals a step the sample is paused:
-# PAUSE_TOKENS tokens, doubled after each window that fails again up to MAX_PAUSE_TOKENS (open chat seldom
-# copies), back to PAUSE_TOKENS after a window that pays (text that copies may start later).
-WINDOW_STEPS = 4
+# proposals a step the sample is paused: PAUSE_TOKENS tokens, doubled after each window that fails again up to
+# MAX_PAUSE_TOKENS (open chat seldom copies), back to PAUSE_TOKENS after a window that pays. A paused sample is
+# still watched where proposals cost nothing to make (prompt lookup): the lookup is made as if it were proposed
+# for, and compared with the tokens it then decodes; when SHADOW_MIN_TAKEN of them would have been taken (text
+# that copies has started), the pause ends.
+WINDOW_STEPS = 2
 MIN_TAKEN_PER_STEP = 1.0
 PAUSE_TOKENS = 32
 MAX_PAUSE_TOKENS = 512
+SHADOW_MIN_TAKEN = 2
 
 
 class DraftPlanner:
@@ -52,6 +55,9 @@ class DraftPlanner:
             config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens
         )
         self.max_model_len = max_model_len
+        self.k = config.num_speculative_tokens
+        # a lookup costs no forward: a paused sample's proposals can be made and checked without verifying them
+        self.watches = isinstance(self.proposer, NgramProposer)
         self.disable_by_batch_size = config.disable_by_batch_size
         # over the engine's life: rows verified, tokens proposed in them, and those taken
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -91,6 +97,24 @@ class DraftPlanner:
             return []
         return drafts if seq.grammar is None or not drafts else grammatical(seq.grammar, drafts)
 
+    def watch(self, seq: Sequence) -> None:
+        """After a step that gave a paused sample tokens of its own: what a lookup guessed before them is
+        compared with them, the pause ended if enough would have been taken (see SHADOW_MIN_TAKEN), and a new
+        guess made once the last one is decided."""
+        if not self.watches or len(seq.token_ids) >= seq.spec_paused_until:
+            return
+        start, guess = seq.spec_shadow
+        if guess:
+            got = seq.token_ids[start : start + len(guess)]
+            taken = taken_proposals(got, guess)
+            if taken == len(got) < len(guess):
+                return  # right so far, not all seen yet
+            if taken >= SHADOW_MIN_TAKEN:
+                seq.spec_paused_until = seq.spec_pause = 0
+                seq.spec_shadow = (0, [])
+                return
+        seq.spec_shadow = (len(seq.token_ids), self.proposer.propose(seq.token_ids, self.k))
+
     def forget(self, seq: Sequence) -> None:
         """The sample ended: a proposer with state per sequence drops its own."""
         forget = getattr(self.proposer, "forget", None)
@@ -115,6 +139,7 @@ def judge(seq: Sequence, taken: int) -> None:
         if total < MIN_TAKEN_PER_STEP * steps:
             seq.spec_pause = min(MAX_PAUSE_TOKENS, 2 * seq.spec_pause) if seq.spec_pause else PAUSE_TOKENS
             seq.spec_paused_until = len(seq.token_ids) + seq.spec_pause
+            seq.spec_shadow = (0, [])
         else:
             seq.spec_pause = 0
         steps = total = 0

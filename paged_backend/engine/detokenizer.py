@@ -23,7 +23,14 @@ class Tokenizer(Protocol):
 
 
 def decode_text(tokenizer: Tokenizer, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-    """The text of one sequence of ids (``skip_special_tokens`` defaults as in transformers)."""
+    """The text of one sequence of ids (``skip_special_tokens`` defaults as in transformers).
+
+    A transformers tokenizer's ``decode`` first converts its argument to Python lists, then calls ``_decode``;
+    the ids here are a list of ints already, and on transformers 5.17 the conversion walks every id in Python,
+    costing more than the decoding (twice per generated token). So ``_decode`` is called where it exists."""
+    direct = getattr(tokenizer, "_decode", None)
+    if direct is not None:
+        return cast(str, direct(token_ids, skip_special_tokens=skip_special_tokens))
     return cast(str, tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))  # one sequence: one str
 
 

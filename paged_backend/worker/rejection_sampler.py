@@ -42,6 +42,9 @@ def draft_views(seqs: list[Sequence], drafts: list[list[int]] | None) -> tuple[l
     for seq, proposed in zip(seqs, drafts):
         firsts.append(len(views))
         views.append(seq)
+        if not _reads_its_tokens(seq):  # the sampler sees only its parameters: no copies
+            views += [seq] * len(proposed)
+            continue
         grammar = seq.grammar.fork() if seq.grammar is not None and proposed else None
         for j in range(1, len(proposed) + 1):
             if grammar is not None:  # this view's own place in the grammar: after the proposals before it
@@ -50,6 +53,18 @@ def draft_views(seqs: list[Sequence], drafts: list[list[int]] | None) -> tuple[l
             view_grammar = None if grammar is None or grammar.is_terminated() else grammar.fork()
             views.append(replace(seq, token_ids=seq.token_ids + proposed[:j], grammar=view_grammar))
     return views, firsts
+
+
+def _reads_its_tokens(seq: Sequence) -> bool:
+    """Whether sampling ``seq`` reads its tokens (penalties, logits processors, a grammar, ``min_tokens``' bar on
+    stop tokens), so that a view after a proposal must hold the proposals before it."""
+    params = seq.params
+    return (
+        seq.grammar is not None
+        or params.has_penalties
+        or bool(params.logits_processors)
+        or seq.num_output_tokens < params.min_tokens
+    )
 
 
 def take_verified(results: list[SampleResult], drafts: list[list[int]] | None) -> list[list[SampleResult]]:
