@@ -15,6 +15,9 @@ untimed warm-up on its own prompt. Backends:
   may fall the other way in another kernel, after which no proposal is taken; the accepted length says);
 - ``engine_spec_none_k<k>``: k proposals a step that are never taken, the engine's pausing as it is: what
   speculation costs where it does not pay;
+- ``engine_verify_k<k>``: the same proposals with pausing off, so that every step after the prefill verifies
+  k of them: the time of a verifying step, and from it what every proposal taken would give, (k + 1) tokens a
+  step (where bf16 ties on random weights make the replay above leave the model's path, as on the 8B shape);
 - ``hf``: ``model.generate`` (dynamic cache).
 
 Besides tokens per second: the mean accepted length (tokens a verifying step yields) and the wall time of a
@@ -40,6 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from throughput import MODEL_CONFIG, random_normal, versions, write_json  # noqa: E402
 
+import paged_backend.core.spec_decode as spec_decode  # noqa: E402
 from paged_backend import LLM, SamplingParams  # noqa: E402
 
 logger = logging.getLogger("benchmarks.spec_verify")
@@ -50,6 +54,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                     rms_norm_eps=1e-5, tie_word_embeddings=True),
 }  # fmt: skip
 PROMPT_TOKENS, NEW_TOKENS = 512, 256
+judge = spec_decode.judge
 
 
 class Replay:
@@ -135,11 +140,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     measure("engine", engine)
     for k in args.k:
-        for wrong in (False, True):
+        for name in (f"engine_spec_all_k{k}", f"engine_spec_none_k{k}", f"engine_verify_k{k}"):
             spec = {"method": "ngram", "num_speculative_tokens": k}
             llm = LLM(model, skip_tokenizer_init=True, speculative_config=spec, **common)
-            llm.llm_engine.scheduler.drafter.proposer = Replay(truths, k, wrong)
-            measure(f"engine_spec_{'none' if wrong else 'all'}_k{k}", llm)
+            llm.llm_engine.scheduler.drafter.proposer = Replay(truths, k, wrong="_all_" not in name)
+            if name.startswith("engine_verify"):
+                spec_decode.judge = lambda seq, taken: None  # never paused: every step verifies
+            measure(name, llm)
+            spec_decode.judge = judge
+            if name.startswith("engine_verify"):
+                row = results[name]
+                row["all_taken_tok_per_s"] = [(k + 1) / ms * 1e3 for ms in row["ms_per_step"]]
             del llm
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     timed_hf(model, prompts[-1])
@@ -177,8 +188,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = run(args)
     engine = results["results"]["engine"]["median_tok_per_s"]
     for name, row in results["results"].items():
+        derived = row.get("all_taken_tok_per_s")
+        derived = f"  every proposal taken: {statistics.median(derived):.1f} tok/s" if derived else ""
         print(f"{name:22s} {row['median_tok_per_s']:8.1f} tok/s  {row['median_tok_per_s'] / engine:5.2f}x engine  "
-              f"accepted length {row.get('mean_accepted_length')}")  # fmt: skip
+              f"accepted length {row.get('mean_accepted_length')}{derived}")  # fmt: skip
     write_json(args.json, results)
     return results
 
