@@ -125,9 +125,10 @@ class SchedulerConfig:
     # vLLM's: above 0, a request's prompt goes in chunks of at most this many tokens a step, so that a long prompt
     # arriving beside running decodes lengthens each of their steps by at most this much (inter-token latency)
     long_prefill_token_threshold: int = 0
-    # vLLM's: the next multi-step round is queued on the device before the host reads this one's tokens, so the
-    # host's bookkeeping runs while the device computes (a row that stopped meanwhile is computed for nothing).
-    # None: on for a single GPU, off elsewhere (a CPU computes the queued round before it can read this one).
+    # vLLM's: the next step is queued on the device before the host has made this one's outputs (the next
+    # multi-step round before this one's tokens are read), so the host's bookkeeping runs while the device
+    # computes (a row that stopped meanwhile is computed for nothing). None: on for a single GPU, off elsewhere
+    # (a CPU computes the queued step before it can read this one).
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

@@ -212,6 +212,14 @@ def test_config_and_server_flag() -> None:
     assert parse_args(["m", "--async-scheduling"])[1]["async_scheduling"] is True
     assert parse_args(["m", "--no-async-scheduling"])[1]["async_scheduling"] is False
     assert "async_scheduling" not in parse_args(["m"])[1]
+    from paged_backend.engine.engine_setup import async_scheduling
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")  # compared by type only: no GPU needed
+    for steps in (1, 8):  # single steps are queued ahead too
+        assert async_scheduling(EngineConfig.from_kwargs("m", num_scheduler_steps=steps), gpu)
+        assert not async_scheduling(EngineConfig.from_kwargs("m", num_scheduler_steps=steps), cpu)
+    assert not async_scheduling(EngineConfig.from_kwargs("m", tensor_parallel_size=2), gpu)
+    assert async_scheduling(EngineConfig.from_kwargs("m", async_scheduling=True), cpu)
 
 
 @pytest.mark.skipif(
@@ -341,4 +349,59 @@ def test_forked_samples_in_queued_rounds(tokenizer) -> None:
         expected = hf_greedy(model, prompt, 20)
         assert [c.token_ids for c in output.outputs] == [expected, expected]
     assert continued[0] > 0
+    assert_idle(llm)
+
+
+def count_queued_steps(llm: LLM) -> list[int]:
+    """How many single steps were launched before the step in front of them had made its outputs (``[n]``)."""
+    engine, count = llm.llm_engine, [0]
+    queue = engine._queue_following
+
+    def counting():
+        queued = queue()
+        count[0] += queued is not None
+        return queued
+
+    engine._queue_following = counting  # type: ignore[method-assign]
+    return count
+
+
+@pytest.mark.parametrize("num_kv_blocks", [80, 24])  # 24 blocks of 4 tokens: sequences are preempted
+def test_single_steps_queued_ahead_equal_sync(num_kv_blocks: int, tokenizer) -> None:
+    """Without rounds, each step is launched as soon as the one in front of it has counted its tokens, before
+    its text and outputs are made: stop strings and stop tokens found then leave a queued row computed for
+    nothing. With a backlog, preemption, prefix hits, a seeded sampled request, n=2 samples forking from a
+    queued prefill and prompt logprobs, every output equals the synchronous engine's."""
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(4, seed=7)]
+    prompts.append(prompts[4])  # a prefix-cache hit once the first one's blocks are cached
+    params = stop_params(tokenizer, prompts)
+    params[5] = SamplingParams(temperature=0.8, seed=3, max_tokens=12)
+    params[7] = SamplingParams(temperature=0, max_tokens=10, n=2, prompt_logprobs=1, ignore_eos=True)
+    engine = dict(num_kv_blocks=num_kv_blocks, max_num_seqs=6, **{**STOPS, "num_scheduler_steps": 1})
+    results, queued, dead = [], [0], [0]
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_model("llama"), tokenizer=tokenizer, async_scheduling=async_scheduling, **engine)
+        queued, dead = count_queued_steps(llm), count_dead_rows(llm)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(summary([o]), [s.token_ids for s in o.outputs], o.prompt_logprobs) for o in outs])
+        assert_idle(llm)
+    assert results[1] == results[0]
+    assert queued[0] > 10 and dead[0] > 0  # steps went ahead, and some rows stopped in front of theirs
+
+
+def test_a_request_aborted_while_its_queued_prefill_runs_forks_no_samples(tokenizer) -> None:
+    """n=2: its other sample forks when the first one's prefill is read. Aborted while that prefill step is
+    queued, the request leaves nothing behind: no fork, no blocks, the engine idle."""
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64,
+              num_scheduler_steps=1, async_scheduling=True)  # fmt: skip
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=8))
+    engine.step()  # "a" prefills and samples; "b" is admitted into the step queued behind it
+    engine.add_request("b", {"prompt_token_ids": [8, 9, 10, 11, 12]}, SamplingParams(max_tokens=8, n=2))
+    engine.step()
+    assert engine._in_flight is not None and any(s.request.request_id == "b" for s in engine._in_flight[0].seqs)
+    engine.abort_request("b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.scheduler.has_unfinished_seqs()
     assert_idle(llm)

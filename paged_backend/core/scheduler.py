@@ -343,16 +343,20 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[SequenceUpdate]:
         """The step ran: count its tokens as computed, fork samples, append each sampled token until a stop."""
         in_round = output.batch.num_steps is not None
+        # A queued step (async scheduling) may hold rows that ended before it was read: nothing of theirs counts.
+        live = [seq for seq in output.seqs if not seq.status.finished]
         for row, entries in runner_output.prompt_logprobs.items():
-            take_prompt_logprobs(output.seqs[row], output.batch.num_computed_tokens[row], entries)
+            if not output.seqs[row].status.finished:
+                take_prompt_logprobs(output.seqs[row], output.batch.num_computed_tokens[row], entries)
         drafts = output.batch.draft_token_ids
         if not in_round:  # a round, and a row with proposals, count their tokens one by one below, as taken
             for row, (seq, n) in enumerate(zip(output.seqs, output.batch.num_scheduled_tokens)):
-                seq.num_computed_tokens += n if not drafts or not drafts[row] else 0
-            self.cache_full_blocks(output.seqs)
+                seq.num_computed_tokens += n if not (drafts and drafts[row]) and not seq.status.finished else 0
+            self.cache_full_blocks(live)
         num_parents = len(output.sampling_seqs) - len(output.fork_parents)
         for child, parent in zip(output.sampling_seqs[num_parents:], output.fork_parents):
-            self._fork(output.sampling_seqs[parent], child)
+            if not output.sampling_seqs[parent].status.finished:
+                self._fork(output.sampling_seqs[parent], child)
         updates = []
         watch = self.drafter is not None and self.drafter.active(len(self.running))
         if self.run_alone:  # a step that sampled them succeeded: they rejoin the batch
@@ -376,7 +380,7 @@ class Scheduler:
             logits = runner_output.logits[row] if runner_output.logits else None
             updates.append(SequenceUpdate(seq, tokens[:taken], runner_output.logprobs[row][:taken], top, logits))
         if in_round or drafts:  # finished sequences offered their blocks to the prefix cache in finish_seq
-            self.cache_full_blocks([seq for seq in output.seqs if not seq.status.finished])
+            self.cache_full_blocks([seq for seq in live if not seq.status.finished])
         return updates
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:

@@ -30,12 +30,11 @@ def make_executor(config: EngineConfig, model: str | PreTrainedModel) -> Executo
 
 
 def async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """On where asked; by default on a single GPU (a CPU would compute a queued round before it could read the
-    one before it) whenever rounds run."""
+    """On where asked; by default on a single GPU (a CPU would compute a queued step before it could read the one
+    before it)."""
     asked = config.scheduler_config.async_scheduling
-    rounds = config.scheduler_config.num_scheduler_steps > 1
     if asked is None:
-        return rounds and device.type == "cuda" and config.parallel_config.tensor_parallel_size == 1
+        return device.type == "cuda" and config.parallel_config.tensor_parallel_size == 1
     return asked
 
 

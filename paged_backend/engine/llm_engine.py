@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from paged_backend.config import EngineConfig
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.sequence import SequenceStatus
+from paged_backend.engine.async_steps import InFlight, queue_following, queue_next
 from paged_backend.engine.engine_setup import (
     async_scheduling,
     eos_token_ids,
@@ -79,8 +80,8 @@ class LLMEngine:
         # weights of its time (see engine/weight_updates.py).
         watch = self.config.cache_config.enable_prefix_caching or self.async_scheduling
         self.weight_updates = WeightUpdates(self.model) if watch else None
-        # async scheduling: a round queued on the device, its tokens not read yet (the next step reads them)
-        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        # async scheduling: a step queued on the device, its tokens not read yet (the next step reads them)
+        self._in_flight: InFlight | None = None
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.input_processor = InputProcessor(
             self.config,
@@ -153,8 +154,9 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one step; return the (cumulative) outputs of every request that advanced, or with
         ``finished_only`` just of those that finished (a snapshot of every running request each step costs more
-        than the step's bookkeeping when nobody streams). With async scheduling a multi-step round's successor is
-        queued on the device before its tokens are read (``_queue_next``): the step after collects it."""
+        than the step's bookkeeping when nobody streams). With async scheduling the next step is queued on the
+        device before this one's outputs are made: a multi-step round's successor before its tokens are read
+        (``_queue_next``), any other step once they are counted (``_queue_following``); the step after reads it."""
         if self.weight_updates is not None and self.weight_updates.changed():
             self.scheduler.reset_prefix_cache()
             self._in_flight = None  # queued with the old weights: its tokens are computed again with the new
@@ -171,7 +173,8 @@ class LLMEngine:
         # under its id)
         owners = [r for r in scheduler_output.touched_requests() if self.requests.get(r.request_id) is r]
         try:
-            pending = self._execute(scheduler_output) if in_flight is None else in_flight[1]
+            queued = None if in_flight is None else in_flight[1]
+            pending = self._execute(scheduler_output) if queued is None else queued
             if self.async_scheduling:
                 self._in_flight = self._queue_next(scheduler_output)
             runner_output = pending.get_output()
@@ -183,6 +186,8 @@ class LLMEngine:
             return []
         try:
             updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+            if self.async_scheduling and self._in_flight is None:
+                self._in_flight = self._queue_following()
             for hit in self.output_processor.process_tokens(updates):
                 self.scheduler.finish_seq(hit.seq, SequenceStatus.FINISHED_STOPPED, hit.stop, hit.num_tokens)
             self._in_flight = self._live_in_flight()
@@ -191,8 +196,8 @@ class LLMEngine:
             self._in_flight = None
             raise StepError(step_failed(self, owners, error, retry=False), error) from error
 
-    def _live_in_flight(self) -> tuple[SchedulerOutput, AsyncModelRunnerOutput] | None:
-        """The queued round, unless every row of it has ended (or was aborted) meanwhile: then its work is
+    def _live_in_flight(self) -> InFlight | None:
+        """The queued step, unless every row of it has ended (or was aborted) meanwhile: then its work is
         dropped unread."""
         if self._in_flight is None or all(seq.status.finished for seq in self._in_flight[0].seqs):
             return None
@@ -203,20 +208,11 @@ class LLMEngine:
             return self.executor.execute_model_async(scheduler_output)
         return ReadyOutput(self.executor.execute_model(scheduler_output))
 
-    def _queue_next(self, in_flight: SchedulerOutput) -> tuple[SchedulerOutput, AsyncModelRunnerOutput] | None:
-        """Queue the round after ``in_flight`` (a round whose tokens are not read yet), when the scheduler plans
-        one (``Scheduler.schedule_continuation``). If queueing it fails, the next step is a normal one, which
-        runs the same tokens again (and reports its own error, if any)."""
-        continuation = self.scheduler.schedule_continuation(in_flight)
-        if continuation is None:
-            return None
-        try:
-            return continuation, self.executor.execute_model_async(continuation)
-        except Exception as error:
-            if not self.executor.is_recoverable(error):
-                raise
-            logger.warning("queueing the next round failed (%r): the next step schedules anew", error, exc_info=error)
-            return None
+    def _queue_following(self) -> InFlight | None:
+        return queue_following(self.scheduler, self.executor)
+
+    def _queue_next(self, in_flight: SchedulerOutput) -> InFlight | None:
+        return queue_next(self.scheduler, self.executor, in_flight)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode, level 1: the KV cache, its cached prefixes and the CUDA graphs are freed; the

@@ -2,11 +2,13 @@
 
 A multi-step round's tokens stay on the device until ``get_output``: they are copied into pinned host memory
 behind the round's last step and an event marks the copy, so reading them waits for that round only, not for
-a round queued behind it (async scheduling). Other steps sample on the host as they run and are ready at once.
+a round queued behind it (async scheduling). A single step samples on the host when its output is read
+(``DeferredOutput``): its forward runs on the device meanwhile, while the host finishes the step before it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -27,6 +29,29 @@ class ReadyOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         return self.output
+
+
+class DeferredOutput:
+    """A single step whose forward is queued: ``sample`` (the sampler on its logits, on the host) runs at the
+    first ``get_output``. The logits may be a CUDA graph's output buffer, which the next replay overwrites: the
+    model runner calls ``keep`` before it launches another step, in case this one was not read (or is dropped
+    unread)."""
+
+    def __init__(self, sample: Callable[[torch.Tensor], ModelRunnerOutput], logits: torch.Tensor) -> None:
+        self._sample = sample
+        self._logits: torch.Tensor | None = logits
+        self._output: ModelRunnerOutput | None = None
+
+    def keep(self) -> None:
+        """Copy the logits out of a buffer that the next launch may overwrite (queued before it: same stream)."""
+        if self._logits is not None:
+            self._logits = self._logits.clone()
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._output is None:
+            assert self._logits is not None
+            self._output, self._logits = self._sample(self._logits), None
+        return self._output
 
 
 class PendingRound:

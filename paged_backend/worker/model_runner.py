@@ -11,6 +11,7 @@ warm-up has several sequences, tokens and logit rows: a dimension of size 1 woul
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -28,7 +29,7 @@ from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
 from paged_backend.worker import batch_invariant as invariance
-from paged_backend.worker.async_output import AsyncModelRunnerOutput, PendingRound, ReadyOutput
+from paged_backend.worker.async_output import AsyncModelRunnerOutput, DeferredOutput, PendingRound
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
@@ -89,6 +90,7 @@ class ModelRunner:
         self.weights: WeightAddresses | None = None
         self._recapture = False  # sleep() dropped CUDA graphs that wake_up() captures again
         self._last_round: tuple[torch.Tensor, list[int]] | None = None  # its tokens [K, B] and rows' steps
+        self._unread: DeferredOutput | None = None  # the last single step, until it is sampled
         self._round_parity = 0  # which half of the graphs' staging buffers the last round used
         self.calibrate_kv_scales = False  # the warm-ups below never calibrate
         self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
@@ -199,6 +201,9 @@ class ModelRunner:
         tensor-parallel rank other than 0 gets the batch without its sequences: it runs the forwards and samples
         nothing."""
         batch = scheduler_output.batch
+        if self._unread is not None:  # its logits may be a graph's buffer, which this step's replay overwrites
+            self._unread.keep()
+            self._unread = None
         if self.weights is not None:
             self.weights.check()
         self.cache_engine.swap_out(batch.blocks_to_swap_out)  # before the freed blocks are written again
@@ -209,7 +214,8 @@ class ModelRunner:
         inputs = build_step_inputs(batch, self.block_size)
         if batch.num_steps is None:
             self._last_round = None
-            return ReadyOutput(self._execute_step(inputs, scheduler_output))
+            self._unread = self._execute_step(inputs, scheduler_output)
+            return self._unread
         seqs = scheduler_output.sampling_seqs
         first = self._round_inputs(batch.prev_rows)
         with self._lora_step(batch, [1] * batch.num_seqs, scheduler_output.seqs):
@@ -229,13 +235,18 @@ class ModelRunner:
         last_step, rows = torch.tensor([num_steps[row] - 1 for row in prev_rows]), torch.tensor(prev_rows)
         return tokens[queued_copy(last_step, self.device), queued_copy(rows, self.device)]
 
-    def _execute_step(self, inputs: StepInputs, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """A single step: its forward, then sampling on the host."""
-        batch, seqs = scheduler_output.batch, scheduler_output.sampling_seqs
+    def _execute_step(self, inputs: StepInputs, scheduler_output: SchedulerOutput) -> DeferredOutput:
+        """A single step: its forward, queued; sampling on the host when its output is read."""
+        batch = scheduler_output.batch
         embeds = prompt_embeds_pieces(scheduler_output)
         with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
             logits = self.run(inputs, use_graphs=not batch.prompt_logprob_rows and not embeds, prompt_embeds=embeds)
-        # on the host while the forward runs: a logit row per sequence, or per proposal (rejection_sampler.py)
+        return DeferredOutput(functools.partial(self._sample_step, scheduler_output=scheduler_output), logits)
+
+    def _sample_step(self, logits: torch.Tensor, *, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """A single step's sampling, from its logits: a row per sequence, or per proposal (rejection_sampler.py)."""
+        batch, seqs = scheduler_output.batch, scheduler_output.sampling_seqs
+        # on the host while the forward runs
         drafts = sampling_drafts(batch, len(seqs))
         views, firsts = draft_views(seqs, drafts)
         grammar_mask = fill_grammar_bitmask(views, logits.shape[-1], pin=self.device.type == "cuda")

@@ -1,0 +1,49 @@
+"""Async scheduling's queue of one: the next step launched on the device before the engine has made this step's
+outputs, so that its forward runs while the host turns tokens into text (``LLMEngine.step`` reads it next).
+
+Two moments to launch it: right after a multi-step round is launched, the round that continues it (its tokens
+not known yet: ``queue_next``); otherwise once this step's tokens are counted (``queue_following``). Either way
+a row that a stop string, a stop token or an abort ends meanwhile is computed for nothing and skipped when read.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from paged_backend.core.scheduler import Scheduler
+from paged_backend.core.scheduler_output import SchedulerOutput
+from paged_backend.worker.async_output import AsyncModelRunnerOutput
+from paged_backend.worker.worker import Executor
+
+logger = logging.getLogger(__name__)
+
+# a step queued on the device (its output None if launching it failed: the next step launches it again)
+InFlight = tuple[SchedulerOutput, AsyncModelRunnerOutput | None]
+
+
+def queue_following(scheduler: Scheduler, executor: Executor) -> InFlight | None:
+    """The next step, scheduled and launched as soon as this one's tokens are counted. If launching it fails,
+    the next step launches it again (and reports the error, failing its requests)."""
+    following = scheduler.schedule()
+    if following.is_empty:
+        return None
+    try:
+        return following, executor.execute_model_async(following)
+    except Exception:
+        return following, None
+
+
+def queue_next(scheduler: Scheduler, executor: Executor, in_flight: SchedulerOutput) -> InFlight | None:
+    """The round after ``in_flight`` (a round whose tokens are not read yet), when the scheduler plans one
+    (``Scheduler.schedule_continuation``). If queueing it fails, the next step is a normal one, which runs the
+    same tokens again (and reports its own error, if any)."""
+    continuation = scheduler.schedule_continuation(in_flight)
+    if continuation is None:
+        return None
+    try:
+        return continuation, executor.execute_model_async(continuation)
+    except Exception as error:
+        if not executor.is_recoverable(error):
+            raise
+        logger.warning("queueing the next round failed (%r): the next step schedules anew", error, exc_info=error)
+        return None
