@@ -215,10 +215,11 @@ def test_config_and_server_flag() -> None:
     from paged_backend.engine.engine_setup import async_scheduling
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")  # compared by type only: no GPU needed
+    unset = dict(async_scheduling=None)  # the default (the suite may run with it forced on)
     for steps in (1, 8):  # single steps are queued ahead too
-        assert async_scheduling(EngineConfig.from_kwargs("m", num_scheduler_steps=steps), gpu)
-        assert not async_scheduling(EngineConfig.from_kwargs("m", num_scheduler_steps=steps), cpu)
-    assert not async_scheduling(EngineConfig.from_kwargs("m", tensor_parallel_size=2), gpu)
+        assert async_scheduling(EngineConfig.from_kwargs("m", num_scheduler_steps=steps, **unset), gpu)
+        assert not async_scheduling(EngineConfig.from_kwargs("m", num_scheduler_steps=steps, **unset), cpu)
+    assert not async_scheduling(EngineConfig.from_kwargs("m", tensor_parallel_size=2, **unset), gpu)
     assert async_scheduling(EngineConfig.from_kwargs("m", async_scheduling=True), cpu)
 
 
@@ -404,4 +405,29 @@ def test_a_request_aborted_while_its_queued_prefill_runs_forks_no_samples(tokeni
     while engine.has_unfinished_requests():
         engine.step()
     assert not engine.scheduler.has_unfinished_seqs()
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_launch_fails_its_step_as_without_queueing(async_scheduling: bool, tokenizer) -> None:
+    """The fourth launch raises. Queued behind the third step, it fails when the engine reads it: the same
+    request fails with the same error as when the engine launches each step itself."""
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64,
+              num_scheduler_steps=1, async_scheduling=async_scheduling)  # fmt: skip
+    runner = llm.llm_engine.executor.model_runner
+    launch, calls = runner.execute_model_async, []
+
+    def failing(scheduler_output):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("boom")
+        return launch(scheduler_output)
+
+    runner.execute_model_async = failing  # type: ignore[method-assign]
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=10))
+    with pytest.raises(StepError, match="boom") as raised:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert raised.value.request_ids == ["a"] and len(calls) == 4
     assert_idle(llm)

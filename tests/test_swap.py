@@ -99,6 +99,7 @@ def test_preempted_copy_on_write_is_undone_before_swapping(tokenizer) -> None:
         max_num_batched_tokens=64,
         swap_space=0.001,
         num_scheduler_steps=1,
+        async_scheduling=False,  # the steps below in this order: no step queued behind another
     )
     engine = llm.llm_engine
     engine.add_request("a", {"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=3))

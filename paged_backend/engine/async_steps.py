@@ -11,26 +11,35 @@ from __future__ import annotations
 import logging
 
 from paged_backend.core.scheduler import Scheduler
-from paged_backend.core.scheduler_output import SchedulerOutput
+from paged_backend.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from paged_backend.worker.async_output import AsyncModelRunnerOutput
 from paged_backend.worker.worker import Executor
 
 logger = logging.getLogger(__name__)
 
-# a step queued on the device (its output None if launching it failed: the next step launches it again)
-InFlight = tuple[SchedulerOutput, AsyncModelRunnerOutput | None]
+InFlight = tuple[SchedulerOutput, AsyncModelRunnerOutput]  # a step queued on the device
+
+
+class FailedLaunch:
+    """A queued step whose launch raised: reading it raises the same error, so the step that reads it fails as
+    it would have failed launching it itself."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def get_output(self) -> ModelRunnerOutput:
+        raise self.error
 
 
 def queue_following(scheduler: Scheduler, executor: Executor) -> InFlight | None:
-    """The next step, scheduled and launched as soon as this one's tokens are counted. If launching it fails,
-    the next step launches it again (and reports the error, failing its requests)."""
+    """The next step, scheduled and launched as soon as this one's tokens are counted."""
     following = scheduler.schedule()
     if following.is_empty:
         return None
     try:
         return following, executor.execute_model_async(following)
-    except Exception:
-        return following, None
+    except Exception as error:
+        return following, FailedLaunch(error)
 
 
 def queue_next(scheduler: Scheduler, executor: Executor, in_flight: SchedulerOutput) -> InFlight | None:

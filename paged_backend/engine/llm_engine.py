@@ -173,8 +173,7 @@ class LLMEngine:
         # under its id)
         owners = [r for r in scheduler_output.touched_requests() if self.requests.get(r.request_id) is r]
         try:
-            queued = None if in_flight is None else in_flight[1]
-            pending = self._execute(scheduler_output) if queued is None else queued
+            pending = self._execute(scheduler_output) if in_flight is None else in_flight[1]
             if self.async_scheduling:
                 self._in_flight = self._queue_next(scheduler_output)
             runner_output = pending.get_output()
