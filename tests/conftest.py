@@ -8,19 +8,35 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
-import torch
+
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # on an xdist worker (pyproject's -n auto)
+XDIST_OMP_NUM_THREADS: str | None = None  # the OMP_NUM_THREADS this file gave the worker, if it did
+if XDIST_WORKERS and "OMP_NUM_THREADS" not in os.environ:
+    # Each worker, and the processes its tests start (examples, lm-eval, TP ranks), compute on the worker's share of
+    # the cores (measured on 2 cores: 8.5 min for the suite, against 11 with torch's default team of every core, and
+    # 13.5 without workers). Set before torch loads, which reads it once. Servers that tests start as a user would
+    # (tests/fixtures/server_process.py) are started without it: they choose their own count and say so.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    XDIST_OMP_NUM_THREADS = str(max(1, cores // XDIST_WORKERS))
+    os.environ["OMP_NUM_THREADS"] = XDIST_OMP_NUM_THREADS
+    # A team that waits for a core another worker holds sleeps rather than spins (spinning, it holds the core that
+    # the thread it waits for needs: an example ran 9x slower beside one busy core).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on CPU; this must be set before any kernel is decorated.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from paged_backend.config import EngineConfig
-from paged_backend.demo_checkpoint import build_tiny_tokenizer
-from tests.fixtures.tiny_models import build_tiny_model
+from paged_backend.config import EngineConfig  # noqa: E402
+from paged_backend.demo_checkpoint import build_tiny_tokenizer  # noqa: E402
+from tests.fixtures.tiny_models import build_tiny_model  # noqa: E402
 
 if os.environ.get("PAGED_BACKEND_TEST_ASYNC_SCHEDULING") == "1":
     # The whole suite with async scheduling on wherever it is allowed (its own tests always have it on):
@@ -33,6 +49,95 @@ if os.environ.get("PAGED_BACKEND_TEST_ASYNC_SCHEDULING") == "1":
         return _from_kwargs(cls, model, **kwargs)
 
     EngineConfig.from_kwargs = classmethod(_async_from_kwargs)  # type: ignore[method-assign, assignment]
+
+
+# ------------------------------------------------------------------------------------- the suite over xdist workers
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject.toml's addopts): a worker per core this process may use, at most 4 (beyond that the
+    longest file, which one worker runs, bounds the run); none, i.e. the suite in this one process, on a single
+    core or where CUDA is (every worker's engines would share one GPU's memory). ``-n N`` or
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS=N`` sets the count; ``-n 0`` runs in this process."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    cores = usable_cores()
+    return 0 if cores < 2 or torch.cuda.is_available() else min(cores, 4)
+
+
+_TORCH_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """A test that sets torch's thread count (the demo sets it as its CLI does) leaves the next test the same."""
+    yield
+    if torch.get_num_threads() != _TORCH_THREADS:
+        torch.set_num_threads(_TORCH_THREADS)
+
+
+class _RunLock:
+    """A readers-writer lock over the xdist workers of one run: two files in the run's temporary folder, locked
+    with flock (which the kernel releases if a worker dies). Every test runs holding ``room`` shared; ``exclusive``
+    tests hold it alone, so that their timings are taken with no other test running, as in a run without workers.
+    An exclusive test first takes ``gate``, which every test passes on its way in: no test starts while it waits,
+    so it waits only for the tests in progress."""
+
+    def __init__(self, folder: Path) -> None:
+        self.gate, self.room = folder / "exclusive-gate.lock", folder / "exclusive-room.lock"
+        self.files: list[IO[str]] = []
+        self.exclusive = False
+
+    def acquire(self, exclusive: bool) -> None:
+        import fcntl
+
+        self.files = [self.gate.open("a"), self.room.open("a")]
+        for file in self.files:
+            fcntl.flock(file, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(self.files[0], fcntl.LOCK_UN)
+        self.exclusive = exclusive
+
+    def release(self) -> None:
+        for file in self.files:  # closing a file drops its lock
+            file.close()
+        self.files, self.exclusive = [], False
+
+
+_RUN_LOCK: list[_RunLock] = []  # this worker's, once its first test runs
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    """On an xdist worker, each test (its setup, call and teardown, module fixtures included) under the run's lock.
+    A run of exclusive tests in a row keeps it from the first to the last, so that it is waited for once."""
+    basetemp = item.config.option.basetemp  # xdist gives each worker <the run's temporary folder>/popen-gwN
+    if not hasattr(item.config, "workerinput") or basetemp is None or os.name != "posix":
+        return (yield)
+    if not _RUN_LOCK:
+        _RUN_LOCK.append(_RunLock(Path(basetemp).parent))
+    lock, exclusive = _RUN_LOCK[0], item.get_closest_marker("exclusive") is not None
+    if lock.files and not (exclusive and lock.exclusive):
+        lock.release()
+    if not lock.files:
+        lock.acquire(exclusive)
+    try:
+        return (yield)
+    finally:
+        if not (exclusive and nextitem is not None and nextitem.get_closest_marker("exclusive") is not None):
+            lock.release()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On xdist workers, the files that hold exclusive tests come first, each in its own order (xdist hands the files
+    out in this order: --no-loadscope-reorder): their tests run at the start, one after another, rather than each
+    file waiting in the middle of the run for the test that another worker has in progress."""
+    if XDIST_WORKERS:
+        exclusive = {item.path for item in items if item.get_closest_marker("exclusive") is not None}
+        items.sort(key=lambda item: item.path not in exclusive)  # stable: the other files keep their order
+
 
 EOS = 2
 # TP=2 engines run on two CPU processes (gloo) without CUDA and on two GPUs with it: a one-GPU machine cannot

@@ -16,6 +16,9 @@ from paged_backend.engine.engine_loop import EngineDeadError, EngineLoop, QueueF
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
+# steps held for a while, sleeps that let threads queue their adds: timed with no other xdist worker running a test
+pytestmark = pytest.mark.exclusive
+
 PARAMS = SamplingParams(max_tokens=1)
 
 

@@ -16,6 +16,9 @@ uvicorn = pytest.importorskip("uvicorn")
 from paged_backend.entrypoints.openai.cli_args import parse_args  # noqa: E402
 from paged_backend.entrypoints.openai.header_timeout import http_protocol  # noqa: E402
 
+# the deadlines are timed: with no other xdist worker running a test (tests/conftest.py)
+pytestmark = pytest.mark.exclusive
+
 DEADLINE = 0.5
 REQUEST = b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
 

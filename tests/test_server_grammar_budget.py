@@ -18,6 +18,9 @@ from paged_backend.entrypoints.openai.cli_args import ServerArgs  # noqa: E402
 from paged_backend.structured_output.grammar_budget import GrammarBudget  # noqa: E402
 from tests.test_server import KEY, NAME, serving, tiny_llm  # noqa: E402
 
+# compiles under a 1 s budget, raced against requests 0.3 s later: with no other xdist worker running a test
+pytestmark = pytest.mark.exclusive
+
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 BUDGET = GrammarBudget(
     max_bytes=1_000_000, max_choices=100_000, max_regex_length=100, compile_timeout_s=1.0, compile_workers=1,

@@ -23,6 +23,9 @@ from paged_backend.entrypoints.openai.cli_args import ServerArgs  # noqa: E402
 from paged_backend.entrypoints.openai.tokenization import chars_per_token_bound  # noqa: E402
 from tests.conftest import before_each_step, tiny_model  # noqa: E402
 
+# streams' gaps, clients that leave after 0.3 s: timed with no other xdist worker running a test (tests/conftest.py)
+pytestmark = pytest.mark.exclusive
+
 MAX_LEN = 512  # the tiny model's own limit: streams of ~500 tokens
 BODY_CAP_MB = 16
 

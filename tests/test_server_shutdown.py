@@ -20,6 +20,9 @@ pytest.importorskip("fastapi")
 from tests.conftest import save_tiny_checkpoint  # noqa: E402
 from tests.fixtures.server_process import ServerProcess  # noqa: E402
 
+# exits timed from the signal: with no other xdist worker running a test (tests/conftest.py)
+pytestmark = pytest.mark.exclusive
+
 MAX_LEN = 512  # the tiny model's own limit: streams of ~500 tokens, far longer than the shutdown timeout
 LIMITS = ("--max-model-len", str(MAX_LEN), "--num-kv-blocks", "2048")
 
@@ -71,7 +74,7 @@ def test_sigterm_under_32_streams_ends_each_and_exits_0(checkpoint) -> None:
     results, sent = asyncio.run(main())
     assert server.wait(60) == 0, server.stderr[-3000:]
     assert "Traceback" not in server.stderr, server.stderr[-3000:]
-    if "OMP_NUM_THREADS" not in os.environ:  # one core left to the HTTP side (launch.engine_cpu_threads)
+    if "OMP_NUM_THREADS" not in server.env:  # one core left to the HTTP side (launch.engine_cpu_threads)
         cores = len(os.sched_getaffinity(0))
         assert f"the engine computes on {max(1, cores - 1)} threads" in server.stderr, server.stderr[-3000:]
     endings = []
