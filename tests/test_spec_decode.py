@@ -394,6 +394,18 @@ def test_a_gpu_engine_verifies_in_captured_graphs_with_hf_greedy(tokenizer) -> N
     assert replays and llm.llm_engine.scheduler.drafter.num_accepted_tokens > 0
 
 
+def plain_and_replayed(model, tokenizer, prompts: list[list[int]], params: SamplingParams) -> tuple[LLM, list, list]:
+    """(the speculating engine, the plain engine's outputs, the speculating engine's, proposed those outputs)."""
+    plain = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128, num_scheduler_steps=1)
+    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                           use_tqdm=False)]  # fmt: skip
+    spec = spec_llm(model, tokenizer)
+    spec.llm_engine.scheduler.drafter.proposer = TruthProposer([p + w for p, w in zip(prompts, want)])
+    got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]  # fmt: skip
+    return spec, want, got
+
+
 def test_penalties_min_tokens_and_logits_processors_see_the_proposals_before_each_position(tokenizer) -> None:
     """Greedy under penalties, ``min_tokens`` and a logits processor that reads the tokens so far: each verified
     position is sampled as if the proposals before it had been taken, so the output is the plain engine's
@@ -408,13 +420,7 @@ def test_penalties_min_tokens_and_logits_processors_see_the_proposals_before_eac
 
     params = SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, frequency_penalty=0.4,
                             min_tokens=20, logits_processors=[no_repeat])  # fmt: skip
-    plain = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128, num_scheduler_steps=1)
-    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                           use_tqdm=False)]  # fmt: skip
-    spec = spec_llm(model, tokenizer)
-    spec.llm_engine.scheduler.drafter.proposer = TruthProposer([p + w for p, w in zip(prompts, want)])
-    got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                         use_tqdm=False)]  # fmt: skip
+    spec, want, got = plain_and_replayed(model, tokenizer, prompts, params)
     assert got == want
     drafter = spec.llm_engine.scheduler.drafter
     assert 0 < drafter.num_accepted_tokens < drafter.num_draft_tokens
@@ -452,13 +458,7 @@ def test_structured_output_with_proposals_equals_it_without(tokenizer) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}, "b": {"type": "integer"}},
               "required": ["a", "b"]}  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
-    plain = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128, num_scheduler_steps=1)
-    want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                           use_tqdm=False)]  # fmt: skip
-    spec = spec_llm(model, tokenizer)
-    spec.llm_engine.scheduler.drafter.proposer = TruthProposer([p + w for p, w in zip(prompts, want)])
-    got = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                         use_tqdm=False)]  # fmt: skip
+    spec, want, got = plain_and_replayed(model, tokenizer, prompts, params)
     assert got == want
     drafter = spec.llm_engine.scheduler.drafter
     assert 0 < drafter.num_accepted_tokens < drafter.num_draft_tokens, vars(drafter)
