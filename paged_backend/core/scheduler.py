@@ -33,7 +33,7 @@ from paged_backend.core.scheduler_output import (
     SequenceUpdate,
 )
 from paged_backend.core.sequence import Request, Sequence, SequenceStatus
-from paged_backend.core.spec_decode import DraftPlanner, Proposer, taken_proposals
+from paged_backend.core.spec_decode import DraftPlanner, Proposer
 from paged_backend.core.step_plan import StepPlan
 from paged_backend.core.stop_checker import append_tokens
 
@@ -344,21 +344,18 @@ class Scheduler:
         """The step ran: count its tokens as computed, fork samples, append each sampled token until a stop."""
         in_round = output.batch.num_steps is not None
         # A queued step (async scheduling) may hold rows that ended before it was read: nothing of theirs counts.
-        live = [seq for seq in output.seqs if not seq.status.finished]
-        for row, entries in runner_output.prompt_logprobs.items():
-            if not output.seqs[row].status.finished:
-                take_prompt_logprobs(output.seqs[row], output.batch.num_computed_tokens[row], entries)
+        for row, entries in runner_output.prompt_logprobs.items():  # an aborted request's are never read
+            take_prompt_logprobs(output.seqs[row], output.batch.num_computed_tokens[row], entries)
         drafts = output.batch.draft_token_ids
         if not in_round:  # a round, and a row with proposals, count their tokens one by one below, as taken
             for row, (seq, n) in enumerate(zip(output.seqs, output.batch.num_scheduled_tokens)):
                 seq.num_computed_tokens += n if not (drafts and drafts[row]) and not seq.status.finished else 0
-            self.cache_full_blocks(live)
+            self.cache_full_blocks([seq for seq in output.seqs if not seq.status.finished])
         num_parents = len(output.sampling_seqs) - len(output.fork_parents)
         for child, parent in zip(output.sampling_seqs[num_parents:], output.fork_parents):
             if not output.sampling_seqs[parent].status.finished:
                 self._fork(output.sampling_seqs[parent], child)
         updates = []
-        watch = self.drafter is not None and self.drafter.active(len(self.running))
         if self.run_alone:  # a step that sampled them succeeded: they rejoin the batch
             self.run_alone.difference_update(seq.request for seq in output.sampling_seqs)
         for row, seq in enumerate(output.sampling_seqs):
@@ -369,10 +366,8 @@ class Scheduler:
                 seq.grammar = runner_output.grammars[row]  # the round's, which took these tokens already
             row_drafts = drafts[output.batch.sampling_rows[row]] if drafts and row < num_parents else []
             taken, finish = append_tokens(seq, tokens, in_round or bool(row_drafts), self.max_model_len)
-            if self.drafter is not None and row_drafts:
-                self.drafter.count(seq, len(row_drafts), taken_proposals(tokens[:taken], row_drafts))
-            elif self.drafter is not None and finish is None and watch:
-                self.drafter.watch(seq)
+            if self.drafter is not None:
+                self.drafter.observe(seq, row_drafts, tokens[:taken], finish is None, len(self.running))
             if finish is not None:
                 self.finish_seq(seq, *finish)
             top = runner_output.top_logprobs[row] if runner_output.top_logprobs else None
@@ -380,7 +375,7 @@ class Scheduler:
             logits = runner_output.logits[row] if runner_output.logits else None
             updates.append(SequenceUpdate(seq, tokens[:taken], runner_output.logprobs[row][:taken], top, logits))
         if in_round or drafts:  # finished sequences offered their blocks to the prefix cache in finish_seq
-            self.cache_full_blocks([seq for seq in live if not seq.status.finished])
+            self.cache_full_blocks([seq for seq in output.seqs if not seq.status.finished])
         return updates
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:

@@ -97,6 +97,14 @@ class DraftPlanner:
             return []
         return drafts if seq.grammar is None or not drafts else grammatical(seq.grammar, drafts)
 
+    def observe(self, seq: Sequence, proposed: list[int], taken: list[int], goes_on: bool, num_running: int) -> None:
+        """After ``seq`` took ``taken`` in a step: a row that verified ``proposed`` is counted; a sample that goes
+        on without having been proposed for is watched (while proposals are made at all)."""
+        if proposed:
+            self.count(seq, len(proposed), taken_proposals(taken, proposed))
+        elif goes_on and self.active(num_running):
+            self.watch(seq)
+
     def watch(self, seq: Sequence) -> None:
         """After a step that gave a paused sample tokens of its own: what a lookup guessed before them is
         compared with them, the pause ended if enough would have been taken (see SHADOW_MIN_TAKEN), and a new
