@@ -30,6 +30,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         # prompt tokens served from the prefix cache / prompt tokens, over first admissions
         "prefix_cache_hit_rate": scheduler.num_prompt_tokens_cached / max(1, scheduler.num_prompt_tokens_admitted),
         "num_prompt_tokens_cached": scheduler.num_prompt_tokens_cached,
+        "num_prompt_tokens_admitted": scheduler.num_prompt_tokens_admitted,  # the rate's denominator (to sum rates)
         "kv_waste_fraction": bm.kv_waste_fraction(in_cache),
         "num_prompt_tokens": engine.num_prompt_tokens,
         "num_generated_tokens": engine.num_generated_tokens,
