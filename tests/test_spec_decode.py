@@ -523,12 +523,57 @@ def test_a_draft_model_proposes_and_greedy_output_stays_hf_s(tokenizer) -> None:
             assert out.outputs[0].token_ids == hf_greedy(model, prompt, 24)[:24]
         drafter = llm.llm_engine.scheduler.drafter
         assert drafter.num_draft_tokens > 0
-        if all_taken:
+        if all_taken:  # and again after sleep() gave both caches back and wake_up() made them anew
+            llm.sleep()
+            llm.wake_up()
+            again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
             assert drafter.num_accepted_tokens == drafter.num_draft_tokens, vars(drafter)
         else:
             assert drafter.num_accepted_tokens < drafter.num_draft_tokens
-        assert drafter.proposer.states == {}
+        assert drafter.proposer.proposals == {}
         assert_idle(llm)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(num_kv_blocks=40, enable_prefix_caching=True, long_prefill_token_threshold=8),  # recompute, hits
+        dict(num_kv_blocks=40, preemption_mode="swap", swap_space=0.01, max_num_batched_tokens=16),
+        dict(num_scheduler_steps=4, async_scheduling=True),  # rounds while 4 or more run: no proposals then
+    ],
+    ids=["chunks-hits-recompute", "swap", "rounds"],
+)
+def test_a_draft_model_equal_to_the_target_has_every_guess_taken(tokenizer, case: dict) -> None:
+    """The draft's paged KV follows the target's through chunked prefill, prefix hits, preemption (recomputed
+    or swapped), multi-step rounds it did not guess in and async scheduling: a draft equal to the target then
+    guesses exactly the target's greedy tokens, so every proposal is taken. A token the draft missed (a
+    chunk, a round's token, a block moved without it) would make its guesses differ."""
+    model = tiny_model("llama")
+    shared = repetitive_prompts(1)[2]
+    prompts = [shared + tail for tail in ([7], [8, 9], [10, 11, 12], [13])] + repetitive_prompts(2)
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 4}
+    kwargs = {"block_size": 4, "max_model_len": 128, "num_kv_blocks": 256, **case}
+    llm = LLM(model, tokenizer=tokenizer, speculative_config=spec, **kwargs)
+    executor, batches = llm.llm_engine.executor, []
+    execute = executor.execute_model_async
+    executor.execute_model_async = lambda out: batches.append(out.batch) or execute(out)
+    lengths = [8, 12, 16, 20, 28, 32, 36, 40]  # the batch shrinks below disable_by_batch_size as requests end
+    first = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    rest = [SamplingParams(temperature=0, max_tokens=n) for n in lengths[1:]]
+    outs = first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], rest, use_tqdm=False)
+    for prompt, n, out in zip(prompts, lengths, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, n)
+    drafter, stats = llm.llm_engine.scheduler.drafter, llm.stats()
+    assert drafter.num_draft_tokens > 20 and drafter.num_accepted_tokens == drafter.num_draft_tokens, vars(drafter)
+    if "enable_prefix_caching" in case:
+        assert stats["num_preemptions"] > 0 and stats["num_prompt_tokens_cached"] > 0, stats
+    if "preemption_mode" in case:
+        assert stats["num_swapped_out"] > 0, stats
+    if "num_scheduler_steps" in case:
+        assert any(b.num_steps is not None for b in batches)
+    assert drafter.proposer.proposals == {}
+    assert_idle(llm)
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused_by_name(tokenizer) -> None:

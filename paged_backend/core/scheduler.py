@@ -367,7 +367,8 @@ class Scheduler:
             row_drafts = drafts[output.batch.sampling_rows[row]] if drafts and row < num_parents else []
             taken, finish = append_tokens(seq, tokens, in_round or bool(row_drafts), self.max_model_len)
             if self.drafter is not None:
-                self.drafter.observe(seq, row_drafts, tokens[:taken], finish is None, len(self.running))
+                guesses = runner_output.draft_token_ids[row] if runner_output.draft_token_ids else []
+                self.drafter.observe(seq, row_drafts, tokens[:taken], finish is None, len(self.running), guesses)
             if finish is not None:
                 self.finish_seq(seq, *finish)
             top = runner_output.top_logprobs[row] if runner_output.top_logprobs else None

@@ -95,6 +95,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, LogprobsArrays] = field(default_factory=dict)
     # a round's grammars, already advanced by its tokens (the sequence takes them in place of its own)
     grammars: list[GrammarState | None] = field(default_factory=list)
+    # speculative decoding with a draft model: its guesses of each sample's next tokens, after these ([]: none)
+    draft_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -29,10 +29,34 @@ logger = logging.getLogger(__name__)
 
 
 class Proposer(Protocol):
-    """Where proposals come from: prompt lookup (spec_decode/ngram_proposer.py) or a draft model
-    (spec_decode/draft_model_proposer.py, which keeps state per sequence until ``forget``)."""
+    """Where proposals come from: prompt lookup (spec_decode/ngram_proposer.py) or a draft model's, made by the
+    worker after the step before (``DraftModelProposals``)."""
 
     def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]: ...
+
+
+class DraftModelProposals:
+    """``method: draft_model``: the draft model runs on the worker, after each step, over every row at once
+    (worker/draft_runner.py); its guesses come back with the step's output and wait here for the sequence's
+    next step. A guess is for the tokens the sequence had when it was made, and is used once."""
+
+    def __init__(self) -> None:
+        self.proposals: dict[int, tuple[int, list[int]]] = {}  # seq id -> (its length then, the guesses)
+
+    def put(self, seq_id: int, length: int, proposals: list[int]) -> None:
+        if proposals:
+            self.proposals[seq_id] = (length, proposals)
+        else:
+            self.proposals.pop(seq_id, None)
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
+        length, proposals = self.proposals.pop(seq_id, (-1, []))
+        if length != len(token_ids):
+            return []
+        return proposals if max_tokens is None else proposals[:max_tokens]
+
+    def forget(self, seq_id: int) -> None:
+        self.proposals.pop(seq_id, None)
 
 
 # A sample is judged over windows of WINDOW_STEPS steps that verified proposals of its. A verifying step costs a GPU
@@ -51,6 +75,8 @@ SHADOW_MIN_TAKEN = 2
 
 class DraftPlanner:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
+        if proposer is None and config.method == "draft_model":
+            proposer = DraftModelProposals()
         self.proposer: Proposer = proposer or NgramProposer(
             config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens
         )
@@ -68,12 +94,7 @@ class DraftPlanner:
 
     def speculates(self, seq: Sequence, ahead: int = 0) -> bool:
         """Whether ``seq`` is proposed for once ``ahead`` more tokens are in (when its lookup finds something)."""
-        request = seq.request
-        return (
-            not request.unforked  # its other samples fork from it after this step: from one computed token
-            and not request.keep_logits
-            and len(seq.token_ids) + ahead >= seq.spec_paused_until
-        )
+        return speculates(seq, ahead)
 
     def drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The proposals for ``seq``'s next step, within ``budget`` tokens for the whole row (its last sampled
@@ -97,9 +118,14 @@ class DraftPlanner:
             return []
         return drafts if seq.grammar is None or not drafts else grammatical(seq.grammar, drafts)
 
-    def observe(self, seq: Sequence, proposed: list[int], taken: list[int], goes_on: bool, num_running: int) -> None:
+    def observe(
+        self, seq: Sequence, proposed: list[int], taken: list[int], goes_on: bool, num_running: int, guesses: list[int]
+    ) -> None:
         """After ``seq`` took ``taken`` in a step: a row that verified ``proposed`` is counted; a sample that goes
-        on without having been proposed for is watched (while proposals are made at all)."""
+        on without having been proposed for is watched (while proposals are made at all); a draft model's
+        ``guesses`` for its next tokens are kept for its next step."""
+        if isinstance(self.proposer, DraftModelProposals) and goes_on:
+            self.proposer.put(seq.seq_id, len(seq.token_ids), guesses)
         if proposed:
             self.count(seq, len(proposed), taken_proposals(taken, proposed))
         elif goes_on and self.active(num_running):
@@ -137,6 +163,13 @@ class DraftPlanner:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+
+
+def speculates(seq: Sequence, ahead: int = 0) -> bool:
+    """Whether ``seq`` is proposed for once ``ahead`` more tokens are in: not while it waits to fork its other
+    samples (they fork from one computed token), keeps logits (one row a step) or is paused (``judge``)."""
+    request = seq.request
+    return not request.unforked and not request.keep_logits and len(seq.token_ids) + ahead >= seq.spec_paused_until
 
 
 def judge(seq: Sequence, taken: int) -> None:

@@ -1,10 +1,8 @@
-"""What an engine is built from, besides its config: the executor (one worker or a tensor-parallel group), the
-model's EOS ids, its input embedding when prompts may be embeddings, whether steps schedule ahead, and a draft
-model's proposer."""
+"""What an engine is built from, besides its config: the executor (one worker, with speculative decoding's draft
+model when there is one, or a tensor-parallel group), the model's EOS ids, its input embedding when prompts may
+be embeddings, and whether steps schedule ahead."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -12,16 +10,17 @@ from transformers import PreTrainedModel
 from paged_backend.config import EngineConfig, FieldError
 from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import Scheduler
-from paged_backend.core.spec_decode import Proposer
 from paged_backend.distributed.tp_executor import TPExecutor
 from paged_backend.model_loader import load_model
+from paged_backend.worker.attention import check_model_supported
 from paged_backend.worker.worker import Executor, Worker
 
 
 def make_executor(config: EngineConfig, model: str | PreTrainedModel) -> Executor:
     """One ``Worker`` on one device, or a tensor-parallel group whose workers each load their shard."""
     if config.parallel_config.tensor_parallel_size == 1:
-        return Worker(*load_model(config, model))
+        target, device = load_model(config, model)
+        return Worker(target, device, draft_model=load_draft_model(config, target, device))
     if not isinstance(model, str):
         raise ValueError(
             "tensor_parallel_size > 1 loads the model in every worker process: pass model as a path or hub id"
@@ -58,40 +57,38 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: object) -> frozenset[int]:
     return frozenset(ids)
 
 
-def make_scheduler(
-    config: EngineConfig, num_blocks: int, num_swap_blocks: int, model: PreTrainedModel, device: torch.device
-) -> Scheduler:
-    """The scheduler over a block manager of ``num_blocks`` (and ``num_swap_blocks`` in CPU memory), with the
-    draft model's proposer when speculative decoding has one."""
+def make_scheduler(config: EngineConfig, num_blocks: int, num_swap_blocks: int) -> Scheduler:
+    """The scheduler over a block manager of ``num_blocks`` (and ``num_swap_blocks`` in CPU memory)."""
     block_manager = BlockManager(
         num_blocks,
         config.block_size,
         enable_prefix_caching=config.cache_config.enable_prefix_caching,
         num_cpu_blocks=num_swap_blocks,
     )
-    return Scheduler(config, block_manager, draft_model_proposer(config, model, device))
+    return Scheduler(config, block_manager)
 
 
-def draft_model_proposer(config: EngineConfig, target: PreTrainedModel, device: torch.device) -> Proposer | None:
+def load_draft_model(config: EngineConfig, target: PreTrainedModel, device: torch.device) -> PreTrainedModel | None:
     """With ``speculative_config`` method ``draft_model``: its model (loaded from a path in the target's dtype,
-    or the model given) on the engine's device, which must share the target's vocabulary."""
+    or the model given) on the engine's device, which must share the target's vocabulary and run through our
+    attention."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
     from transformers import AutoModelForCausalLM
 
-    from paged_backend.spec_decode.draft_model_proposer import DraftModelProposer
-
     draft = spec.model
     if isinstance(draft, str):
         draft = AutoModelForCausalLM.from_pretrained(draft, dtype=target.dtype)
-    if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
+    if not isinstance(draft, PreTrainedModel):
         raise FieldError("speculative_config.model", "speculative_config.model must be a path or an HF causal LM")
-    draft_config: Any = getattr(draft, "config")  # noqa: B009 - a module attribute mypy reads as a tensor
+    draft_config = draft.config
     vocab, target_vocab = draft_config.get_text_config().vocab_size, target.config.get_text_config().vocab_size
     if vocab != target_vocab:
         raise FieldError(
             "speculative_config.model",
             f"the draft model's vocabulary ({vocab} tokens) must be the target's ({target_vocab}): one tokenizer",
         )
-    return DraftModelProposer(draft.to(device), spec.num_speculative_tokens)
+    check_model_supported(draft, draft_config)
+    torch.nn.Module.to(draft, device)  # transformers wraps ``to`` in a signature mypy cannot read
+    return draft

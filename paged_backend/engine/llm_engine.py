@@ -73,7 +73,7 @@ class LLMEngine:
         num_blocks = num_gpu_blocks(self.config, spec, self.device, profile)
         num_swap_blocks = num_cpu_blocks(self.config, spec, self.device)
         self.executor.initialize_cache(self.config, num_blocks, num_swap_blocks)
-        self.scheduler = make_scheduler(self.config, num_blocks, num_swap_blocks, self.model, self.device)
+        self.scheduler = make_scheduler(self.config, num_blocks, num_swap_blocks)
         self.asleep = False  # sleep(): no KV cache until wake_up()
         self.async_scheduling = async_scheduling(self.config, self.device)
         # Cached prefixes hold KV of the weights they were computed with, and a queued round was computed with the

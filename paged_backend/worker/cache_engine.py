@@ -20,6 +20,9 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # speculative decoding's draft model keeps a cache of its own beside this one, block for block: a block of
+    # the scheduler's costs both (worker/draft_runner.py)
+    draft: KVCacheSpec | None = None
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVCacheSpec:
@@ -38,7 +41,8 @@ class KVCacheSpec:
 
     def bytes_per_block(self, block_size: int) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
+        draft = 0 if self.draft is None else self.draft.bytes_per_block(block_size)
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element + draft
 
 
 class CacheEngine:

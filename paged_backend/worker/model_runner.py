@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import math
 import time
@@ -35,6 +34,7 @@ from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
+from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
 from paged_backend.worker.invariant_siblings import SiblingProducts
 from paged_backend.worker.prompt_logprobs import step_prompt_logprobs
 from paged_backend.worker.rejection_sampler import draft_views, sampling_drafts, take_verified
@@ -82,7 +82,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, logprobs_mode == "raw_logprobs", batch_invariant)
         self.block_size = cache_engine.block_size
         self.switch = PagedAttentionSwitch(model, cache_engine.kv_caches, cache_engine.kv_scales)
-        self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.keeps_logits = takes_logits_to_keep(model)
         self.regions: RegionalCompile | None = None
         self.graphs: CUDAGraphRunner | None = None
         self.verify_graphs: CUDAGraphRunner | None = None  # steps whose rows are short: verifying ones
@@ -381,19 +381,4 @@ class ModelRunner:
         logits_indices: torch.Tensor,  # [N]
         prompt_embeds: EmbedsPieces = (),
     ) -> torch.Tensor:  # [N, V]
-        kwargs: dict[str, object] = {"logits_to_keep": logits_indices} if self.takes_logits_to_keep else {}
-        if prompt_embeds:  # the tokens' embeddings, with the prompt embeddings' rows in place of theirs
-            embeds = self.model.get_input_embeddings()(input_ids)
-            for offset, piece in prompt_embeds:
-                embeds[offset : offset + piece.shape[0]] = piece.to(embeds.device)
-            kwargs["inputs_embeds"] = embeds[None]
-        else:
-            kwargs["input_ids"] = input_ids[None]
-        out = self.model(
-            position_ids=positions[None],
-            use_cache=False,
-            attn_metadata=metadata,
-            **kwargs,
-        )
-        logits = out.logits[0]
-        return logits if self.takes_logits_to_keep else logits[logits_indices]
+        return hf_forward(self.model, self.keeps_logits, input_ids, positions, metadata, logits_indices, prompt_embeds)

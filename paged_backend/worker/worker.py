@@ -20,6 +20,7 @@ from paged_backend.model_loader.tp_plan import head_layout
 from paged_backend.quantization.compressed_tensors import KV_CACHE_SCALES_ATTR
 from paged_backend.worker.async_output import AsyncModelRunnerOutput
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
+from paged_backend.worker.draft_runner import DraftRunner, ProposingOutput
 from paged_backend.worker.model_runner import ModelRunner
 from paged_backend.worker.profiler import gpu_blocks_that_fit
 
@@ -65,12 +66,20 @@ class Executor(Protocol):
 
 
 class Worker:
-    def __init__(self, model: PreTrainedModel, device: torch.device, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        device: torch.device,
+        world_size: int = 1,
+        draft_model: PreTrainedModel | None = None,  # speculative decoding's, on ``device``
+    ) -> None:
         self.model = model
         self.device = device
         self.world_size = world_size
+        self.draft_model = draft_model
         self.lora_manager: LoRAManager | None = None
         self._model_runner: ModelRunner | None = None
+        self.draft_runner: DraftRunner | None = None
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -94,6 +103,9 @@ class Worker:
                 "kv_cache_dtype='fp8' needs a GPU with fp8 (compute capability 8.9 or later: Ada, Hopper); "
                 f"{torch.cuda.get_device_name(self.device)} has {torch.cuda.get_device_capability(self.device)}",
             )
+        if self.draft_model is not None:  # its cache in the draft's own dtype, block for block beside this one
+            draft = KVCacheSpec.from_config(self.draft_model.config, self.draft_model.dtype)
+            spec = dataclasses.replace(spec, draft=draft)
         if self.world_size == 1:
             return spec
         local = head_layout(self.model.config.get_text_config(), self.world_size).local_kv_heads
@@ -111,10 +123,21 @@ class Worker:
                 lora.clear_step()
 
     def initialize_cache(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        cache_engine = CacheEngine(
-            self.kv_cache_spec(config), num_gpu_blocks, config.block_size, self.device, num_cpu_blocks
-        )
+        spec = self.kv_cache_spec(config)
+        cache_engine = CacheEngine(spec, num_gpu_blocks, config.block_size, self.device, num_cpu_blocks)
         self._use_checkpoint_kv_scales(config, cache_engine)
+        draft = config.speculative_config
+        if self.draft_model is not None and spec.draft is not None and draft is not None:
+            self.draft_runner = DraftRunner(
+                self.draft_model,
+                spec.draft,
+                num_gpu_blocks,
+                config.block_size,
+                self.device,
+                num_cpu_blocks,
+                draft.num_speculative_tokens,
+                proposal_rows(config),
+            )
         self._model_runner = ModelRunner(
             self.model,
             cache_engine,
@@ -152,15 +175,23 @@ class Worker:
             v_scale.fill_(scales[layer][1])
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        return self.execute_model_async(scheduler_output).get_output()
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
-        return self.model_runner.execute_model_async(scheduler_output)
+        if self.draft_runner is None:
+            return self.model_runner.execute_model_async(scheduler_output)
+        self.draft_runner.move_blocks(scheduler_output.batch)
+        step = self.model_runner.execute_model_async(scheduler_output)
+        return ProposingOutput(step, self.draft_runner, scheduler_output)
 
     def sleep(self) -> None:
         self.model_runner.sleep()
+        if self.draft_runner is not None:
+            self.draft_runner.cache_engine.release()
 
     def wake_up(self) -> None:
+        if self.draft_runner is not None:
+            self.draft_runner.cache_engine.restore()
         self.model_runner.wake_up()
 
     def is_recoverable(self, error: Exception) -> bool:
@@ -182,7 +213,13 @@ def verify_shape(config: EngineConfig) -> tuple[int, int] | None:
     spec = config.speculative_config
     if spec is None or config.lora_config.enable_lora:  # LoRA's per-token adapter indices are not padded alike
         return None
+    return spec.num_speculative_tokens + 1, proposal_rows(config)
+
+
+def proposal_rows(config: EngineConfig) -> int:
+    """The most rows a step with proposals has: a larger batch gets none."""
     rows = config.scheduler_config.max_num_seqs
-    if spec.disable_by_batch_size is not None:  # a larger batch gets no proposals
+    spec = config.speculative_config
+    if spec is not None and spec.disable_by_batch_size is not None:
         rows = min(rows, spec.disable_by_batch_size - 1)
-    return spec.num_speculative_tokens + 1, max(1, rows)
+    return max(1, rows)

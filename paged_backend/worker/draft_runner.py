@@ -1,0 +1,141 @@
+"""The draft model of speculative decoding (``method: draft_model``, HF's ``assistant_model``): after each step it
+reads what the target computed and guesses the next k tokens of every row that will be proposed for.
+
+The draft keeps a paged KV cache of its own, block for block beside the target's: the scheduler's block tables
+and cache moves serve both, so prefix hits, preemption (by swapping or recomputing), forks and chunked prefill
+keep the draft's KV as they keep the target's, and the scheduler stays the only owner of blocks. When a step is
+read, the draft runs, batched, over the tokens each row had computed by the target in it (a prefill chunk, a
+decode token, a round's tokens, a verified row's last token and the proposals it took) — its KV stays level with
+the target's — and, for a row to be proposed for, its newest token too, whose logits give the first guess. Then
+k - 1 forwards of one token a row, each fed the guess before. The guesses' KV lies past the row's blocks: it goes
+to scratch blocks past the scheduler's (the draft's own), and the next step writes the row's real tokens over it
+in its own blocks. Guesses are greedy; the target verifies every one, so a wrong guess costs speed, never the
+output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput
+from paged_backend.core.spec_decode import speculates
+from paged_backend.worker.async_output import AsyncModelRunnerOutput
+from paged_backend.worker.attention import PagedAttentionSwitch
+from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
+from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
+from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs
+
+
+class DraftRunner:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        num_cpu_blocks: int,
+        num_speculative_tokens: int,
+        max_rows: int,  # rows guessed for in one step at most: a larger batch gets no proposals
+    ) -> None:
+        self.model, self.device, self.block_size = model, device, block_size
+        self.k, self.max_rows, self.num_blocks = num_speculative_tokens, max_rows, num_blocks
+        # a row's guesses reach k tokens past its last scheduled one, past its blocks by at most this many
+        self.scratch_per_row = math.ceil(num_speculative_tokens / block_size) + 1
+        total = num_blocks + max_rows * self.scratch_per_row
+        self.cache_engine = CacheEngine(spec, total, block_size, device, num_cpu_blocks)
+        self.switch = PagedAttentionSwitch(model, self.cache_engine.kv_caches)
+        self.keeps_logits = takes_logits_to_keep(model)
+
+    def move_blocks(self, batch: ScheduledBatch) -> None:
+        """The step's swaps and copies, as the target's cache makes them."""
+        self.cache_engine.swap_out(batch.blocks_to_swap_out)
+        self.cache_engine.swap_in(batch.blocks_to_swap_in)
+        self.cache_engine.copy_blocks(batch.blocks_to_copy)
+
+    @torch.inference_mode()
+    def propose(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> list[list[int]]:
+        """After the step: the draft's KV of every token the target computed in it, and k greedy guesses for
+        each sample (a row per ``output.sampled_token_ids`` entry; [] for those not guessed for)."""
+        batch, seqs = scheduler_output.batch, scheduler_output.seqs
+        sampled = dict(zip(batch.sampling_rows, output.sampled_token_ids))
+        guessed = batch.num_seqs <= self.max_rows  # as the scheduler: no proposals in a large batch
+        rows: list[tuple[int, list[int], list[int]]] = []  # (first position, tokens to feed, block table)
+        batch_rows: list[int] = []  # the batch row of each
+        guess_rows: list[int] = []  # of ``rows``, those guessed for
+        for row, seq in enumerate(seqs):
+            if seq.status.finished:  # aborted while the step ran: its blocks are no longer its own
+                continue
+            start, n = batch.num_computed_tokens[row], batch.num_scheduled_tokens[row]
+            drafts = batch.draft_token_ids[row] if batch.draft_token_ids else []
+            taken = sampled.get(row, [])
+            feed = seq.token_ids[start : start + n - len(drafts)] + taken[:-1]  # what the target computed
+            table = batch.block_tables[row]
+            if taken and guessed and speculates(seq, len(taken)):
+                feed.append(taken[-1])
+                scratch = self.num_blocks + len(guess_rows) * self.scratch_per_row
+                table = table + list(range(scratch, scratch + self.scratch_per_row))
+                guess_rows.append(len(rows))
+            rows.append((start, feed, table))
+            batch_rows.append(row)
+        guesses = dict(zip(batch_rows, self._guess(rows, guess_rows))) if rows else {}
+        # the samples forked this step (after the batch's sampling rows) are guessed for from their next step on
+        return [guesses.get(row, []) for row in batch.sampling_rows] + [[]] * len(scheduler_output.fork_parents)
+
+    def _guess(self, rows: list[tuple[int, list[int], list[int]]], guess_rows: list[int]) -> list[list[int]]:
+        """One forward over every row's tokens, then k - 1 of the guessed rows' guesses; each row's guesses."""
+        first = ScheduledBatch(
+            input_token_ids=[token for _, feed, _ in rows for token in feed],
+            num_computed_tokens=[start for start, _, _ in rows],
+            num_scheduled_tokens=[len(feed) for _, feed, _ in rows],
+            block_tables=[table for _, _, table in rows],
+            sampling_rows=guess_rows,
+        )
+        logits = self._forward(build_step_inputs(first, self.block_size))
+        if not guess_rows:
+            return [[] for _ in rows]
+        tokens = [logits.argmax(-1)]  # [R] each
+        ahead = ScheduledBatch(  # each guessed row's first guess, at the position after its newest token
+            input_token_ids=[0] * len(guess_rows),
+            num_computed_tokens=[rows[r][0] + len(rows[r][1]) for r in guess_rows],
+            num_scheduled_tokens=[1] * len(guess_rows),
+            block_tables=[rows[r][2] for r in guess_rows],
+            sampling_rows=list(range(len(guess_rows))),
+        )
+        inputs = build_step_inputs(ahead, self.block_size)
+        steps = np.full(len(guess_rows), self.k - 1, dtype=np.int64)
+        for j in range(self.k - 1):
+            step = advance_decode_inputs(inputs, j, steps, self.block_size)
+            tokens.append(self._forward(step, tokens[-1]).argmax(-1))
+        columns = torch.stack(tokens, dim=1).tolist()  # [R][k]
+        result: list[list[int]] = [[] for _ in rows]
+        for r, guess in zip(guess_rows, columns):
+            result[r] = [int(t) for t in guess]
+        return result
+
+    def _forward(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        d = inputs.to(self.device)
+        if input_ids is not None:  # the guesses before, on the device
+            d.input_ids = input_ids
+        with self.switch:
+            return hf_forward(self.model, self.keeps_logits, d.input_ids, d.positions, d.metadata, d.logits_indices)
+
+
+class ProposingOutput:
+    """A step's output that, once read, carries the draft's guesses for the step after (``draft_token_ids``)."""
+
+    def __init__(self, step: AsyncModelRunnerOutput, draft: DraftRunner, scheduler_output: SchedulerOutput) -> None:
+        self.step, self.draft, self.scheduler_output = step, draft, scheduler_output
+        self.output: ModelRunnerOutput | None = None
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self.output is None:
+            output = self.step.get_output()
+            if self.scheduler_output.seqs:  # rank 0's (speculative decoding runs on one device)
+                output.draft_token_ids = self.draft.propose(self.scheduler_output, output)
+            self.output = output
+        return self.output
