@@ -35,12 +35,14 @@ try:
     from starlette.background import BackgroundTask
 
     from paged_backend.engine.engine_loop import EngineDeadError, QueueFullError
+    from paged_backend.entrypoints.data_parallel.replica_set import ReplicaSet
     from paged_backend.entrypoints.openai import openapi
     from paged_backend.entrypoints.openai.anthropic_api import MessagesRequest
     from paged_backend.entrypoints.openai.anthropic_errors import AnthropicErrors
     from paged_backend.entrypoints.openai.auth import APIKeyMiddleware
     from paged_backend.entrypoints.openai.cli_args import ServerArgs, parse_args
     from paged_backend.entrypoints.openai.disconnect import with_cancellation
+    from paged_backend.entrypoints.openai.engines import served
     from paged_backend.entrypoints.openai.errors import (
         AnthropicErrorResponse,
         APIError,
@@ -84,7 +86,6 @@ try:
     from paged_backend.lora.request import LoRARequest
     from paged_backend.outputs import RequestOutput
     from paged_backend.structured_output.compile_pool import CompileQueueFull, CompileUnavailable
-    from paged_backend.structured_output.grammar_budget import GrammarService
 except ModuleNotFoundError as exc:  # ``python -m`` without the [server] extra: one line, as ``serve`` gives
     if __name__ != "__main__":
         raise
@@ -93,6 +94,7 @@ except ModuleNotFoundError as exc:  # ``python -m`` without the [server] extra: 
     raise missing_extra(exc, MODULE_PROG) from None
 
 if TYPE_CHECKING:
+    from paged_backend.entrypoints.data_parallel import DataParallelLLM
     from paged_backend.entrypoints.llm import LLM
     from paged_backend.sampling_params import SamplingParams
 
@@ -102,20 +104,17 @@ logger = logging.getLogger(__name__)
 class OpenAIServer:
     """The handlers, around one ``EngineLoop``."""
 
-    def __init__(self, llm: LLM, args: ServerArgs) -> None:
+    def __init__(self, llm: LLM | DataParallelLLM, args: ServerArgs) -> None:
         self.llm = llm
         self.args = args
-        self.tokenizer = llm.get_tokenizer()
-        self.tokenization = None if self.tokenizer is None else ServerTokenizer(self.tokenizer)
         self.draining = False  # set on SIGTERM / SIGINT: new requests get 503, those in flight go on
-        self.max_model_len = llm.llm_engine.max_model_len
-        self.limits = RequestLimits(self.max_model_len, args.max_logprob_entries, self.tokenization)
         self.metrics = ServerMetrics(args.model_name)
-        self.loop = llm.start_engine_loop(
-            max_waiting_requests=args.max_waiting_requests, on_output=self.metrics.observe, on_abort=self.metrics.forget
-        )
-        # output grammars: capped, then compiled in worker processes under a time budget (killed when abandoned)
-        self.loop.grammars = GrammarService(args.grammar_budget, llm.llm_engine.input_processor.grammar_compiler)
+        self.served = served(llm, args, self.metrics)  # one engine's loop, or data-parallel replicas
+        self.loop = self.served.loop
+        self.tokenizer = self.served.tokenizer
+        self.tokenization = None if self.tokenizer is None else ServerTokenizer(self.tokenizer)
+        self.max_model_len = self.served.max_model_len
+        self.limits = RequestLimits(self.max_model_len, args.max_logprob_entries, self.tokenization)
         template = args.chat_template
         if template is not None and os.path.isfile(template):
             with open(template, encoding="utf-8") as f:
@@ -123,12 +122,8 @@ class OpenAIServer:
         self.chat_template = template
         # Each --lora-modules adapter is a model of its own name; requests for it run with that adapter.
         self.loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(args.lora_modules.items())}
-        manager = llm.llm_engine.lora_manager
-        if self.loras and manager is None:
-            raise ValueError("--lora-modules needs --enable-lora")
         for lora in self.loras.values():  # a bad adapter stops the server at startup, not at its first request
-            assert manager is not None
-            manager.get(lora)
+            self.served.check_lora(lora)
 
     # ------------------------------------------------------------------ checks
     def check(self, model: str | None = None) -> None:
@@ -149,11 +144,14 @@ class OpenAIServer:
         requested_max_tokens: int | None,
         model: str,
         format_field: str | None = None,
+        stream: bool = True,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Queue every prompt now, so the engine batches them and a bad one fails (as a 400, 429 or 503) before
         any response is sent; then return their output streams. As in vLLM, a prompt plus the ``max_tokens`` a
         client asked for must fit in ``max_model_len`` (a default ``max_tokens`` just stops there). Every text's
-        length is checked before any is tokenized, so a batch holding one hopeless prompt costs nothing."""
+        length is checked before any is tokenized, so a batch holding one hopeless prompt costs nothing.
+        ``stream=False``: the client waits for whole responses, so only final outputs are delivered (and over
+        data-parallel replicas a request whose replica died is run again on another)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable")
         if not prompts:
@@ -168,7 +166,7 @@ class OpenAIServer:
         self.limits.check_logprobs(params, [len(p.get("prompt_token_ids", ())) for p in prompts], requested_max_tokens)
         requests = [(f"{prefix}-{i}", prompt) for i, prompt in enumerate(prompts)]
         try:
-            queues = await self.loop.add(requests, params, lora_request=self.loras.get(model))
+            queues = await self.loop.add(requests, params, stream=stream, lora_request=self.loras.get(model))
         except (ValueError, QueueFullError, CompileQueueFull, CompileUnavailable, EngineDeadError) as exc:
             if isinstance(exc, QueueFullError | CompileQueueFull):
                 raise APIError(429, str(exc), "rate_limit_error") from exc
@@ -229,11 +227,12 @@ class OpenAIServer:
         return text if isinstance(text, str) else "".join(text)  # one sequence of ids decodes to one string
 
 
-def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
+def build_app(llm: LLM | DataParallelLLM, args: ServerArgs) -> FastAPI:
+    """The app over one ``LLM``, or over ``DataParallelLLM``'s replicas (``--data-parallel-size``)."""
     server = OpenAIServer(llm, args)
     serving_completion, serving_chat = OpenAIServingCompletion(server), OpenAIServingChat(server)
     serving_responses, serving_messages = OpenAIServingResponses(serving_chat), AnthropicServingMessages(serving_chat)
-    serving_tokenization = OpenAIServingTokenization(server, llm.llm_engine.vocab_size)
+    serving_tokenization = OpenAIServingTokenization(server, server.served.vocab_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -256,8 +255,7 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
     if args.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     app.add_middleware(AnthropicErrors)  # outermost: every error of /v1/messages in Anthropic's shape
-    engine = llm.llm_engine
-    limits = openapi.ModelLimits(engine.vocab_size, server.max_model_len, engine.config.scheduler_config.max_num_seqs)
+    limits = openapi.ModelLimits(server.served.vocab_size, server.max_model_len, server.served.max_num_seqs)
     openapi.install_openapi(app, limits, secured=args.api_key is not None)
 
     @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
@@ -265,7 +263,10 @@ def build_app(llm: LLM, args: ServerArgs) -> FastAPI:
         if server.draining:
             return JSONResponse({"status": "shutting down"}, 503)
         ok = server.loop.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped"}, 200 if ok else 503)
+        body: dict[str, Any] = {"status": "ok" if ok else "engine stopped"}
+        if isinstance(server.loop, ReplicaSet):  # each replica's state: running, restarting or dead
+            body["replicas"] = server.loop.replicas.describe()
+        return JSONResponse(body, 200 if ok else 503)
 
     @app.get("/metrics", response_class=Response, responses=openapi.PROMETHEUS)
     async def metrics() -> Response:

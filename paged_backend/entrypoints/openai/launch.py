@@ -9,9 +9,13 @@ import os
 import signal
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paged_backend.entrypoints.openai.cli_args import ServerArgs
+
+if TYPE_CHECKING:
+    from paged_backend.entrypoints.data_parallel.llm import DataParallelLLM
+    from paged_backend.entrypoints.llm import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +28,6 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
     DEBUG)."""
     import uvicorn
 
-    from paged_backend.engine.fresh_thread import call_in_fresh_thread
     from paged_backend.entrypoints.llm import LLM
     from paged_backend.entrypoints.openai.api_server import build_app
     from paged_backend.entrypoints.openai.header_timeout import http_protocol
@@ -33,8 +36,7 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     listener = bind(args.host, args.port, prog)  # a busy port is said now, not once the model has loaded
     try:
-        # Built on a thread that then ends, so the engine loop's thread holds the process's only OpenMP team.
-        llm = call_in_fresh_thread(lambda: LLM(args.model, **engine_kwargs))
+        llm = load(args, engine_kwargs)
     except (OSError, ValueError) as exc:
         listener.close()
         logger.debug("loading %s failed", args.model, exc_info=True)
@@ -46,7 +48,8 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
         listener.close()
         raise SystemExit(f"{prog}: interrupted while loading the model") from None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = engine_cpu_threads(llm.llm_engine.device.type, os.environ, cores)
+    device = llm.llm_engine.device.type if isinstance(llm, LLM) else "replicas"  # replicas compute elsewhere
+    threads = engine_cpu_threads(device, os.environ, cores)
     if threads is not None:
         import torch
 
@@ -77,6 +80,26 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # one more Ctrl-C while winding down: gone, no traceback
         server.close()  # a forced exit skips the app's own shutdown
     return 0
+
+
+def load(args: ServerArgs, engine_kwargs: dict[str, Any]) -> LLM | DataParallelLLM:
+    """The engine this server runs: one ``LLM`` here, or ``--data-parallel-size`` replicas on Ray (each loads
+    the model itself; this process only routes)."""
+    if args.data_parallel is not None:
+        from paged_backend.entrypoints.data_parallel.llm import DataParallelLLM
+
+        return DataParallelLLM(
+            args.model,
+            config=args.data_parallel,
+            max_waiting_requests=args.max_waiting_requests,
+            grammar_budget=args.grammar_budget,
+            **engine_kwargs,
+        )
+    from paged_backend.engine.fresh_thread import call_in_fresh_thread
+    from paged_backend.entrypoints.llm import LLM
+
+    # Built on a thread that then ends, so the engine loop's thread holds the process's only OpenMP team.
+    return call_in_fresh_thread(lambda: LLM(args.model, **engine_kwargs))
 
 
 def bind(host: str, port: int, prog: str) -> socket.socket:

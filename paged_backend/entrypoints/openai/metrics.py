@@ -58,6 +58,18 @@ class ServerMetrics:
             )
         }
         self.spec_seen: dict[str, int] = dict.fromkeys(self.spec, 0)
+        # data-parallel replicas (--data-parallel-size): each one's state, and requests run again after one died
+        self.replica_up = Gauge(
+            "paged_backend:replica_up",
+            "1 while a data-parallel replica serves, 0 while it restarts or once it is dead",
+            [*labels, "replica", "state"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "paged_backend:request_retries", "requests queued again after their replica died", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.retries_seen = 0
         self.labels = {"model_name": model_name}
         self.progress: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, time of the last)
 
@@ -87,9 +99,16 @@ class ServerMetrics:
         self.running.labels(**self.labels).set(stats["num_running"])
         self.waiting.labels(**self.labels).set(stats["num_waiting"])
         self.swapped.labels(**self.labels).set(stats["num_swapped"])
-        self.kv_usage.labels(**self.labels).set(1 - stats["num_free_blocks"] / stats["num_kv_blocks"])
+        self.kv_usage.labels(**self.labels).set(1 - stats["num_free_blocks"] / max(1, stats["num_kv_blocks"]))
         self.hit_rate.labels(**self.labels).set(stats["prefix_cache_hit_rate"])
         for name, counter in self.spec.items():
             counter.labels(**self.labels).inc(stats[name] - self.spec_seen[name])
             self.spec_seen[name] = stats[name]
+        if "replicas" in stats:
+            self.replica_up.clear()  # a replica's state changes: only its current one is shown
+            for replica in stats["replicas"]:
+                up = 1 if replica["state"] == "running" else 0
+                self.replica_up.labels(**self.labels, replica=str(replica["replica"]), state=replica["state"]).set(up)
+            self.retries.labels(**self.labels).inc(stats["num_request_retries"] - self.retries_seen)
+            self.retries_seen = stats["num_request_retries"]
         return generate_latest(self.registry)

@@ -160,8 +160,18 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ReplicaHealth(BaseModel):
+    """A data-parallel replica's state (``--data-parallel-size``)."""
+
+    replica: int
+    state: str  # running, restarting or dead
+    restarts: int
+    node_id: str
+
+
 class Health(BaseModel):
     status: str
+    replicas: list[ReplicaHealth] | None = None  # with --data-parallel-size: each replica's state
 
 
 class TokenizeResponse(BaseModel):

@@ -102,7 +102,13 @@ class OpenAIServingChat:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await self.server.start(
-            [{"prompt": text, "prompt_token_ids": ids}], params, rid, requested, body.model, body.output_format_field()
+            [{"prompt": text, "prompt_token_ids": ids}],
+            params,
+            rid,
+            requested,
+            body.model,
+            body.output_format_field(),
+            stream=bool(body.stream),
         )
         return ChatRun(body, tools, streams, {"id": rid, "created": created, "model": body.model}, rid)
 

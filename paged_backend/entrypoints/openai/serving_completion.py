@@ -36,7 +36,7 @@ class OpenAIServingCompletion:
             raise APIError(400, str(exc), "invalid_request_error") from exc
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         streams = await self.server.start(
-            body.prompts(), params, rid, body.max_tokens, body.model, body.output_format_field()
+            body.prompts(), params, rid, body.max_tokens, body.model, body.output_format_field(), bool(body.stream)
         )
         base = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
         if body.stream:
