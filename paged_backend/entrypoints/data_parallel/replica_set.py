@@ -70,6 +70,7 @@ class ReplicaSet:
         self.grammars: GrammarService | None = None  # each replica caps and compiles its own requests' grammars
         self.closed = False
         self.num_retries = 0  # requests queued again after their replica died
+        self.num_resumed = 0  # of which: requests that were already running there (not just being queued)
 
     @property
     def alive(self) -> bool:
@@ -137,6 +138,7 @@ class ReplicaSet:
             except RayActorError as exc:
                 self.replicas.lost(replica.index, exc)
                 tried.add(replica.index)
+                self.num_retries += len(tickets)
                 for ticket in tickets:
                     ticket.replica = self._route(ticket, tried)
 
@@ -178,6 +180,7 @@ class ReplicaSet:
                     logger.warning("request %s: replica %d died; queued again on replica %d", request_id,
                                    replica.index, ticket.replica)  # fmt: skip
                     await self._queue([ticket])
+                    self.num_resumed += 1
         finally:
             if not finished:
                 self.abort(request_id)
