@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 from paged_backend.distributed.router import RouterConfig, make_router
 from paged_backend.entrypoints.data_parallel.config import DataParallelConfig
 from paged_backend.entrypoints.data_parallel.replica import EngineReplica, ReplicaFacts
-from paged_backend.entrypoints.data_parallel.replica_set import ReplicaSet
+from paged_backend.entrypoints.data_parallel.replica_set import ReplicaSet, cause_of
 from paged_backend.entrypoints.data_parallel.replicas import Replica
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
@@ -61,7 +61,12 @@ class DataParallelLLM:
         self.actors = _start_replicas(model, engine_kwargs, config, max_waiting_requests, grammar_budget)
         import ray
 
-        facts = cast(list[ReplicaFacts], ray.get([actor.facts.remote() for actor in self.actors]))
+        try:
+            facts = cast(list[ReplicaFacts], ray.get([actor.facts.remote() for actor in self.actors]))
+        except ray.exceptions.RayTaskError as exc:  # a replica's engine did not start: its own error, once
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            raise cause_of(exc) from None
         self.facts = facts[0]
         self.tokenizer = cast("PreTrainedTokenizerBase | None", ray.get(self.actors[0].tokenizer.remote()))
         router_config = dataclasses.replace(config.router, block_size=self.facts.block_size)

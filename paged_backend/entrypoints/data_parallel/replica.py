@@ -55,18 +55,27 @@ class EngineReplica:
         from paged_backend.engine.fresh_thread import call_in_fresh_thread
         from paged_backend.entrypoints.llm import LLM
 
-        # Built on a thread that then ends, so that the engine loop's thread holds the process's only OpenMP team.
-        self.llm = call_in_fresh_thread(lambda: LLM(model, **engine_kwargs))
+        self.queues: dict[str, asyncio.Queue[Delivery]] = {}
+        try:
+            # Built on a thread that then ends, so the engine loop's thread holds the process's only OpenMP team.
+            self.llm = call_in_fresh_thread(lambda: LLM(model, **engine_kwargs))
+        except Exception as exc:  # noqa: BLE001 - raised by ``facts``: the front end's caller sees the ValueError
+            self.failure: Exception | None = exc
+            return
+        self.failure = None
         self.loop = self.llm.start_engine_loop(max_waiting_requests=max_waiting_requests)
         if grammar_budget is not None:
             from paged_backend.structured_output.grammar_budget import GrammarService
 
             engine = self.llm.llm_engine
             self.loop.grammars = GrammarService(grammar_budget, engine.input_processor.grammar_compiler)
-        self.queues: dict[str, asyncio.Queue[Delivery]] = {}
 
     async def facts(self) -> ReplicaFacts:
+        """The engine's limits; raises the error that kept the engine from starting (a bad engine argument)."""
         import ray
+
+        if self.failure is not None:
+            raise self.failure
 
         engine = self.llm.llm_engine
         stats = engine.stats()
@@ -86,8 +95,8 @@ class EngineReplica:
 
     async def ping(self) -> int:
         """Alive and serving: the process id (it changes when Ray restarted the replica)."""
-        if not self.loop.alive:
-            raise RuntimeError("the replica's engine loop stopped")
+        if self.failure is not None or not self.loop.alive:
+            raise RuntimeError("the replica's engine is not running")
         return os.getpid()
 
     async def check_lora(self, lora: Any) -> None:

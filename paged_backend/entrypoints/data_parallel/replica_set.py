@@ -134,7 +134,7 @@ class ReplicaSet:
                 await replica.actor.add.remote(requests, [t.params for t in tickets], **kwargs)
                 return
             except RayTaskError as exc:
-                raise _cause(exc) from None
+                raise cause_of(exc) from None
             except RayActorError as exc:
                 self.replicas.lost(replica.index, exc)
                 tried.add(replica.index)
@@ -167,7 +167,7 @@ class ReplicaSet:
                     if not finished:
                         raise RequestFailedError(f"request {request_id} ended without a final output")
                 except RayTaskError as exc:
-                    raise _cause(exc) from None
+                    raise cause_of(exc) from None
                 except RayActorError as exc:
                     self.replicas.lost(replica.index, exc)
                     if delivered:
@@ -242,7 +242,7 @@ async def _outputs(
         yield out
 
 
-def _cause(exc: BaseException) -> BaseException:
+def cause_of(exc: BaseException) -> BaseException:
     """The replica's own exception inside Ray's wrapper (a ValueError stays a ValueError for the server)."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
