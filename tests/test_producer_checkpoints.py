@@ -12,6 +12,7 @@ import copy
 import importlib.util
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,10 @@ FIXTURES = Path(__file__).parent / "data" / "quantized"
 NEEDS_PACKAGE = pytest.mark.skipif(
     importlib.util.find_spec("compressed_tensors") is None, reason="compressed-tensors is not installed"
 )
-INT4 = [pytest.param(n, marks=NEEDS_PACKAGE) for n in ("w4a16_group128", "w4a16_asym_group32", "w4a16_channel")]
+INT4 = [
+    pytest.param(n, marks=NEEDS_PACKAGE)
+    for n in ("w4a16_group128", "w4a16_asym_group32", "w4a16_channel", "w4a16_asym_gptq")
+]
 INT4 += ["autoawq_group128"]
 FP8_MAX = 448.0
 
@@ -43,22 +47,33 @@ def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
 
 
+def fake_quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What FP8 (static) does to a linear's input: scaled by the checkpoint's one ``input_scale``, rounded to
+    float8_e4m3fn (saturating), scaled back."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
 def reference_model(folder: Path, fp8_inputs: bool) -> LlamaForCausalLM:
-    """A plain fp32 HF model: the checkpoint's unquantized tensors and the producer's dequantized linears."""
+    """A plain fp32 HF model: the checkpoint's unquantized tensors and the producer's dequantized linears; with
+    ``fp8_inputs``, each quantized linear's input rounded through fp8 as its scheme says (per token, or with the
+    checkpoint's static ``input_scale``)."""
     config = AutoConfig.from_pretrained(folder)
     del config.quantization_config
     model = LlamaForCausalLM(config).eval()
     reference = load_file(folder / "reference.safetensors")
     quantized = {key.rsplit(".", 1)[0] for key in reference}
+    stored = load_file(folder / "model.safetensors")
     state = {
         k: v
-        for k, v in load_file(folder / "model.safetensors").items()
+        for k, v in stored.items()
         if k.rsplit(".", 1)[0] not in quantized and not k.endswith(("k_scale", "v_scale"))  # KV cache's, not HF's
     }
     model.load_state_dict(state | reference, strict=True)
     if fp8_inputs:
         for name in quantized:
-            model.get_submodule(name).register_forward_pre_hook(lambda _, args: (fake_quantize_per_token(args[0]),))
+            static = stored.get(f"{name}.input_scale")
+            quantize = fake_quantize_per_token if static is None else partial(fake_quantize_static, scale=static)
+            model.get_submodule(name).register_forward_pre_hook(lambda _, args, q=quantize: (q(args[0]),))
     return model
 
 
@@ -80,7 +95,7 @@ def test_int4_repacked_for_our_kernels_dequantizes_to_the_producers_weights(name
         torch.testing.assert_close(ours, reference[f"{module_name}.weight"], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", [*INT4, "fp8_dynamic"])
+@pytest.mark.parametrize("name", [*INT4, "fp8_dynamic", "fp8_static_kv"])
 def test_greedy_equals_hf_on_the_producers_dequantized_model(name: str, tokenizer) -> None:
     folder = FIXTURES / name
     llm = LLM(str(folder), tokenizer=tokenizer, block_size=4, num_kv_blocks=128, device="cpu")
@@ -92,17 +107,19 @@ def test_greedy_equals_hf_on_the_producers_dequantized_model(name: str, tokenize
         assert ours == hf_greedy(reference, prompt, 12)
 
 
-def test_a_checkpoints_fp8_kv_cache_scales_start_an_fp8_cache(tokenizer) -> None:
-    """llm-compressor's ``kv_cache_scheme`` (one static scale per layer for keys, one for values): with
-    ``kv_cache_dtype="fp8"`` the cache holds k / k_scale, and greedy output equals HF attending to keys and values
-    through that fp8 round trip; with the default cache dtype the scales are not used."""
+@pytest.mark.parametrize("name", ["fp8_dynamic_kv", "fp8_static_kv"])
+def test_a_checkpoints_fp8_kv_cache_scales_start_an_fp8_cache(name: str, tokenizer) -> None:
+    """llm-compressor's ``kv_cache_scheme`` (one static scale per layer for keys, one for values), beside fp8
+    linears with dynamic or static activations: with ``kv_cache_dtype="fp8"`` the cache holds k / k_scale, and
+    greedy output equals HF attending to keys and values through that fp8 round trip; with the default cache
+    dtype the scales are not used."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     from tests.fixtures.fp8_kv import round_trip
 
-    folder = FIXTURES / "fp8_dynamic_kv"
+    folder = FIXTURES / name
     stored = load_file(folder / "model.safetensors")
     config = AutoConfig.from_pretrained(folder)
     heads = config.num_key_value_heads
@@ -141,14 +158,20 @@ def test_a_checkpoints_fp8_kv_cache_scales_start_an_fp8_cache(tokenizer) -> None
         )
 
 
-def test_fp8_weights_and_scales_are_the_checkpoints(tokenizer) -> None:
-    folder = FIXTURES / "fp8_dynamic"
+@pytest.mark.parametrize("name", ["fp8_dynamic", "fp8_static_kv"])
+def test_fp8_weights_and_scales_are_the_checkpoints(name: str, tokenizer) -> None:
+    """Weights and their scales as stored; activations per token (FP8_DYNAMIC), or with the stored static input
+    scale (FP8)."""
+    folder = FIXTURES / name
     llm = LLM(str(folder), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
     stored = load_file(folder / "model.safetensors")
     reference = load_file(folder / "reference.safetensors")
     for module_name, layer in llm.llm_engine.model.named_modules():
         if isinstance(layer, FP8Linear):
-            assert layer.dynamic_activations
+            static = stored.get(f"{module_name}.input_scale")
+            assert layer.dynamic_activations == (static is None)
+            if static is not None:
+                assert torch.equal(layer.input_scale, static.float().reshape(1))
             assert torch.equal(layer.weight.view(torch.uint8), stored[f"{module_name}.weight"].view(torch.uint8))
             dequantized = layer.weight.float() * layer.weight_scale[:, None]
             torch.testing.assert_close(dequantized, reference[f"{module_name}.weight"], rtol=0, atol=0)
@@ -184,7 +207,7 @@ def _with_config(tmp_path: Path, change) -> Path:
     ("change", "message"),
     [
         (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=8), "8-bit int"),
-        (lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"), "activation ordering"),
+        (lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"), "actorder none or 'static'"),
         (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "head"}), "kv_cache_scheme"),
         (lambda qc: qc["config_groups"].update(group_1=qc["config_groups"]["group_0"]), "exactly one scheme"),
         (lambda qc: qc.update(quant_method="gptq"), "quant_method='gptq'"),
@@ -214,8 +237,9 @@ def test_quantization_argument_must_match_the_checkpoint(tokenizer) -> None:
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)), reason="needs fp8 matrix units"
 )
 def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
-    """torch._scaled_mm with per-token and per-channel scales against the float32 twin, bf16 activations."""
-    from paged_backend.quantization.fp8 import fp8_linear_scaled_mm, fp8_linear_torch, quantize_per_row
+    """torch._scaled_mm with per-token (or one static) and per-channel scales against the float32 twin, bf16
+    activations."""
+    from paged_backend.quantization.fp8 import fp8_linear, fp8_linear_scaled_mm, fp8_linear_torch, quantize_per_row
 
     torch.manual_seed(0)
     for m, k, n in [(1, 4096, 1024), (7, 256, 512), (256, 4096, 14336)]:
@@ -224,6 +248,10 @@ def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         ours = fp8_linear_scaled_mm(x, weight, scale[:, 0], bias).float()
         twin = fp8_linear_torch(x, weight, scale[:, 0], True).float() + bias.float()
+        torch.testing.assert_close(ours, twin, rtol=2e-2, atol=2e-2)
+        static = x.abs().amax().float().reshape(1) / 300  # a static input scale: some values saturate
+        ours = fp8_linear(x, weight, scale[:, 0], False, static).float()  # at every row count: the fp8 GEMM
+        twin = fp8_linear_torch(x, weight, scale[:, 0], False, static).float()
         torch.testing.assert_close(ours, twin, rtol=2e-2, atol=2e-2)
     layer = FP8Linear.from_linear(torch.nn.Linear(64, 32))  # quantized on the CPU (as TP ranks do), then moved
     x = torch.randn(8, 64, dtype=torch.bfloat16)  # more rows than the fp8 GEMV takes

@@ -26,7 +26,14 @@ logger = logging.getLogger(__name__)
 def _quantized_layer(scheme: CompressedTensorsScheme, name: str, linear: nn.Linear) -> nn.Module:
     bias = linear.bias is not None
     if scheme.format == "float-quantized":
-        return FP8Linear(linear.in_features, linear.out_features, bias, scheme.dynamic_activations, device="meta")
+        return FP8Linear(
+            linear.in_features,
+            linear.out_features,
+            bias,
+            scheme.dynamic_activations,
+            device="meta",
+            static_activations=scheme.static_activations,
+        )
     try:
         return AWQLinear(linear.in_features, linear.out_features, scheme.group_size_of(linear), bias, device="meta")
     except ValueError as exc:

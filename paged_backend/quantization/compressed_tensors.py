@@ -4,11 +4,15 @@ which linears they cover, and how their tensors become our layers.
 - ``pack-quantized`` int4 weights (W4A16: per group or per output channel, symmetric or with zero points) run as
   ``AWQLinear``: the compressed-tensors package unpacks them and they are packed again in AWQ's GEMM layout, so
   one set of int4 kernels serves both formats.
-- ``float-quantized`` fp8 weights (a scale per output channel or one per tensor; activations unquantized or
-  quantized per token at run time, ``FP8_DYNAMIC``) run as ``FP8Linear``.
+  Weights quantized in activation order with their groups kept in place (GPTQ's ``actorder: static``) load as
+  any others: the order only decided how they were rounded.
+- ``float-quantized`` fp8 weights (a scale per output channel or one per tensor; activations unquantized,
+  quantized per token at run time, ``FP8_DYNAMIC``, or with one static scale per tensor, ``FP8``) run as
+  ``FP8Linear``.
+- An fp8 KV cache with one static scale per layer for keys and for values (``kv_cache_scheme``).
 
-Anything else — other bit widths, activation ordering, static activation scales, several schemes, sparsity,
-transforms, a quantized KV cache — fails when the checkpoint is opened, naming the setting, never runs wrong.
+Anything else — other bit widths, groups reordered by activation order (``actorder: group``), several schemes,
+sparsity, transforms — fails when the checkpoint is opened, naming the setting, never runs wrong.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class CompressedTensorsScheme:
     group_size: int | None  # int4 "group" only
     symmetric: bool
     dynamic_activations: bool  # fp8: activations quantized per token at run time
+    static_activations: bool = False  # fp8: activations quantized with each linear's ``input_scale``
     ignore: tuple[str, ...] = ()  # module names, or "re:" + a pattern, that stay unquantized
     kv_cache_scales: bool = False  # attention modules carry k_scale and v_scale (an fp8 KV cache's, static)
 
@@ -73,15 +78,22 @@ class CompressedTensorsScheme:
         if fmt not in FORMATS:
             raise _unsupported("format", fmt, f"one of {list(FORMATS)}")
         weights = group.get("weights") or {}
-        if weights.get("actorder") or weights.get("dynamic") or weights.get("block_structure"):
-            raise _unsupported("weights", weights, "static weights without activation ordering or blocks")
+        if weights.get("actorder") not in (None, "static", "weight") or weights.get("dynamic"):
+            raise _unsupported("weights", weights, "static weights, in place (actorder none or 'static')")
+        if weights.get("block_structure"):
+            raise _unsupported("weights", weights, "static weights without blocks")
         if fmt == "pack-quantized" and importlib.util.find_spec("compressed_tensors") is None:
             raise ImportError(
                 "compressed-tensors int4 (pack-quantized) checkpoints are unpacked by the compressed-tensors "
                 "package: pip install 'paged-backend[quant]'"
             )
-        scheme = cls._int4(weights) if fmt == "pack-quantized" else cls._fp8(weights, group.get("input_activations"))
-        return cls(fmt, *scheme, ignore=tuple(qc.get("ignore") or ()), kv_cache_scales=bool(kv_cache))
+        if fmt == "pack-quantized":
+            scheme, static = cls._int4(weights), False
+        else:
+            activations = group.get("input_activations") or {}
+            scheme, static = cls._fp8(weights, activations), bool(activations) and not activations.get("dynamic")
+        ignore = tuple(qc.get("ignore") or ())
+        return cls(fmt, *scheme, static_activations=static, ignore=ignore, kv_cache_scales=bool(kv_cache))
 
     @staticmethod
     def _int4(weights: dict[str, Any]) -> tuple[str, int | None, bool, bool]:
@@ -96,19 +108,20 @@ class CompressedTensorsScheme:
         return strategy, group_size, bool(weights.get("symmetric", True)), False
 
     @staticmethod
-    def _fp8(weights: dict[str, Any], activations: dict[str, Any] | None) -> tuple[str, None, bool, bool]:
+    def _fp8(weights: dict[str, Any], activations: dict[str, Any]) -> tuple[str, None, bool, bool]:
         if weights.get("num_bits") != 8 or weights.get("type") != "float" or not weights.get("symmetric", True):
             raise _unsupported("float-quantized weights", weights, "symmetric 8-bit float (fp8 e4m3)")
         if weights.get("strategy") not in ("channel", "tensor"):
             raise _unsupported("fp8 weight strategy", weights.get("strategy"), "'channel' or 'tensor'")
         if activations and not (
-            activations.get("dynamic") is True
-            and activations.get("strategy") == "token"
-            and activations.get("num_bits") == 8
+            activations.get("num_bits") == 8
             and activations.get("type") == "float"
+            and activations.get("symmetric", True)
+            and (activations.get("dynamic"), activations.get("strategy")) in ((True, "token"), (False, "tensor"))
         ):
-            raise _unsupported("input_activations", activations, "none, or fp8 per token at run time")
-        return weights["strategy"], None, True, bool(activations)
+            allowed = "none, fp8 per token at run time, or fp8 with one static scale per tensor"
+            raise _unsupported("input_activations", activations, allowed)
+        return weights["strategy"], None, True, bool(activations) and bool(activations.get("dynamic"))
 
     def ignores(self, name: str) -> bool:
         return any(re.match(entry[3:], name) if entry.startswith("re:") else name == entry for entry in self.ignore)
@@ -133,7 +146,8 @@ class CompressedTensorsScheme:
         """The checkpoint's tensors with each quantized linear's parts turned into our layer's buffers
         (``AWQLinear``'s or ``FP8Linear``'s), once all of its parts have been read; an attention module's
         ``k_scale`` and ``v_scale`` go to ``kv_scales`` (by module); other tensors pass as they are."""
-        parts = INT4_PARTS if self.format == "pack-quantized" else FP8_PARTS
+        parts: tuple[str, ...] = INT4_PARTS if self.format == "pack-quantized" else FP8_PARTS
+        parts += ("input_scale",) if self.static_activations else ()
         needed = set(parts) - ({"weight_zero_point"} if self.symmetric else set())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors:
@@ -172,4 +186,10 @@ class CompressedTensorsScheme:
     @staticmethod
     def _fp8_buffers(found: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         weight, scale = found["weight"], found["weight_scale"].float().reshape(-1)
-        return {"weight": weight, "weight_scale": scale.expand(weight.shape[0]).contiguous()}
+        buffers = {"weight": weight, "weight_scale": scale.expand(weight.shape[0]).contiguous()}
+        if "input_scale" in found:
+            input_scale = found["input_scale"].float().reshape(-1)
+            if input_scale.numel() != 1:
+                raise _unsupported("input_scale of", tuple(found["input_scale"].shape), "one scale per tensor")
+            buffers["input_scale"] = input_scale
+        return buffers

@@ -1,6 +1,7 @@
-"""FP8 linear layers: float8_e4m3fn weights with a scale per output channel; activations in the model's dtype, or
+"""FP8 linear layers: float8_e4m3fn weights with a scale per output channel; activations in the model's dtype,
 quantized per token at run time (``dynamic_activations``, compressed-tensors' ``FP8_DYNAMIC``, vLLM's online
-``quantization="fp8"``).
+``quantization="fp8"``), or quantized with the checkpoint's one static scale (``input_scale``, compressed-tensors'
+``FP8``: ``x`` as ``clamp(x / input_scale)`` in fp8, as the checkpoint was calibrated and as vLLM runs it).
 
 On a GPU with fp8 matrix units (compute capability 8.9 or later), a lone row (decode of one sequence) runs the fp8
 GEMV (``kernels/fp8_gemv.py``): bound by reading the weights, which it streams, it multiplies the activations as
@@ -22,7 +23,7 @@ from torch import nn
 
 from paged_backend.kernels import triton
 from paged_backend.kernels.fp8_gemv import fp8_gemv_torch, fp8_gemv_triton
-from paged_backend.kernels.fp8_quant import FP8, quantize_per_row, quantize_per_row_triton
+from paged_backend.kernels.fp8_quant import FP8, FP8_MAX, quantize_per_row, quantize_per_row_triton
 
 
 def fp8_linear_torch(
@@ -30,11 +31,21 @@ def fp8_linear_torch(
     weight: torch.Tensor,  # [N, K] fp8
     weight_scale: torch.Tensor,  # [N] float32
     dynamic_activations: bool,
+    input_scale: torch.Tensor | None = None,  # [1] float32: a static activation scale
 ) -> torch.Tensor:  # [M, N] in x's dtype
+    if input_scale is not None:
+        q, scale = quantize_static(x, input_scale)
+        return fp8_gemv_torch(q.float() * scale, weight, weight_scale).to(x.dtype)
     if dynamic_activations:
         q, scale = quantize_per_row(x)
         return fp8_gemv_torch(q.float() * scale, weight, weight_scale).to(x.dtype)
     return fp8_gemv_torch(x, weight, weight_scale)
+
+
+def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] as fp8 with one given scale (saturating), and that scale as every row's ([M, 1] float32)."""
+    scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def fp8_linear_scaled_mm(
@@ -61,35 +72,61 @@ def _fp8_capable(index: int) -> bool:
 GEMV_ROWS = 1  # rows up to which the fp8 GEMV runs (docs/benchmarks.md, "FP8 weights")
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dynamic: bool) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dynamic: bool,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x`` [M, K] times the fp8 ``weight`` [N, K] (per-row ``weight_scale``) where the device has fp8 units: the
     GEMV up to ``GEMV_ROWS`` rows, above one ``torch._scaled_mm`` when the activations are bf16 and quantized per
-    token; else the twin."""
-    fp8_units = x.is_cuda and has_fp8_matmul(x.device)
+    token; with a static ``input_scale``, ``x`` quantized with it and one ``torch._scaled_mm`` at every row count
+    (the GEMV multiplies unquantized activations); else the twin."""
+    fp8_units = x.is_cuda and has_fp8_matmul(x.device) and x.dtype == torch.bfloat16
+    if input_scale is not None:
+        if not fp8_units:
+            return fp8_linear_torch(x, weight, weight_scale, dynamic, input_scale)
+        q, scale = quantize_static(x, input_scale)
+        return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
     if fp8_units and triton is not None and x.shape[0] <= GEMV_ROWS:
         return fp8_gemv_triton(x, weight, weight_scale)
-    if dynamic and x.dtype == torch.bfloat16 and fp8_units:
+    if dynamic and fp8_units:
         return fp8_linear_scaled_mm(x, weight, weight_scale, None)
     return fp8_linear_torch(x, weight, weight_scale, dynamic)
 
 
-# One op in compiled graphs, so that sibling layers' calls fuse into one (worker/fuse_linears.py).
+# One op in compiled graphs, so that sibling layers' calls fuse into one (worker/fuse_linears.py; a static input
+# scale is a buffer of each layer's own, so such calls are not siblings).
 @torch.library.custom_op("paged_backend::fp8_linear", mutates_args=())
-def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dynamic: bool) -> torch.Tensor:
-    return fp8_linear(x, weight, weight_scale, dynamic)
+def fp8_linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dynamic: bool,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return fp8_linear(x, weight, weight_scale, dynamic, input_scale)
 
 
 @fp8_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dynamic: bool) -> torch.Tensor:
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dynamic: bool,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 class FP8Linear(nn.Module):
     """``nn.Linear``'s interface over fp8 weights: ``y = x @ (W * s).T + bias``, ``x`` per token through fp8 when
-    ``dynamic_activations``."""
+    ``dynamic_activations``, through fp8 with the one ``input_scale`` when ``static_activations``."""
 
     weight: torch.Tensor  # [out, in] float8_e4m3fn, buffer
     weight_scale: torch.Tensor  # [out] float32, buffer
+    input_scale: torch.Tensor | None  # [1] float32, buffer (static activations only)
     bias: nn.Parameter | None
 
     def __init__(
@@ -99,12 +136,17 @@ class FP8Linear(nn.Module):
         bias: bool,
         dynamic_activations: bool,
         device: torch.device | str | None = None,
+        static_activations: bool = False,
     ) -> None:
         super().__init__()
+        if dynamic_activations and static_activations:
+            raise ValueError("FP8Linear: activations are quantized per token at run time or statically, not both")
         self.in_features, self.out_features = in_features, out_features
         self.dynamic_activations = dynamic_activations
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32, device=device))
+        scale = torch.empty(1, dtype=torch.float32, device=device) if static_activations else None
+        self.register_buffer("input_scale", scale)
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
 
     @classmethod
@@ -120,6 +162,7 @@ class FP8Linear(nn.Module):
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {"weight": (self.out_features, self.in_features), "weight_scale": (self.out_features,)}
+        shapes |= {"input_scale": (1,)} if self.input_scale is not None else {}
         return shapes | ({"bias": (self.out_features,)} if self.bias is not None else {})
 
     def load_buffer(self, attr: str, tensor: torch.Tensor, key: str, device: torch.device) -> None:
@@ -134,13 +177,17 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features)
         linear = fp8_linear_op if torch.compiler.is_compiling() else fp8_linear
-        y = linear(flat, self.weight, self.weight_scale, self.dynamic_activations)
+        if self.input_scale is None:
+            y = linear(flat, self.weight, self.weight_scale, self.dynamic_activations)
+        else:
+            y = linear(flat, self.weight, self.weight_scale, False, self.input_scale)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         dynamic = ", activations per token" if self.dynamic_activations else ""
+        dynamic = ", activations with a static scale" if self.input_scale is not None else dynamic
         return f"in_features={self.in_features}, out_features={self.out_features}{dynamic}"
 
 

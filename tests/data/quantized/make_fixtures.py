@@ -44,6 +44,11 @@ def schemes() -> dict[str, dict]:
         "fp8_dynamic": {"scheme": "FP8_DYNAMIC"},  # fp8 weights per channel, activations per token at run time
         # and an fp8 KV cache with a static scale per layer for keys and for values, calibrated on random tokens
         "fp8_dynamic_kv": {"scheme": "FP8_DYNAMIC", "kv_cache_scheme": KV_CACHE_SCHEME},
+        # fp8 weights per tensor, activations with one static scale per tensor calibrated on random tokens
+        "fp8_static_kv": {"scheme": "FP8", "kv_cache_scheme": KV_CACHE_SCHEME},
+        # GPTQ (calibrated on random tokens), int4 with zero points, groups of 128, quantized in activation order
+        # with the groups kept in place (its default "static"; llm-compressor's GPTQ makes no other order)
+        "w4a16_asym_gptq": {"gptq": True, "scheme": "W4A16_ASYM"},
     }
 
 
@@ -71,6 +76,7 @@ def calibration_dataset():
 
 def make(name: str, arguments: dict) -> None:
     from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
@@ -80,8 +86,10 @@ def make(name: str, arguments: dict) -> None:
     with tempfile.TemporaryDirectory() as base:  # oneshot reads the model's config back from its folder
         model.save_pretrained(base)
         model = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
-        recipe = QuantizationModifier(targets="Linear", ignore=["lm_head"], **arguments)
-        if "kv_cache_scheme" in arguments:
+        arguments = dict(arguments)
+        modifier = GPTQModifier if arguments.pop("gptq", False) else QuantizationModifier
+        recipe = modifier(targets="Linear", ignore=["lm_head"], **arguments)
+        if "kv_cache_scheme" in arguments or modifier is GPTQModifier or arguments.get("scheme") == "FP8":
             oneshot(
                 model=model,
                 recipe=recipe,
