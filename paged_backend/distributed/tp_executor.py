@@ -139,7 +139,11 @@ class TPExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.group.send("execute_model", scheduler_output.to_wire())
-        return self.driver_worker.execute_model(scheduler_output)
+        try:
+            return self.driver_worker.execute_model(scheduler_output)
+        except RuntimeError as failure:  # a collective failed: a dead worker is named, not the transport's error
+            self.group.raise_if_a_worker_died(failure)
+            raise
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Every step at once: a round queued behind another would need every rank's tokens (not supported)."""

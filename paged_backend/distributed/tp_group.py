@@ -14,6 +14,7 @@ import logging
 import pickle
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -199,6 +200,20 @@ class TPGroup:
         _check_alive(self.processes)
         self.messages.send((method, args))
 
+    def raise_if_a_worker_died(self, failure: BaseException, wait_s: float = 3.0) -> None:
+        """After a collective failed: if a worker died, raise that (naming it) from ``failure``, the transport's
+        words for it. A worker on another node is known dead only once Ray has noticed, so this waits for that up
+        to ``wait_s``; a failure with every worker alive returns, to be raised as it is."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                _check_alive(self.processes)
+            except RuntimeError as dead:
+                raise dead from failure
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
     def min_over_ranks(self, value: int) -> int:
         return min_over_ranks(value, self.control)
 
@@ -267,8 +282,11 @@ class RayWorker:
     def start(self, init_method: str) -> None:
         import ray
 
-        num_gpus = 1 if self.device.type == "cuda" else 0
-        task = ray.remote(num_cpus=0, num_gpus=num_gpus)(self.worker_main).options(name=self.name)
+        # A rank reserves what it computes on: a GPU, or on a CPU-only cluster one CPU, so Ray places the ranks
+        # where there is room for them (on another node when this one's CPUs are taken).
+        on_gpu = self.device.type == "cuda"
+        task = ray.remote(num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0)(self.worker_main)
+        task = task.options(name=self.name, max_retries=0)  # a rank run again would join no group: report it dead
         args = (self.rank, self.world_size, init_method, self.config, self.model_path)
         self.ref = task.remote(*args)  # type: ignore[call-arg]  # ray's stubs do not see the function's arguments
 

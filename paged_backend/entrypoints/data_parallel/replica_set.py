@@ -85,7 +85,7 @@ class ReplicaSet:
         running = [i for i in self.replicas.running() if i not in exclude]
         if self.closed or not running:
             raise EngineDeadError("no data-parallel replica is running")
-        loads = Counter(t.replica for t in self.tickets.values())
+        loads = Counter(t.replica for t in list(self.tickets.values()))  # a copy: other threads add and remove
         with self.router_lock:
             return self.router.choose(ticket.token_ids, {i: loads[i] for i in running}, ticket.salt)
 
