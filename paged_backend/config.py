@@ -18,7 +18,7 @@ from paged_backend.reasoning import REASONING_PARSERS
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float", "half")
-QUANTIZATIONS = (None, "awq", "compressed-tensors", "fp8")
+QUANTIZATIONS = (None, "awq", "gptq", "compressed-tensors", "fp8")
 LOAD_FORMATS = ("auto", "dummy")
 PREEMPTION_MODES = (None, "recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; auto: the model's dtype
@@ -33,7 +33,8 @@ class ModelConfig:
     tokenizer: str | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"
-    # "awq" / "compressed-tensors": the checkpoint's own (found in its config when None); "fp8": quantized at load
+    # "awq" / "gptq" / "compressed-tensors": the checkpoint's own (found in its config when None); "fp8": quantized
+    # at load
     quantization: str | None = None
     max_model_len: int | None = None
     seed: int = 0

@@ -36,7 +36,7 @@ INT4 = [
     pytest.param(n, marks=NEEDS_PACKAGE)
     for n in ("w4a16_group128", "w4a16_asym_group32", "w4a16_channel", "w4a16_asym_gptq")
 ]
-INT4 += ["autoawq_group128"]
+INT4 += ["autoawq_group128", "gptq_sym_group128_desc_act", "gptq_asym_group32_desc_act", "gptq_asym_group64"]
 FP8_MAX = 448.0
 
 
@@ -53,16 +53,34 @@ def fake_quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
 
 
+def gptq_dequantize(stored: dict[str, torch.Tensor], module: str) -> torch.Tensor:
+    """A GPTQ linear's weight [out, in] in float32, written from AutoGPTQ's layout (not from our loader): ``qweight``
+    packs eight inputs along its rows, ``qzeros`` eight outputs along its columns, minus one; ``g_idx`` gives each
+    input's group."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    qweight, qzeros = stored[f"{module}.qweight"], stored[f"{module}.qzeros"]
+    q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, qweight.shape[1])  # [in, out]
+    z = (((qzeros[:, :, None] >> shifts) & 15).reshape(qzeros.shape[0], -1) + 1) & 15  # [groups, out]
+    g_idx = stored[f"{module}.g_idx"].long()
+    return ((q - z[g_idx]).float() * stored[f"{module}.scales"].float()[g_idx]).T
+
+
 def reference_model(folder: Path, fp8_inputs: bool) -> LlamaForCausalLM:
     """A plain fp32 HF model: the checkpoint's unquantized tensors and the producer's dequantized linears; with
     ``fp8_inputs``, each quantized linear's input rounded through fp8 as its scheme says (per token, or with the
-    checkpoint's static ``input_scale``)."""
+    checkpoint's static ``input_scale``). GPTQModel dequantizes in fp16 only: a GPTQ checkpoint's linears are
+    dequantized exactly from its layout (``gptq_dequantize``), checked first to round to GPTQModel's weights."""
     config = AutoConfig.from_pretrained(folder)
     del config.quantization_config
     model = LlamaForCausalLM(config).eval()
     reference = load_file(folder / "reference.safetensors")
     quantized = {key.rsplit(".", 1)[0] for key in reference}
     stored = load_file(folder / "model.safetensors")
+    if folder.name.startswith("gptq"):
+        exact = {f"{name}.weight": gptq_dequantize(stored, name) for name in quantized}
+        for key, weight in exact.items():
+            torch.testing.assert_close(weight.half().float(), reference[key], rtol=0, atol=0)
+        reference = exact
     state = {
         k: v
         for k, v in stored.items()
@@ -89,16 +107,21 @@ def test_int4_repacked_for_our_kernels_dequantizes_to_the_producers_weights(name
     layers = {n: m for n, m in llm.llm_engine.model.named_modules() if isinstance(m, AWQLinear)}
     assert set(layers) == {key.rsplit(".", 1)[0] for key in reference}  # lm_head (ignored) stays a Linear
     for module_name, layer in layers.items():
-        ours = dequantize(layer.qweight, layer.qzeros, layer.scales, torch.float32).T  # exact: (q - z) * s
-        if name.startswith("autoawq"):  # AutoAWQ's dequantize_gemm multiplies in fp16: its rounding of the same
+        ours = dequantize(layer.qweight, layer.qzeros, layer.scales, torch.float32)  # exact: (q - z) * s
+        if layer.input_order is not None:  # GPTQ's activation order: row i of ours is the input's input_order[i]
+            ours = torch.empty_like(ours).index_copy_(0, layer.input_order, ours)
+        ours = ours.T
+        if name.startswith(("autoawq", "gptq")):  # AutoAWQ and GPTQModel multiply in fp16: its rounding of the same
             ours = ours.half().float()
+        assert (layer.input_order is not None) == ("desc_act" in name)
         torch.testing.assert_close(ours, reference[f"{module_name}.weight"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", [*INT4, "fp8_dynamic", "fp8_static_kv"])
 def test_greedy_equals_hf_on_the_producers_dequantized_model(name: str, tokenizer) -> None:
+    """In float32 as the reference runs (GPTQModel saves its checkpoints' other tensors in bfloat16)."""
     folder = FIXTURES / name
-    llm = LLM(str(folder), tokenizer=tokenizer, block_size=4, num_kv_blocks=128, device="cpu")
+    llm = LLM(str(folder), tokenizer=tokenizer, dtype="float32", block_size=4, num_kv_blocks=128, device="cpu")
     kind = FP8Linear if name.startswith("fp8") else AWQLinear
     assert any(isinstance(m, kind) for m in llm.llm_engine.model.modules())
     reference = reference_model(folder, fp8_inputs=name.startswith("fp8"))
@@ -210,13 +233,33 @@ def _with_config(tmp_path: Path, change) -> Path:
         (lambda qc: qc["config_groups"]["group_0"]["weights"].update(actorder="group"), "actorder none or 'static'"),
         (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "head"}), "kv_cache_scheme"),
         (lambda qc: qc["config_groups"].update(group_1=qc["config_groups"]["group_0"]), "exactly one scheme"),
-        (lambda qc: qc.update(quant_method="gptq"), "quant_method='gptq'"),
+        (lambda qc: qc.update(quant_method="marlin"), "quant_method='marlin'"),
         (lambda qc: qc["config_groups"]["group_0"].update(format="marlin-24"), "format 'marlin-24'"),
     ],
 )
 def test_schemes_we_do_not_run_fail_at_load_naming_them(change, message: str, tokenizer, tmp_path) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(str(_with_config(tmp_path, change)), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda qc: qc.update(bits=8), "bits=8"),
+        (lambda qc: qc.update(checkpoint_format="gptq_v2"), "checkpoint_format='gptq_v2'"),
+        (lambda qc: qc.update(group_size=16), "group_size=16"),
+        (lambda qc: qc.update(lm_head=True), "lm_head=True"),
+        (lambda qc: qc.update(desc_act=False), "g_idx reorders the input rows but quantization_config.desc_act"),
+    ],
+)
+def test_gptq_settings_we_do_not_run_fail_at_load_naming_them(change, message: str, tokenizer, tmp_path) -> None:
+    folder = tmp_path / "changed"
+    shutil.copytree(FIXTURES / "gptq_asym_group32_desc_act", folder)
+    config = json.loads((folder / "config.json").read_text())
+    change(config["quantization_config"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(folder), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
 
 
 def test_int4_without_the_package_names_the_extra(tokenizer, monkeypatch) -> None:

@@ -87,6 +87,22 @@ def test_fp8_layers_are_cut_with_their_scales() -> None:
         torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
 
 
+def test_a_gptq_layer_in_activation_order_is_not_cut_along_its_inputs() -> None:
+    """A desc_act layer reads its inputs in its own order: a rank's contiguous slice of the inputs is not its slice
+    of the layer's rows, so the row-wise cut is refused by name (column-wise cuts of q/k/v/gate/up come first)."""
+    from pathlib import Path
+
+    from paged_backend.config import EngineConfig
+    from paged_backend.model_loader.gptq import load_gptq_model
+    from paged_backend.model_loader.hf import load_hf_config
+
+    folder = str(Path(__file__).parent / "data" / "quantized" / "gptq_asym_group32_desc_act")
+    config = EngineConfig.from_kwargs(folder)
+    model = load_gptq_model(load_hf_config(config, folder), folder, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="o_proj: a GPTQ layer in activation order .desc_act."):
+        shard_model(model, 0, 2, None)
+
+
 def test_plan_covers_the_projections_and_bad_sizes_are_named() -> None:
     model = build_tiny_model("llama", vocab_size=512)
     plan = tp_plan(model)

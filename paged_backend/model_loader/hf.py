@@ -114,13 +114,13 @@ def load_hf_config(config: EngineConfig, name: str) -> PretrainedConfig:
     return _from_pretrained(AutoConfig, name, trust_remote_code=config.model_config.trust_remote_code)
 
 
-CHECKPOINT_METHODS = ("awq", "compressed-tensors")  # quantization a checkpoint carries (in its config)
+CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")  # quantization a checkpoint carries (in its config)
 
 
 def checkpoint_quantization(config: EngineConfig, hf_config: PretrainedConfig, name: str) -> str | None:
-    """The quantization to load with: ``awq`` or ``compressed-tensors`` when asked for or when the checkpoint's
-    ``quantization_config`` says so (the two must agree), ``fp8`` when asked for on an unquantized checkpoint; None
-    otherwise. A checkpoint quantized by another method fails, naming it."""
+    """The quantization to load with: ``awq``, ``gptq`` or ``compressed-tensors`` when asked for or when the
+    checkpoint's ``quantization_config`` says so (the two must agree), ``fp8`` when asked for on an unquantized
+    checkpoint; None otherwise. A checkpoint quantized by another method fails, naming it."""
     qc = getattr(hf_config, "quantization_config", None)
     method = None
     if qc is not None:

@@ -188,6 +188,11 @@ def shard_linear(
     size = linear.in_features // layout.world_size
     start, stop = rank * size, (rank + 1) * size
     if isinstance(linear, AWQLinear):
+        if linear.input_order is not None:
+            raise ValueError(
+                f"{name}: a GPTQ layer in activation order (desc_act) reads its inputs out of order, so they do not "
+                f"split by rank: run it with tensor_parallel_size=1"
+            )
         group = linear.group_size
         if size % group:
             raise ValueError(

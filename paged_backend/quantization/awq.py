@@ -67,10 +67,19 @@ class AWQLinear(nn.Module):
     qweight: torch.Tensor  # [in, out / 8] int32, buffer
     qzeros: torch.Tensor  # [in / group_size, out / 8] int32, buffer
     scales: torch.Tensor  # [in / group_size, out] fp16 (AutoAWQ's; a compressed-tensors checkpoint's own float), buffer
+    # [in] int64, buffer: the order the layer reads its input in (GPTQ's activation order: the rows of a group
+    # made contiguous, quantization/gptq.py); None: as it comes
+    input_order: torch.Tensor | None
     bias: nn.Parameter | None
 
     def __init__(
-        self, in_features: int, out_features: int, group_size: int, bias: bool, device: torch.device | str | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        group_size: int,
+        bias: bool,
+        device: torch.device | str | None = None,
+        input_order: bool = False,
     ) -> None:
         super().__init__()
         if in_features % group_size:
@@ -84,15 +93,18 @@ class AWQLinear(nn.Module):
         )
         self.register_buffer("qzeros", torch.empty(groups, out_features // PACK, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.empty(groups, out_features, dtype=torch.float16, device=device))
+        order = torch.empty(in_features, dtype=torch.int64, device=device) if input_order else None
+        self.register_buffer("input_order", order)
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         groups = self.in_features // self.group_size
-        shapes = {
+        shapes: dict[str, tuple[int, ...]] = {
             "qweight": (self.in_features, self.out_features // PACK),
             "qzeros": (groups, self.out_features // PACK),
             "scales": (groups, self.out_features),
         }
+        shapes |= {"input_order": (self.in_features,)} if self.input_order is not None else {}
         return shapes | ({"bias": (self.out_features,)} if self.bias is not None else {})
 
     def load_buffer(self, attr: str, tensor: torch.Tensor, key: str, device: torch.device) -> None:
@@ -101,12 +113,19 @@ class AWQLinear(nn.Module):
         expected = self.expected_shapes()[attr]
         if tuple(tensor.shape) != expected:
             raise ValueError(f"checkpoint tensor {key} has shape {tuple(tensor.shape)}, expected {expected}")
+        if attr == "input_order":
+            if sorted(tensor.tolist()) != list(range(self.in_features)):
+                raise ValueError(f"{key} is not an order of the {self.in_features} input rows")
+            self._buffers[attr] = tensor.to(device=device, dtype=torch.int64)
+            return
         if (attr == "scales") != tensor.is_floating_point() or (attr != "scales" and tensor.dtype != torch.int32):
             raise ValueError(f"checkpoint tensor {key} has dtype {tensor.dtype}, expected int32 or a float for scales")
         self._buffers[attr] = tensor.to(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features)  # [M, K]
+        if self.input_order is not None:
+            flat = flat.index_select(1, self.input_order)
         gemm = awq_gemm_op if torch.compiler.is_compiling() else awq_gemm
         y = gemm(flat, self.qweight, self.qzeros, self.scales)
         if self.bias is not None:

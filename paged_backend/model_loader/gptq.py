@@ -1,0 +1,67 @@
+"""Reading a GPTQ checkpoint (``quant_method: gptq``, AutoGPTQ's layout) into ``AWQLinear`` layers, without
+gptqmodel: the model is built on the meta device, each linear the checkpoint quantizes (those with a ``qweight``)
+becomes an empty ``AWQLinear``, and ``GPTQConfig.convert`` repacks each one's tensors into AWQ's layout as they are
+read (``quantization/gptq.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from paged_backend.model_loader.awq import checkpoint_tensors, load_quantized_weights, resolve_checkpoint_folder
+from paged_backend.model_loader.dummy import meta_model
+from paged_backend.model_loader.hf import checkpoint_files
+from paged_backend.model_structure import set_module_attribute
+from paged_backend.quantization.awq import AWQLinear
+from paged_backend.quantization.gptq import GPTQConfig
+
+logger = logging.getLogger(__name__)
+
+
+def quantized_modules(folder: str) -> set[str]:
+    """The modules whose ``qweight`` the checkpoint holds."""
+    from safetensors import safe_open
+
+    modules = set()
+    for path in checkpoint_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            modules |= {key[: -len(".qweight")] for key in f.keys() if key.endswith(".qweight")}  # noqa: SIM118
+    return modules
+
+
+def load_gptq_model(
+    hf_config: PretrainedConfig, name: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """The GPTQ checkpoint at ``name`` on ``device``: ``AWQLinear`` modules for the quantized linears (reading their
+    input in activation order under ``desc_act``), everything else in ``dtype``."""
+    gptq = GPTQConfig.from_hf(hf_config.quantization_config)
+    plain = copy.deepcopy(hf_config)
+    del plain.quantization_config  # transformers must not try to quantize (it would need gptqmodel)
+    model = meta_model(plain, dtype, trust_remote_code)
+    folder = resolve_checkpoint_folder(name)
+    quantized = quantized_modules(folder)
+    for module_name in sorted(quantized):
+        parent_name, _, child = module_name.rpartition(".")
+        linear = model.get_submodule(module_name)
+        if not isinstance(linear, torch.nn.Linear):
+            raise ValueError(f"GPTQ checkpoint: {module_name} has a qweight but is a {type(linear).__name__}")
+        try:
+            layer = AWQLinear(
+                linear.in_features,
+                linear.out_features,
+                gptq.group_size_of(linear),
+                linear.bias is not None,
+                device="meta",
+                input_order=gptq.desc_act,
+            )
+        except ValueError as exc:
+            raise ValueError(f"{module_name}: {exc}") from exc
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+    load_quantized_weights(model, gptq.convert(checkpoint_tensors(folder), quantized), dtype, device)
+    set_module_attribute(model, "gptq_config", gptq)
+    logger.info("GPTQ int4: %d linears, group size %d, desc_act %s", len(quantized), gptq.group_size, gptq.desc_act)
+    return model.eval()
