@@ -274,6 +274,13 @@ def test_int4_without_the_package_names_the_extra(tokenizer, monkeypatch) -> Non
 def test_quantization_argument_must_match_the_checkpoint(tokenizer) -> None:
     with pytest.raises(ValueError, match="quantization='awq' does not match"):
         LLM(str(FIXTURES / "w4a16_group128"), tokenizer=tokenizer, quantization="awq", num_kv_blocks=64, device="cpu")
+    with pytest.raises(ValueError, match="quantization='compressed-tensors' does not match .* quant_method='gptq'"):
+        LLM(str(FIXTURES / "gptq_asym_group64"), tokenizer=tokenizer, quantization="compressed-tensors", device="cpu")
+    for name, method in (("gptq_asym_group64", "gptq"), ("fp8_static_kv", "compressed-tensors")):  # named: the same
+        named = LLM(str(FIXTURES / name), tokenizer=tokenizer, quantization=method, num_kv_blocks=64, device="cpu")
+        plain = LLM(str(FIXTURES / name), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
+        prompts = ragged_prompts(2, seed=5)
+        assert greedy_outputs(named, prompts) == greedy_outputs(plain, prompts)
 
 
 @pytest.mark.skipif(
