@@ -23,6 +23,7 @@ def free_port() -> int:
 # what an example checks itself and logs
 EXPECTED = {
     "tensor_parallel": "greedy output equals one device's: True",
+    "data_parallel": "greedy output equals one engine's: True",
     "hf_generate_patch": "same tokens as HF's own generate: True",
     "memory_cap": "a prompt longer than max_model_len is refused",
     "structured_outputs": "every output follows its format: True",

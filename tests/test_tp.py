@@ -244,7 +244,7 @@ def test_ray_executor_on_a_local_ray_instance(checkpoints) -> None:
     ray = pytest.importorskip("ray")
     path, model = checkpoints["llama"]
     prompts = ragged_prompts(4)[:4]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # not another test's cluster
     try:
         llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", num_kv_blocks=128, **ENGINE)
         try:

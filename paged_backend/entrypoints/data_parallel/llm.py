@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
     from transformers import PreTrainedTokenizerBase
 
+    from paged_backend.lora.request import LoRARequest
     from paged_backend.structured_output.grammar_budget import GrammarBudget
 
 logger = logging.getLogger(__name__)
@@ -98,18 +99,24 @@ class DataParallelLLM:
 
     # ------------------------------------------------------------------ synchronous API
     def generate(
-        self, prompts: str | Sequence[Any], sampling_params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: str | Sequence[Any],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """``LLM.generate`` over the replicas: each prompt routed on its own, the outputs in the prompts' order."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        return self._run(self.generate_async(prompts, params))
+        return self._run(self.generate_async(prompts, params, lora_request))
 
     async def generate_async(
-        self, prompts: list[Any], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[Any],
+        params: SamplingParams | list[SamplingParams],
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         requests = [(self._next_id(), self._routable(p)) for p in prompts]
-        tickets = await self.replica_set.add(requests, params, stream=False)
+        tickets = await self.replica_set.add(requests, params, stream=False, lora_request=lora_request)
         streams = [self._final(rid, t) for (rid, _), t in zip(requests, tickets)]
         return list(await asyncio.gather(*streams))
 
