@@ -15,7 +15,11 @@ through the engine as prompts with ``prompt_logprobs=1`` (``max_tokens=0``: scor
 - ``awq``: int4, group 64 (``--group-size``), from this library's AWQ quantizer calibrated on other text (the
   first 2,048 tokens of docs/techniques/ and docs/guides/); ``rtn``: the same int4 format by round-to-nearest
   alone (no scale or clipping search);
-- ``batch_invariant``: ``batch_invariant=True``.
+- ``batch_invariant``: ``batch_invariant=True``;
+- ``--checkpoint NAME=DIR[@fp8]``, repeated: a quantized checkpoint of the same model made by its real producer
+  (``benchmarks/make_quality_checkpoints.py``: llm-compressor's compressed-tensors, GPTQModel's GPTQ), loaded as
+  its ``quantization_config`` says, in the reference's dtype; ``@fp8`` also with ``kv_cache_dtype="fp8"`` (the
+  checkpoint's own KV scales, when it has them).
 
 Each figure: perplexity (exp of the mean negative log likelihood of the text's tokens), its ratio to the
 reference's, top-1 agreement (the share of positions whose most likely token is the reference's), and the mean
@@ -128,17 +132,41 @@ def engine_args(variant: str, dtype: str, window: int) -> dict[str, Any]:
     return args
 
 
+def checkpoint_variants(entries: list[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """``NAME=DIR[@fp8]`` entries: each name's folder and its extra engine arguments."""
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
+    for entry in entries:
+        name, sep, folder = entry.partition("=")
+        if not sep or not name or not folder or name in VARIANTS or name in found:
+            raise SystemExit(f"--checkpoint {entry!r}: give NAME=DIR[@fp8], a new name for each checkpoint")
+        folder, at, kv = folder.partition("@")
+        if at and kv != "fp8":
+            raise SystemExit(f"--checkpoint {entry!r}: the only suffix is @fp8 (kv_cache_dtype='fp8')")
+        found[name] = (folder, {"kv_cache_dtype": "fp8"} if at else {})
+    return found
+
+
 def run_variant(
-    variant: str, path: str, hf: Any, tokenizer: Any, chunks: list[list[int]], ref: Any, args: argparse.Namespace
+    variant: str,
+    path: str,
+    hf: Any,
+    tokenizer: Any,
+    chunks: list[list[int]],
+    ref: Any,
+    args: argparse.Namespace,
+    checkpoint: tuple[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     with tempfile.TemporaryDirectory() as scratch:
-        model_path = path
+        model_path, engine = path, engine_args(variant, dtype, args.window)
+        if checkpoint is not None:  # a producer's checkpoint
+            model_path, extra = checkpoint
+            engine |= extra
         if variant in ("awq", "rtn"):
             started = time.perf_counter()
             model_path = make_int4(hf, tokenizer, Path(scratch) / variant, variant == "awq", args.group_size)
             logger.info("%s checkpoint made in %.1f s", variant, time.perf_counter() - started)
-        with LLM(model_path, device=args.device, **engine_args(variant, dtype, args.window)) as llm:
+        with LLM(model_path, device=args.device, tokenizer=path, **engine) as llm:
             runs = [figures(*score(llm, chunks), ref) for _ in range(args.repetitions)]
     summary: dict[str, Any] = {"runs": runs}
     for key in runs[0]:
@@ -213,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--window", type=int, default=512, help="tokens a window, each scored from its start")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=(32, 64), help="awq and rtn's")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--checkpoint", action="append", default=[], help="NAME=DIR[@fp8]: a producer's checkpoint")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="a bar chart of the results (needs matplotlib)")
     parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this earlier --json")
@@ -243,9 +272,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reference": {"dtype": str(ref_dtype), "perplexity": math.exp(-statistics.fmean(ref[0]))},
         "variants": {},
     }
-    for variant in args.variants:
+    checkpoints = checkpoint_variants(args.checkpoint)
+    for variant in [*args.variants, *checkpoints]:
         started = time.perf_counter()
-        results["variants"][variant] = run_variant(variant, path, hf, tokenizer, chunks, ref, args)
+        made_by = checkpoints.get(variant)
+        results["variants"][variant] = run_variant(variant, path, hf, tokenizer, chunks, ref, args, made_by)
+        if made_by is not None:
+            results["variants"][variant]["checkpoint"] = made_by[0]
         logger.info("%s done in %.1f s", variant, time.perf_counter() - started)
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)

