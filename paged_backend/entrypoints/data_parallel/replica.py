@@ -110,10 +110,12 @@ class EngineReplica:
         self,
         requests: list[tuple[str, Any]],
         params: SamplingParams | list[SamplingParams],
+        every_step: bool = True,
         **add_kwargs: Any,
     ) -> None:
-        """Queue the requests on the engine, all or none (the engine loop's ``add``, with its errors)."""
-        queues = await self.loop.add(requests, params, stream=True, **add_kwargs)
+        """Queue the requests on the engine, all or none (the engine loop's ``add``, with its errors).
+        ``every_step=False``: only their final outputs cross to the front end."""
+        queues = await self.loop.add(requests, params, stream=every_step, **add_kwargs)
         self.queues.update((request_id, q) for (request_id, _), q in zip(requests, queues))
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:

@@ -130,8 +130,10 @@ class ReplicaSet:
             requests = [(t.request_id, t.prompt) for t in tickets]
             keys = {key for t in tickets for key in t.add_kwargs}
             kwargs = {key: [t.add_kwargs.get(key) for t in tickets] for key in keys}
+            # Each step's outputs cross only for a caller that reads them (a stream, the server's metrics).
+            every_step = self.on_output is not None or any(t.stream for t in tickets)
             try:
-                await replica.actor.add.remote(requests, [t.params for t in tickets], **kwargs)
+                await replica.actor.add.remote(requests, [t.params for t in tickets], every_step, **kwargs)
                 return
             except RayTaskError as exc:
                 raise cause_of(exc) from None
