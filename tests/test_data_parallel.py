@@ -80,7 +80,7 @@ def sse_data(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
 
 
-def test_every_route_answers_through_the_front_end(base, reference) -> None:
+def test_every_route_answers_through_the_front_end(base, replicas, reference) -> None:
     prompt = "the quick brown fox jumps over"
     expected = greedy(reference, prompt, 6)
     with httpx.Client(base_url=base, timeout=60) as client:
@@ -111,6 +111,22 @@ def test_every_route_answers_through_the_front_end(base, reference) -> None:
         assert health["status"] == "ok" and [r["state"] for r in health["replicas"]] == ["running", "running"]
         metrics = client.get("/metrics").text
         assert 'paged_backend:replica_up{model_name="tiny",replica="1",state="running"} 1.0' in metrics
+        long = {**body, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=long) as response:
+            next(response.iter_lines())  # the client leaves mid-stream: its replica aborts the request
+    assert_idle(replicas)
+
+
+def assert_idle(llm: DataParallelLLM, patience_s: float = 30.0) -> None:
+    """Every replica's blocks free and nothing queued (an abort reaches its replica a moment later)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        stats = llm.stats()
+        idle = stats["num_free_blocks"] == stats["num_kv_blocks"] and stats["num_running"] == stats["num_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert idle and not llm.replica_set.tickets, stats
 
 
 def test_a_shared_prefix_keeps_to_one_replica(replicas) -> None:
@@ -128,6 +144,7 @@ def test_a_shared_prefix_keeps_to_one_replica(replicas) -> None:
     replicas.generate([{"prompt_token_ids": system + [400 + i]} for i in range(6)], params)
     third = [a - b for a, b in zip(admitted(replicas), before)]
     assert [t - s > 0 for t, s in zip(third, second)] == [f > 0 for f in first]  # back to the first replica
+    assert_idle(replicas)
 
 
 def test_a_killed_replica_loses_no_whole_request_and_rejoins(base, replicas, reference) -> None:
@@ -183,3 +200,4 @@ def test_a_killed_replica_loses_no_whole_request_and_rejoins(base, replicas, ref
     before = admitted(replicas)
     replicas.generate([{"prompt_token_ids": [60 + 9 * i, 1, 2, 3, 4]} for i in range(4)], SamplingParams(max_tokens=2))
     assert admitted(replicas)[victim] > before[victim]  # the restarted replica takes requests again
+    assert_idle(replicas)
