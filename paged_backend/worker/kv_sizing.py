@@ -15,23 +15,28 @@ logger = logging.getLogger(__name__)
 
 
 def num_gpu_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, profile: Callable[[int], int]) -> int:
-    """Device blocks: ``num_kv_blocks`` when given; on a GPU what ``profile(block_bytes)`` finds fits in
-    ``gpu_memory_utilization``; elsewhere ``kv_cache_memory_gib``, never more than ``max_num_seqs`` full-length
-    sequences could use. Raises when one sequence of ``max_model_len`` would not fit."""
+    """Device blocks: ``num_kv_blocks`` when given; else what fits — on a GPU what ``profile(block_bytes)`` finds
+    in ``gpu_memory_utilization``, elsewhere ``kv_cache_memory_gib`` — but never more than ``max_num_seqs``
+    full-length sequences could use (a small model on a large GPU would otherwise zero gigabytes it never reads,
+    and take seconds doing it). Raises when one sequence of ``max_model_len`` would not fit."""
     cache = config.cache_config
     block_size = cache.block_size
+    cap = config.scheduler_config.max_num_seqs * math.ceil(config.max_model_len / block_size)
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     elif device.type == "cuda":
-        num_blocks = profile(spec.bytes_per_block(block_size))
-        if num_blocks < 1:
+        fits = profile(spec.bytes_per_block(block_size))
+        if fits < 1:
             raise ValueError(
                 f"no GPU memory left for the KV cache: gpu_memory_utilization={cache.gpu_memory_utilization} is "
                 "below what weights and the activation peak take (see the log for the figures)"
             )
+        num_blocks = min(fits, cap)
+        if num_blocks < fits:
+            logger.info("KV cache: %d blocks (max_num_seqs=%d sequences of max_model_len=%d) of the %d that fit",
+                        num_blocks, config.scheduler_config.max_num_seqs, config.max_model_len, fits)  # fmt: skip
     else:
         by_memory = int(cache.kv_cache_memory_gib * 2**30) // spec.bytes_per_block(block_size)
-        cap = config.scheduler_config.max_num_seqs * math.ceil(config.max_model_len / block_size)
         num_blocks = max(1, min(by_memory, cap))
     per_seq = math.ceil(config.max_model_len / block_size)
     if num_blocks < per_seq:
