@@ -71,7 +71,7 @@ def test_sampling_params_accepts_vllm_forms() -> None:
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
         ({"dtype": "int8"}, "dtype"),
-        ({"quantization": "gptq"}, "quantization"),
+        ({"quantization": "bitsandbytes"}, "quantization"),
         ({"device": "tpu"}, "device"),
         ({"max_model_len": 0}, "max_model_len"),
         ({"num_kv_blocks": 0}, "num_kv_blocks"),
