@@ -55,12 +55,13 @@ def fake_quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def gptq_dequantize(stored: dict[str, torch.Tensor], module: str) -> torch.Tensor:
     """A GPTQ linear's weight [out, in] in float32, written from AutoGPTQ's layout (not from our loader): ``qweight``
-    packs eight inputs along its rows, ``qzeros`` eight outputs along its columns, minus one; ``g_idx`` gives each
-    input's group."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    qweight, qzeros = stored[f"{module}.qweight"], stored[f"{module}.qzeros"]
+    packs eight inputs along its rows, ``qzeros`` eight outputs along its columns, each word minus 0x11111111;
+    ``g_idx`` gives each input's group."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    qweight, qzeros = stored[f"{module}.qweight"].long(), stored[f"{module}.qzeros"].long()
     q = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, qweight.shape[1])  # [in, out]
-    z = (((qzeros[:, :, None] >> shifts) & 15).reshape(qzeros.shape[0], -1) + 1) & 15  # [groups, out]
+    qzeros = (qzeros + 0x11111111) & 0xFFFFFFFF  # v1 stored each word minus 0x11111111 (GPTQModel's v1 -> v2)
+    z = ((qzeros[:, :, None] >> shifts) & 15).reshape(qzeros.shape[0], -1)  # [groups, out]
     g_idx = stored[f"{module}.g_idx"].long()
     return ((q - z[g_idx]).float() * stored[f"{module}.scales"].float()[g_idx]).T
 
@@ -242,6 +243,22 @@ def test_schemes_we_do_not_run_fail_at_load_naming_them(change, message: str, to
         LLM(str(_with_config(tmp_path, change)), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
 
 
+def test_gptq_zero_points_of_zero_borrow_from_the_next_one() -> None:
+    """v1 checkpoints store each packed word of zero points minus 0x11111111 (an int32 subtraction: a zero point of
+    0 borrows from the nibble above it); every zero point, 0 and 15 included, comes back."""
+    from paged_backend.kernels.awq_format import unpack
+    from paged_backend.quantization.gptq import GPTQConfig
+
+    zeros = torch.tensor([[0, 5, 3, 0, 9, 15, 0, 1], [15, 0, 0, 0, 8, 2, 0, 7]])  # [groups, out]
+    word = sum(zeros[:, i].long() << (4 * i) for i in range(8))
+    stored = ((word - 0x11111111) & 0xFFFFFFFF).to(torch.int64)
+    stored = torch.where(stored >= 2**31, stored - 2**32, stored).to(torch.int32)[:, None]  # [groups, out / 8]
+    qweight = torch.zeros(16 // 8, 8, dtype=torch.int32)  # 16 inputs, 8 outputs
+    g_idx = torch.arange(16, dtype=torch.int32) // 8
+    buffers = GPTQConfig(8, sym=False, desc_act=False).awq_buffers(qweight, stored, torch.ones(2, 8), g_idx)
+    assert torch.equal(unpack(buffers["qzeros"]), zeros.int())
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -260,6 +277,25 @@ def test_gptq_settings_we_do_not_run_fail_at_load_naming_them(change, message: s
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         LLM(str(folder), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
+
+
+def test_gptq_zero_biases_of_linears_without_one_are_dropped(tokenizer, tmp_path) -> None:
+    """AutoGPTQ writes a zero bias for every quantized linear: dropped where the model has none (a nonzero one
+    fails naming it)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "biased"
+    shutil.copytree(FIXTURES / "gptq_asym_group64", folder)
+    stored = load_file(folder / "model.safetensors")
+    key = "model.layers.0.self_attn.o_proj.bias"
+    for value in (0.0, 0.5):
+        save_file(stored | {key: torch.full((128,), value)}, str(folder / "model.safetensors"))
+        if value:
+            with pytest.raises(ValueError, match=f"{key} is not zero but the model's"):
+                LLM(str(folder), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
+        else:
+            llm = LLM(str(folder), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
+            assert llm.llm_engine.model.get_submodule(key.rsplit(".", 1)[0]).bias is None
 
 
 def test_int4_without_the_package_names_the_extra(tokenizer, monkeypatch) -> None:

@@ -610,6 +610,34 @@ def test_a_failing_proposer_costs_its_proposals_not_the_request(tokenizer, caplo
     assert_idle(llm)
 
 
+def test_a_failing_draft_model_costs_its_guesses_not_the_step(tokenizer, caplog, monkeypatch) -> None:
+    """The draft runs when a step's output is read: its failure leaves that step's samples without proposals,
+    and the step and its requests go on."""
+    from paged_backend.worker.draft_runner import DraftRunner
+
+    model = tiny_model("llama")
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64, speculative_config=spec)
+    monkeypatch.setattr(DraftRunner, "propose", lambda *_: (_ for _ in ()).throw(RuntimeError("out of memory, say")))
+    prompt = repetitive_prompts()[0]
+    (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+    assert "the draft model failed" in caplog.text
+    assert llm.llm_engine.scheduler.drafter.num_draft_tokens == 0
+    assert_idle(llm)
+
+
+def test_a_draft_model_of_a_shorter_context_is_refused_by_name(tokenizer) -> None:
+    from tests.fixtures.tiny_models import build_tiny_model
+
+    draft = build_tiny_model("llama", vocab_size=512)
+    draft.config.max_position_embeddings = 32
+    spec = {"method": "draft_model", "model": draft}
+    with pytest.raises(ValueError, match="the draft model takes 32 positions .* but max_model_len is 64") as info:
+        LLM(tiny_model("llama"), tokenizer=tokenizer, num_kv_blocks=64, max_model_len=64, speculative_config=spec)
+    assert info.value.field == "speculative_config.model"
+
+
 def test_the_server_speculates_and_reports_it_in_metrics(tokenizer) -> None:
     pytest.importorskip("fastapi")
     import httpx

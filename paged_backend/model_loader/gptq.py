@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterable, Iterator
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -33,6 +34,20 @@ def quantized_modules(folder: str) -> set[str]:
     return modules
 
 
+def without_zero_biases(
+    tensors: Iterable[tuple[str, torch.Tensor]], biasless: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """AutoGPTQ writes a bias of zeros for every quantized linear, with one or not: those of linears that have
+    none are dropped (a nonzero one is an error naming it)."""
+    for key, tensor in tensors:
+        module, _, attr = key.rpartition(".")
+        if attr == "bias" and module in biasless:
+            if torch.count_nonzero(tensor):
+                raise ValueError(f"GPTQ checkpoint: {key} is not zero but the model's {module} has no bias")
+            continue
+        yield key, tensor
+
+
 def load_gptq_model(
     hf_config: PretrainedConfig, name: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
 ) -> PreTrainedModel:
@@ -44,6 +59,7 @@ def load_gptq_model(
     model = meta_model(plain, dtype, trust_remote_code)
     folder = resolve_checkpoint_folder(name)
     quantized = quantized_modules(folder)
+    biasless = {m for m in quantized if getattr(model.get_submodule(m), "bias", None) is None}
     for module_name in sorted(quantized):
         parent_name, _, child = module_name.rpartition(".")
         linear = model.get_submodule(module_name)
@@ -61,7 +77,8 @@ def load_gptq_model(
         except ValueError as exc:
             raise ValueError(f"{module_name}: {exc}") from exc
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-    load_quantized_weights(model, gptq.convert(checkpoint_tensors(folder), quantized), dtype, device)
+    tensors = without_zero_biases(checkpoint_tensors(folder), biasless)
+    load_quantized_weights(model, gptq.convert(tensors, quantized), dtype, device)
     set_module_attribute(model, "gptq_config", gptq)
     logger.info("GPTQ int4: %d linears, group size %d, desc_act %s", len(quantized), gptq.group_size, gptq.desc_act)
     return model.eval()

@@ -83,15 +83,16 @@ def fp8_linear(
     GEMV up to ``GEMV_ROWS`` rows, above one ``torch._scaled_mm`` when the activations are bf16 and quantized per
     token; with a static ``input_scale``, ``x`` quantized with it and one ``torch._scaled_mm`` at every row count
     (the GEMV multiplies unquantized activations); else the twin."""
-    fp8_units = x.is_cuda and has_fp8_matmul(x.device) and x.dtype == torch.bfloat16
+    fp8_units = x.is_cuda and has_fp8_matmul(x.device)
+    scaled_mm = fp8_units and x.dtype == torch.bfloat16  # its row-wise scales write bfloat16
     if input_scale is not None:
-        if not fp8_units:
+        if not scaled_mm:
             return fp8_linear_torch(x, weight, weight_scale, dynamic, input_scale)
         q, scale = quantize_static(x, input_scale)
         return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
     if fp8_units and triton is not None and x.shape[0] <= GEMV_ROWS:
         return fp8_gemv_triton(x, weight, weight_scale)
-    if dynamic and fp8_units:
+    if dynamic and scaled_mm:
         return fp8_linear_scaled_mm(x, weight, weight_scale, None)
     return fp8_linear_torch(x, weight, weight_scale, dynamic)
 

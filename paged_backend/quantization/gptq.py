@@ -2,7 +2,7 @@
 run on the AWQ kernels: each linear's tensors are unpacked and packed again in AWQ's GEMM layout at load.
 
     qweight  int32 [in / 8, out]   eight 4-bit values packed along the input (row 8r + i in bits 4i..4i+3)
-    qzeros   int32 [groups, out / 8]  zero points packed along the output, stored minus one (4-bit wrap)
+    qzeros   int32 [groups, out / 8]  zero points packed along the output, the int32 stored minus 0x11111111
     scales   fp16  [groups, out]
     g_idx    int32 [in]            each input row's group
 
@@ -91,8 +91,7 @@ class GPTQConfig:
         linear, its rows sorted by group (and ``input_order``, the sort, under ``desc_act``)."""
         shifts = torch.arange(0, 32, 4, dtype=torch.int32)
         q = ((qweight[:, None, :] >> shifts[None, :, None]) & MAX_INT).reshape(-1, qweight.shape[1])  # [in, out]
-        z = ((qzeros[:, :, None] >> shifts) & MAX_INT).reshape(qzeros.shape[0], -1)  # [groups, out], minus one
-        z = (z + 1) & MAX_INT  # stored minus one: a zero point of 0 was written as 15
+        z = unpack_v1_zeros(qzeros)
         groups, group_size = scales.shape[0], q.shape[0] // scales.shape[0]
         order = torch.argsort(g_idx.long(), stable=True)
         if (
@@ -106,3 +105,14 @@ class GPTQConfig:
         elif not torch.equal(order, torch.arange(q.shape[0])):
             raise ValueError("g_idx reorders the input rows but quantization_config.desc_act is false")
         return buffers
+
+
+V1_ZERO_OFFSET = 0x11111111  # one in each nibble
+
+
+def unpack_v1_zeros(qzeros: torch.Tensor) -> torch.Tensor:  # [groups, out / 8] int32 -> [groups, out] in [0, 15]
+    """GPTQ v1's zero points: each group's eight packed together, minus one *as an int32* (``packed - 0x11111111``,
+    so a zero point of 0 borrows from the nibble above it); GPTQModel adds the int32 back when it reads v1."""
+    packed = (qzeros.to(torch.int64) + V1_ZERO_OFFSET) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    return ((packed[:, :, None] >> shifts) & MAX_INT).reshape(qzeros.shape[0], -1).to(torch.int32)

@@ -9,12 +9,14 @@ decode token, a round's tokens, a verified row's last token and the proposals it
 the target's — and, for a row to be proposed for, its newest token too, whose logits give the first guess. Then
 k - 1 forwards of one token a row, each fed the guess before. The guesses' KV lies past the row's blocks: it goes
 to scratch blocks past the scheduler's (the draft's own), and the next step writes the row's real tokens over it
-in its own blocks. Guesses are greedy; the target verifies every one, so a wrong guess costs speed, never the
-output.
+in its own blocks. Guesses are greedy; the target verifies every one, so a wrong guess (or a draft KV that is
+off, as after a failed draft pass, whose rows are guessed from stale KV until their blocks are rewritten) costs
+speed, never the output.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -29,6 +31,8 @@ from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
 from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs
 
+logger = logging.getLogger(__name__)
+
 
 class DraftRunner:
     def __init__(
@@ -41,8 +45,10 @@ class DraftRunner:
         num_cpu_blocks: int,
         num_speculative_tokens: int,
         max_rows: int,  # rows guessed for in one step at most: a larger batch gets no proposals
+        max_positions: int,  # max_model_len: no guess is placed at or past it
     ) -> None:
         self.model, self.device, self.block_size = model, device, block_size
+        self.max_positions = max_positions
         self.k, self.max_rows, self.num_blocks = num_speculative_tokens, max_rows, num_blocks
         # a row's guesses reach k tokens past its last scheduled one, past its blocks by at most this many
         self.scratch_per_row = math.ceil(num_speculative_tokens / block_size) + 1
@@ -75,7 +81,8 @@ class DraftRunner:
             taken = sampled.get(row, [])
             feed = seq.token_ids[start : start + n - len(drafts)] + taken[:-1]  # what the target computed
             table = batch.block_tables[row]
-            if taken and guessed and speculates(seq, len(taken)):
+            newest = start + len(feed)  # the position of the row's newest token; its guesses follow it
+            if taken and guessed and newest + self.k - 1 < self.max_positions and speculates(seq, len(taken)):
                 feed.append(taken[-1])
                 scratch = self.num_blocks + len(guess_rows) * self.scratch_per_row
                 table = table + list(range(scratch, scratch + self.scratch_per_row))
@@ -136,6 +143,9 @@ class ProposingOutput:
         if self.output is None:
             output = self.step.get_output()
             if self.scheduler_output.seqs:  # rank 0's (speculative decoding runs on one device)
-                output.draft_token_ids = self.draft.propose(self.scheduler_output, output)
+                try:
+                    output.draft_token_ids = self.draft.propose(self.scheduler_output, output)
+                except Exception:  # the draft's failure (out of memory, ...) costs guesses, never the step
+                    logger.warning("the draft model failed: this step's samples get no proposals", exc_info=True)
             self.output = output
         return self.output

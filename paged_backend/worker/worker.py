@@ -128,6 +128,7 @@ class Worker:
         self._use_checkpoint_kv_scales(config, cache_engine)
         draft = config.speculative_config
         if self.draft_model is not None and spec.draft is not None and draft is not None:
+            check_draft_positions(self.draft_model, config.max_model_len)
             self.draft_runner = DraftRunner(
                 self.draft_model,
                 spec.draft,
@@ -137,6 +138,7 @@ class Worker:
                 num_cpu_blocks,
                 draft.num_speculative_tokens,
                 proposal_rows(config),
+                config.max_model_len,
             )
         self._model_runner = ModelRunner(
             self.model,
@@ -214,6 +216,17 @@ def verify_shape(config: EngineConfig) -> tuple[int, int] | None:
     if spec is None or config.lora_config.enable_lora:  # LoRA's per-token adapter indices are not padded alike
         return None
     return spec.num_speculative_tokens + 1, proposal_rows(config)
+
+
+def check_draft_positions(draft: PreTrainedModel, max_model_len: int) -> None:
+    """The draft reads every position the target does: its own limit must reach ``max_model_len``."""
+    limit = getattr(draft.config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and limit < max_model_len:
+        raise FieldError(
+            "speculative_config.model",
+            f"the draft model takes {limit} positions (max_position_embeddings) but max_model_len is "
+            f"{max_model_len}: lower max_model_len to {limit} or use a draft of a longer context",
+        )
 
 
 def proposal_rows(config: EngineConfig) -> int:
