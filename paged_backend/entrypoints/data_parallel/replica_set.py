@@ -101,23 +101,27 @@ class ReplicaSet:
         ...) is raised here as it was raised there; EngineDeadError when no replica runs."""
         per_params = params if isinstance(params, list) else [params] * len(requests)
         tickets: list[Ticket] = []
-        for i, ((request_id, prompt), p) in enumerate(zip(requests, per_params)):
-            kwargs = {key: value[i] if isinstance(value, list) else value for key, value in add_kwargs.items()}
-            lora = kwargs.get("lora_request")
-            ids = list(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else []
-            ticket = Ticket(request_id, prompt, p, kwargs, stream, ids, getattr(lora, "lora_int_id", 0), -1)
-            ticket.replica = self._route(ticket, set())
-            self.tickets[request_id] = ticket  # counted in the next request's loads
-            tickets.append(ticket)
-        groups: dict[int, list[Ticket]] = {}
-        for ticket in tickets:
-            groups.setdefault(ticket.replica, []).append(ticket)
-        results = await asyncio.gather(*(self._queue(group) for group in groups.values()), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
+        try:  # routing fails, a replica refuses, or the caller is cancelled (its client left): none stays queued
+            for i, ((request_id, prompt), p) in enumerate(zip(requests, per_params)):
+                kwargs = {key: value[i] if isinstance(value, list) else value for key, value in add_kwargs.items()}
+                lora = kwargs.get("lora_request")
+                ids = list(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else []
+                ticket = Ticket(request_id, prompt, p, kwargs, stream, ids, getattr(lora, "lora_int_id", 0), -1)
+                ticket.replica = self._route(ticket, set())
+                self.tickets[request_id] = ticket  # counted in the next request's loads
+                tickets.append(ticket)
+            groups: dict[int, list[Ticket]] = {}
+            for ticket in tickets:
+                groups.setdefault(ticket.replica, []).append(ticket)
+            queued = (self._queue(group) for group in groups.values())
+            results = await asyncio.gather(*queued, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+        except BaseException:
             for ticket in tickets:
                 self.abort(ticket.request_id)
-            raise errors[0]
+            raise
         return tickets
 
     async def _queue(self, tickets: list[Ticket]) -> None:
@@ -166,6 +170,8 @@ class ReplicaSet:
                         if ticket.stream or finished:
                             delivered = True
                             yield out
+                        if finished:  # nothing follows the final output, not even a replica's later death
+                            break
                     if not finished:
                         raise RequestFailedError(f"request {request_id} ended without a final output")
                 except RayTaskError as exc:

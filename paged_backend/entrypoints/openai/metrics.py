@@ -101,8 +101,8 @@ class ServerMetrics:
         self.swapped.labels(**self.labels).set(stats["num_swapped"])
         self.kv_usage.labels(**self.labels).set(1 - stats["num_free_blocks"] / max(1, stats["num_kv_blocks"]))
         self.hit_rate.labels(**self.labels).set(stats["prefix_cache_hit_rate"])
-        for name, counter in self.spec.items():
-            counter.labels(**self.labels).inc(stats[name] - self.spec_seen[name])
+        for name, counter in self.spec.items():  # a sum over replicas drops when one restarts: counters only rise
+            counter.labels(**self.labels).inc(max(0, stats[name] - self.spec_seen[name]))
             self.spec_seen[name] = stats[name]
         if "replicas" in stats:
             self.replica_up.clear()  # a replica's state changes: only its current one is shown
