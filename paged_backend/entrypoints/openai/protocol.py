@@ -166,6 +166,13 @@ class SamplingFields(StructuredOutputRequest):
     logit_bias: LogitBias | None = Field(
         default=None, description="token id -> a number in [-100, 100] added to its logit"
     )
+    return_token_ids: bool = Field(
+        default=False,
+        description=(
+            "vLLM's: the prompt's token ids and each choice's sampled token ids in the response (a stream: the "
+            "prompt's in its first chunk, each chunk's new ids in its choice), to continue from exactly those ids"
+        ),
+    )
 
     @field_validator("stream_options")
     @classmethod

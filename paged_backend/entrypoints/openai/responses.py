@@ -38,6 +38,10 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason
     # vLLM's, when asked: per prompt token, null (the first) or {token id: its logprob, rank and text}
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    # vLLM's, with return_token_ids: the prompt's ids (a stream: in the choice's first chunk) and the sampled ids
+    # (a stream: each chunk's new ones)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -99,6 +103,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (EOS: null)
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the sampled ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -108,6 +113,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the rendered conversation's ids
 
 
 class FunctionDelta(BaseModel):
@@ -135,6 +141,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
     stop_reason: int | str | None = None  # in the last chunk, as vLLM's
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the chunk's new sampled ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -144,6 +151,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: in each choice's first chunk
 
 
 class ModelCard(BaseModel):

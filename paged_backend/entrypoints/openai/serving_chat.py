@@ -36,6 +36,7 @@ class ChatRun:
     streams: list[AsyncIterator[RequestOutput]]
     base: dict[str, Any]  # id, created, model
     rid: str
+    prompt_token_ids: list[int]  # the rendered conversation's
 
 
 class OpenAIServingChat:
@@ -110,7 +111,7 @@ class OpenAIServingChat:
             body.output_format_field(),
             stream=bool(body.stream),
         )
-        return ChatRun(body, tools, streams, {"id": rid, "created": created, "model": body.model}, rid)
+        return ChatRun(body, tools, streams, {"id": rid, "created": created, "model": body.model}, rid, ids)
 
     async def _template_culprit(
         self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], extra: dict[str, Any] | None
@@ -136,8 +137,13 @@ class OpenAIServingChat:
             message, finish_reason = self._message(c.text, tools, c.finish_reason)
             logprobs = chat_logprobs(c, self.server.decode, body.top_logprobs or 0) if body.logprobs else None
             choice = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+            if body.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
             choices.append({**choice, "stop_reason": c.stop_reason})
-        return {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
+        response = {**base, "object": "chat.completion", "choices": choices, "usage": usage([final])}
+        if body.return_token_ids:  # as vLLM: the prompt's ids on the response, the sampled ones per choice
+            response["prompt_token_ids"] = list(final.prompt_token_ids)
+        return response
 
     def _message(
         self, text: str, tools: ToolCallReader, finish_reason: str | None
@@ -165,7 +171,10 @@ class OpenAIServingChat:
         base = {**run.base, "object": "chat.completion.chunk"}
         for j in range(body.n):
             delta = {"role": "assistant", "content": ""}
-            yield {**base, "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}]}
+            first = {**base, "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}]}
+            if body.return_token_ids:  # as vLLM: on each choice's first chunk
+                first["prompt_token_ids"] = run.prompt_token_ids
+            yield first
         sent: dict[int, tuple[int, int]] = {}  # sample -> (characters, tokens) sent
         parser = self.server.args.reasoning_parser
         splitters = {j: ReasoningSplitter(parser) for j in range(body.n)} if parser is not None else {}
@@ -193,6 +202,8 @@ class OpenAIServingChat:
                         ),
                         "finish_reason": tools.finish_reason(num_calls[c.index] > 0, c.finish_reason),
                     }
+                    if body.return_token_ids:
+                        choice["token_ids"] = list(c.token_ids[tokens:])
                     if last:
                         choice["stop_reason"] = c.stop_reason
                     yield {**base, "choices": [choice]}

@@ -63,6 +63,9 @@ class OpenAIServingCompletion:
                 }
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs or [])
+                if body.return_token_ids:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
         return choices
 
@@ -86,6 +89,7 @@ class OpenAIServingCompletion:
         sent: dict[tuple[int, int], tuple[int, int]] = {}  # (request, sample) -> (characters, tokens) sent
         offsets: dict[tuple[int, int], int] = {}  # where the next token's text starts (as in the whole response)
         finals: dict[int, RequestOutput] = {}
+        opened: set[tuple[int, int]] = set()  # choices with a chunk sent
         async for i, out in merge(streams):
             for c in out.outputs:
                 key = (i, c.index)
@@ -107,6 +111,11 @@ class OpenAIServingCompletion:
                     }
                     if body.prompt_logprobs is not None and echo_first:
                         choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs or [])
+                    if body.return_token_ids:  # as vLLM: the prompt's ids in the choice's first chunk
+                        if key not in opened:
+                            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                        choice["token_ids"] = list(c.token_ids[tokens:])
+                    opened.add(key)
                     yield sse({**base, "choices": [choice]})
             if out.finished:
                 finals[i] = out
