@@ -227,11 +227,12 @@ class ReplicaSet:
         return total
 
     def shutdown(self, wait: bool = True) -> None:
-        """Abort every request and stop the replicas' watcher (the replicas themselves belong to their owner)."""
+        """Abort every request and stop the replicas' watcher (the replicas themselves belong to their owner);
+        ``wait=False`` (from the event loop) does not wait for the watcher's probe in flight to end."""
         self.closed = True
         for request_id in list(self.tickets):
             self.abort(request_id)
-        self.replicas.close()
+        self.replicas.close(wait)
 
 
 async def _outputs(

@@ -99,9 +99,11 @@ class Replicas:
         logger.warning("data-parallel replica %d is down (%s); requests go to the others", index, reason)
         self.on_lost(index)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the watcher; ``wait``: until its probe in flight (if any) ends."""
         self.stop.set()
-        self.thread.join(timeout=self.probe_timeout_s + 1)
+        if wait:
+            self.thread.join(timeout=self.probe_timeout_s + 1)
 
     def _watch(self) -> None:
         while not self.stop.wait(self.probe_interval_s):
