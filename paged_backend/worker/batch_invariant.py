@@ -320,8 +320,9 @@ AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
 @contextlib.contextmanager
 def batch_invariant_forward(model: torch.nn.Module) -> Iterator[None]:
     """Inside, the model's own (differentiable) forward computes as ``batch_invariant=True`` steps do: a trainer's
-    logprobs over unpadded sequences equal, bit for bit, the ones the engine reported while sampling them (fp32
-    on a CPU). Each linear layer runs a row at a time and the attention a query at a time: slow."""
+    logprobs over unpadded sequences equal, bit for bit, the ones the engine reported while sampling them (on a
+    CPU, in the model's dtype: fp32 or bf16). Each linear layer runs a row at a time and the attention a query
+    at a time: slow."""
     configs = {
         id(c): c for c in [getattr(m, "config", None) for m in model.modules()] if isinstance(c, PretrainedConfig)
     }
