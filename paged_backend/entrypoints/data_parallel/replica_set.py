@@ -143,6 +143,7 @@ class ReplicaSet:
                 raise cause_of(exc) from None
             except RayActorError as exc:
                 self.replicas.lost(replica.index, exc)
+                forget_on(replica.actor, [t.request_id for t in tickets])
                 tried.add(replica.index)
                 self.num_retries += len(tickets)
                 for ticket in tickets:
@@ -182,6 +183,7 @@ class ReplicaSet:
                         raise RequestFailedError(
                             f"request {request_id} failed: data-parallel replica {replica.index} died mid-stream"
                         ) from exc
+                    forget_on(replica.actor, [request_id])
                     tried.add(replica.index)
                     ticket.replica = self._route(ticket, tried)
                     self.num_retries += 1
@@ -233,6 +235,14 @@ class ReplicaSet:
         for request_id in list(self.tickets):
             self.abort(request_id)
         self.replicas.close(wait)
+
+
+def forget_on(actor: Any, request_ids: list[str]) -> None:
+    """Before a request runs again elsewhere: abort it on the replica that failed a call, in case that replica is
+    only unreachable for a while (Ray's ActorUnavailableError) and did take it; a dead one has nothing to free."""
+    for request_id in request_ids:
+        with contextlib.suppress(Exception):
+            actor.abort.remote(request_id)
 
 
 async def _outputs(
