@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class NotOnReplica(KeyError):
+    """A stream asked of a replica that does not hold the request: it was aborted, or the replica restarted
+    (a new process, its requests gone) between the request's add and its stream."""
+
+
 @dataclass(frozen=True)
 class ReplicaFacts:
     """What the front end needs to know of a replica's engine (every replica runs the same one)."""
@@ -122,7 +127,7 @@ class EngineReplica:
         """An added request's outputs as they come; the caller cancelling this (or leaving) aborts the request."""
         outputs = self.queues.pop(request_id, None)
         if outputs is None:
-            raise KeyError(f"request {request_id} was not added to this replica, or was aborted")
+            raise NotOnReplica(f"request {request_id} was not added to this replica, or was aborted")
         async for out in self.loop.stream(request_id, outputs):
             yield out
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged_backend.distributed.router import Router
 from paged_backend.engine.engine_loop import EngineDeadError, RequestFailedError
+from paged_backend.entrypoints.data_parallel.replica import NotOnReplica
 from paged_backend.entrypoints.data_parallel.replicas import Replica, Replicas, summed_stats
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
@@ -176,7 +177,15 @@ class ReplicaSet:
                     if not finished:
                         raise RequestFailedError(f"request {request_id} ended without a final output")
                 except RayTaskError as exc:
-                    raise cause_of(exc) from None
+                    cause = cause_of(exc)
+                    if not isinstance(cause, NotOnReplica) or delivered or request_id not in self.tickets:
+                        raise cause from None
+                    if replica.index in tried:  # queued there again and gone again: not a restart
+                        raise cause from None
+                    tried.add(replica.index)  # restarted since the add: the request runs again, there or elsewhere
+                    self.num_retries += 1
+                    await self._queue([ticket])
+                    self.num_resumed += 1
                 except RayActorError as exc:
                     self.replicas.lost(replica.index, exc)
                     if delivered:
