@@ -93,8 +93,8 @@ class OpenAIServingCompletion:
         async for i, out in merge(streams):
             for c in out.outputs:
                 key = (i, c.index)
-                echo, echo_first = "", key not in sent
-                if body.echo and key not in sent:
+                echo = ""
+                if body.echo and key not in opened:  # with the choice's first chunk
                     echo = out.prompt or self.server.decode(out.prompt_token_ids)
                 chars, tokens = sent.get(key, (0, 0))
                 delta = echo + c.text[chars:]
@@ -109,7 +109,7 @@ class OpenAIServingCompletion:
                         "logprobs": logprobs,
                         "finish_reason": c.finish_reason,
                     }
-                    if body.prompt_logprobs is not None and echo_first:
+                    if body.prompt_logprobs is not None and key not in opened:  # the choice's first chunk
                         choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs or [])
                     if body.return_token_ids:  # as vLLM: the prompt's ids in the choice's first chunk
                         if key not in opened:
