@@ -317,8 +317,7 @@ class Scheduler:
             self.running.remove(seq)
         self.num_preemptions += len(victims)
         ids = [seq.seq_id for seq in victims]
-        # Swapping is for making room for others: a request that preempts itself alone would only come back to
-        # the same shortage, so it recomputes (its samples then re-prefill one by one).
+        # Swapping makes room for others: a request preempting only itself would come back to the same shortage.
         if self.running and self.block_manager.num_cpu_blocks and self.block_manager.can_swap_out(ids):
             self.num_swapped_out += len(victims)
             for seq in victims:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged_backend.config import SpeculativeConfig
-from paged_backend.distributed.router import ROUTING_POLICIES, RouterConfig
 from paged_backend.entrypoints.data_parallel.config import DataParallelConfig
+from paged_backend.entrypoints.openai.cli_data_parallel import add_data_parallel_flags, data_parallel_config
 from paged_backend.paths import missing_local_model
 from paged_backend.structured_output.grammar_budget import GrammarBudget
 from paged_backend.tool_calls.parsers import TOOL_CALL_PARSERS
@@ -253,37 +253,7 @@ def make_parser(prog: str = "paged-backend serve") -> argparse.ArgumentParser:
     for flag, name, kind, text in _GRAMMAR_FLAGS:
         parser.add_argument(flag, type=kind, default=getattr(budget, name), dest=f"grammar_{name}",
                             help=f"{text} (default {getattr(budget, name):g})")  # fmt: skip
-    parser.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="N engine replicas as Ray actors behind this server, each with its own KV cache and "
-        "--tensor-parallel-size GPUs (default 1: one engine in this process)",
-    )
-    parser.add_argument(
-        "--data-parallel-routing",
-        default="prefix",
-        choices=list(ROUTING_POLICIES),
-        help="prefix: a request goes to the replica that most likely caches its prompt's first blocks, unless that "
-        "one is busier than the least loaded by more than --data-parallel-max-load-imbalance; round_robin: each in "
-        "turn (default prefix)",
-    )
-    parser.add_argument(
-        "--data-parallel-max-load-imbalance",
-        type=int,
-        default=RouterConfig.max_load_imbalance,
-        metavar="REQUESTS",
-        help="requests in flight a replica may have beyond the least loaded one and still get a request for "
-        f"its cached prefix (default {RouterConfig.max_load_imbalance})",
-    )
-    parser.add_argument(
-        "--data-parallel-max-restarts",
-        type=int,
-        default=DataParallelConfig.max_restarts,
-        metavar="N",
-        help=f"times Ray restarts a replica whose process died (default {DataParallelConfig.max_restarts})",
-    )
+    add_data_parallel_flags(parser)
     parser.add_argument(
         "--worker-use-ray",
         action="store_true",
@@ -349,7 +319,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
     except ValueError as exc:
         flag = next(flag for flag, name, *_ in _GRAMMAR_FLAGS if name == getattr(exc, "field", None))
         parser.error(f"{flag}: {exc}")
-    data_parallel = _data_parallel(parser, args)
+    data_parallel = data_parallel_config(parser, args)
     server = ServerArgs(
         model=model,
         host=args.host,
@@ -372,22 +342,6 @@ def parse_args(argv: list[str] | None = None, prog: str = "paged-backend serve")
         data_parallel=data_parallel,
     )
     return server, engine
-
-
-def _data_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DataParallelConfig | None:
-    """The data-parallel options, checked now (a bad value names its flag); None for one engine."""
-    flags = {
-        "data_parallel_size": "--data-parallel-size",
-        "max_restarts": "--data-parallel-max-restarts",
-        "max_load_imbalance": "--data-parallel-max-load-imbalance",
-    }
-    try:
-        imbalance = args.data_parallel_max_load_imbalance
-        router = RouterConfig(policy=args.data_parallel_routing, max_load_imbalance=imbalance)
-        config = DataParallelConfig(args.data_parallel_size, router, max_restarts=args.data_parallel_max_restarts)
-    except ValueError as exc:
-        parser.error(f"{flags.get(str(getattr(exc, 'field', '')), '--data-parallel-size')}: {exc}")
-    return config if config.data_parallel_size > 1 else None
 
 
 def _api_key(parser: argparse.ArgumentParser, flag: str | None) -> str | None:
