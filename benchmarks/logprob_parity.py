@@ -1,9 +1,12 @@
 """Logprob parity for RL on a GPU: the sampled tokens' logprobs the engine reports (``SamplingParams(logprobs=0)``)
-against the trainer's own forward over each finished sequence (one HF forward a sequence, the same bf16 model),
-for the default engine and ``batch_invariant=True``. What an RL trainer's importance ratio sees: per token,
-``exp(engine - trainer)`` should be 1.
+against the trainer's own no-grad forward over each finished sequence (one HF forward a sequence, the same bf16
+model): the default engine and ``batch_invariant=True`` against HF's plain forward, and ``batch_invariant=True``
+against the forward under ``batch_invariant_forward`` (``paged_invariant_trainer_parity``: equal to the bit is
+the goal). What an RL trainer's importance ratio sees: per token, ``exp(engine - trainer)`` should be 1. Also the
+trainer's forwards' wall time, plain and under ``batch_invariant_forward``.
 
-    python benchmarks/logprob_parity.py --json benchmarks/results/h200_logprob_parity.json
+    python benchmarks/logprob_parity.py --json benchmarks/results/logprob_parity_<card>_<commit>.json
+    python benchmarks/logprob_parity.py --model smollm2 --json benchmarks/results/logprob_parity_smollm2_<card>.json
 
 Sampled rollouts (temperature 1, a seed per request), W1-like prompts that no other run here uses.
 """
@@ -11,9 +14,11 @@ Sampled rollouts (temperature 1, a seed per request), W1-like prompts that no ot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,37 +26,45 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import build_model, release_engine, versions, w1_prompts, write_json  # noqa: E402
+from throughput import build_model, release_engine, trained_model, versions, w1_prompts, write_json  # noqa: E402
 
-from paged_backend import LLM, SamplingParams  # noqa: E402
+from paged_backend import LLM, SamplingParams, batch_invariant_forward  # noqa: E402
 
 logger = logging.getLogger("logprob_parity")
 
 
 @torch.inference_mode()
-def trainer_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
-    """The completion's tokens' logprobs from one forward over prompt + completion (fp32 log-softmax of the
-    model's logits, as trainers compute them)."""
+def trainer_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int], exact: bool) -> list[float]:
+    """The completion's tokens' logprobs from one no-grad forward over prompt + completion (fp32 log-softmax of the
+    model's logits, as trainers compute them); ``exact``: under ``batch_invariant_forward``."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt + tokens], device=device)
-    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    with batch_invariant_forward(model) if exact else contextlib.nullcontext():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     picked = logits.log_softmax(-1).gather(1, torch.tensor(tokens, device=device)[:, None])
     return picked[:, 0].tolist()
 
 
-def parity(llm: LLM, model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """The engine's sampled logprobs against ``trainer_logprobs``, over every generated token."""
+def rollouts(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt, sampled tokens, the engine's logprob of each) per request: temperature 1, a seed a request."""
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
         for i in range(len(prompts))
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    diffs: list[float] = []
+    done = []
     for prompt, out in zip(prompts, outs):
         completion = out.outputs[0]
-        ours = [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)]
-        theirs = trainer_logprobs(model, prompt, list(completion.token_ids))
-        diffs += [a - b for a, b in zip(ours, theirs)]
+        done.append((prompt, list(completion.token_ids),
+                     [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)]))  # fmt: skip
+    return done
+
+
+def parity(model: torch.nn.Module, done: list[tuple[list[int], list[int], list[float]]], exact: bool) -> dict[str, Any]:
+    """The engine's sampled logprobs against ``trainer_logprobs``, over every generated token."""
+    diffs: list[float] = []
+    for prompt, tokens, ours in done:
+        diffs += [a - b for a, b in zip(ours, trainer_logprobs(model, prompt, tokens, exact))]
     magnitudes = sorted(abs(d) for d in diffs)
     return {
         "tokens": len(diffs),
@@ -63,24 +76,50 @@ def parity(llm: LLM, model: torch.nn.Module, prompts: list[list[int]], max_token
     }
 
 
+def trainer_seconds(model: torch.nn.Module, done: list[tuple[list[int], list[int], list[float]]], exact: bool,
+                    repetitions: int) -> list[float]:  # fmt: skip
+    """Wall seconds of the trainer's no-grad forwards over every finished sequence (one pass untimed first)."""
+    times = []
+    for rep in range(repetitions + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for prompt, tokens, _ in done:
+            trainer_logprobs(model, prompt, tokens, exact)
+        torch.cuda.synchronize()
+        if rep:
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("8b", "smollm2"), default="8b",
+                        help="8b: the benchmark's random Llama-3-8B shape; smollm2: the demo's real model")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try (the model: 32)")
+    parser.add_argument("--repetitions", type=int, default=3, help="timed passes of the trainer's forwards")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
-    model = build_model(args.num_layers)
+    model = build_model(args.num_layers) if args.model == "8b" else trained_model(args.model)
     vocab = model.config.vocab_size
     results: dict[str, Any] = {
         "machine": torch.cuda.get_device_name(),
         "versions": versions(),
         "command": "python " + " ".join(sys.argv),
     }
+    prompts = w1_prompts(vocab, args.num_prompts, seed=300)
     for name, invariant in (("paged", False), ("paged_invariant", True)):
-        llm = LLM(model, batch_invariant=invariant)
-        results[name] = parity(llm, model, w1_prompts(vocab, args.num_prompts, seed=300), args.max_tokens)
-        logger.info("%s: %s", name, results[name])
+        llm = LLM(model, batch_invariant=invariant, skip_tokenizer_init=True)
+        done = rollouts(llm, prompts, args.max_tokens)
+        results[name] = parity(model, done, exact=False)
+        if invariant:  # the trainer under batch_invariant_forward, and what that costs it
+            results[name + "_trainer_parity"] = parity(model, done, exact=True)
+            results["trainer_seconds"] = {
+                "default": trainer_seconds(model, done, False, args.repetitions),
+                "batch_invariant_forward": trainer_seconds(model, done, True, args.repetitions),
+            }
+        logger.info("%s: %s", name, {k: v for k, v in results.items() if k.startswith(name) or k == "trainer_seconds"})
         write_json(args.json, results)
         llm.llm_engine.shutdown()
         del llm

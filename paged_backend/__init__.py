@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from paged_backend.engine.llm_engine import LLMEngine
     from paged_backend.entrypoints.llm import LLM, PagedGenerationBackend
     from paged_backend.integrations.hf import patch, patched, unpatch
-    from paged_backend.worker.batch_invariant import batch_invariant_forward
+    from paged_backend.worker.trainer_forward import batch_invariant_forward
 
 __version__ = "0.1.0"
 
@@ -43,7 +43,7 @@ _LAZY = {
     "patch": "paged_backend.integrations.hf",
     "unpatch": "paged_backend.integrations.hf",
     "patched": "paged_backend.integrations.hf",
-    "batch_invariant_forward": "paged_backend.worker.batch_invariant",
+    "batch_invariant_forward": "paged_backend.worker.trainer_forward",
 }
 
 

@@ -122,7 +122,7 @@ def test_trainer_logprobs_equal_the_sampled_ones(arch: str, dtype: torch.dtype) 
     sequences — close on the default engine beside a plain HF forward, bit-equal with ``batch_invariant=True``
     and the model's forward under ``batch_invariant_forward`` (with autograd on: a trainer's forward), in the
     model's dtype (fp32, bf16)."""
-    from paged_backend.worker.batch_invariant import batch_invariant_forward
+    from paged_backend.worker.trainer_forward import batch_invariant_forward
 
     model = tiny_model(arch) if dtype == torch.float32 else build_tiny_model(arch, vocab_size=512).to(dtype)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=0)

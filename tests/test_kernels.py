@@ -216,24 +216,6 @@ INVARIANT_LAYOUTS = [
 ]
 
 
-@pytest.fixture
-def row_independent_dot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In Triton's interpreter ``tl.dot`` is numpy's float32 matmul, and its BLAS rounds a row differently by the
-    row's place in the tile on some CPUs (OpenBLAS's Haswell kernels): bits that depend on the neighbours, which a
-    GPU's matrix units do not have. Here products are summed in float64 and rounded once, so a row's result is its
-    own and a test of batch invariance sees the kernel's order of reduction only. Nothing on a GPU."""
-    if DEVICE.type != "cpu":
-        return
-    import numpy as np
-    from triton.runtime import interpreter
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # 16- and 32-bit inputs, as here
-        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
-        return interpreter.TensorHandle((product + d.data).astype(d.data.dtype), d.dtype.scalar)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sliding_window", [None, 37, 100])
 @pytest.mark.usefixtures("row_independent_dot")

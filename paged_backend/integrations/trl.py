@@ -23,7 +23,7 @@ import torch
 
 from paged_backend.entrypoints.llm import LLM
 from paged_backend.sampling_params import SamplingParams
-from paged_backend.worker.batch_invariant import batch_invariant_forward
+from paged_backend.worker.trainer_forward import batch_invariant_forward
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer

@@ -25,15 +25,14 @@ operations whichever path its batch takes, sorts stably and takes top-p's runnin
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import PretrainedConfig
 
 from paged_backend.kernels import triton
 from paged_backend.kernels.rms_norm import rms_norm_triton
@@ -278,60 +277,3 @@ def attend_one(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     return torch.einsum("hc,chd->hd", torch.softmax(scores, dim=-1), values)
-
-
-# ---------------------------------------------------------------------------------------------------- trainer side
-EXACT_ATTENTION = "paged_backend_exact"
-
-
-def exact_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,  # [B, H, L, D]
-    key: torch.Tensor,  # [B, Hkv, L, D]
-    value: torch.Tensor,  # [B, Hkv, L, D]
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """HF's attention as the engine's batch-invariant steps compute it (``attend_one``, query by query),
-    differentiable: causal over unpadded sequences (the mask is not read)."""
-    batch, heads, length, _ = query.shape
-    per_kv = heads // key.shape[1]
-    sliding_window, softcap = sliding_window or None, softcap or None
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    keys = key.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()  # [B, L, H, D]
-    values = value.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()
-    rows = []
-    for b in range(batch):
-        for p in range(length):
-            first = 0 if sliding_window is None else max(0, p - sliding_window + 1)
-            rows.append(
-                attend_one(query[b, :, p].float(), keys[b, first : p + 1], values[b, first : p + 1], scale, softcap)
-            )
-    return torch.stack(rows).view(batch, length, heads, -1).to(query.dtype), None
-
-
-AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
-
-
-@contextlib.contextmanager
-def batch_invariant_forward(model: torch.nn.Module) -> Iterator[None]:
-    """Inside, the model's own (differentiable) forward computes as ``batch_invariant=True`` steps do: a trainer's
-    logprobs over unpadded sequences equal, bit for bit, the ones the engine reported while sampling them (on a
-    CPU, in the model's dtype: fp32 or bf16). Each linear layer runs a row at a time and the attention a query
-    at a time: slow."""
-    configs = {
-        id(c): c for c in [getattr(m, "config", None) for m in model.modules()] if isinstance(c, PretrainedConfig)
-    }
-    previous = {key: c._attn_implementation_internal for key, c in configs.items()}
-    for c in configs.values():
-        c._attn_implementation_internal = EXACT_ATTENTION
-    try:
-        with BatchInvariantMode():
-            yield
-    finally:
-        for key, c in configs.items():
-            c._attn_implementation_internal = previous[key]

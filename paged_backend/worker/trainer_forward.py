@@ -1,0 +1,197 @@
+"""The trainer's side of ``batch_invariant``: a model's own forward, inside :func:`batch_invariant_forward`,
+computing each token's logits the way the engine's ``batch_invariant=True`` steps computed them, so that the RL
+importance ratio between the policy that sampled a token and the policy being trained is exactly 1.
+
+Every reduction has to meet the engine's: linear layers by the same blocks of rows (``BatchInvariantMode``), the
+same norms' kernel on a GPU, sibling projections as one product where the engine packed them (the trainer and
+the engine share the model, so they share its packed buffers), and the attention:
+
+- on a CPU, one query at a time over exactly the keys it sees, in fp32 (``attend_one``, the engine's own exact
+  path there);
+- on a GPU, the engine's Triton kernel in its fixed-order configuration, over the whole sequences laid out as a
+  paged cache (each sequence's keys in consecutive blocks): every query then meets the decode tiles, the single
+  context slice and the masked key tiles its sampling step did, so its sums run in the same order. The kernel
+  has no backward: where autograd records, the gradient is that of the same attention in eager fp32 arithmetic
+  (only the no-grad "old" logprobs enter the ratio; the gradient pass needs a gradient, not these bits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PretrainedConfig
+
+from paged_backend.kernels import triton
+from paged_backend.kernels.paged_attention import paged_attention_triton
+from paged_backend.worker.batch_invariant import BatchInvariantMode, attend_one, invariant_rms_norms
+from paged_backend.worker.fuse_linears import is_packed
+from paged_backend.worker.invariant_products import needs_grad
+from paged_backend.worker.invariant_siblings import SiblingProducts
+
+EXACT_ATTENTION = "paged_backend_exact"
+CACHE_BLOCK_SIZE = 16  # the engine's default block size (the kernel's arithmetic does not depend on it)
+
+
+def uses_kernel(query: torch.Tensor) -> bool:
+    """Whether the attention runs the engine's Triton kernel (the engine's own choice: on a GPU, with Triton)."""
+    return query.is_cuda and triton is not None
+
+
+def _causal_attention_gpu(
+    query: torch.Tensor,  # [B, H, L, D]
+    key: torch.Tensor,  # [B, Hkv, L, D]
+    value: torch.Tensor,  # [B, Hkv, L, D]
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:  # [B, L, H, D]
+    """Causal attention over whole sequences by the engine's fixed-order paged kernel."""
+    batch, heads, length, dim = query.shape
+    num_kv_heads = key.shape[1]
+    blocks = -(-length // CACHE_BLOCK_SIZE)
+    pad = blocks * CACHE_BLOCK_SIZE - length
+
+    def as_cache(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D] -> [B * blocks, block, Hkv, D]
+        x = F.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, pad))
+        return x.contiguous().view(batch * blocks, CACHE_BLOCK_SIZE, num_kv_heads, dim)
+
+    device = query.device
+    tables = torch.arange(batch * blocks, dtype=torch.int32, device=device).view(batch, blocks)
+    cu_seqlens_q = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
+    context_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    queries = query.transpose(1, 2).reshape(batch * length, heads, dim)
+    out = paged_attention_triton(
+        queries, as_cache(key), as_cache(value), tables, cu_seqlens_q, context_lens, scale, sliding_window, softcap,
+        batch_invariant=True,
+    )  # fmt: skip
+    return out.view(batch, length, heads, dim)
+
+
+def _causal_attention_eager(
+    query: torch.Tensor,  # [B, H, L, D]
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:  # [B, L, H, D]
+    """The same attention in plain differentiable fp32 arithmetic (the GPU path's gradient)."""
+    per_kv = query.shape[1] // key.shape[1]
+    keys = key.float().repeat_interleave(per_kv, dim=1)
+    values = value.float().repeat_interleave(per_kv, dim=1)
+    scores = query.float() @ keys.transpose(-1, -2) * scale  # [B, H, L, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    positions = torch.arange(query.shape[2], device=query.device)
+    hidden = positions[None, :] > positions[:, None]
+    if sliding_window is not None:
+        hidden |= positions[None, :] <= positions[:, None] - sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ values).transpose(1, 2).to(query.dtype)
+
+
+class _InvariantAttention(torch.autograd.Function):
+    """The kernel's values forward, the eager attention's gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *rest: Any) -> torch.Tensor:
+        ctx.save_for_backward(query, key, value)
+        ctx.rest = rest
+        return _causal_attention_gpu(query, key, value, *rest)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = _causal_attention_eager(*inputs, *ctx.rest)
+        grads = torch.autograd.grad(out, inputs, grad)
+        return (*grads, None, None, None)
+
+
+def exact_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, L, D]
+    key: torch.Tensor,  # [B, Hkv, L, D]
+    value: torch.Tensor,  # [B, Hkv, L, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF's attention as the engine's batch-invariant steps compute it, differentiable: causal over unpadded
+    sequences (the mask is not read)."""
+    batch, heads, length, _ = query.shape
+    sliding_window, softcap = sliding_window or None, softcap or None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if uses_kernel(query):
+        if needs_grad(query, key, value):
+            out = _InvariantAttention.apply(query, key, value, scale, sliding_window, softcap)
+        else:
+            out = _causal_attention_gpu(query, key, value, scale, sliding_window, softcap)
+        return out, None
+    per_kv = heads // key.shape[1]
+    keys = key.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()  # [B, L, H, D]
+    values = value.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()
+    rows = []
+    for b in range(batch):
+        for p in range(length):
+            first = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+            rows.append(
+                attend_one(query[b, :, p].float(), keys[b, first : p + 1], values[b, first : p + 1], scale, softcap)
+            )
+    return torch.stack(rows).view(batch, length, heads, -1).to(query.dtype), None
+
+
+AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
+
+
+def packed_siblings(model: torch.nn.Module) -> SiblingProducts:
+    """The linear layers whose weights (and biases) the engine packed into one buffer (``fuse_linears.pack``), as
+    the groups ``batch_invariant`` steps compute in one product: weights sharing a storage, back to back, in the
+    buffer's order."""
+    by_storage: dict[int, dict[int, torch.nn.Linear]] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            by_storage.setdefault(module.weight.untyped_storage().data_ptr(), {})[id(module.weight)] = module
+    groups: list[tuple[list[torch.nn.Parameter], list[torch.nn.Parameter] | None]] = []
+    for modules in by_storage.values():
+        linears = sorted(modules.values(), key=lambda m: m.weight.storage_offset())
+        weights = [cast(torch.nn.Parameter, m.weight) for m in linears]
+        if len(linears) < 2 or not is_packed(list(weights)):
+            continue  # one weight (a tied one too), or slices that are not one packed buffer
+        biases = [m.bias for m in linears if m.bias is not None]
+        if not biases:
+            groups.append((weights, None))
+        elif len(biases) == len(linears) and is_packed(list(biases)):
+            groups.append((weights, biases))
+    return SiblingProducts(groups)
+
+
+@contextlib.contextmanager
+def batch_invariant_forward(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, the model's own forward computes as ``batch_invariant=True`` steps do: a trainer's no-grad
+    logprobs over unpadded sequences (the "old" logprobs of an RL step) equal, bit for bit, the ones the engine
+    reported while sampling them, in the model's dtype (fp32 or bf16). On a CPU each linear layer runs a row at a
+    time and the attention a query at a time (slow), with autograd on too; on a GPU the engine's blocks of rows,
+    norms and attention kernel, and with autograd on the norms take the module's own arithmetic (a gradient, not
+    the engine's bits). The model must be the one the engine ran: its packed sibling projections are found by
+    their shared buffers."""
+    configs = {
+        id(c): c for c in [getattr(m, "config", None) for m in model.modules()] if isinstance(c, PretrainedConfig)
+    }
+    previous = {key: c._attn_implementation_internal for key, c in configs.items()}
+    for c in configs.values():
+        c._attn_implementation_internal = EXACT_ATTENTION
+    device = next(model.parameters()).device
+    try:
+        with BatchInvariantMode(invariant_rms_norms(model, device), packed_siblings(model)):
+            yield
+    finally:
+        for key, c in configs.items():
+            c._attn_implementation_internal = previous[key]

@@ -1,0 +1,127 @@
+"""The trainer's side of ``batch_invariant`` on the GPU's path: full sequences through the engine's fixed-order
+attention kernel give each query the bits of its own decode step; the engine's packed siblings are found; and a
+tiny model's sampled logprobs equal its trainer's forward bit for bit with that path driven on the CPU (the
+kernels in Triton's interpreter)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.kernels.paged_attention import paged_attention_triton
+from paged_backend.worker import attention, batch_invariant, trainer_forward
+from paged_backend.worker.fuse_linears import pack
+from tests.fixtures.tiny_models import build_tiny_model
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.bfloat16, torch.float16] if DEVICE.type == "cuda" else [torch.float32, torch.float16]
+
+
+def decode_alone(query, key, value, b, p, scale, window, softcap):
+    """Query ``p`` of sequence ``b`` as the engine decodes it: alone in its step, over a cache holding exactly the
+    keys before it, in blocks scattered over a larger cache."""
+    block, num_kv_heads, dim = 16, key.shape[1], key.shape[-1]
+    blocks = -(-(p + 1) // block)
+    order = torch.randperm(blocks + 3, generator=torch.Generator().manual_seed(p))[:blocks]
+    caches = []
+    for x in (key, value):
+        cache = torch.zeros(blocks + 3, block, num_kv_heads, dim, dtype=x.dtype, device=x.device)
+        flat = torch.zeros(blocks * block, num_kv_heads, dim, dtype=x.dtype, device=x.device)
+        flat[: p + 1] = x[b, :, : p + 1].transpose(0, 1)
+        cache[order.to(x.device)] = flat.view(blocks, block, num_kv_heads, dim)
+        caches.append(cache)
+    ints = dict(dtype=torch.int32, device=query.device)
+    out = paged_attention_triton(
+        query[b, :, p][None], *caches, order[None].to(**ints), torch.tensor([0, 1], **ints),
+        torch.tensor([p + 1], **ints), scale, window, softcap, batch_invariant=True,
+    )  # fmt: skip
+    return out[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 20.0)], ids=["plain", "window", "cap"])
+@pytest.mark.usefixtures("row_independent_dot")
+def test_a_full_sequence_gives_each_query_its_decode_steps_bits(dtype, window, softcap) -> None:
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 37, 16
+    query, key, value = (torch.randn(batch, h, length, dim, generator=gen).to(DEVICE, dtype)
+                         for h in (heads, kv_heads, kv_heads))  # fmt: skip
+    scale = dim**-0.5
+    full = trainer_forward._causal_attention_gpu(query, key, value, scale, window, softcap)  # [B, L, H, D]
+    for b in range(batch):
+        for p in range(length):
+            assert torch.equal(full[b, p], decode_alone(query, key, value, b, p, scale, window, softcap)), (b, p)
+    eager = trainer_forward._causal_attention_eager(query, key, value, scale, window, softcap)
+    torch.testing.assert_close(full.float(), eager.float(), atol=2e-2 if dtype != torch.float32 else 1e-5, rtol=0)
+
+
+def test_the_kernels_attention_has_the_eager_attentions_gradient() -> None:
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(1, 4, 21, 16), (1, 2, 21, 16), (1, 2, 21, 16)]
+    inputs = [torch.randn(s, generator=gen).to(DEVICE).requires_grad_() for s in shapes]
+    out = trainer_forward._InvariantAttention.apply(*inputs, 0.25, 5, None)
+    assert torch.equal(out, trainer_forward._causal_attention_gpu(*inputs, 0.25, 5, None))
+    weights = torch.randn(out.shape, generator=gen).to(DEVICE)
+    got = torch.autograd.grad((out * weights).sum(), inputs)
+    eager = trainer_forward._causal_attention_eager(*inputs, 0.25, 5, None)
+    want = torch.autograd.grad((eager * weights).sum(), inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_the_engines_packed_siblings_are_found_by_their_buffers() -> None:
+    model = build_tiny_model("qwen2", vocab_size=512)  # q/k/v with biases
+    assert len(trainer_forward.packed_siblings(model)) == 0  # nothing packed: each projection alone
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        pack([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        pack([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        pack([mlp.gate_proj.weight, mlp.up_proj.weight])
+    siblings = trainer_forward.packed_siblings(model)
+    attn = model.model.layers[0].self_attn
+    assert len(siblings) == 2 * model.config.num_hidden_layers
+    weights, biases = siblings.first[id(attn.q_proj.weight)]
+    assert weights == [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    assert biases == [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.usefixtures("row_independent_dot")
+def test_sampled_logprobs_equal_the_trainers_on_the_gpus_path(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
+    """The engine (``batch_invariant=True``) and the trainer (``batch_invariant_forward``, no grad: the "old"
+    logprobs of an RL step) both on the GPU's path: linear layers by blocks of rows, the RMSNorm kernel, the
+    fixed-order attention kernel (the trainer's over whole sequences). Every sampled token's logprob is the
+    trainer's, bit for bit. On a CPU the path is driven by hand (blocks of 8 rows, the kernels in Triton's
+    interpreter)."""
+    if DEVICE.type == "cpu":
+
+        def invariant_kernel(query, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale, window, softcap, *kv):
+            return paged_attention_triton(
+                query, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale, window, softcap,
+                k_scale=kv[0], v_scale=kv[1], batch_invariant=True,
+            )  # fmt: skip
+
+        def norms(model, device):
+            return batch_invariant.llama_rms_norms(model)
+
+        monkeypatch.setattr(batch_invariant, "block_rows", lambda x: 8)
+        monkeypatch.setattr(batch_invariant, "invariant_rms_norms", norms)
+        monkeypatch.setattr(trainer_forward, "invariant_rms_norms", norms)
+        monkeypatch.setattr(attention, "exact_attention", invariant_kernel)
+        monkeypatch.setattr(trainer_forward, "uses_kernel", lambda query: True)
+    model = build_tiny_model("llama", vocab_size=512).to(DEVICE, dtype)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (30, 9, 21)]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=0)
+    llm = LLM(model, batch_invariant=True, block_size=4, max_model_len=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        tokens = list(out.outputs[0].token_ids)
+        sampled = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, tokens)]
+        with trainer_forward.batch_invariant_forward(model), torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens], device=DEVICE)).logits[0, len(prompt) - 1 : -1].float()
+        want = logits.log_softmax(-1).gather(1, torch.tensor(tokens, device=DEVICE)[:, None])[:, 0].tolist()
+        assert sampled == want
