@@ -7,9 +7,10 @@ from a no-grad forward of the trainer over the finished rollout. With ``batch_in
 logprobs are computed the way the engine's sampler computed the sampled ones: the model's own forward under
 ``batch_invariant_forward``, one sequence at a time without its padding, and ``log_softmax`` of the fp32 logits
 divided by the temperature. In the model's own dtype the two are then equal bit for bit (on a GPU too: there the
-forward runs the engine's kernels) and the ratio is exactly 1 for every token, so the correction may be switched off (``docs/guides/rl.md`` says when). The gradient
-pass keeps TRL's fused LM head (tiled products, an online log-sum-exp: last bits apart from the old logprobs,
-which only PPO's clipped ratio sees) and its gradient checkpointing, whose recomputation runs outside any mode.
+forward runs the engine's kernels) and the ratio is exactly 1 for every token, so the correction may be switched
+off (``docs/guides/rl.md`` says when). The gradient pass keeps TRL's fused LM head (tiled products, an online
+log-sum-exp: last bits apart from the old logprobs, which only PPO's clipped ratio sees) and its gradient
+checkpointing, whose recomputation runs outside any mode.
 """
 
 from __future__ import annotations

@@ -169,6 +169,13 @@ def fused_rms_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torc
     return rms_norm_triton(hidden_states, *parts)
 
 
+# The functions the mode computes its own way (norm_by_blocks' and the products below).
+INTERCEPTED = frozenset(
+    (torch.mean, torch.Tensor.mean, F.layer_norm, F.rms_norm, F.linear, torch.addmm)
+    + (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+)
+
+
 class BatchInvariantMode(TorchFunctionMode):
     """Inside: linear layers (and on a GPU the norms) computed by fixed blocks of rows (see the module's
     docstring); ``rms_norms`` (``llama_rms_norms``' modules, on a GPU) run ``kernels/rms_norm.py`` instead of
@@ -199,6 +206,8 @@ class BatchInvariantMode(TorchFunctionMode):
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func not in INTERCEPTED:  # every other op of the forward passes through here: return at once
+            return func(*args, **kwargs)
         if args and isinstance(args[0], torch.Tensor) and args[0].numel() and block_rows(args[0]) > 1:
             normed = norm_by_blocks(func, args, kwargs, block_rows(args[0]))
             if normed is not None:

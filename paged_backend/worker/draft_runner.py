@@ -12,6 +12,11 @@ to scratch blocks past the scheduler's (the draft's own), and the next step writ
 in its own blocks. Guesses are greedy; the target verifies every one, so a wrong guess (or a draft KV that is
 off, as after a failed draft pass, whose rows are guessed from stale KV until their blocks are rewritten) costs
 speed, never the output.
+
+On a GPU both kinds of forward replay CUDA graphs, as the target's decode steps do (launching a small model's
+layers from Python costs more than running them): the catch-up forward with its rows padded to k + 2 tokens (a
+verified row feeds its first token, the k - 1 it took before the last and the last; prefill chunks run eagerly),
+and the k - 1 guessing forwards as decode steps.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from transformers import PreTrainedModel
 from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatch, SchedulerOutput
 from paged_backend.core.spec_decode import speculates
 from paged_backend.worker.async_output import AsyncModelRunnerOutput
-from paged_backend.worker.attention import PagedAttentionSwitch
+from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.worker.cache_engine import CacheEngine, KVCacheSpec
+from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs
+from paged_backend.worker.verify_inputs import pad_rows
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,7 @@ class DraftRunner:
         num_speculative_tokens: int,
         max_rows: int,  # rows guessed for in one step at most: a larger batch gets no proposals
         max_positions: int,  # max_model_len: no guess is placed at or past it
+        use_graphs: bool = False,  # CUDA graphs for its forwards (a GPU, unless enforce_eager)
     ) -> None:
         self.model, self.device, self.block_size = model, device, block_size
         self.max_positions = max_positions
@@ -56,6 +64,41 @@ class DraftRunner:
         self.cache_engine = CacheEngine(spec, total, block_size, device, num_cpu_blocks)
         self.switch = PagedAttentionSwitch(model, self.cache_engine.kv_caches)
         self.keeps_logits = takes_logits_to_keep(model)
+        self.width = math.ceil(max_positions / block_size) + self.scratch_per_row  # blocks a row's table holds
+        self.use_graphs = use_graphs
+        self.guess_graphs: CUDAGraphRunner | None = None  # the guessing forwards (one token a row)
+        self.catch_up_graphs: CUDAGraphRunner | None = None  # the first forward, rows padded to k + 2 tokens
+        self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Capture both forwards' graphs (they read the draft's KV cache at today's address); where a capture
+        fails, those forwards run eagerly."""
+        if not self.use_graphs:
+            return
+        with torch.inference_mode():
+            self.guess_graphs = CUDAGraphRunner(
+                self._graph_forward, self.max_rows, self.width, self.device, num_staging=max(1, self.k - 1)
+            )
+            self.catch_up_graphs = CUDAGraphRunner(
+                self._graph_forward, self.max_rows, self.width, self.device, q_len=self.k + 2
+            )
+        for name in ("guess_graphs", "catch_up_graphs"):
+            try:
+                with torch.inference_mode(), self.switch:
+                    getattr(self, name).capture()
+            except Exception as exc:  # noqa: BLE001 - the draft still guesses, eagerly
+                logger.warning("the draft model's CUDA graph capture (%s) failed (%s: %s); it runs eagerly", name,
+                               type(exc).__name__, exc)  # fmt: skip
+                setattr(self, name, None)
+
+    def sleep(self) -> None:
+        """Free the draft's KV cache and its graphs."""
+        self.guess_graphs = self.catch_up_graphs = None
+        self.cache_engine.release()
+
+    def wake_up(self) -> None:
+        self.cache_engine.restore()
+        self.capture_graphs()
 
     def move_blocks(self, batch: ScheduledBatch) -> None:
         """The step's swaps and copies, as the target's cache makes them."""
@@ -117,19 +160,37 @@ class DraftRunner:
         steps = np.full(len(guess_rows), self.k - 1, dtype=np.int64)
         for j in range(self.k - 1):
             step = advance_decode_inputs(inputs, j, steps, self.block_size)
-            tokens.append(self._forward(step, tokens[-1]).argmax(-1))
+            tokens.append(self._forward(step, tokens[-1], staging_index=j).argmax(-1))
         columns = torch.stack(tokens, dim=1).tolist()  # [R][k]
         result: list[list[int]] = [[] for _ in rows]
         for r, guess in zip(guess_rows, columns):
             result[r] = [int(t) for t in guess]
         return result
 
-    def _forward(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(
+        self, inputs: StepInputs, input_ids: torch.Tensor | None = None, staging_index: int = 0
+    ) -> torch.Tensor:
+        """The logits of ``inputs.logits_indices``; ``input_ids`` [R] on the device (the guesses before) replace
+        the inputs' token ids. A graph where one fits, else eagerly."""
+        guess, catch_up = self.guess_graphs, self.catch_up_graphs
+        if guess is not None and guess.can_run(inputs):
+            with self.switch:
+                return guess.run(inputs, input_ids, staging_index)
+        if catch_up is not None and input_ids is None:
+            padded = pad_rows(inputs, catch_up.q_len, self.block_size, self.width)
+            if padded is not None and catch_up.can_run(padded[0]):
+                with self.switch:
+                    return catch_up.run(padded[0])[padded[1].to(self.device, non_blocking=True)]
         d = inputs.to(self.device)
-        if input_ids is not None:  # the guesses before, on the device
+        if input_ids is not None:
             d.input_ids = input_ids
+        return self._graph_forward(d.input_ids, d.positions, d.metadata, d.logits_indices)
+
+    def _graph_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, rows: torch.Tensor
+    ) -> torch.Tensor:
         with self.switch:
-            return hf_forward(self.model, self.keeps_logits, d.input_ids, d.positions, d.metadata, d.logits_indices)
+            return hf_forward(self.model, self.keeps_logits, input_ids, positions, metadata, rows)
 
 
 class ProposingOutput:

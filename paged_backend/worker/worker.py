@@ -139,6 +139,7 @@ class Worker:
                 draft.num_speculative_tokens,
                 proposal_rows(config),
                 config.max_model_len,
+                use_graphs=self.device.type == "cuda" and not config.device_config.enforce_eager,
             )
         self._model_runner = ModelRunner(
             self.model,
@@ -189,11 +190,11 @@ class Worker:
     def sleep(self) -> None:
         self.model_runner.sleep()
         if self.draft_runner is not None:
-            self.draft_runner.cache_engine.release()
+            self.draft_runner.sleep()
 
     def wake_up(self) -> None:
         if self.draft_runner is not None:
-            self.draft_runner.cache_engine.restore()
+            self.draft_runner.wake_up()
         self.model_runner.wake_up()
 
     def is_recoverable(self, error: Exception) -> bool:
