@@ -1,9 +1,10 @@
 """Logprob parity for RL on a GPU: the sampled tokens' logprobs the engine reports (``SamplingParams(logprobs=0)``)
-against the trainer's own no-grad forward over each finished sequence (one HF forward a sequence, the same bf16
-model): the default engine and ``batch_invariant=True`` against HF's plain forward, and ``batch_invariant=True``
-against the forward under ``batch_invariant_forward`` (``paged_invariant_trainer_parity``: equal to the bit is
-the goal). What an RL trainer's importance ratio sees: per token, ``exp(engine - trainer)`` should be 1. Also the
-trainer's forwards' wall time, plain and under ``batch_invariant_forward``.
+against the trainer's own no-grad forward over the finished sequences (``--trainer-batch`` sequences a forward, the
+same bf16 model: right-padded rows with their attention mask, or packed into one row): the default engine and
+``batch_invariant=True`` against HF's plain forward, and ``batch_invariant=True`` against the forward under
+``batch_invariant_forward`` (``paged_invariant_trainer_parity``: equal to the bit is the goal). What an RL trainer's
+importance ratio sees: per token, ``exp(engine - trainer)`` should be 1. Also the trainer's forwards' wall time,
+plain and under ``batch_invariant_forward``.
 
     python benchmarks/logprob_parity.py --json benchmarks/results/logprob_parity_<card>_<commit>.json
     python benchmarks/logprob_parity.py --model smollm2 --json benchmarks/results/logprob_parity_smollm2_<card>.json
@@ -14,7 +15,7 @@ Sampled rollouts (temperature 1, a seed per request), W1-like prompts that no ot
 from __future__ import annotations
 
 import argparse
-import contextlib
+import itertools
 import logging
 import statistics
 import sys
@@ -29,23 +30,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import build_model, release_engine, trained_model, versions, w1_prompts, write_json  # noqa: E402
 
 from paged_backend import LLM, SamplingParams, batch_invariant_forward  # noqa: E402
+from paged_backend.worker.trainer_forward import pack_sequences  # noqa: E402
 
 logger = logging.getLogger("logprob_parity")
 
 
+Rollout = tuple[list[int], list[int], list[float]]  # prompt, sampled tokens, the engine's logprob of each
+
+
 @torch.inference_mode()
-def trainer_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int], exact: bool) -> list[float]:
-    """The completion's tokens' logprobs from one no-grad forward over prompt + completion (fp32 log-softmax of the
-    model's logits, as trainers compute them); ``exact``: under ``batch_invariant_forward``."""
+def trainer_logprobs(model: torch.nn.Module, batch: list[Rollout], exact: bool) -> list[list[float]]:
+    """Each completion's tokens' logprobs from one no-grad forward over the batch's sequences (fp32 log-softmax of
+    the model's logits, as trainers compute them): right-padded rows with their attention mask, or, ``exact``,
+    packed into one row under ``batch_invariant_forward``."""
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt + tokens], device=device)
-    with batch_invariant_forward(model) if exact else contextlib.nullcontext():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    picked = logits.log_softmax(-1).gather(1, torch.tensor(tokens, device=device)[:, None])
-    return picked[:, 0].tolist()
+    sequences = [torch.tensor(prompt + tokens, device=device) for prompt, tokens, _ in batch]
+    if exact:
+        with batch_invariant_forward(model):
+            logits = model(**pack_sequences(sequences)).logits[0]
+        starts = [0, *itertools.accumulate(len(s) for s in sequences)]
+        rows = [logits[start : start + len(s)] for start, s in zip(starts, sequences)]
+    else:
+        ids = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(s) for s in sequences], batch_first=True)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        rows = [logits[i, : len(s)] for i, s in enumerate(sequences)]
+    picked = []
+    for row, (prompt, tokens, _) in zip(rows, batch):
+        log_probs = row[len(prompt) - 1 : -1].float().log_softmax(-1)
+        picked.append(log_probs.gather(1, torch.tensor(tokens, device=device)[:, None])[:, 0].tolist())
+    return picked
 
 
-def rollouts(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[int], list[float]]]:
+def batches(done: list[Rollout], size: int) -> list[list[Rollout]]:
+    return [done[i : i + size] for i in range(0, len(done), size)]
+
+
+def rollouts(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Rollout]:
     """(prompt, sampled tokens, the engine's logprob of each) per request: temperature 1, a seed a request."""
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
@@ -60,11 +81,12 @@ def rollouts(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[
     return done
 
 
-def parity(model: torch.nn.Module, done: list[tuple[list[int], list[int], list[float]]], exact: bool) -> dict[str, Any]:
+def parity(model: torch.nn.Module, done: list[Rollout], exact: bool, batch: int) -> dict[str, Any]:
     """The engine's sampled logprobs against ``trainer_logprobs``, over every generated token."""
     diffs: list[float] = []
-    for prompt, tokens, ours in done:
-        diffs += [a - b for a, b in zip(ours, trainer_logprobs(model, prompt, tokens, exact))]
+    for chunk in batches(done, batch):
+        for (_, _, ours), theirs in zip(chunk, trainer_logprobs(model, chunk, exact)):
+            diffs += [a - b for a, b in zip(ours, theirs)]
     magnitudes = sorted(abs(d) for d in diffs)
     return {
         "tokens": len(diffs),
@@ -76,15 +98,16 @@ def parity(model: torch.nn.Module, done: list[tuple[list[int], list[int], list[f
     }
 
 
-def trainer_seconds(model: torch.nn.Module, done: list[tuple[list[int], list[int], list[float]]], exact: bool,
-                    repetitions: int) -> list[float]:  # fmt: skip
+def trainer_seconds(
+    model: torch.nn.Module, done: list[Rollout], exact: bool, batch: int, repetitions: int
+) -> list[float]:
     """Wall seconds of the trainer's no-grad forwards over every finished sequence (one pass untimed first)."""
     times = []
     for rep in range(repetitions + 1):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for prompt, tokens, _ in done:
-            trainer_logprobs(model, prompt, tokens, exact)
+        for chunk in batches(done, batch):
+            trainer_logprobs(model, chunk, exact)
         torch.cuda.synchronize()
         if rep:
             times.append(time.perf_counter() - start)
@@ -99,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try (the model: 32)")
     parser.add_argument("--repetitions", type=int, default=3, help="timed passes of the trainer's forwards")
+    parser.add_argument("--trainer-batch", type=int, default=8, help="sequences in one trainer forward")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
     model = build_model(args.num_layers) if args.model == "8b" else trained_model(args.model)
@@ -112,18 +136,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, invariant in (("paged", False), ("paged_invariant", True)):
         llm = LLM(model, batch_invariant=invariant, skip_tokenizer_init=True)
         done = rollouts(llm, prompts, args.max_tokens)
-        results[name] = parity(model, done, exact=False)
+        llm.llm_engine.shutdown()  # the trainer's forwards get the memory (the model stays packed as it was left)
+        del llm
+        release_engine(name)
+        results[name] = parity(model, done, False, args.trainer_batch)
         if invariant:  # the trainer under batch_invariant_forward, and what that costs it
-            results[name + "_trainer_parity"] = parity(model, done, exact=True)
+            results[name + "_trainer_parity"] = parity(model, done, True, args.trainer_batch)
             results["trainer_seconds"] = {
-                "default": trainer_seconds(model, done, False, args.repetitions),
-                "batch_invariant_forward": trainer_seconds(model, done, True, args.repetitions),
+                mode: trainer_seconds(model, done, exact, args.trainer_batch, args.repetitions)
+                for mode, exact in (("default", False), ("batch_invariant_forward", True))
             }
         logger.info("%s: %s", name, {k: v for k, v in results.items() if k.startswith(name) or k == "trainer_seconds"})
         write_json(args.json, results)
-        llm.llm_engine.shutdown()
-        del llm
-        release_engine(name)
     return results
 
 

@@ -5,6 +5,7 @@ kernels in Triton's interpreter)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -20,9 +21,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.bfloat16, torch.float16] if DEVICE.type == "cuda" else [torch.float32, torch.float16]
 
 
-def decode_alone(query, key, value, b, p, scale, window, softcap):
-    """Query ``p`` of sequence ``b`` as the engine decodes it: alone in its step, over a cache holding exactly the
-    keys before it, in blocks scattered over a larger cache."""
+def decode_alone(query, key, value, p, scale, window, softcap):
+    """Packed query ``p`` (of the sequence starting at 0 in these [1, H, T, D] tensors) as the engine decodes it:
+    alone in its step, over a cache holding exactly the keys before it, in blocks scattered over a larger cache."""
     block, num_kv_heads, dim = 16, key.shape[1], key.shape[-1]
     blocks = -(-(p + 1) // block)
     order = torch.randperm(blocks + 3, generator=torch.Generator().manual_seed(p))[:blocks]
@@ -30,43 +31,51 @@ def decode_alone(query, key, value, b, p, scale, window, softcap):
     for x in (key, value):
         cache = torch.zeros(blocks + 3, block, num_kv_heads, dim, dtype=x.dtype, device=x.device)
         flat = torch.zeros(blocks * block, num_kv_heads, dim, dtype=x.dtype, device=x.device)
-        flat[: p + 1] = x[b, :, : p + 1].transpose(0, 1)
+        flat[: p + 1] = x[0, :, : p + 1].transpose(0, 1)
         cache[order.to(x.device)] = flat.view(blocks, block, num_kv_heads, dim)
         caches.append(cache)
     ints = dict(dtype=torch.int32, device=query.device)
     out = paged_attention_triton(
-        query[b, :, p][None], *caches, order[None].to(**ints), torch.tensor([0, 1], **ints),
+        query[0, :, p][None], *caches, order[None].to(**ints), torch.tensor([0, 1], **ints),
         torch.tensor([p + 1], **ints), scale, window, softcap, batch_invariant=True,
     )  # fmt: skip
     return out[0]
 
 
+def packed(lengths, heads=4, kv_heads=2, dim=16, dtype=torch.float32, seed=0):
+    """Random [1, H, T, D] queries, keys and values of sequences of ``lengths`` packed back to back, and their
+    bounds [B + 1]."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    qkv = [torch.randn(1, h, total, dim, generator=gen).to(DEVICE, dtype) for h in (heads, kv_heads, kv_heads)]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], device=DEVICE)
+    return (*qkv, cu)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 20.0)], ids=["plain", "window", "cap"])
 @pytest.mark.usefixtures("row_independent_dot")
-def test_a_full_sequence_gives_each_query_its_decode_steps_bits(dtype, window, softcap) -> None:
-    gen = torch.Generator().manual_seed(0)
-    batch, heads, kv_heads, length, dim = 2, 4, 2, 37, 16
-    query, key, value = (torch.randn(batch, h, length, dim, generator=gen).to(DEVICE, dtype)
-                         for h in (heads, kv_heads, kv_heads))  # fmt: skip
-    scale = dim**-0.5
-    full = trainer_forward._causal_attention_gpu(query, key, value, scale, window, softcap)  # [B, L, H, D]
-    for b in range(batch):
-        for p in range(length):
-            assert torch.equal(full[b, p], decode_alone(query, key, value, b, p, scale, window, softcap)), (b, p)
-    eager = trainer_forward._causal_attention_eager(query, key, value, scale, window, softcap)
+def test_packed_sequences_give_each_query_its_decode_steps_bits(dtype, window, softcap) -> None:
+    lengths = [37, 5, 23]  # the second ends inside a block, the third starts there
+    query, key, value, cu = packed(lengths, dtype=dtype)
+    scale = query.shape[-1] ** -0.5
+    full = trainer_forward._causal_attention_gpu(query, key, value, cu, scale, window, softcap)  # [1, T, H, D]
+    for s, (lo, hi) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        q, k, v = (x[:, :, lo:hi] for x in (query, key, value))  # the sequence alone
+        for p in range(hi - lo):
+            assert torch.equal(full[0, lo + p], decode_alone(q, k, v, p, scale, window, softcap)), (s, p)
+    eager = trainer_forward._causal_attention_eager(query, key, value, cu, scale, window, softcap)
     torch.testing.assert_close(full.float(), eager.float(), atol=2e-2 if dtype != torch.float32 else 1e-5, rtol=0)
 
 
 def test_the_kernels_attention_has_the_eager_attentions_gradient() -> None:
-    gen = torch.Generator().manual_seed(1)
-    shapes = [(1, 4, 21, 16), (1, 2, 21, 16), (1, 2, 21, 16)]
-    inputs = [torch.randn(s, generator=gen).to(DEVICE).requires_grad_() for s in shapes]
-    out = trainer_forward._InvariantAttention.apply(*inputs, 0.25, 5, None)
-    assert torch.equal(out, trainer_forward._causal_attention_gpu(*inputs, 0.25, 5, None))
-    weights = torch.randn(out.shape, generator=gen).to(DEVICE)
+    query, key, value, cu = packed([13, 8])
+    inputs = [x.requires_grad_() for x in (query, key, value)]
+    out = trainer_forward._InvariantAttention.apply(*inputs, cu, 0.25, 5, None)
+    assert torch.equal(out, trainer_forward._causal_attention_gpu(*inputs, cu, 0.25, 5, None))
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     got = torch.autograd.grad((out * weights).sum(), inputs)
-    eager = trainer_forward._causal_attention_eager(*inputs, 0.25, 5, None)
+    eager = trainer_forward._causal_attention_eager(*inputs, cu, 0.25, 5, None)
     want = torch.autograd.grad((eager * weights).sum(), inputs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
@@ -125,3 +134,28 @@ def test_sampled_logprobs_equal_the_trainers_on_the_gpus_path(monkeypatch: pytes
             logits = model(torch.tensor([prompt + tokens], device=DEVICE)).logits[0, len(prompt) - 1 : -1].float()
         want = logits.log_softmax(-1).gather(1, torch.tensor(tokens, device=DEVICE)[:, None])[:, 0].tolist()
         assert sampled == want
+    # all of them packed into one forward: the same bits again
+    sequences = [torch.tensor(p + list(o.outputs[0].token_ids), device=DEVICE) for p, o in zip(prompts, outs)]
+    with trainer_forward.batch_invariant_forward(model), torch.no_grad():
+        logits = model(**trainer_forward.pack_sequences(sequences)).logits[0].float().log_softmax(-1)
+    start = 0
+    for prompt, out, sequence in zip(prompts, outs, sequences):
+        tokens = list(out.outputs[0].token_ids)
+        rows = logits[start + len(prompt) - 1 : start + len(sequence) - 1]
+        got = rows.gather(1, torch.tensor(tokens, device=DEVICE)[:, None])[:, 0].tolist()
+        assert got == [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, tokens)]
+        start += len(sequence)
+
+
+def test_packed_sequences_get_the_bits_each_has_alone_on_the_cpus_exact_path() -> None:
+    """A CPU's path (a row and a query at a time) packs too: each sequence's logits equal its own forward's."""
+    model = build_tiny_model("qwen2", vocab_size=512)  # q/k/v biases
+    gen = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(1, 500, (n,), generator=gen) for n in (11, 4, 17)]
+    with trainer_forward.batch_invariant_forward(model), torch.no_grad():
+        alone = [model(s[None]).logits[0] for s in sequences]
+        together = model(**trainer_forward.pack_sequences(sequences)).logits[0]
+    assert torch.equal(torch.cat(alone), together)
+    with pytest.raises(ValueError, match="one row: got a batch of 2"):
+        with trainer_forward.batch_invariant_forward(model), torch.no_grad():
+            model(torch.stack([sequences[0], sequences[0]]), cu_seq_lens_q=torch.tensor([0, 11]))

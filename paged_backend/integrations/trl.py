@@ -5,11 +5,11 @@ engine over the policy being trained: no weight copy, no second model in memory.
 The correction multiplies each token's loss by exp(trainer's logprob - sampler's logprob), the "old" logprob coming
 from a no-grad forward of the trainer over the finished rollout. With ``batch_invariant=True`` those no-grad
 logprobs are computed the way the engine's sampler computed the sampled ones: the model's own forward under
-``batch_invariant_forward``, one sequence at a time without its padding, and ``log_softmax`` of the fp32 logits
-divided by the temperature. In the model's own dtype the two are then equal bit for bit (on a GPU too: there the
-forward runs the engine's kernels) and the ratio is exactly 1 for every token, so the correction may be switched
-off (``docs/guides/rl.md`` says when). The gradient pass keeps TRL's fused LM head (tiled products, an online
-log-sum-exp: last bits apart from the old logprobs, which only PPO's clipped ratio sees) and its gradient
+``batch_invariant_forward``, each sequence without its padding (packed into one forward), and ``log_softmax`` of the
+fp32 logits divided by the temperature. In the model's own dtype the two are then equal bit for bit (on a GPU too:
+there the forward runs the engine's kernels) and the ratio is exactly 1 for every token, so the correction may be
+switched off (``docs/guides/rl.md`` says when). The gradient pass keeps TRL's fused LM head (tiled products, an
+online log-sum-exp: last bits apart from the old logprobs, which only PPO's clipped ratio sees) and its gradient
 checkpointing, whose recomputation runs outside any mode.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 from paged_backend.entrypoints.llm import LLM
 from paged_backend.sampling_params import SamplingParams
-from paged_backend.worker.trainer_forward import batch_invariant_forward
+from paged_backend.worker.trainer_forward import batch_invariant_forward, pack_sequences
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
@@ -98,23 +98,27 @@ def parity_logprobs(
     compute_aux_loss: bool = False,
     **features: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-    """``GRPOTrainer._get_per_token_logps_and_entropies`` as the engine's sampler computes logprobs: each row alone,
-    its left padding dropped (positions from 0 at its first token, as the engine's), under
-    ``batch_invariant_forward``; the last ``logits_to_keep`` tokens' logprobs (and entropies). Right padding is
-    computed and left to TRL's completion mask (a causal model's earlier positions never see it)."""
+    """``GRPOTrainer._get_per_token_logps_and_entropies`` as the engine's sampler computes logprobs: each row with
+    its left padding dropped (positions from 0 at its first token, as the engine's), the rows packed into one
+    forward under ``batch_invariant_forward`` (each token gets the bits it has alone); the last
+    ``logits_to_keep`` tokens' logprobs (and entropies). Right padding is computed and left to TRL's completion
+    mask (a causal model's earlier positions never see it)."""
     present = sorted(name for name, value in features.items() if value is not None)
     if compute_aux_loss or present:
         raise ValueError(f"the engine's TRL parity forward runs text-only dense models; got {present or 'aux loss'}")
     divisor = torch.tensor([trainer.temperature], dtype=torch.float32, device=input_ids.device)
+    starts = attention_mask.int().argmax(-1).tolist()
+    rows = [ids[start:] for ids, start in zip(input_ids, starts)]
     logps, entropies = [], []
     with batch_invariant_forward(trainer.accelerator.unwrap_model(model)):
-        for ids, mask in zip(input_ids, attention_mask):
-            row = ids[int(mask.argmax()) :]
-            logits = model(input_ids=row[None]).logits[0, :-1].float()
-            log_probs = (logits / divisor).log_softmax(-1)[-logits_to_keep:]
+        logits = model(**pack_sequences(rows)).logits[0].float()
+        edge = 0
+        for row in rows:
+            log_probs = (logits[edge : edge + len(row) - 1] / divisor).log_softmax(-1)[-logits_to_keep:]
             logps.append(log_probs.gather(1, row[1:][-logits_to_keep:, None])[:, 0])
             if compute_entropy:
                 entropies.append(-(log_probs.exp() * log_probs).sum(-1))
+            edge += len(row)
     return torch.stack(logps), torch.stack(entropies) if compute_entropy else None, None
 
 

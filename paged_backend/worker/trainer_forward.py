@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
 
 from paged_backend.kernels import triton
@@ -41,55 +40,72 @@ def uses_kernel(query: torch.Tensor) -> bool:
     return query.is_cuda and triton is not None
 
 
+def _cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of ``num_tokens`` packed tokens goes in a paged cache that gives each sequence (bounds
+    ``cu_seqlens`` [B + 1]) consecutive blocks of its own, and each sequence's block table: (slots [T], tables
+    [B, W] int32, blocks). Computed on the device, without reading the bounds on the host: sequence i starts at
+    block ``cu[i] // BS + i``, after every block of the one before."""
+    device, bs = cu_seqlens.device, CACHE_BLOCK_SIZE
+    cu = cu_seqlens.long()
+    num_seqs = cu.shape[0] - 1
+    first_block = cu[:-1] // bs + torch.arange(num_seqs, device=device)
+    tokens = torch.arange(num_tokens, device=device)
+    owner = torch.searchsorted(cu[1:], tokens, right=True)
+    slots = tokens - cu[owner] + first_block[owner] * bs
+    blocks = num_tokens // bs + num_seqs + 1
+    width = num_tokens // bs + 1  # no sequence has more blocks
+    tables = (first_block[:, None] + torch.arange(width, device=device)).clamp(max=blocks - 1)
+    return slots, tables.to(torch.int32), blocks
+
+
 def _causal_attention_gpu(
-    query: torch.Tensor,  # [B, H, L, D]
-    key: torch.Tensor,  # [B, Hkv, L, D]
-    value: torch.Tensor,  # [B, Hkv, L, D]
+    query: torch.Tensor,  # [1, H, T, D]: sequences packed back to back
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    cu_seqlens: torch.Tensor,  # [B + 1] the sequences' bounds
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
-) -> torch.Tensor:  # [B, L, H, D]
-    """Causal attention over whole sequences by the engine's fixed-order paged kernel."""
-    batch, heads, length, dim = query.shape
+) -> torch.Tensor:  # [1, T, H, D]
+    """Causal attention within each packed sequence by the engine's fixed-order paged kernel."""
+    _, heads, num_tokens, dim = query.shape
     num_kv_heads = key.shape[1]
-    blocks = -(-length // CACHE_BLOCK_SIZE)
-    pad = blocks * CACHE_BLOCK_SIZE - length
+    slots, tables, blocks = _cache_layout(cu_seqlens, num_tokens)
 
-    def as_cache(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, L, D] -> [B * blocks, block, Hkv, D]
-        x = F.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, pad))
-        return x.contiguous().view(batch * blocks, CACHE_BLOCK_SIZE, num_kv_heads, dim)
+    def as_cache(x: torch.Tensor) -> torch.Tensor:  # [1, Hkv, T, D] -> [blocks, block, Hkv, D]
+        cache = x.new_zeros(blocks * CACHE_BLOCK_SIZE, num_kv_heads, dim)
+        cache.index_copy_(0, slots, x[0].transpose(0, 1))
+        return cache.view(blocks, CACHE_BLOCK_SIZE, num_kv_heads, dim)
 
-    device = query.device
-    tables = torch.arange(batch * blocks, dtype=torch.int32, device=device).view(batch, blocks)
-    cu_seqlens_q = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
-    context_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
-    queries = query.transpose(1, 2).reshape(batch * length, heads, dim)
+    cu = cu_seqlens.to(torch.int32)
     out = paged_attention_triton(
-        queries, as_cache(key), as_cache(value), tables, cu_seqlens_q, context_lens, scale, sliding_window, softcap,
-        batch_invariant=True,
+        query[0].transpose(0, 1), as_cache(key), as_cache(value), tables, cu, cu[1:] - cu[:-1], scale,
+        sliding_window, softcap, batch_invariant=True,
     )  # fmt: skip
-    return out.view(batch, length, heads, dim)
+    return out[None]
 
 
 def _causal_attention_eager(
-    query: torch.Tensor,  # [B, H, L, D]
+    query: torch.Tensor,  # [1, H, T, D]
     key: torch.Tensor,
     value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
-) -> torch.Tensor:  # [B, L, H, D]
+) -> torch.Tensor:  # [1, T, H, D]
     """The same attention in plain differentiable fp32 arithmetic (the GPU path's gradient)."""
     per_kv = query.shape[1] // key.shape[1]
     keys = key.float().repeat_interleave(per_kv, dim=1)
     values = value.float().repeat_interleave(per_kv, dim=1)
-    scores = query.float() @ keys.transpose(-1, -2) * scale  # [B, H, L, L]
+    scores = query.float() @ keys.transpose(-1, -2) * scale  # [1, H, T, T]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    positions = torch.arange(query.shape[2], device=query.device)
-    hidden = positions[None, :] > positions[:, None]
+    tokens = torch.arange(query.shape[2], device=query.device)
+    owner = torch.searchsorted(cu_seqlens.long()[1:], tokens, right=True)
+    hidden = (tokens[None, :] > tokens[:, None]) | (owner[None, :] != owner[:, None])
     if sliding_window is not None:
-        hidden |= positions[None, :] <= positions[:, None] - sliding_window
+        hidden |= tokens[None, :] <= tokens[:, None] - sliding_window
     scores = scores.masked_fill(hidden, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ values).transpose(1, 2).to(query.dtype)
 
@@ -98,18 +114,21 @@ class _InvariantAttention(torch.autograd.Function):
     """The kernel's values forward, the eager attention's gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *rest: Any) -> torch.Tensor:
-        ctx.save_for_backward(query, key, value)
+    def forward(
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, *rest: Any
+    ) -> torch.Tensor:
+        ctx.save_for_backward(query, key, value, cu)
         ctx.rest = rest
-        return _causal_attention_gpu(query, key, value, *rest)
+        return _causal_attention_gpu(query, key, value, cu, *rest)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+        query, key, value, cu = ctx.saved_tensors
+        q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
         with torch.enable_grad():
-            out = _causal_attention_eager(*inputs, *ctx.rest)
-        grads = torch.autograd.grad(out, inputs, grad)
-        return (*grads, None, None, None)
+            out = _causal_attention_eager(q, k, v, cu, *ctx.rest)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        return (*grads, None, None, None, None)
 
 
 def exact_attention_forward(
@@ -125,23 +144,33 @@ def exact_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """HF's attention as the engine's batch-invariant steps compute it, differentiable: causal over unpadded
-    sequences (the mask is not read)."""
-    batch, heads, length, _ = query.shape
+    sequences (the mask is not read), or over sequences packed into one row, as HF's ``cu_seq_lens_q`` (a
+    forward kwarg, with ``position_ids`` restarting at each sequence) bounds them."""
+    batch, heads, length, dim = query.shape
     sliding_window, softcap = sliding_window or None, softcap or None
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scale = scaling if scaling is not None else dim**-0.5
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None and batch != 1:
+        raise ValueError(f"cu_seq_lens_q packs sequences into one row: got a batch of {batch} rows")
     if uses_kernel(query):
-        if needs_grad(query, key, value):
-            out = _InvariantAttention.apply(query, key, value, scale, sliding_window, softcap)
-        else:
-            out = _causal_attention_gpu(query, key, value, scale, sliding_window, softcap)
-        return out, None
+        if cu is None:  # each row a sequence: packed back to back
+            cu = torch.arange(0, (batch + 1) * length, length, device=query.device)
+            query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], -1, dim) for x in (query, key, value))
+        args = (query, key, value, cu, scale, sliding_window, softcap)
+        out = _InvariantAttention.apply(*args) if needs_grad(query, key, value) else _causal_attention_gpu(*args)
+        return out.view(batch, length, heads, dim), None
     per_kv = heads // key.shape[1]
     keys = key.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()  # [B, L, H, D]
     values = value.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()
+    if cu is None:
+        bounds = [(b, 0, length) for b in range(batch)]
+    else:
+        edges = cu.tolist()
+        bounds = [(0, lo, hi) for lo, hi in zip(edges[:-1], edges[1:])]
     rows = []
-    for b in range(batch):
-        for p in range(length):
-            first = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+    for b, lo, hi in bounds:
+        for p in range(lo, hi):
+            first = lo if sliding_window is None else max(lo, p - sliding_window + 1)
             rows.append(
                 attend_one(query[b, :, p].float(), keys[b, first : p + 1], values[b, first : p + 1], scale, softcap)
             )
@@ -171,6 +200,20 @@ def packed_siblings(model: torch.nn.Module) -> SiblingProducts:
         elif len(biases) == len(linears) and is_packed(list(biases)):
             groups.append((weights, biases))
     return SiblingProducts(groups)
+
+
+def pack_sequences(sequences: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The forward kwargs that run ``sequences`` (1-D token ids, one device) as one packed row under
+    :func:`batch_invariant_forward`: ``input_ids`` [1, T], ``position_ids`` restarting at each sequence and HF's
+    ``cu_seq_lens_q``. One forward then serves them all, each token with the bits it has alone: the host's work
+    per forward is paid once, not once a sequence."""
+    device = sequences[0].device
+    lengths = torch.tensor([0] + [len(s) for s in sequences], device=device)
+    return {
+        "input_ids": torch.cat(sequences)[None],
+        "position_ids": torch.cat([torch.arange(len(s), device=device) for s in sequences])[None],
+        "cu_seq_lens_q": lengths.cumsum(0),
+    }
 
 
 @contextlib.contextmanager
