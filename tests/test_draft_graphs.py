@@ -59,3 +59,33 @@ def test_a_draft_equal_to_the_target_has_every_guess_taken_through_its_graph_pat
     else:
         assert not guess.runs  # one guess a row: the catch-up forward's
     assert_idle(llm)
+
+
+def test_the_graphs_are_captured_after_the_targets_set_up_and_again_when_a_weight_moves(tokenizer, monkeypatch) -> None:
+    """A draft that shares the target's weights sees them packed by the target's set-up: its graphs are captured
+    after it, and again when a parameter is replaced (the old graphs would read the old tensor)."""
+    from paged_backend.worker import cuda_graphs, worker
+
+    captures = []
+    monkeypatch.setattr(cuda_graphs.CUDAGraphRunner, "capture", lambda runner: captures.append(runner.q_len))
+    monkeypatch.setattr(worker.DraftRunner, "__init__", _with_graphs(worker.DraftRunner.__init__))
+    model = tiny_model("llama")
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64, speculative_config=spec)
+    assert sorted(captures) == [1, 5]  # the guessing forwards' graphs, the catch-up's (k + 2 tokens a row)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    llm.generate({"prompt_token_ids": repetitive_prompts()[0]}, params, use_tqdm=False)
+    assert len(captures) == 2
+    draft = llm.llm_engine.executor.draft_runner
+    norm = model.model.norm
+    norm.weight.data = norm.weight.data.clone()  # the same values in a new tensor
+    (out,) = llm.generate({"prompt_token_ids": repetitive_prompts()[1]}, params, use_tqdm=False)
+    assert len(captures) == 4 and draft.weights.replaced() is None
+    assert out.outputs[0].token_ids == hf_greedy(model, repetitive_prompts()[1], 6)
+
+
+def _with_graphs(init):
+    def patched(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "use_graphs": True})
+
+    return patched

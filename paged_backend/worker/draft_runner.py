@@ -37,6 +37,7 @@ from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
 from paged_backend.worker.step_inputs import StepInputs, advance_decode_inputs, build_step_inputs
 from paged_backend.worker.verify_inputs import pad_rows
+from paged_backend.worker.weights import WeightAddresses
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +69,15 @@ class DraftRunner:
         self.use_graphs = use_graphs
         self.guess_graphs: CUDAGraphRunner | None = None  # the guessing forwards (one token a row)
         self.catch_up_graphs: CUDAGraphRunner | None = None  # the first forward, rows padded to k + 2 tokens
-        self.capture_graphs()
+        self.weights: WeightAddresses | None = None  # where the graphs read the weights
 
     def capture_graphs(self) -> None:
-        """Capture both forwards' graphs (they read the draft's KV cache at today's address); where a capture
-        fails, those forwards run eagerly."""
+        """Capture both forwards' graphs. They read the draft's KV cache and weights at today's addresses: called
+        once the target's runner is set up (its compile packs the weights of a draft that shares them) and again
+        when a weight moved since. Where a capture fails, those forwards run eagerly."""
         if not self.use_graphs:
             return
+        self.weights = WeightAddresses(self.model)
         with torch.inference_mode():
             self.guess_graphs = CUDAGraphRunner(
                 self._graph_forward, self.max_rows, self.width, self.device, num_staging=max(1, self.k - 1)
@@ -111,6 +114,8 @@ class DraftRunner:
         """After the step: the draft's KV of every token the target computed in it, and k greedy guesses for
         each sample (a row per ``output.sampled_token_ids`` entry; [] for those not guessed for)."""
         batch, seqs = scheduler_output.batch, scheduler_output.seqs
+        if self.weights is not None and self.weights.replaced() is not None:
+            self.capture_graphs()
         sampled = dict(zip(batch.sampling_rows, output.sampled_token_ids))
         guessed = batch.num_seqs <= self.max_rows  # as the scheduler: no proposals in a large batch
         rows: list[tuple[int, list[int], list[int]]] = []  # (first position, tokens to feed, block table)

@@ -21,14 +21,21 @@ class WeightAddresses:
             if param is not None
         ]
 
-    def check(self) -> None:
-        """Raise if a parameter was replaced since the record."""
+    def replaced(self) -> str | None:
+        """The path of the first parameter replaced since the record, or ``None``."""
         for path, module, name, address in self.entries:
             param = module._parameters.get(name)
             if param is None or param.data_ptr() != address:
-                raise RuntimeError(
-                    f"the model's parameter {path} was replaced after the engine packed or captured it (e.g. by "
-                    "load_state_dict(..., assign=True)); the engine would read the old weights. Update parameters "
-                    "in place (optimizer.step(), param.data.copy_(new), load_state_dict without assign) or make a "
-                    "new LLM"
-                )
+                return path
+        return None
+
+    def check(self) -> None:
+        """Raise if a parameter was replaced since the record."""
+        path = self.replaced()
+        if path is not None:
+            raise RuntimeError(
+                f"the model's parameter {path} was replaced after the engine packed or captured it (e.g. by "
+                "load_state_dict(..., assign=True)); the engine would read the old weights. Update parameters "
+                "in place (optimizer.step(), param.data.copy_(new), load_state_dict without assign) or make a "
+                "new LLM"
+            )

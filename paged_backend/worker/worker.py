@@ -156,6 +156,8 @@ class Worker:
             logprobs_mode=config.model_config.logprobs_mode,
             verify_shape=verify_shape(config),
         )
+        if self.draft_runner is not None:  # after the target's set-up, which may pack weights the draft shares
+            self.draft_runner.capture_graphs()
 
     def _use_checkpoint_kv_scales(self, config: EngineConfig, cache_engine: CacheEngine) -> None:
         """A checkpoint's own fp8 KV-cache scales (compressed-tensors' ``kv_cache_scheme``) start an fp8 cache;
