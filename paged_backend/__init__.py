@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from paged_backend.engine.llm_engine import LLMEngine
     from paged_backend.entrypoints.llm import LLM, PagedGenerationBackend
     from paged_backend.integrations.hf import patch, patched, unpatch
-    from paged_backend.worker.trainer_forward import batch_invariant_forward
+    from paged_backend.worker.trainer_forward import batch_invariant_forward, pack_sequences
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ __all__ = [
     "unpatch",
     "patched",
     "batch_invariant_forward",
+    "pack_sequences",
 ]
 
 _LAZY = {
@@ -44,6 +45,7 @@ _LAZY = {
     "unpatch": "paged_backend.integrations.hf",
     "patched": "paged_backend.integrations.hf",
     "batch_invariant_forward": "paged_backend.worker.trainer_forward",
+    "pack_sequences": "paged_backend.worker.trainer_forward",
 }
 
 
