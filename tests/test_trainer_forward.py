@@ -15,6 +15,7 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.kernels.paged_attention import paged_attention_triton
 from paged_backend.worker import attention, batch_invariant, trainer_forward
 from paged_backend.worker.fuse_linears import pack
+from paged_backend.worker.invariant_siblings import packed_siblings
 from tests.fixtures.tiny_models import build_tiny_model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -83,13 +84,13 @@ def test_the_kernels_attention_has_the_eager_attentions_gradient() -> None:
 
 def test_the_engines_packed_siblings_are_found_by_their_buffers() -> None:
     model = build_tiny_model("qwen2", vocab_size=512)  # q/k/v with biases
-    assert len(trainer_forward.packed_siblings(model)) == 0  # nothing packed: each projection alone
+    assert len(packed_siblings(model)) == 0  # nothing packed: each projection alone
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         pack([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         pack([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
         pack([mlp.gate_proj.weight, mlp.up_proj.weight])
-    siblings = trainer_forward.packed_siblings(model)
+    siblings = packed_siblings(model)
     attn = model.model.layers[0].self_attn
     assert len(siblings) == 2 * model.config.num_hidden_layers
     weights, biases = siblings.first[id(attn.q_proj.weight)]
@@ -159,3 +160,22 @@ def test_packed_sequences_get_the_bits_each_has_alone_on_the_cpus_exact_path() -
     with pytest.raises(ValueError, match="one row: got a batch of 2"):
         with trainer_forward.batch_invariant_forward(model), torch.no_grad():
             model(torch.stack([sequences[0], sequences[0]]), cu_seq_lens_q=torch.tensor([0, 11]))
+
+
+def test_a_packed_row_is_bounded_by_its_position_ids_alone_and_bad_bounds_are_refused() -> None:
+    """HF's padding-free packing may pass only ``position_ids`` restarting at 0: the bounds come from them. Bounds
+    that do not cover the row, and positions that restart elsewhere than 0, are errors."""
+    model = build_tiny_model("llama", vocab_size=512)
+    gen = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(1, 500, (n,), generator=gen) for n in (6, 9, 3)]
+    packed = trainer_forward.pack_sequences(sequences)
+    with trainer_forward.batch_invariant_forward(model), torch.no_grad():
+        alone = torch.cat([model(s[None]).logits[0] for s in sequences])
+        by_positions = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).logits[0]
+        assert torch.equal(by_positions, alone)
+        with pytest.raises(ValueError, match="cu_seq_lens_q ends at 17: the row has 18 tokens"):
+            model(**{**packed, "cu_seq_lens_q": torch.tensor([0, 6, 17])})
+        with pytest.raises(ValueError, match="must restart at 0"):
+            model(input_ids=packed["input_ids"], position_ids=packed["position_ids"] + 1)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        trainer_forward.pack_sequences([])

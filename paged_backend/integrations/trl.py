@@ -109,16 +109,21 @@ def parity_logprobs(
     divisor = torch.tensor([trainer.temperature], dtype=torch.float32, device=input_ids.device)
     starts = attention_mask.int().argmax(-1).tolist()
     rows = [ids[start:] for ids, start in zip(input_ids, starts)]
+    size = batch_size or len(rows)
     logps, entropies = [], []
     with batch_invariant_forward(trainer.accelerator.unwrap_model(model)):
-        logits = model(**pack_sequences(rows)).logits[0].float()
-        edge = 0
-        for row in rows:
-            log_probs = (logits[edge : edge + len(row) - 1] / divisor).log_softmax(-1)[-logits_to_keep:]
-            logps.append(log_probs.gather(1, row[1:][-logits_to_keep:, None])[:, 0])
-            if compute_entropy:
-                entropies.append(-(log_probs.exp() * log_probs).sum(-1))
-            edge += len(row)
+        for first in range(0, len(rows), size):  # TRL's batches: one packed forward each
+            chunk = rows[first : first + size]
+            logits = model(**pack_sequences(chunk)).logits[0]
+            edge = 0
+            for row in chunk:
+                end = edge + len(row) - 1  # the row's last token predicts nothing
+                kept = logits[max(edge, end - logits_to_keep) : end].float()  # (the cast is elementwise)
+                log_probs = (kept / divisor).log_softmax(-1)
+                logps.append(log_probs.gather(1, row[1:][-logits_to_keep:, None])[:, 0])
+                if compute_entropy:
+                    entropies.append(-(log_probs.exp() * log_probs).sum(-1))
+                edge += len(row)
     return torch.stack(logps), torch.stack(entropies) if compute_entropy else None, None
 
 

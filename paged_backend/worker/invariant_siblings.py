@@ -8,15 +8,20 @@ are slices of one buffer, ``fuse_linears.pack``) and the others' calls on the sa
 
 A row's bits stay the batch's own business: which calls fuse depends on the model's code alone (siblings called
 on one input tensor), never on the batch. A sibling called on another input, or before the first, is computed
-alone.
+alone. Groups packed before (by an earlier engine) are found again by their shared buffer (``packed_siblings``):
+an engine that does not pack itself (``enforce_eager``) and the trainer's forward (``trainer_forward.py``) then
+compute them as the packing engine did.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch import nn
+
+from paged_backend.worker.fuse_linears import is_packed
 
 Product = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (x, [K, N] matrix, bias)
 
@@ -61,3 +66,25 @@ class SiblingProducts:
 
     def clear(self) -> None:
         self.pending.clear()
+
+
+def packed_siblings(model: torch.nn.Module) -> SiblingProducts:
+    """The linear layers whose weights (and biases) the engine packed into one buffer (``fuse_linears.pack``), as
+    the groups ``batch_invariant`` steps compute in one product: weights sharing a storage, back to back, in the
+    buffer's order."""
+    by_storage: dict[int, dict[int, torch.nn.Linear]] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            by_storage.setdefault(module.weight.untyped_storage().data_ptr(), {})[id(module.weight)] = module
+    groups: list[tuple[list[torch.nn.Parameter], list[torch.nn.Parameter] | None]] = []
+    for modules in by_storage.values():
+        linears = sorted(modules.values(), key=lambda m: m.weight.storage_offset())
+        weights = [cast(torch.nn.Parameter, m.weight) for m in linears]
+        if len(linears) < 2 or not is_packed(list(weights)):
+            continue  # one weight (a tied one too), or slices that are not one packed buffer
+        biases = [m.bias for m in linears if m.bias is not None]
+        if not biases:
+            groups.append((weights, None))
+        elif len(biases) == len(linears) and is_packed(list(biases)):
+            groups.append((weights, biases))
+    return SiblingProducts(groups)

@@ -35,7 +35,7 @@ from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
-from paged_backend.worker.invariant_siblings import SiblingProducts
+from paged_backend.worker.invariant_siblings import SiblingProducts, packed_siblings
 from paged_backend.worker.prompt_logprobs import step_prompt_logprobs
 from paged_backend.worker.rejection_sampler import draft_views, sampling_drafts, take_verified
 from paged_backend.worker.sampler import RoundBias, Sampler
@@ -97,6 +97,9 @@ class ModelRunner:
         self.siblings: SiblingProducts | None = None  # batch_invariant's packed sibling projections
         if device.type == "cuda" and not enforce_eager:
             self.compile()
+        if batch_invariant and self.siblings is None:  # groups an earlier engine packed: the trainer's forward,
+            self.siblings = packed_siblings(model) or None  # finding them too, must compute them alike
+        if device.type == "cuda" and not enforce_eager:
             self.capture_graphs()
         # After the warm-ups: the first real step (a prefill: nothing decodes before one) sets the fp8 scales.
         self.calibrate_kv_scales = calculate_kv_scales and cache_engine.kv_scales is not None

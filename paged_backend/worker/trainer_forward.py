@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from transformers import AttentionInterface, PretrainedConfig
@@ -27,9 +27,8 @@ from transformers import AttentionInterface, PretrainedConfig
 from paged_backend.kernels import triton
 from paged_backend.kernels.paged_attention import paged_attention_triton
 from paged_backend.worker.batch_invariant import BatchInvariantMode, attend_one, invariant_rms_norms
-from paged_backend.worker.fuse_linears import is_packed
 from paged_backend.worker.invariant_products import needs_grad
-from paged_backend.worker.invariant_siblings import SiblingProducts
+from paged_backend.worker.invariant_siblings import packed_siblings
 
 EXACT_ATTENTION = "paged_backend_exact"
 CACHE_BLOCK_SIZE = 16  # the engine's default block size (the kernel's arithmetic does not depend on it)
@@ -94,20 +93,23 @@ def _causal_attention_eager(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:  # [1, T, H, D]
-    """The same attention in plain differentiable fp32 arithmetic (the GPU path's gradient)."""
+    """The same attention in plain differentiable fp32 arithmetic (the GPU path's gradient), a sequence at a time
+    (its scores are [H, L, L])."""
     per_kv = query.shape[1] // key.shape[1]
-    keys = key.float().repeat_interleave(per_kv, dim=1)
-    values = value.float().repeat_interleave(per_kv, dim=1)
-    scores = query.float() @ keys.transpose(-1, -2) * scale  # [1, H, T, T]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    tokens = torch.arange(query.shape[2], device=query.device)
-    owner = torch.searchsorted(cu_seqlens.long()[1:], tokens, right=True)
-    hidden = (tokens[None, :] > tokens[:, None]) | (owner[None, :] != owner[:, None])
-    if sliding_window is not None:
-        hidden |= tokens[None, :] <= tokens[:, None] - sliding_window
-    scores = scores.masked_fill(hidden, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ values).transpose(1, 2).to(query.dtype)
+    edges = cu_seqlens.tolist()
+    outs = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        keys = key[:, :, lo:hi].float().repeat_interleave(per_kv, dim=1)
+        values = value[:, :, lo:hi].float().repeat_interleave(per_kv, dim=1)
+        scores = query[:, :, lo:hi].float() @ keys.transpose(-1, -2) * scale  # [1, H, L, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        positions = torch.arange(hi - lo, device=query.device)
+        hidden = positions[None, :] > positions[:, None]
+        if sliding_window is not None:
+            hidden |= positions[None, :] <= positions[:, None] - sliding_window
+        outs.append(torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ values)
+    return torch.cat(outs, dim=2).transpose(1, 2).to(query.dtype)
 
 
 class _InvariantAttention(torch.autograd.Function):
@@ -131,6 +133,38 @@ class _InvariantAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+_BOUNDS: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # the last forward's (tensor read, bounds found)
+
+
+def sequence_bounds(
+    batch: int, length: int, cu_seq_lens_q: torch.Tensor | None, position_ids: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The bounds [B + 1] of the sequences packed into a one-row forward: HF's ``cu_seq_lens_q``, or where
+    ``position_ids`` restart at 0 (HF's padding-free packing without it); ``None``: each row is one sequence.
+    Every layer gets the same tensors: they are read (a host sync) once a forward."""
+    key = cu_seq_lens_q if cu_seq_lens_q is not None else position_ids
+    if key is None or (batch != 1 and cu_seq_lens_q is None):
+        return None
+    if _BOUNDS and _BOUNDS[0][0] is key:
+        return _BOUNDS[0][1]
+    bounds: torch.Tensor | None = cu_seq_lens_q
+    if cu_seq_lens_q is not None:
+        if batch != 1:
+            raise ValueError(f"cu_seq_lens_q packs sequences into one row: got a batch of {batch} rows")
+        if int(cu_seq_lens_q[-1]) != length:
+            raise ValueError(f"cu_seq_lens_q ends at {int(cu_seq_lens_q[-1])}: the row has {length} tokens")
+    elif position_ids is not None:
+        positions = position_ids.reshape(-1)
+        starts = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+        if starts.numel():  # packed: every sequence from position 0
+            if int(positions[0]) != 0 or bool((positions[starts] != 0).any()):
+                raise ValueError("position_ids of a packed row must restart at 0 at each sequence")
+            edges = torch.tensor([0, length], device=starts.device)
+            bounds = torch.cat([edges[:1], starts, edges[1:]])
+    _BOUNDS[:] = [(key, bounds)]
+    return bounds
+
+
 def exact_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, H, L, D]
@@ -149,9 +183,7 @@ def exact_attention_forward(
     batch, heads, length, dim = query.shape
     sliding_window, softcap = sliding_window or None, softcap or None
     scale = scaling if scaling is not None else dim**-0.5
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None and batch != 1:
-        raise ValueError(f"cu_seq_lens_q packs sequences into one row: got a batch of {batch} rows")
+    cu = sequence_bounds(batch, length, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
     if uses_kernel(query):
         if cu is None:  # each row a sequence: packed back to back
             cu = torch.arange(0, (batch + 1) * length, length, device=query.device)
@@ -180,33 +212,13 @@ def exact_attention_forward(
 AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
 
 
-def packed_siblings(model: torch.nn.Module) -> SiblingProducts:
-    """The linear layers whose weights (and biases) the engine packed into one buffer (``fuse_linears.pack``), as
-    the groups ``batch_invariant`` steps compute in one product: weights sharing a storage, back to back, in the
-    buffer's order."""
-    by_storage: dict[int, dict[int, torch.nn.Linear]] = {}
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            by_storage.setdefault(module.weight.untyped_storage().data_ptr(), {})[id(module.weight)] = module
-    groups: list[tuple[list[torch.nn.Parameter], list[torch.nn.Parameter] | None]] = []
-    for modules in by_storage.values():
-        linears = sorted(modules.values(), key=lambda m: m.weight.storage_offset())
-        weights = [cast(torch.nn.Parameter, m.weight) for m in linears]
-        if len(linears) < 2 or not is_packed(list(weights)):
-            continue  # one weight (a tied one too), or slices that are not one packed buffer
-        biases = [m.bias for m in linears if m.bias is not None]
-        if not biases:
-            groups.append((weights, None))
-        elif len(biases) == len(linears) and is_packed(list(biases)):
-            groups.append((weights, biases))
-    return SiblingProducts(groups)
-
-
 def pack_sequences(sequences: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The forward kwargs that run ``sequences`` (1-D token ids, one device) as one packed row under
     :func:`batch_invariant_forward`: ``input_ids`` [1, T], ``position_ids`` restarting at each sequence and HF's
     ``cu_seq_lens_q``. One forward then serves them all, each token with the bits it has alone: the host's work
     per forward is paid once, not once a sequence."""
+    if not sequences:
+        raise ValueError("pack_sequences needs at least one sequence")
     device = sequences[0].device
     lengths = torch.tensor([0] + [len(s) for s in sequences], device=device)
     return {

@@ -190,9 +190,9 @@ class Worker:
         return ProposingOutput(step, self.draft_runner, scheduler_output)
 
     def sleep(self) -> None:
-        self.model_runner.sleep()
-        if self.draft_runner is not None:
+        if self.draft_runner is not None:  # first: the target's sleep gives the freed memory back to the device
             self.draft_runner.sleep()
+        self.model_runner.sleep()
 
     def wake_up(self) -> None:
         if self.draft_runner is not None:
