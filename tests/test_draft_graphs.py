@@ -1,7 +1,8 @@
-"""The draft model's graph paths (``worker/draft_runner.py``): on a GPU its catch-up forward replays a graph of
-rows padded to k + 2 tokens and its guessing forwards a decode graph. The padding, the staging buffers' use and
-the rows read back are the runner's own; here stand-ins that run the draft eagerly on exactly the inputs a graph
-would get check them on the CPU: a draft equal to the target still has every guess taken."""
+"""The draft model's graph paths (``worker/draft_runner.py``): on a GPU its catch-up forward replays a graph of rows
+padded to ``catch_up_len`` tokens (k + 2, or a round's steps + 1) and its guessing forwards a decode graph. The
+padding, the staging buffers' use and the rows read back are the runner's own; here stand-ins that run the draft
+eagerly on exactly the inputs a graph would get check them on the CPU: a draft equal to the target still has every
+guess taken."""
 
 from __future__ import annotations
 
@@ -37,15 +38,18 @@ class EagerGraph:
         return self.draft._graph_forward(d.input_ids, d.positions, d.metadata, d.logits_indices)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_a_draft_equal_to_the_target_has_every_guess_taken_through_its_graph_paths(tokenizer, k: int) -> None:
+@pytest.mark.parametrize("k, steps", [(1, 1), (3, 1), (2, 6)], ids=["k1", "k3", "k2-rounds"])
+def test_a_draft_equal_to_the_target_has_every_guess_taken_through_its_graph_paths(tokenizer, k, steps) -> None:
+    """(With rounds of 6 steps where no row is proposed for: 4 rows, as the draft's rule allows up to 4.)"""
     model = tiny_model("llama")
     prompts = repetitive_prompts()
-    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": k, "disable_by_batch_size": None}
-    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128, speculative_config=spec)
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": k, "disable_by_batch_size": 4}
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=128, speculative_config=spec,
+              num_scheduler_steps=steps, async_scheduling=steps > 1)  # fmt: skip
     draft = llm.llm_engine.executor.draft_runner
+    assert draft.catch_up_len == max(k + 2, steps + 1)
     draft.guess_graphs = guess = EagerGraph(draft, 2)  # 4 rows, then 3, run eagerly; then 2 in the graphs
-    draft.catch_up_graphs = catch_up = EagerGraph(draft, 2, q_len=k + 2)
+    draft.catch_up_graphs = catch_up = EagerGraph(draft, 2, q_len=draft.catch_up_len)
     lengths = [8, 14, 24, 24]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -72,11 +76,11 @@ def test_the_graphs_are_captured_after_the_targets_set_up_and_again_when_a_weigh
     model = tiny_model("llama")
     spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
     llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=64, max_model_len=64, speculative_config=spec)
-    assert sorted(captures) == [1, 5]  # the guessing forwards' graphs, the catch-up's (k + 2 tokens a row)
+    draft = llm.llm_engine.executor.draft_runner
+    assert sorted(captures) == [1, draft.catch_up_len]  # the guessing forwards' graphs, the catch-up's
     params = SamplingParams(temperature=0, max_tokens=6)
     llm.generate({"prompt_token_ids": repetitive_prompts()[0]}, params, use_tqdm=False)
     assert len(captures) == 2
-    draft = llm.llm_engine.executor.draft_runner
     norm = model.model.norm
     norm.weight.data = norm.weight.data.clone()  # the same values in a new tensor
     (out,) = llm.generate({"prompt_token_ids": repetitive_prompts()[1]}, params, use_tqdm=False)

@@ -14,9 +14,10 @@ off, as after a failed draft pass, whose rows are guessed from stale KV until th
 speed, never the output.
 
 On a GPU both kinds of forward replay CUDA graphs, as the target's decode steps do (launching a small model's
-layers from Python costs more than running them): the catch-up forward with its rows padded to k + 2 tokens (a
-verified row feeds its first token, the k - 1 it took before the last and the last; prefill chunks run eagerly),
-and the k - 1 guessing forwards as decode steps.
+layers from Python costs more than running them): the catch-up forward with its rows padded to ``catch_up_len``
+tokens (a verified row feeds its first token, the k - 1 it took before the last and the last: k + 2; a
+multi-step round's row its steps' tokens and the last: steps + 1; prefill chunks run eagerly), and the k - 1
+guessing forwards as decode steps.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class DraftRunner:
         num_speculative_tokens: int,
         max_rows: int,  # rows guessed for in one step at most: a larger batch gets no proposals
         max_positions: int,  # max_model_len: no guess is placed at or past it
+        round_steps: int = 1,  # num_scheduler_steps: the tokens a multi-step round computes a row
         use_graphs: bool = False,  # CUDA graphs for its forwards (a GPU, unless enforce_eager)
     ) -> None:
         self.model, self.device, self.block_size = model, device, block_size
@@ -68,7 +70,8 @@ class DraftRunner:
         self.width = math.ceil(max_positions / block_size) + self.scratch_per_row  # blocks a row's table holds
         self.use_graphs = use_graphs
         self.guess_graphs: CUDAGraphRunner | None = None  # the guessing forwards (one token a row)
-        self.catch_up_graphs: CUDAGraphRunner | None = None  # the first forward, rows padded to k + 2 tokens
+        self.catch_up_len = max(num_speculative_tokens + 2, round_steps + 1)  # the tokens a row feeds at most
+        self.catch_up_graphs: CUDAGraphRunner | None = None  # the first forward, rows padded to catch_up_len
         self.weights: WeightAddresses | None = None  # where the graphs read the weights
 
     def capture_graphs(self) -> None:
@@ -83,7 +86,7 @@ class DraftRunner:
                 self._graph_forward, self.max_rows, self.width, self.device, num_staging=max(1, self.k - 1)
             )
             self.catch_up_graphs = CUDAGraphRunner(
-                self._graph_forward, self.max_rows, self.width, self.device, q_len=self.k + 2
+                self._graph_forward, self.max_rows, self.width, self.device, q_len=self.catch_up_len
             )
         for name in ("guess_graphs", "catch_up_graphs"):
             try:

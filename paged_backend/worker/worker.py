@@ -139,6 +139,7 @@ class Worker:
                 draft.num_speculative_tokens,
                 proposal_rows(config),
                 config.max_model_len,
+                round_steps=config.scheduler_config.num_scheduler_steps,
                 use_graphs=self.device.type == "cuda" and not config.device_config.enforce_eager,
             )
         self._model_runner = ModelRunner(
