@@ -2,8 +2,12 @@
 that model (``paged_backend.patch``) makes every step's rollouts come from the paged engine, reading the
 parameters the optimizer has just updated in place: no weight copy, no second model in memory.
 
+``--parity``: the engine as TRL's vLLM backend instead (``use_paged_backend``, ``batch_invariant=True``), so TRL's
+importance-sampling correction runs and compares the engine's sampled logprobs with the trainer's: the ratio it
+logs is exactly 1.0 (docs/guides/rl.md).
+
 Runs on the embedded demo Llama (built once, no download, no GPU); ``--model PATH`` trains a real checkpoint.
-Run: pip install -e ".[test]" && python examples/trl_grpo.py [--model PATH] [--steps 2]
+Run: pip install -e ".[test]" && python examples/trl_grpo.py [--model PATH] [--steps 2] [--parity]
 """
 
 import argparse
@@ -22,6 +26,7 @@ logger = logging.getLogger("example")
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--model", default=None, help="checkpoint path or hub id (default: the embedded demo Llama)")
 parser.add_argument("--steps", type=int, default=2)
+parser.add_argument("--parity", action="store_true", help="TRL's vLLM path on the engine, logprob parity on")
 args = parser.parse_args()
 
 try:
@@ -34,9 +39,8 @@ path = model_or_demo(args.model)
 tokenizer = AutoTokenizer.from_pretrained(path)
 tokenizer.padding_side = "left"  # TRL pads prompts on the left for generation
 model = AutoModelForCausalLM.from_pretrained(path)
-handle = paged_backend.patch(
-    model, tokenizer, fallback="error"
-)  # "error": a rollout that would not run on the engine stops
+if not args.parity:  # "error": a rollout that would not run on the engine stops
+    handle = paged_backend.patch(model, tokenizer, fallback="error")
 
 
 def longer_is_better(completions: list[str], **kwargs: object) -> list[float]:
@@ -47,6 +51,7 @@ config = GRPOConfig(
     output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, num_generations=2, max_completion_length=16,
     max_steps=args.steps, learning_rate=1e-3, report_to=[], save_strategy="no", logging_steps=1,
     use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+    vllm_importance_sampling_mode="token_truncate",  # (read on the vLLM path only: --parity)
 )  # fmt: skip
 prompts = ["The paged KV cache", "Continuous batching", "A prefix cache hit", "Tensor parallelism"]
 trainer = GRPOTrainer(
@@ -56,8 +61,20 @@ trainer = GRPOTrainer(
     train_dataset=Dataset.from_dict({"prompt": prompts * args.steps}),
     processing_class=tokenizer,
 )
-trainer.train()
-stats = handle.engine.stats()
+if args.parity:
+    from paged_backend.integrations.trl import use_paged_backend
+
+    llm = use_paged_backend(trainer, batch_invariant=True)
+    trainer.train()
+    stats = llm.stats()
+    llm.shutdown()
+    for name in ("min", "mean", "max"):
+        logged = [entry[key] for entry in trainer.state.log_history
+                  if (key := f"sampling/importance_sampling_ratio/{name}") in entry]  # fmt: skip
+        logger.info("TRL's importance-sampling ratio, %s over each step: %s", name, logged)
+else:
+    trainer.train()
+    stats = handle.engine.stats()
+    paged_backend.unpatch(model)  # restores generate and gives the engine's memory back
 logger.info("rollout tokens generated on the engine: %d", stats["num_generated_tokens"])
-paged_backend.unpatch(model)  # restores generate and gives the engine's memory back
 logger.info("every rollout ran on the engine: %s", stats["num_generated_tokens"] > 0)

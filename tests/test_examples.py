@@ -56,3 +56,13 @@ def test_example_runs(script: Path, cache_dir: Path, tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert EXPECTED.get(script.stem, "") in run.stderr + run.stdout
+
+
+def test_trl_grpo_with_parity_logs_a_ratio_of_exactly_one(cache_dir: Path) -> None:
+    script = EXAMPLES[0].parent / "trl_grpo.py"
+    env = dict(os.environ, PAGED_BACKEND_CACHE=str(cache_dir), TOKENIZERS_PARALLELISM="false")
+    run = subprocess.run([sys.executable, str(script), "--parity"], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "TRL's importance-sampling ratio, max over each step: [1.0, 1.0]" in run.stderr + run.stdout
+    assert "TRL's importance-sampling ratio, min over each step: [1.0, 1.0]" in run.stderr + run.stdout
