@@ -15,8 +15,10 @@ hit), and the warm-up asks its own:
 - ``chat``: an open question (nothing to copy: speculation must not cost).
 
 Each backend answers ``--prompts`` prompts of each workload one at a time (``max_tokens`` ``--max-tokens``,
-greedy), ``--repetitions`` times with fresh prompts: ``engine`` (this library's defaults), ``engine_spec``
-(``speculative_config`` ngram, ``--k`` tokens, n-grams of 1 to 3), ``hf`` and ``hf_lookup``. A figure is the
+greedy), ``--repetitions`` times with fresh prompts; within a repetition every backend answers the same prompts,
+so a speed-up compares like with like, and no engine sees a prompt twice (each engine has its own prefix cache).
+The backends: ``engine`` (this library's defaults), ``engine_spec`` (``speculative_config`` ngram, ``--k``
+tokens, n-grams of 1 to 3), ``hf`` and ``hf_lookup``. A figure is the
 generated tokens over the summed wall time of a repetition's requests; the spread is over repetitions. The mean
 accepted length is vLLM's: tokens a verifying step yields, 1 + taken proposals / verified rows.
 """
@@ -148,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if set(args.backends.split(",")) - set(BACKENDS) or not {"engine", "engine_spec"} <= set(backends):
         raise SystemExit(f"--backends: a subset of {','.join(BACKENDS)} with engine and engine_spec")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    per_run = args.prompts * args.repetitions * len(BACKENDS)
+    per_run = args.prompts * args.repetitions
     texts = pools(per_run + 1)
     prompts = {name: [chat_ids(tokenizer, t) for t in texts[name][: per_run + 1]] for name in WORKLOADS}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
@@ -168,10 +170,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows: dict[str, Any] = {name: {"tok_per_s": [], "tokens": []} for name in backends}
         accepted_lengths = []
         for rep in range(args.repetitions):
-            for b, name in enumerate(BACKENDS):  # a backend's prompts are the same whichever others run
-                if name not in backends:
-                    continue
-                at = (rep * len(BACKENDS) + b) * args.prompts
+            at = rep * args.prompts  # every backend answers the same prompts, each backend (and engine) once
+            for name in backends:
                 before = engines["engine_spec"].stats()
                 tokens, seconds = timed(answers[name], prompts[workload][at : at + args.prompts], device)
                 rows[name]["tok_per_s"].append(tokens / seconds)
