@@ -39,11 +39,23 @@ def uses_kernel(query: torch.Tensor) -> bool:
     return query.is_cuda and triton is not None
 
 
+_LAYOUT: list[tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor, int]]] = []  # the last layout made
+
+
 def _cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Where each of ``num_tokens`` packed tokens goes in a paged cache that gives each sequence (bounds
     ``cu_seqlens`` [B + 1]) consecutive blocks of its own, and each sequence's block table: (slots [T], tables
     [B, W] int32, blocks). Computed on the device, without reading the bounds on the host: sequence i starts at
-    block ``cu[i] // BS + i``, after every block of the one before."""
+    block ``cu[i] // BS + i``, after every block of the one before. Every layer of a forward asks with the same
+    bounds tensor: made once, its dozen small kernels are not launched again per layer."""
+    if _LAYOUT and _LAYOUT[0][0] is cu_seqlens and _LAYOUT[0][1] == num_tokens:
+        return _LAYOUT[0][2]
+    layout = _make_cache_layout(cu_seqlens, num_tokens)
+    _LAYOUT[:] = [(cu_seqlens, num_tokens, layout)]
+    return layout
+
+
+def _make_cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     device, bs = cu_seqlens.device, CACHE_BLOCK_SIZE
     cu = cu_seqlens.long()
     num_seqs = cu.shape[0] - 1
