@@ -1,0 +1,166 @@
+"""One row through an int4 projection, weights cold in HBM: bf16 cuBLAS (``F.linear``, as a bf16 model runs it),
+this library's AWQ GEMV (``awq_gemm_triton``, the launch the engine picks) and, where the optional ``gemlite``
+package imports on the device, GemLite's own kernel for one row (``GEMV_REVSPLITK``) on the same int4 values,
+for the 8B shape's fused q/k/v, o, fused gate/up and down projections.
+
+    python benchmarks/int4_gemv.py --json benchmarks/results/int4_gemv_<card>_<commit>.json
+
+The weights are random normal (std 0.02), rounded to int4 with a zero point and a bf16 scale per group of
+``--group-size`` inputs (``quantization/rtn.py``); GemLite gets the same integers, zeros and scales in its HQQ
+layout (``W = (W_q - zeros) * scales``, output by input). Every kernel is replayed from a CUDA graph, as decode
+steps run it, over enough copies of its weights that none stays in L2 (four times 50 MB). Each figure is the
+median of ``--repetitions`` timings (the spread beside it); the speed-up is bf16's time over the kernel's.
+Outputs are compared against the dequantized weights' fp32 product before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from paged_backend.kernels.awq_format import dequantize, unpack  # noqa: E402
+from paged_backend.kernels.awq_gemm import awq_gemm_triton  # noqa: E402
+from paged_backend.quantization.rtn import pack_linear  # noqa: E402
+
+logger = logging.getLogger("benchmarks.int4_gemv")
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
+L2_BYTES = 50e6  # an H100's and H200's L2 cache
+
+
+def graph_us(calls: list[Callable[[], torch.Tensor]], repetitions: int) -> list[float]:
+    """Mean µs a call of one CUDA graph that makes every call in turn, ``repetitions`` times."""
+    import triton.testing
+
+    for call in calls:  # compile and tune outside the graph
+        call()
+    torch.cuda.synchronize()
+    return [
+        triton.testing.do_bench_cudagraph(lambda: [c() for c in calls], rep=100) * 1e3 / len(calls)
+        for _ in range(repetitions)
+    ]
+
+
+def hqq_layout(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same int4 weights as GemLite's ``pack`` takes them: integers [out, in] uint8, scales and zeros
+    [out, in / G] in ``dtype`` (the activations')."""
+    ints = unpack(qweight).T.contiguous().to(torch.uint8)
+    return ints, scales.T.contiguous().to(dtype), unpack(qzeros).T.contiguous().to(dtype)
+
+
+def gemlite_layer(
+    k: int, n: int, group: int, weights: tuple[torch.Tensor, ...]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    import gemlite  # type: ignore[import-not-found]
+
+    layer = gemlite.GemLiteLinear(
+        4, group_size=group, in_features=k, out_features=n, input_dtype=gemlite.DType.BF16,
+        output_dtype=gemlite.DType.BF16,
+    )  # fmt: skip
+    qweight, qzeros, scales = weights
+    w_q, group_scales, zeros = hqq_layout(qweight, qzeros, scales, torch.bfloat16)
+    layer.pack(w_q, group_scales, zeros, None)
+    return lambda x: layer.forward_manual(x, matmul_type="GEMV_REVSPLITK")
+
+
+def figure(times: list[float], bf16: list[float] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"us": statistics.median(times), "runs_us": times}
+    if bf16 is not None:
+        out["speedup_over_bf16"] = statistics.median(bf16) / out["us"]
+    return out
+
+
+@torch.no_grad()
+def projection(name: str, rows: int, group: int, repetitions: int, with_gemlite: bool) -> dict[str, Any]:
+    k, n = SHAPES[name]
+    weight = torch.randn(n, k, device="cuda") * 0.02
+    packed = pack_linear(weight, group)
+    int4_bytes = sum(t.numel() * t.element_size() for t in packed)
+    copies = max(1, min(32, round(4 * L2_BYTES / int4_bytes)))
+    int4_sets = [packed] + [tuple(t.clone() for t in packed) for _ in range(copies - 1)]
+    dense_copies = max(1, min(32, round(4 * L2_BYTES / (n * k * 2))))
+    denses = [dequantize(*packed, torch.bfloat16).T.contiguous() for _ in range(dense_copies)]  # [out, in]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    truth = x.float() @ dequantize(*packed, torch.float32)
+    scale = truth.abs().max().item()
+    kernels: dict[str, list[Callable[[], torch.Tensor]]] = {
+        "bf16_cublas": [functools.partial(F.linear, x, d) for d in denses],
+        "awq_gemv": [functools.partial(awq_gemm_triton, x, *w) for w in int4_sets],
+    }
+    if with_gemlite:
+        layers = [gemlite_layer(k, n, group, w) for w in int4_sets]
+        kernels["gemlite_gemv_revsplitk"] = [functools.partial(f, x) for f in layers]
+    result: dict[str, Any] = {"in": k, "out": n, "rows": rows, "int4_bytes": int4_bytes}
+    for kernel, calls in kernels.items():
+        error = (calls[0]().float() - truth).abs().max().item() / scale
+        if error > 2e-2:
+            raise SystemExit(f"{name}: {kernel}'s output is off by {error:.3g} of the largest value")
+        times = graph_us(calls, repetitions)
+        result[kernel] = {**figure(times, result.get("bf16_cublas", {}).get("runs_us")), "max_rel_error": error}
+        tb_s = (n * k * 2 if kernel == "bf16_cublas" else int4_bytes) / result[kernel]["us"] / 1e6
+        logger.info("%-8s %-24s %7.1f us  %.2f TB/s  error %.1e", name, kernel, result[kernel]["us"], tb_s, error)
+    return result
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1, help="rows of x (a decode step's batch)")
+    parser.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128))
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--no-gemlite", action="store_true", help="leave GemLite out even where it imports")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with_gemlite = not args.no_gemlite
+    if with_gemlite:
+        try:
+            import gemlite
+        except ImportError as exc:
+            logger.info("gemlite does not import (%s): its column is left out", exc)
+            with_gemlite = False
+    results: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/int4_gemv.py", *sys.argv[1:]]),
+        "card": torch.cuda.get_device_name(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "gemlite": getattr(gemlite, "__version__", "?") if with_gemlite else None,
+        },  # fmt: skip
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
+        "rows": args.rows,
+        "group_size": args.group_size,
+        "projections": {
+            name: projection(name, args.rows, args.group_size, args.repetitions, with_gemlite) for name in args.shapes
+        },
+    }
+    logger.info("%-8s %10s %16s %16s", "", "bf16 us", "AWQ GEMV", "GemLite")
+    for name, r in results["projections"].items():
+        cells = [f"{r[k]['us']:.1f} ({r[k]['speedup_over_bf16']:.2f}x)" if k in r else "-"
+                 for k in ("awq_gemv", "gemlite_gemv_revsplitk")]  # fmt: skip
+        logger.info("%-8s %10.1f %16s %16s", name, r["bf16_cublas"]["us"], *cells)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
