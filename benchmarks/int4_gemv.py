@@ -113,6 +113,9 @@ def projection(name: str, rows: int, group: int, repetitions: int, with_gemlite:
     result: dict[str, Any] = {"in": k, "out": n, "rows": rows, "int4_bytes": int4_bytes}
     for kernel, calls in kernels.items():
         error = (calls[0]().float() - truth).abs().max().item() / scale
+        if error > 2e-2 and kernel.startswith("gemlite"):
+            logger.info("%s: GemLite's output is off by %.3g of the largest value; left out", name, error)
+            continue
         if error > 2e-2:
             raise SystemExit(f"{name}: {kernel}'s output is off by {error:.3g} of the largest value")
         times = graph_us(calls, repetitions)
