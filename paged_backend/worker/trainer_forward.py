@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AttentionInterface, PretrainedConfig
@@ -39,15 +39,25 @@ def uses_kernel(query: torch.Tensor) -> bool:
     return query.is_cuda and triton is not None
 
 
-_LAYOUT: list[tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor, int]]] = []  # the last layout made
+class CacheLayout(NamedTuple):
+    """Packed sequences as the paged kernel reads them: where each token goes (``slots`` [T]), each sequence's
+    block table (``tables`` [B, W] int32), how many blocks, and the bounds and lengths as int32 (``cu`` [B + 1],
+    ``lens`` [B])."""
+
+    slots: torch.Tensor
+    tables: torch.Tensor
+    blocks: int
+    cu: torch.Tensor
+    lens: torch.Tensor
 
 
-def _cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where each of ``num_tokens`` packed tokens goes in a paged cache that gives each sequence (bounds
-    ``cu_seqlens`` [B + 1]) consecutive blocks of its own, and each sequence's block table: (slots [T], tables
-    [B, W] int32, blocks). Computed on the device, without reading the bounds on the host: sequence i starts at
-    block ``cu[i] // BS + i``, after every block of the one before. Every layer of a forward asks with the same
-    bounds tensor: made once, its dozen small kernels are not launched again per layer."""
+_LAYOUT: list[tuple[torch.Tensor, int, CacheLayout]] = []  # the last layout made, with the bounds it was made from
+
+
+def _cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> CacheLayout:
+    """The layout of a paged cache that gives each of the packed sequences (bounds ``cu_seqlens`` [B + 1],
+    ``num_tokens`` in all) consecutive blocks of its own. Every layer of a forward asks with the same bounds
+    tensor: made once, its dozen small kernels are not launched again per layer."""
     if _LAYOUT and _LAYOUT[0][0] is cu_seqlens and _LAYOUT[0][1] == num_tokens:
         return _LAYOUT[0][2]
     layout = _make_cache_layout(cu_seqlens, num_tokens)
@@ -55,7 +65,9 @@ def _cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tens
     return layout
 
 
-def _make_cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _make_cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> CacheLayout:
+    """Computed on the device, without reading the bounds on the host: sequence i starts at block
+    ``cu[i] // BS + i``, after every block of the one before."""
     device, bs = cu_seqlens.device, CACHE_BLOCK_SIZE
     cu = cu_seqlens.long()
     num_seqs = cu.shape[0] - 1
@@ -66,7 +78,8 @@ def _make_cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> tuple[torch
     blocks = num_tokens // bs + num_seqs + 1
     width = num_tokens // bs + 1  # no sequence has more blocks
     tables = (first_block[:, None] + torch.arange(width, device=device)).clamp(max=blocks - 1)
-    return slots, tables.to(torch.int32), blocks
+    cu32 = cu.to(torch.int32)
+    return CacheLayout(slots, tables.to(torch.int32), blocks, cu32, cu32[1:] - cu32[:-1])
 
 
 def _causal_attention_gpu(
@@ -81,16 +94,15 @@ def _causal_attention_gpu(
     """Causal attention within each packed sequence by the engine's fixed-order paged kernel."""
     _, heads, num_tokens, dim = query.shape
     num_kv_heads = key.shape[1]
-    slots, tables, blocks = _cache_layout(cu_seqlens, num_tokens)
+    layout = _cache_layout(cu_seqlens, num_tokens)
 
     def as_cache(x: torch.Tensor) -> torch.Tensor:  # [1, Hkv, T, D] -> [blocks, block, Hkv, D]
-        cache = x.new_zeros(blocks * CACHE_BLOCK_SIZE, num_kv_heads, dim)
-        cache.index_copy_(0, slots, x[0].transpose(0, 1))
-        return cache.view(blocks, CACHE_BLOCK_SIZE, num_kv_heads, dim)
+        cache = x.new_zeros(layout.blocks * CACHE_BLOCK_SIZE, num_kv_heads, dim)
+        cache.index_copy_(0, layout.slots, x[0].transpose(0, 1))
+        return cache.view(layout.blocks, CACHE_BLOCK_SIZE, num_kv_heads, dim)
 
-    cu = cu_seqlens.to(torch.int32)
     out = paged_attention_triton(
-        query[0].transpose(0, 1), as_cache(key), as_cache(value), tables, cu, cu[1:] - cu[:-1], scale,
+        query[0].transpose(0, 1), as_cache(key), as_cache(value), layout.tables, layout.cu, layout.lens, scale,
         sliding_window, softcap, batch_invariant=True,
     )  # fmt: skip
     return out[None]
@@ -177,6 +189,18 @@ def sequence_bounds(
     return bounds
 
 
+_ROW_BOUNDS: list[tuple[tuple[int, int, torch.device], torch.Tensor]] = []  # the last rows' bounds made
+
+
+def _row_bounds(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """The bounds [B + 1] of ``batch`` rows of ``length`` tokens laid back to back: one tensor for every layer of
+    a forward, so that ``_cache_layout`` finds its layout made."""
+    key = (batch, length, device)
+    if not _ROW_BOUNDS or _ROW_BOUNDS[0][0] != key:
+        _ROW_BOUNDS[:] = [(key, torch.arange(0, (batch + 1) * length, length, device=device))]
+    return _ROW_BOUNDS[0][1]
+
+
 def exact_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, H, L, D]
@@ -198,7 +222,7 @@ def exact_attention_forward(
     cu = sequence_bounds(batch, length, kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"))
     if uses_kernel(query):
         if cu is None:  # each row a sequence: packed back to back
-            cu = torch.arange(0, (batch + 1) * length, length, device=query.device)
+            cu = _row_bounds(batch, length, query.device)
             query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], -1, dim) for x in (query, key, value))
         args = (query, key, value, cu, scale, sliding_window, softcap)
         out = _InvariantAttention.apply(*args) if needs_grad(query, key, value) else _causal_attention_gpu(*args)
