@@ -2,7 +2,8 @@
 fp32 models of every tested architecture (full-precision dots in fp32), eagerly and with regional torch.compile
 + CUDA graphs (``--compiled`` picks the architectures; default all); with ``--lora``, a batch mixing the base
 model and a PEFT adapter on all seven projections, against the PEFT-merged model; with ``--awq``, an AWQ
-checkpoint against its dequantized model; with ``--fp8-kv``, ``kv_cache_dtype="fp8"`` (scales of 1, and from the
+checkpoint against its dequantized model; with ``--fp8``, fp8 weights compiled against the eager engine; with
+``--fp8-kv``, ``kv_cache_dtype="fp8"`` (scales of 1, and from the
 first step with ``calculate_kv_scales``) against HF reading keys and values through the same fp8 round trip;
 with ``--paths``, prompt embeddings against HF ``generate(inputs_embeds=...)`` (compiled engine: their steps run
 without graphs), greedy JSON-schema requests in multi-step rounds against single steps, and ``batch_invariant=True``
@@ -176,6 +177,34 @@ def awq_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     return rows
 
 
+def fp8_weights_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
+    """Tiny Llama loaded with ``quantization="fp8"`` (weights per channel, activations per token), in fp32 (the
+    twins' products) and bf16 (``torch._scaled_mm``): compiled + CUDA graphs, where the activations' quantization
+    joins the compiled graph (``worker/fp8_activations.py``), against the eager engine, whose steps have the same
+    rows and quantize with ``kernels/fp8_quant.py``."""
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        build_tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        prompts = tiny_prompts()
+        for dtype in ("float32", "bfloat16"):
+            refs: list[list[int]] = []
+            for eager in (True, False):
+                llm = LLM(folder, dtype=dtype, quantization="fp8", enforce_eager=eager, **SMALL_ENGINE)
+                outs = llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=16),
+                    use_tqdm=False,
+                )
+                refs = refs or [out.outputs[0].token_ids for out in outs]
+                rows.append(engine_row(f"llama+fp8 {dtype} vs eager", eager, llm, outs, refs))
+                del llm
+                torch.cuda.empty_cache()
+    return rows
+
+
 def fp8_kv_equality(tokenizer) -> list[tuple[str, str, int, int, int, int]]:
     """``kv_cache_dtype="fp8"`` on the GPU, eager and compiled + CUDA graphs, under chunked prefill and swapping,
     against HF attending to the same fp8 values (``tests/fixtures/fp8_kv.py``)."""
@@ -291,6 +320,7 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="also a base + PEFT adapter batch (needs peft)")
     parser.add_argument("--awq", action="store_true", help="also an AWQ checkpoint against its dequantized model")
     parser.add_argument("--fp8-kv", action="store_true", help="also an fp8 KV cache against HF reading fp8 values")
+    parser.add_argument("--fp8", action="store_true", help="also fp8 weights, compiled against the eager engine")
     parser.add_argument("--paths", action="store_true", help="also prompt embeddings, grammar rounds, batch_invariant")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -302,6 +332,7 @@ def main() -> None:
     checks += [lambda: lora_equality(tokenizer)] if args.lora else []
     checks += [lambda: awq_equality(tokenizer)] if args.awq else []
     checks += [lambda: fp8_kv_equality(tokenizer)] if args.fp8_kv else []
+    checks += [lambda: fp8_weights_equality(tokenizer)] if args.fp8 else []
     checks += [lambda: paths_equality(tokenizer)] if args.paths else []
     failures = 0
     for check in checks:  # each check's rows are logged as it ends: a later failure does not lose them

@@ -7,7 +7,8 @@ shows), a checkpoint or a .gguf file, also without EOS. Workloads:
   w2    one 128-token prompt, 256 new tokens
   ttft  a lone 1,024-token prompt: time to its first token, beside one plain HF forward over it
 Backends: paged (this library; paged_sync without async scheduling, paged_fp8kv with an fp8 KV cache, paged_fp8
-with fp8 weights: ``quantization="fp8"`` on the model saved to a file, paged_invariant with
+with fp8 weights: ``quantization="fp8"`` on the model saved to a file, paged_fp8_fp8kv the same with an fp8 KV
+cache, paged_invariant with
 ``batch_invariant=True``), hf_patched (``model.generate`` after
 ``paged_backend.patch``, called like hf),
 hf (``model.generate``, batches of 64, left padded), hf_cb (``generate_batch``, transformers' continuous
@@ -425,6 +426,7 @@ COLORS = {
     "paged_sync": "#6b9",
     "paged_fp8kv": "#1a5",
     "paged_fp8": "#073",
+    "paged_fp8_fp8kv": "#0a6",
     "paged_invariant": "#396",
     "paged_spec": "#4b8",
     "hf_patched": "#8c8",
@@ -487,6 +489,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="paged,hf,hf_cb,hf_static",
         help="comma list of paged, paged_sync (async_scheduling=False), paged_fp8kv (kv_cache_dtype='fp8'), "
         "paged_fp8 (quantization='fp8': the model saved and loaded, its linears' weights fp8), "
+        "paged_fp8_fp8kv (the same with kv_cache_dtype='fp8'), "
         "paged_invariant (batch_invariant=True; also checks a request alone and in a batch of 64), "
         "paged_spec (speculative_config: prompt lookup, k=4), "
         "hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
@@ -517,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workloads = args.workload.split(",")
     backends = args.backends.split(",")
     known_backends = {
-        *("paged", "paged_sync", "paged_fp8kv", "paged_fp8", "paged_invariant", "paged_spec"),
+        *("paged", "paged_sync", "paged_fp8kv", "paged_fp8", "paged_fp8_fp8kv", "paged_invariant", "paged_spec"),
         *("hf_patched", "hf", "hf_cb", "hf_static"),
     }
     unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - known_backends
@@ -642,16 +645,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         measure_engine("paged_fp8kv", {**base_args, "kv_cache_dtype": "fp8"})
         release_engine("fp8-cache engine")
         results["w1_fp8kv"] = results.get("w1", {}).get("paged_fp8kv")
-    if "paged_fp8" in backends:  # quantization="fp8" quantizes a loaded checkpoint: the model goes through a file
+    fp8_weights = {"paged_fp8": {}, "paged_fp8_fp8kv": {"kv_cache_dtype": "fp8"}}  # the second as deployments run
+    if set(fp8_weights) & set(backends):  # quantization="fp8" quantizes a loaded checkpoint: the model via a file
         with tempfile.TemporaryDirectory() as checkpoint:
             model.save_pretrained(checkpoint)
-            fp8_args = {**base_args, "quantization": "fp8", "skip_tokenizer_init": True}
-            try:
-                measure_engine("paged_fp8", fp8_args, checkpoint)
-            except Exception as exc:  # noqa: BLE001 - reported; the remaining backends still run
-                logger.exception("paged_fp8 failed")
-                results.setdefault("errors", {})["paged_fp8"] = f"{type(exc).__name__}: {exc}"
-            release_engine("fp8-weight engine")
+            for name, extra in fp8_weights.items():
+                if name not in backends:
+                    continue
+                fp8_args = {**base_args, **extra, "quantization": "fp8", "skip_tokenizer_init": True}
+                try:
+                    measure_engine(name, fp8_args, checkpoint)
+                except Exception as exc:  # noqa: BLE001 - reported; the remaining backends still run
+                    logger.exception("%s failed", name)
+                    results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+                release_engine("fp8-weight engine")
 
     # HF's generate, patched onto the engine (paged_backend.patch), called as HF code calls it: batches of 64.
     if "hf_patched" in backends:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.quantization.fp8 import FP8Linear, quantized_fp8_linear
 from paged_backend.worker.compile import RegionalCompile
 from paged_backend.worker.fuse_linears import PackingBackend, fuse_sibling_linears, is_packed
 from tests.conftest import capturing_backend, hf_greedy, ragged_prompts, tiny_model
@@ -173,8 +174,6 @@ class FP8Block(AWQBlock):
     """The same block in fp8 layers (quantization="fp8": per-channel weights, activations per token)."""
 
     def __init__(self) -> None:
-        from paged_backend.quantization.fp8 import FP8Linear
-
         nn.Module.__init__(self)
         layers = [nn.Linear(64, n, bias=bias) for n, bias in ((64, False), (32, True), (32, False), (64, False))]
         self.q, self.k, self.v, self.down = (FP8Linear.from_linear(layer) for layer in layers)
@@ -200,7 +199,7 @@ def test_fp8_siblings_fuse_into_one_call_over_row_packed_buffers() -> None:
         with regions:
             got = [b(x) for b in blocks]
     assert regions.num_fused_groups == 1
-    calls = [n for gm in graphs for n in gm.graph.nodes if str(n.target) == "paged_backend.fp8_linear.default"]
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.target is quantized_fp8_linear]  # fp8_activations.py
     assert len(calls) == 2  # q/k/v as one, down alone
     for block in blocks:
         for name in ("weight", "weight_scale"):
@@ -208,3 +207,59 @@ def test_fp8_siblings_fuse_into_one_call_over_row_packed_buffers() -> None:
     for block, want, have in zip(blocks, expected, got):
         torch.testing.assert_close(have, want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(block(x), want, rtol=0, atol=0)  # the plain modules read the views
+
+
+class StaticFP8Block(AWQBlock):
+    """q/k/v with static activation scales (compressed-tensors' ``FP8``), and a weight-only down projection."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        layers = []
+        for n, static in ((64, True), (32, True), (32, True), (64, False)):
+            layer = FP8Linear(64, n, bias=False, dynamic_activations=False, static_activations=static)
+            q, scale = FP8Linear.from_linear(nn.Linear(64, n, bias=False)).weight, torch.rand(n) * 1e-3 + 1e-4
+            layer._buffers["weight"], layer._buffers["weight_scale"] = q, scale
+            if static:
+                layer._buffers["input_scale"] = torch.tensor([0.01])  # some activations saturate
+            layers.append(layer)
+        self.q, self.k, self.v, self.down = layers
+
+
+def fp8_calls(graphs: list) -> tuple[int, int]:
+    """(calls of the fp8 op, calls rewritten to quantize in the graph)."""
+    nodes = [n for gm in graphs for n in gm.graph.nodes]
+    return (
+        sum(str(n.target) == "paged_backend.fp8_linear.default" for n in nodes),
+        sum(n.target is quantized_fp8_linear for n in nodes),
+    )
+
+
+@pytest.mark.parametrize(
+    ("block_type", "rows", "expected"),
+    [
+        (FP8Block, 5, (0, 4)),  # per token above the GEMV's rows: every call quantizes in the graph
+        (FP8Block, 1, (4, 0)),  # one row: the fp8 GEMV, which reads x unquantized, stays
+        (StaticFP8Block, 1, (1, 3)),  # static scales quantize at every row count; weight-only down stays
+    ],
+)
+def test_fp8_activation_quantization_joins_the_compiled_graph(block_type: type, rows: int, expected: tuple) -> None:
+    """Calls that quantize their input become the quantization in torch ops (inductor fuses it into what made the
+    input) and one ``fp8_scaled_mm``; the layer's output stays the op's, bit for bit."""
+    torch.manual_seed(0)
+    blocks = [block_type() for _ in range(2)]
+    x = torch.randn(1, rows, 64) * 3
+    graphs: list = []
+    with torch.no_grad():
+        expected_out = [b(x) for b in blocks]
+        regions = RegionalCompile(nn.ModuleList(blocks), capturing_backend(graphs))
+        with regions:
+            got = [b(x) for b in blocks]
+    assert fp8_calls(graphs) == expected and regions.num_fp8_quantized == expected[1]
+    for want, have in zip(expected_out, got):
+        torch.testing.assert_close(have, want, rtol=0, atol=0)
+
+
+def test_quantized_fp8_linear_refuses_weight_only_layers() -> None:
+    weight = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="weight-only"):
+        quantized_fp8_linear(torch.randn(2, 8), weight, torch.ones(4), False)

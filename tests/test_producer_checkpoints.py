@@ -325,14 +325,15 @@ def test_quantization_argument_must_match_the_checkpoint(tokenizer) -> None:
 def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
     """torch._scaled_mm with per-token (or one static) and per-channel scales against the float32 twin, bf16
     activations."""
-    from paged_backend.quantization.fp8 import fp8_linear, fp8_linear_scaled_mm, fp8_linear_torch, quantize_per_row
+    from paged_backend.kernels.fp8_quant import quantize_per_row_triton
+    from paged_backend.quantization.fp8 import fp8_linear, fp8_linear_torch, fp8_scaled_mm, quantize_per_row
 
     torch.manual_seed(0)
     for m, k, n in [(1, 4096, 1024), (7, 256, 512), (256, 4096, 14336)]:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weight, scale = quantize_per_row(torch.randn(n, k, device="cuda") * 0.02)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        ours = fp8_linear_scaled_mm(x, weight, scale[:, 0], bias).float()
+        ours = fp8_scaled_mm(*quantize_per_row_triton(x), weight, scale[:, 0], x.dtype).float() + bias.float()
         twin = fp8_linear_torch(x, weight, scale[:, 0], True).float() + bias.float()
         torch.testing.assert_close(ours, twin, rtol=2e-2, atol=2e-2)
         static = x.abs().amax().float().reshape(1) / 300  # a static input scale: some values saturate

@@ -11,7 +11,9 @@ rows (from two on, the fp8 GEMM was the faster on an H200): the activation is qu
 per-token and the weight's per-channel scales; elsewhere its torch twin (``fp8_linear_torch``) computes the same
 quantities in float32: the activation rounded through fp8 per token, the weight dequantized. Weight-only checkpoints
 (no activation scheme), and models in another dtype than bfloat16 (the fp8 GEMM's row-wise scales write bfloat16),
-run the twin above one row on every device.
+run the twin above one row on every device. In the compiled decoder layer the quantization is torch ops of the
+graph instead (``quantized_fp8_linear``, put in place by ``worker/fp8_activations.py``), which inductor fuses into
+the kernel that produces the activation.
 """
 
 from __future__ import annotations
@@ -48,15 +50,6 @@ def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.T
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def fp8_linear_scaled_mm(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """One fp8 GEMM on the GPU's fp8 units (dynamic activations, quantized by one kernel), bias added in the
-    epilogue."""
-    q, scale = quantize_per_row_triton(x) if triton is not None else quantize_per_row(x)
-    return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], bias=bias, out_dtype=x.dtype)
-
-
 def has_fp8_matmul(device: torch.device | str) -> bool:
     device = torch.device(device)
     return device.type == "cuda" and _fp8_capable(
@@ -72,6 +65,21 @@ def _fp8_capable(index: int) -> bool:
 GEMV_ROWS = 1  # rows up to which the fp8 GEMV runs (docs/benchmarks.md, "FP8 weights")
 
 
+def fp8_scaled_mm(
+    q: torch.Tensor,  # [M, K] fp8: activations already quantized
+    scale: torch.Tensor,  # [M, 1] float32: their per-row scales
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N] float32
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N]
+    """The product of quantized activations and fp8 weights: one ``torch._scaled_mm`` on the GPU's fp8 units when
+    the output is bfloat16 (its row-wise scales write bfloat16), else the twin's float32 over the dequantized
+    operands."""
+    if out_dtype == torch.bfloat16 and q.is_cuda and has_fp8_matmul(q.device):
+        return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=out_dtype)
+    return fp8_gemv_torch(q.float() * scale, weight, weight_scale).to(out_dtype)
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -79,22 +87,36 @@ def fp8_linear(
     dynamic: bool,
     input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x`` [M, K] times the fp8 ``weight`` [N, K] (per-row ``weight_scale``) where the device has fp8 units: the
-    GEMV up to ``GEMV_ROWS`` rows, above one ``torch._scaled_mm`` when the activations are bf16 and quantized per
-    token; with a static ``input_scale``, ``x`` quantized with it and one ``torch._scaled_mm`` at every row count
-    (the GEMV multiplies unquantized activations); else the twin."""
-    fp8_units = x.is_cuda and has_fp8_matmul(x.device)
-    scaled_mm = fp8_units and x.dtype == torch.bfloat16  # its row-wise scales write bfloat16
+    """``x`` [M, K] times the fp8 ``weight`` [N, K] (per-row ``weight_scale``). Where the device has fp8 units, the
+    GEMV up to ``GEMV_ROWS`` rows (``x`` unquantized), above it ``x`` quantized per token by one kernel; with a
+    static ``input_scale``, ``x`` quantized with it at every row count (the GEMV multiplies unquantized
+    activations). Quantized activations go through ``fp8_scaled_mm``; weight-only layers above the GEMV's rows,
+    and every layer without fp8 units, through the twins."""
+    fp8_units = x.is_cuda and has_fp8_matmul(x.device) and triton is not None
     if input_scale is not None:
-        if not scaled_mm:
-            return fp8_linear_torch(x, weight, weight_scale, dynamic, input_scale)
-        q, scale = quantize_static(x, input_scale)
-        return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
-    if fp8_units and triton is not None and x.shape[0] <= GEMV_ROWS:
+        return fp8_scaled_mm(*quantize_static(x, input_scale), weight, weight_scale, x.dtype)
+    if fp8_units and x.shape[0] <= GEMV_ROWS:
         return fp8_gemv_triton(x, weight, weight_scale)
-    if dynamic and scaled_mm:
-        return fp8_linear_scaled_mm(x, weight, weight_scale, None)
-    return fp8_linear_torch(x, weight, weight_scale, dynamic)
+    if dynamic:
+        q, scale = quantize_per_row_triton(x) if fp8_units else quantize_per_row(x)
+        return fp8_scaled_mm(q, scale, weight, weight_scale, x.dtype)
+    return fp8_linear_torch(x, weight, weight_scale, False)
+
+
+def quantized_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dynamic: bool,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fp8_linear`` where it quantizes ``x`` (per token, or with ``input_scale``), written for a compiled graph:
+    the quantization in torch ops, which inductor fuses into what produced ``x``, then one opaque
+    ``fp8_scaled_mm`` (worker/fp8_activations.py puts it in place of ``fp8_linear_op``)."""
+    if input_scale is None and not dynamic:
+        raise ValueError("quantized_fp8_linear: a weight-only layer does not quantize its activations")
+    q, scale = quantize_per_row(x) if input_scale is None else quantize_static(x, input_scale)
+    return fp8_scaled_mm_op(q, scale, weight, weight_scale, x.dtype)
 
 
 # One op in compiled graphs, so that sibling layers' calls fuse into one (worker/fuse_linears.py; a static input
@@ -119,6 +141,20 @@ def _(
     input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("paged_backend::fp8_scaled_mm", mutates_args=())
+def fp8_scaled_mm_op(
+    q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    return fp8_scaled_mm(q, scale, weight, weight_scale, out_dtype)
+
+
+@fp8_scaled_mm_op.register_fake
+def _(
+    q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    return q.new_empty(q.shape[0], weight.shape[0], dtype=out_dtype)
 
 
 class FP8Linear(nn.Module):

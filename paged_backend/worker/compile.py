@@ -21,6 +21,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
+from paged_backend.worker.fp8_activations import quantize_fp8_activations
 from paged_backend.worker.fuse_linears import PackingBackend, fuse_sibling_linears
 
 
@@ -43,12 +44,14 @@ class RegionalCompile:
         self.layers = list(layers)
         self.num_graphs = 0
         self.num_fused_groups = 0  # sibling projections run as one matrix product (fuse_linears.py)
+        self.num_fp8_quantized = 0  # FP8 calls whose activation quantization joined the graph (fp8_activations.py)
         compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
 
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             self.num_graphs += 1
             if not isinstance(compiler, PackingBackend):  # the packer finds the groups in the graph as traced
                 self.num_fused_groups += fuse_sibling_linears(gm, self.layers)
+                self.num_fp8_quantized += quantize_fp8_activations(gm)
             return compiler(gm, example_inputs)
 
         forward = _fresh_copy(type(self.layers[0]).forward)

@@ -1,0 +1,50 @@
+"""FP8 layers' activation quantization moved into the compiled decoder layer, where inductor fuses it into what
+produces the activation.
+
+An FP8 layer with quantized activations (per token, or with a static scale) reads its input once to find the
+row's largest magnitude and again to quantize it, in a kernel of its own after the kernel that wrote the input:
+RMSNorm's before q/k/v and gate/up, SiLU·mul's before down. Written as torch ops in the graph instead, the
+quantization joins that kernel, which then writes fp8 rows and their scales rather than bf16 rows for another
+kernel to read back. This pass replaces each such ``paged_backend.fp8_linear`` call of the dynamo graph (fused
+siblings included: ``fuse_linears.py`` runs first, so q/k/v quantize once) by ``quantized_fp8_linear``: the
+quantization in torch ops, then one opaque ``paged_backend.fp8_scaled_mm``. The arithmetic is the op's own (the
+same twins, the same ``torch._scaled_mm``): what moves is where the quantization runs.
+
+Left as they are: weight-only layers, and per-token calls on rows the fp8 GEMV takes (``GEMV_ROWS``: it
+multiplies unquantized activations). With dynamic shapes dynamo specializes a size of 1, so a decode graph of
+one row keeps its GEMV and a graph whose rows are a symbol (two or more) is rewritten.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from paged_backend.quantization.fp8 import GEMV_ROWS, quantized_fp8_linear
+
+FP8_LINEAR = "paged_backend.fp8_linear.default"
+
+
+def _quantizes(node: fx.Node) -> bool:
+    """Whether an ``fp8_linear`` call quantizes its input at every row count its graph runs."""
+    x, _, _, dynamic, *rest = node.args
+    if rest and rest[0] is not None:  # a static input scale: quantized at every row count
+        return True
+    if not dynamic:  # weight-only
+        return False
+    example = x.meta.get("example_value") if isinstance(x, fx.Node) else None
+    rows = None if example is None else example.shape[0]
+    return not (isinstance(rows, int) and rows <= GEMV_ROWS)  # a symbol: two rows or more
+
+
+def quantize_fp8_activations(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place: each ``fp8_linear`` call that quantizes its input becomes
+    ``quantized_fp8_linear`` with the same arguments. Returns how many calls were rewritten."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and str(node.target) == FP8_LINEAR and not node.kwargs and _quantizes(node):
+            node.target = quantized_fp8_linear
+            rewritten += 1
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return rewritten
