@@ -263,3 +263,22 @@ def test_quantized_fp8_linear_refuses_weight_only_layers() -> None:
     weight = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="weight-only"):
         quantized_fp8_linear(torch.randn(2, 8), weight, torch.ones(4), False)
+
+
+@pytest.mark.parametrize(("block_type", "rows", "ieee"), [(FP8Block, 5, True), (FP8Block, 1, False), (Block, 5, False)])
+def test_graphs_that_quantize_fp8_compile_with_ieee_division(block_type: type, rows: int, ieee: bool) -> None:
+    """Inductor lowers fp32 ``/`` to Triton's approximate division unless told otherwise; a graph whose FP8 calls
+    now quantize in torch ops compiles with the IEEE division of the quantization kernel (the scales' bits)."""
+    import torch._inductor.config as inductor_config
+
+    seen: list[bool] = []
+
+    def backend(gm, example_inputs):
+        seen.append(inductor_config.eager_numerics.division_rounding)
+        return gm.forward
+
+    blocks = [block_type() for _ in range(2)]
+    width = 8 if block_type is Block else 64
+    with torch.no_grad(), RegionalCompile(nn.ModuleList(blocks), backend):
+        blocks[0](torch.randn(1, rows, width))
+    assert seen == [ieee] and not inductor_config.eager_numerics.division_rounding

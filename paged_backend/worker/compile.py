@@ -21,7 +21,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
-from paged_backend.worker.fp8_activations import quantize_fp8_activations
+from paged_backend.worker.fp8_activations import divides_as_eager, quantize_fp8_activations
 from paged_backend.worker.fuse_linears import PackingBackend, fuse_sibling_linears
 
 
@@ -51,7 +51,11 @@ class RegionalCompile:
             self.num_graphs += 1
             if not isinstance(compiler, PackingBackend):  # the packer finds the groups in the graph as traced
                 self.num_fused_groups += fuse_sibling_linears(gm, self.layers)
-                self.num_fp8_quantized += quantize_fp8_activations(gm)
+                quantized = quantize_fp8_activations(gm)
+                self.num_fp8_quantized += quantized
+                if quantized:  # the graph's quantization divides as the FP8 op's kernel does
+                    with divides_as_eager():
+                        return compiler(gm, example_inputs)
             return compiler(gm, example_inputs)
 
         forward = _fresh_copy(type(self.layers[0]).forward)

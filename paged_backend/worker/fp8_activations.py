@@ -8,7 +8,10 @@ quantization joins that kernel, which then writes fp8 rows and their scales rath
 kernel to read back. This pass replaces each such ``paged_backend.fp8_linear`` call of the dynamo graph (fused
 siblings included: ``fuse_linears.py`` runs first, so q/k/v quantize once) by ``quantized_fp8_linear``: the
 quantization in torch ops, then one opaque ``paged_backend.fp8_scaled_mm``. The arithmetic is the op's own (the
-same twins, the same ``torch._scaled_mm``): what moves is where the quantization runs.
+same twins, the same ``torch._scaled_mm``): what moves is where the quantization runs. Its bits are the op's too
+once the graph compiles ``with divides_as_eager()``: inductor otherwise lowers an fp32 ``/`` to Triton's
+approximate division, where eager CUDA and ``kernels/fp8_quant.py`` round it, and a scale one bit off moves
+values across fp8's rounding boundaries.
 
 Left as they are: weight-only layers, and per-token calls on rows the fp8 GEMV takes (``GEMV_ROWS``: it
 multiplies unquantized activations). With dynamic shapes dynamo specializes a size of 1, so a decode graph of
@@ -16,6 +19,8 @@ one row keeps its GEMV and a graph whose rows are a symbol (two or more) is rewr
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from torch import fx
 
@@ -48,3 +53,14 @@ def quantize_fp8_activations(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return rewritten
+
+
+def divides_as_eager() -> contextlib.AbstractContextManager[object]:
+    """Inductor's IEEE-rounded fp32 division (``div_rn``) while a graph compiles, where this torch has the
+    setting; elsewhere nothing changes."""
+    import torch._inductor.config as inductor_config
+
+    numerics = getattr(inductor_config, "eager_numerics", None)
+    if numerics is None or not hasattr(numerics, "division_rounding"):
+        return contextlib.nullcontext()
+    return inductor_config.patch({"eager_numerics.division_rounding": True})
