@@ -138,6 +138,33 @@ def projection(name: str, rows: int, group: int, repetitions: int, with_gemlite:
     return result
 
 
+KERNELS = ("bf16_cublas", "awq_gemv", *GEMLITE_VARIANTS)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Microseconds a call for each projection, one bar a kernel (those a run left out are absent)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    projections = results["projections"]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    width = 0.8 / len(KERNELS)
+    for i, kernel in enumerate(KERNELS):
+        places = [p for p, r in enumerate(projections.values()) if kernel in r]
+        times = [r[kernel]["us"] for r in projections.values() if kernel in r]
+        if times:
+            bars = ax.bar([p + i * width for p in places], times, width, label=kernel)
+            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks([p + width * (len(KERNELS) - 1) / 2 for p in range(len(projections))], list(projections))
+    ax.set_ylabel("µs a call (CUDA graph, weights cold)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{results['card']}: one row, int4 group {results['group_size']} against bf16", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,7 +174,14 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--no-gemlite", action="store_true", help="leave GemLite out even where it imports")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="a bar chart of the run here")
+    parser.add_argument("--plot-from", type=Path, default=None, help="draw --plot from an earlier run's JSON, no run")
     args = parser.parse_args()
+    if args.plot_from is not None:
+        if args.plot is None:
+            parser.error("--plot-from needs --plot")
+        plot(json.loads(args.plot_from.read_text()), args.plot)
+        return
     torch.manual_seed(0)
     with_gemlite = not args.no_gemlite
     if with_gemlite:
@@ -183,6 +217,8 @@ def main() -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot is not None:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
