@@ -8,7 +8,8 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
 - ``fp8_gemm``: the quantization kernel, then ``torch._scaled_mm``, at every row count;
 - ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernel);
 - ``fp8_gemm_fast_accum``: ``fp8_gemm`` with ``use_fast_accum=True`` (Hopper's faster, less exact fp8
-  accumulation, which vLLM's fp8 GEMMs use), with its largest difference from bf16 beside it.
+  accumulation, which vLLM's fp8 GEMMs use), with its largest difference from bf16 beside it;
+- ``gemlite_fp8``: GemLite's fp8 layer (``A8W8_fp8_dynamic``) on the same weights, where ``gemlite`` imports.
 
 With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first.
 
@@ -61,6 +62,21 @@ def per_call_us(fn: Callable[..., torch.Tensor], weights: list[tuple[torch.Tenso
     return triton.testing.do_bench_cudagraph(lambda: [fn(*w) for w in weights], rep=50) * 1e3 / len(weights)
 
 
+def gemlite_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """GemLite's own fp8 layer (``A8W8_fp8_dynamic``: activations quantized per token, then its Triton GEMM or
+    GEMV by row count) over the same fp8 weights and scales, where the optional ``gemlite`` imports; else None."""
+    try:
+        from gemlite.helper import A8W8_fp8_dynamic  # type: ignore[import-not-found]
+
+        layer = A8W8_fp8_dynamic(device=str(weight.device), dtype=torch.bfloat16).from_weights(
+            weight, scales=weight_scale[:, None]
+        )
+    except Exception as exc:  # noqa: BLE001 - another library's failure leaves its column out, not the run
+        logger.info("GemLite's fp8 layer is left out (%s: %s)", type(exc).__name__, exc)
+        return None
+    return lambda x: layer(x)
+
+
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -87,6 +103,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 "fast_accum_max_err_vs_bf16": fast_err,
                 "max_err_vs_bf16": err,
             }
+            gemlite = gemlite_fp8(q_w, s_w)
+            if gemlite is not None:
+                gemlite_layers = [gemlite_fp8(q, s) for q, s in quantized]
+                row["gemlite_fp8"] = per_call_us(lambda layer, x=x: layer(x), [(f,) for f in gemlite_layers])
+                row["gemlite_max_err_vs_bf16"] = (gemlite(x).float() - F.linear(x, w).float()).abs().max().item()
             if args.sweep and rows <= GEMV_MAX_M:
                 for launch in itertools.product((1, 2, 4, 8), (1, 2, 4), (32, 64, 128)):
                     gemv = lambda q, s, x=x, launch=launch: fp8_gemv_triton(x, q, s, launch)  # noqa: E731
