@@ -103,8 +103,17 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--cost", type=float, nargs="+", default=[1.2, 1.6, 2.0], help="a verifying step, in tokens")
+    parser.add_argument(
+        "--min-taken",
+        type=float,
+        default=None,
+        help="the pausing rule's threshold (spec_decode.MIN_TAKEN_PER_STEP: proposals taken a verifying step below "
+        "which a sample pauses; 0: never pauses) instead of the engine's",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.min_taken is not None:
+        spec_decode.MIN_TAKEN_PER_STEP = args.min_taken
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path, real = demo_model(None, default_cache_dir())
     if not real:
@@ -119,7 +128,12 @@ def main() -> None:
     results: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/spec_trace.py", *sys.argv[1:]]),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "settings": {"k": args.k, "prompts": args.prompts, "max_tokens": args.max_tokens},
+        "settings": {
+            "k": args.k,
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+            "min_taken_per_step": spec_decode.MIN_TAKEN_PER_STEP,
+        },
         "workloads": {},
     }
     for name in spec.WORKLOADS:
