@@ -97,6 +97,34 @@ def summary(traced: dict[str, Any], costs: list[float]) -> dict[str, Any]:
     }
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Each workload's share of tokens from verifying steps, and its modeled speed-up at each cost."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = results["workloads"]
+    costs = list(next(iter(workloads.values()))["modeled_speedup"])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(costs)
+    for i, cost in enumerate(costs):
+        speedups = [w["modeled_speedup"][cost] for w in workloads.values()]
+        bars = ax.bar(
+            [p + i * width for p in range(len(workloads))], speedups, width, label=f"a verifying step = {cost}"
+        )
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    labels = [f"{name}\n{w['tokens_from_verifying_steps'] / w['tokens']:.0%} verified" for name, w in workloads.items()]
+    ax.set_xticks([p + width * (len(costs) - 1) / 2 for p in range(len(workloads))], labels)
+    ax.axhline(1.0, color="#888", linewidth=0.8)
+    ax.set_ylabel("modeled speed-up")
+    ax.legend(fontsize=8, title="round tokens", title_fontsize=8)
+    pause = results["settings"]["min_taken_per_step"]
+    ax.set_title(f"SmolLM2, prompt lookup k = {results['settings']['k']}, pausing threshold {pause}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=10, help="prompts a workload")
@@ -111,7 +139,14 @@ def main() -> None:
         "which a sample pauses; 0: never pauses) instead of the engine's",
     )
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="a bar chart of the modeled speed-ups here")
+    parser.add_argument("--plot-from", type=Path, default=None, help="draw --plot from an earlier run's JSON, no run")
     args = parser.parse_args()
+    if args.plot_from is not None:
+        if args.plot is None:
+            parser.error("--plot-from needs --plot")
+        plot(json.loads(args.plot_from.read_text()), args.plot)
+        return
     if args.min_taken is not None:
         spec_decode.MIN_TAKEN_PER_STEP = args.min_taken
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -143,6 +178,8 @@ def main() -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot is not None:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
