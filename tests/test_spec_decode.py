@@ -59,6 +59,27 @@ def test_prompt_lookup_equals_a_plain_search_on_random_ids() -> None:
         assert NgramProposer(min_n, max_n, k).propose(ids) == plain(ids, min_n, max_n, k), (ids, min_n, max_n, k)
 
 
+def test_prompt_lookup_keeps_each_sequence_as_an_array_that_grows_with_it() -> None:
+    """Lookups by sequence id read an array grown by each step's new tokens (one to several, past the array's
+    size too): the proposals are those of a fresh lookup over the whole list. Ids that are not the same sequence
+    any more (shorter, or another last known token) start the array again; ``forget`` drops it."""
+    rng = random.Random(1)
+    held, fresh = NgramProposer(1, 4, 5), NgramProposer(1, 4, 5)
+    sequences: dict[int, list[int]] = {seq_id: [rng.randrange(6) for _ in range(3)] for seq_id in range(3)}
+    for _ in range(400):
+        seq_id = rng.randrange(3)
+        ids = sequences[seq_id]
+        ids += [rng.randrange(6) for _ in range(rng.randrange(1, 10))]
+        assert held.propose(ids, seq_id=seq_id) == fresh.propose(ids), seq_id
+    assert max(array.size for array, _ in held.arrays.values()) > 64  # they grew past their first size
+    other = [5, 4, 3, 2, 1, 0, 5, 4]  # the same id, other ids: shorter, then as long with another last token
+    assert held.propose(other, seq_id=0) == fresh.propose(other)
+    changed = [rng.randrange(6) for _ in sequences[1][:-1]] + [(sequences[1][-1] + 1) % 6]
+    assert held.propose(changed, seq_id=1) == fresh.propose(changed)
+    held.forget(2)
+    assert 2 not in held.arrays and held.propose(sequences[2], seq_id=2) == fresh.propose(sequences[2])
+
+
 class TruthProposer:
     """A test double for prompt lookup: it proposes what follows in each given full sequence (prompt and its
     true output), with every third proposal changed, so that steps take several proposals, refuse some, and

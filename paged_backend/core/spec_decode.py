@@ -147,7 +147,7 @@ class DraftPlanner:
                 seq.spec_paused_until = seq.spec_pause = 0
                 seq.spec_shadow = (0, [])
                 return
-        seq.spec_shadow = (len(seq.token_ids), self.proposer.propose(seq.token_ids, self.k))
+        seq.spec_shadow = (len(seq.token_ids), self.proposer.propose(seq.token_ids, self.k, seq_id=seq.seq_id))
 
     def forget(self, seq: Sequence) -> None:
         """The sample ended: a proposer with state per sequence drops its own."""

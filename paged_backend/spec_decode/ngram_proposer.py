@@ -15,10 +15,14 @@ import numpy as np
 class NgramProposer:
     def __init__(self, min_n: int, max_n: int, num_speculative_tokens: int) -> None:
         self.min_n, self.max_n, self.k = min_n, max_n, num_speculative_tokens
+        # a sequence's ids as an array, grown by the tokens it took since its last lookup: converting thousands
+        # of Python ints at every step would be most of the lookup's host time
+        self.arrays: dict[int, tuple[np.ndarray, int]] = {}  # seq id -> (its ids' array, how many it holds)
 
-    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int | None = None) -> list[int]:
         """Up to ``min(k, max_tokens)`` tokens that followed the last earlier occurrence of the longest suffix
         of ``token_ids`` between ``min_n`` and ``max_n`` tokens long; none when no such suffix occurred before.
+        With a ``seq_id``, ``token_ids`` are that sequence's, which only grow until ``forget``.
 
         One pass over the ids finds where the last token occurred before; only those places are compared
         further back (a step's lookup runs on the host between forwards, over thousands of ids)."""
@@ -26,7 +30,7 @@ class NgramProposer:
         length = len(token_ids)
         if k <= 0 or length < self.min_n + 1:
             return []
-        ids = np.asarray(token_ids, dtype=np.int64)
+        ids = self._array(token_ids, seq_id)
         ends = np.flatnonzero(ids[: length - 1] == ids[length - 1])  # an earlier occurrence ends at each
         matched = np.ones(ends.size, dtype=np.int64)  # how many of the suffix's tokens each end matches
         alive = np.ones(ends.size, dtype=bool)
@@ -40,3 +44,22 @@ class NgramProposer:
             return []
         start = int(ends[np.flatnonzero(matched == matched.max())[-1]]) + 1
         return [int(t) for t in ids[start : start + k]]
+
+    def _array(self, token_ids: list[int], seq_id: int | None) -> np.ndarray:
+        """``token_ids`` as int64: the sequence's array with its new tokens written on (doubled as it fills)."""
+        length = len(token_ids)
+        if seq_id is None:
+            return np.asarray(token_ids, dtype=np.int64)
+        held, known = self.arrays.get(seq_id, (np.empty(0, dtype=np.int64), 0))
+        if known > length or (known and held[known - 1] != token_ids[known - 1]):
+            known = 0  # not the ids it was given before: start again
+        if length > held.size:
+            grown = np.empty(max(2 * length, 64), dtype=np.int64)
+            grown[:known] = held[:known]
+            held = grown
+        held[known:length] = token_ids[known:length]
+        self.arrays[seq_id] = (held, length)
+        return held[:length]
+
+    def forget(self, seq_id: int) -> None:
+        self.arrays.pop(seq_id, None)
