@@ -179,3 +179,17 @@ def test_a_packed_row_is_bounded_by_its_position_ids_alone_and_bad_bounds_are_re
             model(input_ids=packed["input_ids"], position_ids=packed["position_ids"] + 1)
     with pytest.raises(ValueError, match="at least one sequence"):
         trainer_forward.pack_sequences([])
+
+
+def test_a_forwards_cache_layout_is_made_once_and_again_for_bounds_written_in_place() -> None:
+    """Every layer asks for the layout with the forward's one bounds tensor: the second ask gets the first's.
+    A trainer that reuses its bounds buffer writes the next batch's bounds into it: that is another layout."""
+    from paged_backend.worker.trainer_forward import _cache_layout
+
+    cu = torch.tensor([0, 5, 12])
+    first = _cache_layout(cu, 12)
+    assert _cache_layout(cu, 12) is first
+    cu.copy_(torch.tensor([0, 9, 12]))
+    second = _cache_layout(cu, 12)
+    assert second is not first and second.lens.tolist() == [9, 3]
+    assert _cache_layout(cu.clone(), 12) is not second  # another tensor with the same values: made again

@@ -51,17 +51,21 @@ class CacheLayout(NamedTuple):
     lens: torch.Tensor
 
 
-_LAYOUT: list[tuple[torch.Tensor, int, CacheLayout]] = []  # the last layout made, with the bounds it was made from
+# the last layout made, with the bounds tensor, its version (in-place writes bump it) and the token count
+_LAYOUT: list[tuple[torch.Tensor, int, int, CacheLayout]] = []
 
 
 def _cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> CacheLayout:
     """The layout of a paged cache that gives each of the packed sequences (bounds ``cu_seqlens`` [B + 1],
     ``num_tokens`` in all) consecutive blocks of its own. Every layer of a forward asks with the same bounds
-    tensor: made once, its dozen small kernels are not launched again per layer."""
-    if _LAYOUT and _LAYOUT[0][0] is cu_seqlens and _LAYOUT[0][1] == num_tokens:
-        return _LAYOUT[0][2]
+    tensor: made once, its dozen small kernels are not launched again per layer. A bounds tensor written in
+    place since (a trainer's reused buffer) is another layout."""
+    if _LAYOUT:
+        bounds, version, tokens, layout = _LAYOUT[0]
+        if bounds is cu_seqlens and version == cu_seqlens._version and tokens == num_tokens:
+            return layout
     layout = _make_cache_layout(cu_seqlens, num_tokens)
-    _LAYOUT[:] = [(cu_seqlens, num_tokens, layout)]
+    _LAYOUT[:] = [(cu_seqlens, cu_seqlens._version, num_tokens, layout)]
     return layout
 
 
