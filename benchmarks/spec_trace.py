@@ -138,6 +138,7 @@ def main() -> None:
         help="the pausing rule's threshold (spec_decode.MIN_TAKEN_PER_STEP: proposals taken a verifying step below "
         "which a sample pauses; 0: never pauses) instead of the engine's",
     )
+    parser.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="a bar chart of the modeled speed-ups here")
     parser.add_argument("--plot-from", type=Path, default=None, help="draw --plot from an earlier run's JSON, no run")
@@ -157,8 +158,11 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    speculative = {"method": "ngram", "num_speculative_tokens": args.k}
+    if args.lookup_min is not None:
+        speculative["prompt_lookup_min"] = args.lookup_min
     llm = LLM(path, dtype="bfloat16" if device == "cuda" else "float32", max_model_len=2048,
-              speculative_config={"method": "ngram", "num_speculative_tokens": args.k})  # fmt: skip
+              speculative_config=speculative)  # fmt: skip
     pools = spec.pools(args.prompts)
     results: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/spec_trace.py", *sys.argv[1:]]),
@@ -168,6 +172,7 @@ def main() -> None:
             "prompts": args.prompts,
             "max_tokens": args.max_tokens,
             "min_taken_per_step": spec_decode.MIN_TAKEN_PER_STEP,
+            "prompt_lookup_min": llm.llm_engine.config.speculative_config.prompt_lookup_min,  # type: ignore[union-attr]
         },
         "workloads": {},
     }
