@@ -2,9 +2,10 @@
 come from verifying steps and how many from plain decoding (multi-step rounds, paused or unmatched samples),
 and how many proposals a verifying step takes by the length of the n-gram its lookup matched.
 
-Greedy tokens do not depend on which steps made them, so one run gives the whole trace, on a CPU as well as a
-GPU; what a GPU's speed-up would be follows from what a verifying step costs there, in tokens of a multi-step
-round (``--cost``: ``spec_verify.py`` measures it), with the prompts' prefill left out:
+Greedy tokens do not depend on which steps made them (up to near ties that a verifying step's rounding flips), so
+one run gives the whole trace, on a CPU as well as a GPU; what a GPU's speed-up would be follows from what a
+verifying step costs there, in tokens of a multi-step round (``--cost``: ``spec_verify.py`` measures it), with the
+prompts' prefill left out:
 
     speed-up = tokens / (cost * verifying steps + tokens decoded plainly)
 
