@@ -181,15 +181,41 @@ def test_a_packed_row_is_bounded_by_its_position_ids_alone_and_bad_bounds_are_re
         trainer_forward.pack_sequences([])
 
 
-def test_a_forwards_cache_layout_is_made_once_and_again_for_bounds_written_in_place() -> None:
-    """Every layer asks for the layout with the forward's one bounds tensor: the second ask gets the first's.
-    A trainer that reuses its bounds buffer writes the next batch's bounds into it: that is another layout."""
-    from paged_backend.worker.trainer_forward import _cache_layout
+def test_a_forwards_cache_layout_is_made_once_and_again_for_the_next_forward() -> None:
+    """Every layer asks for the layout with the forward's one bounds tensor: the second ask gets the first's. The
+    next forward starts afresh (``_new_forward``): a trainer that reuses its bounds buffer writes the next batch's
+    bounds into it, and under ``torch.inference_mode`` no version counter tells."""
+    from paged_backend.worker.trainer_forward import _cache_layout, _new_forward
 
-    cu = torch.tensor([0, 5, 12])
-    first = _cache_layout(cu, 12)
-    assert _cache_layout(cu, 12) is first
-    cu.copy_(torch.tensor([0, 9, 12]))
-    second = _cache_layout(cu, 12)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 5, 12])
+        first = _cache_layout(cu, 12)
+        assert _cache_layout(cu, 12) is first
+        _new_forward()
+        cu.copy_(torch.tensor([0, 9, 12]))
+        second = _cache_layout(cu, 12)
     assert second is not first and second.lens.tolist() == [9, 3]
     assert _cache_layout(cu.clone(), 12) is not second  # another tensor with the same values: made again
+
+
+def test_a_positions_buffer_written_in_place_between_forwards_bounds_the_next_forward() -> None:
+    """A trainer's reused ``position_ids`` buffer (HF's packing without ``cu_seq_lens_q``: the sequences' bounds
+    are where positions restart), written in place between two no-grad forwards: the second forward reads the
+    new bounds (each forward's logits equal a forward given fresh tensors)."""
+    model = build_tiny_model("llama", vocab_size=512).to(DEVICE)
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+
+    def positions(*lengths: int) -> torch.Tensor:
+        return torch.cat([torch.arange(n, device=DEVICE) for n in lengths])[None]
+
+    def forward(position_ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(), trainer_forward.batch_invariant_forward(model):
+            return model(input_ids=ids, position_ids=position_ids).logits
+
+    buffer = positions(5, 7)
+    first = forward(buffer)
+    buffer.copy_(positions(9, 3))
+    second = forward(buffer)
+    assert torch.equal(first, forward(positions(5, 7)))
+    assert torch.equal(second, forward(positions(9, 3)))
+    assert not torch.equal(first, second)

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from paged_backend.kernels import triton
 from paged_backend.kernels.paged_attention import paged_attention_triton
@@ -51,21 +51,20 @@ class CacheLayout(NamedTuple):
     lens: torch.Tensor
 
 
-# the last layout made, with the bounds tensor, its version (in-place writes bump it) and the token count
-_LAYOUT: list[tuple[torch.Tensor, int, int, CacheLayout]] = []
+# the forward's layout, with the bounds tensor and token count it was made for (emptied as each forward starts)
+_LAYOUT: list[tuple[torch.Tensor, int, CacheLayout]] = []
 
 
 def _cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> CacheLayout:
     """The layout of a paged cache that gives each of the packed sequences (bounds ``cu_seqlens`` [B + 1],
     ``num_tokens`` in all) consecutive blocks of its own. Every layer of a forward asks with the same bounds
-    tensor: made once, its dozen small kernels are not launched again per layer. A bounds tensor written in
-    place since (a trainer's reused buffer) is another layout."""
+    tensor: made once a forward, its dozen small kernels are not launched again per layer."""
     if _LAYOUT:
-        bounds, version, tokens, layout = _LAYOUT[0]
-        if bounds is cu_seqlens and version == cu_seqlens._version and tokens == num_tokens:
+        bounds, tokens, layout = _LAYOUT[0]
+        if bounds is cu_seqlens and tokens == num_tokens:
             return layout
     layout = _make_cache_layout(cu_seqlens, num_tokens)
-    _LAYOUT[:] = [(cu_seqlens, cu_seqlens._version, num_tokens, layout)]
+    _LAYOUT[:] = [(cu_seqlens, num_tokens, layout)]
     return layout
 
 
@@ -161,7 +160,15 @@ class _InvariantAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-_BOUNDS: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # the last forward's (tensor read, bounds found)
+_BOUNDS: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # the forward's (tensor read, bounds found)
+
+
+def _new_forward(*_: Any) -> None:
+    """A forward pre-hook: what the last forward's layers shared is not this one's, even where its tensors are
+    the same objects (a trainer may write its next batch's bounds into the same buffer, and tensors made under
+    ``torch.inference_mode`` keep no version counter to tell)."""
+    _LAYOUT.clear()
+    _BOUNDS.clear()
 
 
 def sequence_bounds(
@@ -284,9 +291,13 @@ def batch_invariant_forward(model: torch.nn.Module) -> Iterator[None]:
     for c in configs.values():
         c._attn_implementation_internal = EXACT_ATTENTION
     device = next(model.parameters()).device
+    hooks = [m.register_forward_pre_hook(_new_forward) for m in model.modules() if isinstance(m, PreTrainedModel)]
     try:
         with BatchInvariantMode(invariant_rms_norms(model, device), packed_siblings(model)):
             yield
     finally:
+        for hook in hooks:
+            hook.remove()
+        _new_forward()
         for key, c in configs.items():
             c._attn_implementation_internal = previous[key]
