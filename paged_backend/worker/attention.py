@@ -18,7 +18,7 @@ import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from paged_backend.kernels.ops import paged_attention, paged_attention_op, write_kv_cache, write_kv_cache_op
-from paged_backend.worker.batch_invariant import exact_attention
+from paged_backend.worker.batch_invariant import exact_attention, outside_the_mode
 
 ATTN_IMPLEMENTATION = "paged_backend"
 # Inside the engine's forward each attention module carries its layer's (k_cache, v_cache) under this name. Reading
@@ -102,12 +102,13 @@ def paged_attention_forward(
             v_scale,
         )
     else:
-        write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping, k_scale, v_scale)
-        args = (q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scaling, sliding_window, softcap)
-        if attn_metadata.exact and not q.is_cuda:  # the torch twin pads each group's contexts: not invariant
-            out = exact_attention(*args, k_scale, v_scale)
-        else:
-            out = paged_attention(*args, k_scale, v_scale, batch_invariant=attn_metadata.exact)
+        with outside_the_mode():  # batch_invariant's mode computes nothing here its own way
+            write_kv_cache(k, v, k_cache, v_cache, attn_metadata.slot_mapping, k_scale, v_scale)
+            args = (q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scaling, sliding_window, softcap)
+            if attn_metadata.exact and not q.is_cuda:  # the torch twin pads each group's contexts: not invariant
+                out = exact_attention(*args, k_scale, v_scale)
+            else:
+                out = paged_attention(*args, k_scale, v_scale, batch_invariant=attn_metadata.exact)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 

@@ -25,6 +25,7 @@ operations whichever path its batch takes, sorts stably and takes top-p's runnin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -166,7 +167,16 @@ def fused_rms_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torc
         raise TypeError(f"{type(module).__name__} lost its RMSNorm weight or epsilon")
     if needs_grad(hidden_states, parts[0]):
         return type(module).forward(module, hidden_states)
-    return rms_norm_triton(hidden_states, *parts)
+    with outside_the_mode():
+        return rms_norm_triton(hidden_states, *parts)
+
+
+def outside_the_mode() -> contextlib.AbstractContextManager[None]:
+    """A context for a kernel's launch inside ``BatchInvariantMode`` with no function the mode computes its own
+    way: the mode (any torch function override) sees none of the launch's tensor reads (every ``data_ptr``,
+    ``stride`` and ``dtype`` of every argument would otherwise be a Python call into the mode, several times the
+    launch's own cost where a small model's forward is bound by the host)."""
+    return torch._C.DisableTorchFunction()
 
 
 # The functions the mode computes its own way (norm_by_blocks' and the products below).

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 # (block, rows' shape, matrix and bias layouts, math mode) -> whether one product over those rows gives each row
 # its block's bits
@@ -46,26 +47,29 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def product_in_blocks(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None, block: int) -> torch.Tensor:
-    """``x`` [..., K] @ ``matrix`` [K, N] (+ ``bias``), every row with the bits of a ``block``-row product. Each
-    block is a view of ``x`` (made contiguous and 256-byte aligned) written straight into its rows of one fresh
-    output; the whole blocks run as one product where ``ONE_PRODUCT`` found that equal; only the last partial
-    block is copied, to pad it with zeros."""
+    """``x`` [..., K] @ ``matrix`` [K, N] (+ ``bias``), every row with the bits of a ``block``-row product. The
+    whole blocks are read in place (made contiguous and 256-byte aligned where they are not) and run as one
+    product where ``ONE_PRODUCT`` found that equal, else a product a block, each written straight into its rows
+    of one fresh output; only the last partial block is copied, to pad it with zeros. Blocks are sliced only
+    where they run alone, and the host's operations are few: a trainer's packed forward makes hundreds of these
+    calls, each bound by the host."""
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous() or flat.data_ptr() % 256:  # torch tells cuBLAS alignments up to 256 bytes
         flat = flat.clone(memory_format=torch.contiguous_format)
     n = flat.shape[0]
     full = n - n % block
-    blocks = list(flat[:full].split(block)) if full else []  # (splitting no rows gives one block)
-    if n % block:
-        blocks.append(torch.cat([flat[full:], flat.new_zeros((-n) % block, flat.shape[1])]))
+    tail = F.pad(flat[full:], (0, 0, 0, block - n % block)) if n % block else None
     if needs_grad(flat, matrix, bias) or torch.is_autocast_enabled(flat.device.type):
         # a trainer's forward: ``out=`` has no gradient and autocast skips it, so each block is its own product
+        blocks = [flat[i : i + block] for i in range(0, full, block)] + ([] if tail is None else [tail])
         products = [torch.addmm(bias, rows, matrix) if bias is not None else rows @ matrix for rows in blocks]
         return torch.cat(products)[:n].view(*x.shape[:-1], matrix.shape[1])
-    out = torch.empty(len(blocks) * block, matrix.shape[1], dtype=flat.dtype, device=flat.device)
-    merged = full // block if full > block > 1 and _one_product(flat[:full], matrix, bias, out[:full], block) else 0
-    for rows, rows_out in list(zip(blocks, out.split(block)))[merged:]:
-        _mm(rows, matrix, bias, rows_out)
+    out = torch.empty(full + (0 if tail is None else block), matrix.shape[1], dtype=flat.dtype, device=flat.device)
+    done = full if full > block > 1 and _one_product(flat[:full], matrix, bias, out[:full], block) else 0
+    for start in range(done, full, block):
+        _mm(flat[start : start + block], matrix, bias, out[start : start + block])
+    if tail is not None:
+        _mm(tail, matrix, bias, out[full:])
     return out[:n].view(*x.shape[:-1], matrix.shape[1])
 
 

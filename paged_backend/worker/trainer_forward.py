@@ -26,7 +26,7 @@ from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from paged_backend.kernels import triton
 from paged_backend.kernels.paged_attention import paged_attention_triton
-from paged_backend.worker.batch_invariant import BatchInvariantMode, attend_one, invariant_rms_norms
+from paged_backend.worker.batch_invariant import BatchInvariantMode, attend_one, invariant_rms_norms, outside_the_mode
 from paged_backend.worker.invariant_products import needs_grad
 from paged_backend.worker.invariant_siblings import packed_siblings
 
@@ -236,8 +236,10 @@ def exact_attention_forward(
             cu = _row_bounds(batch, length, query.device)
             query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], -1, dim) for x in (query, key, value))
         args = (query, key, value, cu, scale, sliding_window, softcap)
-        out = _InvariantAttention.apply(*args) if needs_grad(query, key, value) else _causal_attention_gpu(*args)
-        return out.view(batch, length, heads, dim), None
+        if needs_grad(query, key, value):
+            return _InvariantAttention.apply(*args).view(batch, length, heads, dim), None
+        with outside_the_mode():
+            return _causal_attention_gpu(*args).view(batch, length, heads, dim), None
     per_kv = heads // key.shape[1]
     keys = key.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()  # [B, L, H, D]
     values = value.transpose(1, 2).float().repeat_interleave(per_kv, dim=2).contiguous()
