@@ -99,18 +99,21 @@ def parity(model: torch.nn.Module, done: list[Rollout], exact: bool, batch: int)
 
 
 def trainer_seconds(
-    model: torch.nn.Module, done: list[Rollout], exact: bool, batch: int, repetitions: int
-) -> list[float]:
-    """Wall seconds of the trainer's no-grad forwards over every finished sequence (one pass untimed first)."""
-    times = []
+    model: torch.nn.Module, done: list[Rollout], batch: int, repetitions: int
+) -> dict[str, list[float]]:
+    """Wall seconds of the trainer's no-grad forwards over every finished sequence, plain (``default``) and under
+    ``batch_invariant_forward``: the two in turn, ``repetitions`` times (one pass of each untimed first), so that
+    a drift in the host's speed reaches both alike."""
+    times: dict[str, list[float]] = {"default": [], "batch_invariant_forward": []}
     for rep in range(repetitions + 1):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for chunk in batches(done, batch):
-            trainer_logprobs(model, chunk, exact)
-        torch.cuda.synchronize()
-        if rep:
-            times.append(time.perf_counter() - start)
+        for mode, exact in (("default", False), ("batch_invariant_forward", True)):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for chunk in batches(done, batch):
+                trainer_logprobs(model, chunk, exact)
+            torch.cuda.synchronize()
+            if rep:
+                times[mode].append(time.perf_counter() - start)
     return times
 
 
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try (the model: 32)")
-    parser.add_argument("--repetitions", type=int, default=3, help="timed passes of the trainer's forwards")
+    parser.add_argument("--repetitions", type=int, default=5, help="timed passes of the trainer's forwards")
     parser.add_argument("--trainer-batch", type=int, default=8, help="sequences in one trainer forward")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     args = parser.parse_args(argv)
@@ -142,10 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[name] = parity(model, done, False, args.trainer_batch)
         if invariant:  # the trainer under batch_invariant_forward, and what that costs it
             results[name + "_trainer_parity"] = parity(model, done, True, args.trainer_batch)
-            results["trainer_seconds"] = {
-                mode: trainer_seconds(model, done, exact, args.trainer_batch, args.repetitions)
-                for mode, exact in (("default", False), ("batch_invariant_forward", True))
-            }
+            results["trainer_seconds"] = trainer_seconds(model, done, args.trainer_batch, args.repetitions)
         logger.info("%s: %s", name, {k: v for k, v in results.items() if k.startswith(name) or k == "trainer_seconds"})
         write_json(args.json, results)
     return results

@@ -18,7 +18,8 @@ import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from paged_backend.kernels.ops import paged_attention, paged_attention_op, write_kv_cache, write_kv_cache_op
-from paged_backend.worker.batch_invariant import exact_attention, outside_the_mode
+from paged_backend.worker.batch_invariant import exact_attention
+from paged_backend.worker.invariant_modules import outside_the_mode
 
 ATTN_IMPLEMENTATION = "paged_backend"
 # Inside the engine's forward each attention module carries its layer's (k_cache, v_cache) under this name. Reading

@@ -25,7 +25,6 @@ operations whichever path its batch takes, sorts stably and takes top-p's runnin
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +37,7 @@ from transformers import PretrainedConfig
 from paged_backend.kernels import triton
 from paged_backend.kernels.rms_norm import rms_norm_triton
 from paged_backend.kernels.row_mean import row_mean_triton
+from paged_backend.worker.invariant_modules import outside_the_mode, run_outside_the_mode, same_code
 from paged_backend.worker.invariant_products import needs_grad, product_in_blocks, rows_in_blocks
 from paged_backend.worker.invariant_siblings import SiblingProducts
 
@@ -124,13 +124,6 @@ def check_batch_invariant_supported(model: torch.nn.Module, device: torch.device
         raise FieldError("batch_invariant", "batch_invariant on a GPU needs triton (its attention kernel)")
 
 
-def _same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
-    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    if code_a is None or code_b is None:
-        return False
-    return (code_a.co_code, code_a.co_consts, code_a.co_names) == (code_b.co_code, code_b.co_consts, code_b.co_names)
-
-
 def llama_rms_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's RMSNorm modules whose ``forward`` is HF Llama's, code for code (Mistral's, Qwen2's, Qwen3's and
     the other copies are), with a weight over the last dimension: those ``kernels/rms_norm.py`` computes."""
@@ -139,7 +132,7 @@ def llama_rms_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [
         m
         for m in model.modules()
-        if _same_code(type(m).forward, LlamaRMSNorm.forward)
+        if same_code(type(m).forward, LlamaRMSNorm.forward)
         and _norm_parts(m) is not None
         and "forward" not in m.__dict__  # a forward set on the instance (a hook, a patch) is not HF's
     ]
@@ -171,14 +164,6 @@ def fused_rms_norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torc
         return rms_norm_triton(hidden_states, *parts)
 
 
-def outside_the_mode() -> contextlib.AbstractContextManager[None]:
-    """A context for a kernel's launch inside ``BatchInvariantMode`` with no function the mode computes its own
-    way: the mode (any torch function override) sees none of the launch's tensor reads (every ``data_ptr``,
-    ``stride`` and ``dtype`` of every argument would otherwise be a Python call into the mode, several times the
-    launch's own cost where a small model's forward is bound by the host)."""
-    return torch._C.DisableTorchFunction()
-
-
 # The functions the mode computes its own way (norm_by_blocks' and the products below).
 INTERCEPTED = frozenset(
     (torch.mean, torch.Tensor.mean, F.layer_norm, F.rms_norm, F.linear, torch.addmm)
@@ -189,19 +174,36 @@ INTERCEPTED = frozenset(
 class BatchInvariantMode(TorchFunctionMode):
     """Inside: linear layers (and on a GPU the norms) computed by fixed blocks of rows (see the module's
     docstring); ``rms_norms`` (``llama_rms_norms``' modules, on a GPU) run ``kernels/rms_norm.py`` instead of
-    their own forward, which is put back on leaving; ``siblings``' packed groups run as one product each."""
+    their own forward; ``siblings``' packed groups run as one product each; ``outside`` (from
+    ``invariant_modules.modules_outside_the_mode``: modules, and the linear layers inside them) run with the
+    mode off, those linear layers computing as the mode computes ``F.linear``. Swapped forwards are put back on
+    leaving."""
 
-    def __init__(self, rms_norms: list[torch.nn.Module] | None = None, siblings: SiblingProducts | None = None) -> None:
+    def __init__(
+        self,
+        rms_norms: list[torch.nn.Module] | None = None,
+        siblings: SiblingProducts | None = None,
+        outside: tuple[list[torch.nn.Module], list[torch.nn.Linear]] = ([], []),
+    ) -> None:
         super().__init__()
         self.rms_norms = rms_norms or []
         self.siblings = siblings
-        self.swapped: list[torch.nn.Module] = []  # the norms this entry swapped, to put back on leaving
+        self.outside = outside
+        self.swapped: list[torch.nn.Module] = []  # the modules this entry swapped, to put back on leaving
 
     def __enter__(self) -> BatchInvariantMode:
+        modules, linears = self.outside
+        forwards: list[tuple[torch.nn.Module, Callable[..., Any]]] = [
+            *((m, functools.partial(fused_rms_norm, m)) for m in self.rms_norms),
+            *((m, functools.partial(self.linear_forward, m)) for m in linears),
+            *((m, functools.partial(run_outside_the_mode, m)) for m in modules),
+        ]
         # A module whose instance already has a forward (an enclosing mode's, or anyone's) keeps it.
-        self.swapped = [m for m in self.rms_norms if "forward" not in m.__dict__]
-        for module in self.swapped:
-            module.__dict__["forward"] = functools.partial(fused_rms_norm, module)
+        self.swapped = []
+        for module, forward in forwards:
+            if "forward" not in module.__dict__:
+                module.__dict__["forward"] = forward
+                self.swapped.append(module)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -211,6 +213,21 @@ class BatchInvariantMode(TorchFunctionMode):
         if self.siblings is not None:
             self.siblings.clear()
         super().__exit__(*exc)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` as the mode computes it (``x`` not empty)."""
+        block = block_rows(x)
+        product = functools.partial(product_in_blocks, block=block)
+        fused = None if self.siblings is None else self.siblings.product(x, weight, bias, product)
+        if fused is not None:
+            return fused
+        if block > 1:
+            return product(x, weight.t(), bias)
+        return rows_in_blocks(x, lambda row: F.linear(row, weight, bias), 1)
+
+    def linear_forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """An ``nn.Linear``'s forward inside a module that runs outside the mode."""
+        return self.linear(x, module.weight, module.bias) if x.numel() else F.linear(x, module.weight, module.bias)
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -223,15 +240,7 @@ class BatchInvariantMode(TorchFunctionMode):
             if normed is not None:
                 return normed
         if func is F.linear and len(args) >= 2 and args[0].numel():
-            x, weight, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
-            block = block_rows(x)
-            product = functools.partial(product_in_blocks, block=block)
-            fused = None if self.siblings is None else self.siblings.product(x, weight, bias, product)
-            if fused is not None:
-                return fused
-            if block > 1:
-                return product(x, weight.t(), bias)
-            return rows_in_blocks(x, lambda row: F.linear(row, weight, bias), 1)
+            return self.linear(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"))
         if func is torch.addmm and not kwargs and len(args) == 3 and args[1].numel():
             bias, x, weight = args
             if block_rows(x) > 1:

@@ -26,7 +26,8 @@ from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from paged_backend.kernels import triton
 from paged_backend.kernels.paged_attention import paged_attention_triton
-from paged_backend.worker.batch_invariant import BatchInvariantMode, attend_one, invariant_rms_norms, outside_the_mode
+from paged_backend.worker.batch_invariant import BatchInvariantMode, attend_one, invariant_rms_norms
+from paged_backend.worker.invariant_modules import modules_outside_the_mode, outside_the_mode
 from paged_backend.worker.invariant_products import needs_grad
 from paged_backend.worker.invariant_siblings import packed_siblings
 
@@ -294,8 +295,10 @@ def batch_invariant_forward(model: torch.nn.Module) -> Iterator[None]:
         c._attn_implementation_internal = EXACT_ATTENTION
     device = next(model.parameters()).device
     hooks = [m.register_forward_pre_hook(_new_forward) for m in model.modules() if isinstance(m, PreTrainedModel)]
+    norms = invariant_rms_norms(model, device)
+    outside = modules_outside_the_mode(model, norms, EXACT_ATTENTION)
     try:
-        with BatchInvariantMode(invariant_rms_norms(model, device), packed_siblings(model)):
+        with BatchInvariantMode(norms, packed_siblings(model), outside):
             yield
     finally:
         for hook in hooks:

@@ -1,0 +1,125 @@
+"""HF Llama's decoder layers, attentions and MLPs, and their copies (Mistral's and Qwen2's layers and MLPs; their
+attentions pass a sliding window, other code), run outside ``BatchInvariantMode``.
+
+Inside the mode every torch call, and every read of a tensor's attributes, is a Python call into the mode. A small
+model's forward is bound by the host, and a trainer's packed forward of a 135M model pays about a fifth more for
+ops that the mode passes through untouched. These modules' forwards, code for code HF Llama's, reach the
+functions the mode computes its own way only through their children: plain linear layers (run as the mode runs
+``F.linear``, their forward swapped for that), the RMSNorms the mode already swaps, an activation, and each other.
+So the mode is switched off inside them, and nothing changes but the host's time. Anything else keeps a module
+inside the mode: a hook, a forward set on the instance, a child of another kind, an attention implementation
+other than the one the caller names, rotary helpers that are not Llama's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import activations
+from transformers.models.llama import modeling_llama as llama
+
+# The forwards known to reach the mode's functions only through their children.
+KNOWN = (llama.LlamaDecoderLayer.forward, llama.LlamaAttention.forward, llama.LlamaMLP.forward)
+ATTENTION = llama.LlamaAttention.forward
+ROTARY = ("apply_rotary_pos_emb", "rotate_half")  # the attention's helpers, looked up in its module's globals
+ACTIVATIONS = (nn.SiLU, nn.GELU, activations.SiLUActivation, activations.GELUActivation, activations.GELUTanh)
+
+
+def same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
+    """Whether two functions run the same code: their own, and that of what their decorators wrap."""
+    codes = []
+    for f in (a, b):
+        code, inner = getattr(f, "__code__", None), getattr(inspect.unwrap(f), "__code__", None)
+        if code is None or inner is None:
+            return False
+        codes.append([(c.co_code, c.co_consts, c.co_names) for c in (code, inner)])
+    return codes[0] == codes[1]
+
+
+def _hookless(module: nn.Module) -> bool:
+    """No hook of its own and no forward set on the instance: its call is its class's forward."""
+    return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+class _Finder:
+    """Which of a model's modules run outside the mode, for the norms the mode swaps and the attention
+    implementation the model's configs name."""
+
+    def __init__(self, norms: list[nn.Module], attention: str) -> None:
+        self.norms = {id(m) for m in norms}
+        self.attention = attention
+        self.known: dict[type, bool] = {}  # class -> whether its forward (and rotary helpers) are Llama's
+        self.verdicts: dict[int, bool] = {}
+
+    def _known_class(self, cls: type) -> bool:
+        if cls not in self.known:
+            forward = cls.forward  # type: ignore[attr-defined]
+            ok = any(same_code(forward, k) for k in KNOWN)
+            if ok and same_code(forward, ATTENTION):
+                helpers = inspect.unwrap(forward).__globals__
+                ok = all(callable(helpers.get(n)) and same_code(helpers[n], getattr(llama, n)) for n in ROTARY)
+            self.known[cls] = ok
+        return self.known[cls]
+
+    def _attends_otherwise(self, module: nn.Module) -> bool:
+        """An attention module whose config names another implementation than the caller's."""
+        config = getattr(module, "config", None)
+        return same_code(type(module).forward, ATTENTION) and getattr(config, "_attn_implementation", None) != (
+            self.attention
+        )
+
+    def outside(self, module: nn.Module) -> bool:
+        """Whether ``module`` may run outside the mode (its children too, or the kinds it may hold)."""
+        key = id(module)
+        if key not in self.verdicts:
+            self.verdicts[key] = (
+                _hookless(module)
+                and self._known_class(type(module))
+                and not self._attends_otherwise(module)
+                and all(self._child(c) for c in module.children())
+            )
+        return self.verdicts[key]
+
+    def _child(self, child: nn.Module) -> bool:
+        if type(child) is nn.Linear or type(child) in ACTIVATIONS:
+            return _hookless(child)
+        return id(child) in self.norms or self.outside(child)
+
+
+def modules_outside_the_mode(
+    model: nn.Module, norms: list[nn.Module], attention: str
+) -> tuple[list[nn.Module], list[nn.Linear]]:
+    """(the outermost modules of ``model`` that run outside the mode, the linear layers inside them): ``norms``
+    are the RMSNorms the mode swaps, ``attention`` the attention implementation the model runs. None where any
+    global module hook is set (it would run inside those modules)."""
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return [], []
+    finder = _Finder(norms, attention)
+    outermost: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():  # parents before their children
+        if id(module) not in inside and finder.outside(module):
+            outermost.append(module)
+            inside.update(id(m) for m in module.modules())
+    linears = [m for top in outermost for m in top.modules() if type(m) is nn.Linear]
+    return outermost, linears
+
+
+def outside_the_mode() -> contextlib.AbstractContextManager[None]:
+    """A context for a kernel's launch inside ``BatchInvariantMode`` with no function the mode computes its own
+    way: the mode (any torch function override) sees none of the launch's tensor reads (every ``data_ptr``,
+    ``stride`` and ``dtype`` of every argument would otherwise be a Python call into the mode, several times the
+    launch's own cost where a small model's forward is bound by the host)."""
+    return torch._C.DisableTorchFunction()
+
+
+def run_outside_the_mode(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s class forward outside the mode (the swapped forward of an outermost module)."""
+    with outside_the_mode():
+        return type(module).forward(module, *args, **kwargs)
