@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import logging
 import statistics
 import sys
@@ -117,6 +118,41 @@ def trainer_seconds(
     return times
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """The share of sampled tokens whose logprob equals the trainer's, per pairing, and the trainer's forward
+    seconds plain and under ``batch_invariant_forward`` (median, the spread as a bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = {
+        "default → HF": "paged",
+        "invariant → HF": "paged_invariant",
+        "invariant → parity": "paged_invariant_trainer_parity",
+    }
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    shown = {label: results[key] for label, key in pairs.items() if key in results}
+    bars = left.bar(list(shown), [100 * r["equal_share"] for r in shown.values()], color="tab:green")
+    left.bar_label(bars, labels=[f"max |Δ| {r['max_abs']:.2g}" for r in shown.values()], fontsize=8)
+    left.set_ylabel("sampled tokens, logprob equal (%)")
+    left.set_ylim(0, 115)
+    seconds = results.get("trainer_seconds", {})
+    medians = [statistics.median(seconds[m]) for m in seconds]
+    spread = [
+        [m - min(seconds[k]) for m, k in zip(medians, seconds)],
+        [max(seconds[k]) - m for m, k in zip(medians, seconds)],
+    ]
+    bars = right.bar(list(seconds), medians, yerr=spread, capsize=4, color=["tab:gray", "tab:green"][: len(seconds)])
+    right.bar_label(bars, fmt="%.3f s", fontsize=8)
+    right.set_ylabel("trainer's forwards, seconds")
+    if len(medians) == 2:
+        right.set_title(f"parity / plain: {medians[1] / medians[0]:.2f}×", fontsize=9)
+    fig.suptitle(f"{results.get('model', '')} {results['machine']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=("8b", "smollm2"), default="8b",
@@ -127,10 +163,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repetitions", type=int, default=5, help="timed passes of the trainer's forwards")
     parser.add_argument("--trainer-batch", type=int, default=8, help="sequences in one trainer forward")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the shares and the trainer's times here")
+    parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this results file")
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        loaded: dict[str, Any] = json.loads(args.replot.read_text())
+        if args.plot is None:
+            parser.error("--replot needs --plot")
+        plot(loaded, args.plot)
+        return loaded
     model = build_model(args.num_layers) if args.model == "8b" else trained_model(args.model)
     vocab = model.config.vocab_size
     results: dict[str, Any] = {
+        "model": "8B shape, random normal" if args.model == "8b" else "SmolLM2-135M-Instruct",
         "machine": torch.cuda.get_device_name(),
         "versions": versions(),
         "command": "python " + " ".join(sys.argv),
@@ -148,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["trainer_seconds"] = trainer_seconds(model, done, args.trainer_batch, args.repetitions)
         logger.info("%s: %s", name, {k: v for k, v in results.items() if k.startswith(name) or k == "trainer_seconds"})
         write_json(args.json, results)
+    if args.plot is not None:
+        plot(results, args.plot)
     return results
 
 

@@ -516,7 +516,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
+    parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this results file")
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        loaded: dict[str, Any] = json.loads(args.replot.read_text())
+        if args.plot is None:
+            parser.error("--replot needs --plot")
+        plot(loaded, args.plot)
+        return loaded
     workloads = args.workload.split(",")
     backends = args.backends.split(",")
     known_backends = {
