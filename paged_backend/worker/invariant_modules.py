@@ -14,6 +14,7 @@ other than the one the caller names, rotary helpers that are not Llama's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,13 @@ ACTIVATIONS = (nn.SiLU, nn.GELU, activations.SiLUActivation, activations.GELUAct
 
 
 def same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
-    """Whether two functions run the same code: their own, and that of what their decorators wrap."""
+    """Whether two functions run the same code: their own, and that of what their decorators wrap. The verdict is
+    kept for the pair of function objects (a class whose forward is patched has another function)."""
+    return _same_code(a, b)
+
+
+@functools.cache
+def _same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
     codes = []
     for f in (a, b):
         code, inner = getattr(f, "__code__", None), getattr(inspect.unwrap(f), "__code__", None)
@@ -46,6 +53,21 @@ def _hookless(module: nn.Module) -> bool:
     return not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
+@functools.cache
+def _known(forward: Callable[..., Any]) -> str | None:
+    """Which of ``KNOWN`` ``forward`` is, by code: "attention", "other" or ``None`` (the verdict kept for the
+    function object: a patched forward is another)."""
+    if not any(same_code(forward, k) for k in KNOWN):
+        return None
+    return "attention" if same_code(forward, ATTENTION) else "other"
+
+
+def _rotary_is_llamas(forward: Callable[..., Any]) -> bool:
+    """Whether the rotary helpers an attention's forward finds in its module's globals (now) are Llama's."""
+    helpers = inspect.unwrap(forward).__globals__
+    return all(callable(helpers.get(n)) and same_code(helpers[n], getattr(llama, n)) for n in ROTARY)
+
+
 class _Finder:
     """Which of a model's modules run outside the mode, for the norms the mode swaps and the attention
     implementation the model's configs name."""
@@ -53,37 +75,18 @@ class _Finder:
     def __init__(self, norms: list[nn.Module], attention: str) -> None:
         self.norms = {id(m) for m in norms}
         self.attention = attention
-        self.known: dict[type, bool] = {}  # class -> whether its forward (and rotary helpers) are Llama's
-        self.verdicts: dict[int, bool] = {}
-
-    def _known_class(self, cls: type) -> bool:
-        if cls not in self.known:
-            forward = cls.forward  # type: ignore[attr-defined]
-            ok = any(same_code(forward, k) for k in KNOWN)
-            if ok and same_code(forward, ATTENTION):
-                helpers = inspect.unwrap(forward).__globals__
-                ok = all(callable(helpers.get(n)) and same_code(helpers[n], getattr(llama, n)) for n in ROTARY)
-            self.known[cls] = ok
-        return self.known[cls]
-
-    def _attends_otherwise(self, module: nn.Module) -> bool:
-        """An attention module whose config names another implementation than the caller's."""
-        config = getattr(module, "config", None)
-        return same_code(type(module).forward, ATTENTION) and getattr(config, "_attn_implementation", None) != (
-            self.attention
-        )
 
     def outside(self, module: nn.Module) -> bool:
         """Whether ``module`` may run outside the mode (its children too, or the kinds it may hold)."""
-        key = id(module)
-        if key not in self.verdicts:
-            self.verdicts[key] = (
-                _hookless(module)
-                and self._known_class(type(module))
-                and not self._attends_otherwise(module)
-                and all(self._child(c) for c in module.children())
-            )
-        return self.verdicts[key]
+        forward = type(module).forward
+        kind = _known(forward)
+        if kind is None or not _hookless(module):
+            return False
+        if kind == "attention":  # Llama's rotary helpers and the caller's attention implementation
+            config = getattr(module, "config", None)
+            if not _rotary_is_llamas(forward) or getattr(config, "_attn_implementation", None) != self.attention:
+                return False
+        return all(self._child(c) for c in module.children())
 
     def _child(self, child: nn.Module) -> bool:
         if type(child) is nn.Linear or type(child) in ACTIVATIONS:
@@ -102,12 +105,15 @@ def modules_outside_the_mode(
         return [], []
     finder = _Finder(norms, attention)
     outermost: list[nn.Module] = []
-    inside: set[int] = set()
-    for module in model.modules():  # parents before their children
-        if id(module) not in inside and finder.outside(module):
+    linears: list[nn.Linear] = []
+    pending = [model]
+    while pending:  # parents before their children; a module outside holds its subtree
+        module = pending.pop()
+        if finder.outside(module):
             outermost.append(module)
-            inside.update(id(m) for m in module.modules())
-    linears = [m for top in outermost for m in top.modules() if type(m) is nn.Linear]
+            linears += [m for m in module.modules() if type(m) is nn.Linear]
+        else:
+            pending += reversed(list(module.children()))
     return outermost, linears
 
 
