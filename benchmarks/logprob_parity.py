@@ -4,7 +4,8 @@ same bf16 model: right-padded rows with their attention mask, or packed into one
 ``batch_invariant=True`` against HF's plain forward, and ``batch_invariant=True`` against the forward under
 ``batch_invariant_forward`` (``paged_invariant_trainer_parity``: equal to the bit is the goal). What an RL trainer's
 importance ratio sees: per token, ``exp(engine - trainer)`` should be 1. Also the trainer's forwards' wall time,
-plain and under ``batch_invariant_forward``.
+plain and under ``batch_invariant_forward`` (entered once for a pass's forwards, as the TRL integration's scoring
+does).
 
     python benchmarks/logprob_parity.py --json benchmarks/results/logprob_parity_<card>_<commit>.json
     python benchmarks/logprob_parity.py --model smollm2 --json benchmarks/results/logprob_parity_smollm2_<card>.json
@@ -15,6 +16,7 @@ Sampled rollouts (temperature 1, a seed per request), W1-like prompts that no ot
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -40,15 +42,21 @@ Rollout = tuple[list[int], list[int], list[float]]  # prompt, sampled tokens, th
 
 
 @torch.inference_mode()
-def trainer_logprobs(model: torch.nn.Module, batch: list[Rollout], exact: bool) -> list[list[float]]:
-    """Each completion's tokens' logprobs from one no-grad forward over the batch's sequences (fp32 log-softmax of
-    the model's logits, as trainers compute them): right-padded rows with their attention mask, or, ``exact``,
-    packed into one row under ``batch_invariant_forward``."""
+def trainer_logprobs(model: torch.nn.Module, done: list[Rollout], exact: bool, size: int) -> list[list[float]]:
+    """Each completion's tokens' logprobs from the trainer's no-grad forwards over ``size`` sequences at a time
+    (fp32 log-softmax of the model's logits, as trainers compute them): right-padded rows with their attention
+    mask, or, ``exact``, each batch packed into one row, every forward inside one ``batch_invariant_forward`` (as
+    ``integrations.trl.parity_logprobs`` scores a TRL batch)."""
+    with batch_invariant_forward(model) if exact else contextlib.nullcontext():
+        return [logps for batch in batches(done, size) for logps in _batch_logprobs(model, batch, exact)]
+
+
+def _batch_logprobs(model: torch.nn.Module, batch: list[Rollout], exact: bool) -> list[list[float]]:
+    """One forward over ``batch``'s sequences; each completion's tokens' logprobs."""
     device = next(model.parameters()).device
     sequences = [torch.tensor(prompt + tokens, device=device) for prompt, tokens, _ in batch]
     if exact:
-        with batch_invariant_forward(model):
-            logits = model(**pack_sequences(sequences)).logits[0]
+        logits = model(**pack_sequences(sequences)).logits[0]
         starts = [0, *itertools.accumulate(len(s) for s in sequences)]
         rows = [logits[start : start + len(s)] for start, s in zip(starts, sequences)]
     else:
@@ -85,9 +93,8 @@ def rollouts(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Rollou
 def parity(model: torch.nn.Module, done: list[Rollout], exact: bool, batch: int) -> dict[str, Any]:
     """The engine's sampled logprobs against ``trainer_logprobs``, over every generated token."""
     diffs: list[float] = []
-    for chunk in batches(done, batch):
-        for (_, _, ours), theirs in zip(chunk, trainer_logprobs(model, chunk, exact)):
-            diffs += [a - b for a, b in zip(ours, theirs)]
+    for (_, _, ours), theirs in zip(done, trainer_logprobs(model, done, exact, batch)):
+        diffs += [a - b for a, b in zip(ours, theirs)]
     magnitudes = sorted(abs(d) for d in diffs)
     return {
         "tokens": len(diffs),
@@ -110,8 +117,7 @@ def trainer_seconds(
         for mode, exact in (("default", False), ("batch_invariant_forward", True)):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            for chunk in batches(done, batch):
-                trainer_logprobs(model, chunk, exact)
+            trainer_logprobs(model, done, exact, batch)
             torch.cuda.synchronize()
             if rep:
                 times[mode].append(time.perf_counter() - start)

@@ -59,7 +59,7 @@ class SiblingProducts:
         width = weight.shape[1]
         matrix = torch.as_strided(weight, (sum(sizes), width), (width, 1))  # the packed buffer runs on
         fused_bias = None if bias is None else torch.as_strided(bias, (sum(sizes),), (1,))
-        parts = product(x, matrix.t(), fused_bias).split(sizes, dim=-1)
+        parts = product(x, matrix.t(), fused_bias).split_with_sizes(sizes, dim=-1)
         for sibling, part in zip(weights[1:], parts[1:]):
             self.pending[id(sibling)] = (x, part)
         return parts[0]
