@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import logging
 import statistics
 import sys
@@ -30,7 +29,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import build_model, release_engine, trained_model, versions, w1_prompts, write_json  # noqa: E402
+from throughput import (  # noqa: E402
+    add_plot_arguments,
+    build_model,
+    release_engine,
+    replotted,
+    run_header,
+    trained_model,
+    w1_prompts,
+    write_json,
+)
 
 from paged_backend import LLM, SamplingParams, batch_invariant_forward  # noqa: E402
 from paged_backend.worker.trainer_forward import pack_sequences  # noqa: E402
@@ -169,23 +177,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repetitions", type=int, default=5, help="timed passes of the trainer's forwards")
     parser.add_argument("--trainer-batch", type=int, default=8, help="sequences in one trainer forward")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
-    parser.add_argument("--plot", type=Path, default=None, help="draw the shares and the trainer's times here")
-    parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this results file")
+    add_plot_arguments(parser, "the shares and the trainer's times")
     args = parser.parse_args(argv)
-    if args.replot is not None:
-        loaded: dict[str, Any] = json.loads(args.replot.read_text())
-        if args.plot is None:
-            parser.error("--replot needs --plot")
-        plot(loaded, args.plot)
+    if (loaded := replotted(parser, args, plot)) is not None:
         return loaded
     model = build_model(args.num_layers) if args.model == "8b" else trained_model(args.model)
     vocab = model.config.vocab_size
-    results: dict[str, Any] = {
-        "model": "8B shape, random normal" if args.model == "8b" else "SmolLM2-135M-Instruct",
-        "machine": torch.cuda.get_device_name(),
-        "versions": versions(),
-        "command": "python " + " ".join(sys.argv),
-    }
+    results: dict[str, Any] = {"model": "8B shape, random normal" if args.model == "8b" else "SmolLM2-135M-Instruct"}
+    results.update(run_header(argv))
     prompts = w1_prompts(vocab, args.num_prompts, seed=300)
     for name, invariant in (("paged", False), ("paged_invariant", True)):
         llm = LLM(model, batch_invariant=invariant, skip_tokenizer_init=True)

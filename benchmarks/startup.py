@@ -76,16 +76,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.child:
         child()
         return {}
-    import torch
-    from throughput import versions, write_json
+    from throughput import run_header, write_json
 
-    results: dict[str, Any] = {
-        "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "versions": versions(),
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d"),
-        "runs": {},
-    }
+    results: dict[str, Any] = {**run_header(argv), "runs": {}}
     runs: dict[str, list[dict[str, float]]] = results["runs"]
     cases = args.cases.split(",")
     for _ in range(args.repeats):

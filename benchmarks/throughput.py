@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,35 @@ def benchmark_config(shape: dict[str, Any] = MODEL_CONFIG, num_layers: int | Non
     config = LlamaConfig(**{**shape, "num_hidden_layers": num_layers or shape["num_hidden_layers"]})
     config.eos_token_id = config.bos_token_id = config.pad_token_id = None
     return config
+
+
+def run_header(argv: list[str] | None) -> dict[str, Any]:
+    """What every results file opens with: the machine, the versions, the command that wrote it, the date."""
+    return {
+        "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": versions(),
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def add_plot_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--plot PNG`` (``what`` the figure shows) and ``--replot JSON`` (draw it from an earlier run, no run)."""
+    parser.add_argument("--plot", type=Path, default=None, help=f"draw {what} here")
+    parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this results file")
+
+
+def replotted(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, plot: Callable[[dict[str, Any], Path], None]
+) -> dict[str, Any] | None:
+    """With ``--replot``: the earlier run's results, their figure drawn to ``--plot``; ``None``: run."""
+    if args.replot is None:
+        return None
+    if args.plot is None:
+        parser.error("--replot needs --plot")
+    loaded: dict[str, Any] = json.loads(args.replot.read_text())
+    plot(loaded, args.plot)
+    return loaded
 
 
 def write_json(path: Path | None, results: dict[str, Any]) -> None:
@@ -515,14 +545,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--profile-w2", action="store_true", help="each paged engine's GPU kernels per step of a W2-shaped run"
     )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
-    parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this results file")
+    add_plot_arguments(parser, "a bar chart")
     args = parser.parse_args(argv)
-    if args.replot is not None:
-        loaded: dict[str, Any] = json.loads(args.replot.read_text())
-        if args.plot is None:
-            parser.error("--replot needs --plot")
-        plot(loaded, args.plot)
+    if (loaded := replotted(parser, args, plot)) is not None:
         return loaded
     workloads = args.workload.split(",")
     backends = args.backends.split(",")
@@ -536,13 +561,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     model = build_model(args.num_layers) if args.model is None else trained_model(args.model)
     vocab = model.config.vocab_size
-    results: dict[str, Any] = {
-        "model": args.model or "Llama-3-8B shape, random normal(0, 0.02) bf16",
-        "machine": torch.cuda.get_device_name(),
-        "versions": versions(),
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d"),
-    }
+    results: dict[str, Any] = {"model": args.model or "Llama-3-8B shape, random normal(0, 0.02) bf16"}
+    results.update(run_header(argv))
 
     def save() -> None:
         write_json(args.json, results)

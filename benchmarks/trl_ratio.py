@@ -16,12 +16,10 @@ correction). ``--tiny`` runs a two-layer model on any device, to check the scrip
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import versions, write_json  # noqa: E402
+from throughput import add_plot_arguments, replotted, run_header, write_json  # noqa: E402
 from trl_rollouts import build_policy, word_tokenizer  # noqa: E402
 
 from paged_backend.integrations.trl import use_paged_backend  # noqa: E402
@@ -125,24 +123,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of the GPU")
     parser.add_argument("--tiny", action="store_true", help="a two-layer model: check the script on any device")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
-    parser.add_argument("--plot", type=Path, default=None, help="draw the shares here")
-    parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this results file")
+    add_plot_arguments(parser, "the shares")
     args = parser.parse_args(argv)
-    if args.replot is not None:
-        loaded: dict[str, Any] = json.loads(args.replot.read_text())
-        if args.plot is not None:
-            plot(loaded, args.plot)
+    if (loaded := replotted(parser, args, plot)) is not None:
         return loaded
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = TINY if args.tiny else POLICY
-    results: dict[str, Any] = {
-        "machine": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "versions": versions(),
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d"),
-        "policy": shape,
-        "ratios": {},
-    }
+    results: dict[str, Any] = {**run_header(argv), "policy": shape, "ratios": {}}
     for name, parity in (("batch_invariant=True", True), ("default", False)):
         results["ratios"][name] = ratios(args, shape, device, parity)
         write_json(args.json, results)
