@@ -102,3 +102,30 @@ def test_a_linear_layer_outside_the_mode_computes_as_the_mode_computes_f_linear(
         empty = linear(x[:, :0])
     assert torch.equal(swapped, via_mode) and empty.shape == (2, 0, 24)
     assert "forward" not in linear.__dict__
+
+
+def test_tensor_subclasses_keep_their_module_inside_the_mode() -> None:
+    """A projection whose weight is a tensor subclass (its torch function must run) keeps its attention inside the
+    mode; an input that is a subclass runs the layer inside the mode for that call."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    model = exact_attention(build_tiny_model("llama", vocab_size=512))
+    norms = llama_rms_norms(model)
+    proj = model.model.layers[0].self_attn.q_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach().as_subclass(Tagged))
+    outermost, _ = modules_outside_the_mode(model, norms, EXACT)
+    assert names(model, outermost) == ["model.layers.0.mlp", "model.layers.1"]
+
+    seen = []
+
+    class Watch(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch._C._is_torch_function_enabled())
+            return x + 1
+
+    watch = Watch()
+    invariant_modules.run_outside_the_mode(watch, torch.zeros(2))
+    invariant_modules.run_outside_the_mode(watch, torch.zeros(2).as_subclass(Tagged))
+    assert seen == [False, True]

@@ -89,7 +89,10 @@ class _Finder:
         return all(self._child(c) for c in module.children())
 
     def _child(self, child: nn.Module) -> bool:
-        if type(child) is nn.Linear or type(child) in ACTIVATIONS:
+        if type(child) is nn.Linear:  # plain parameters: a subclass's torch function would be skipped
+            plain = all(type(p) is nn.Parameter for p in child.parameters(recurse=False))
+            return plain and _hookless(child)
+        if type(child) in ACTIVATIONS:
             return _hookless(child)
         return id(child) in self.norms or self.outside(child)
 
@@ -126,6 +129,10 @@ def outside_the_mode() -> contextlib.AbstractContextManager[None]:
 
 
 def run_outside_the_mode(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``module``'s class forward outside the mode (the swapped forward of an outermost module)."""
+    """``module``'s class forward outside the mode (the swapped forward of an outermost module); inside it where
+    an input is a tensor subclass (whose own torch function must run)."""
+    inputs = (*args, *kwargs.values())
+    if any(isinstance(x, torch.Tensor) and type(x) is not torch.Tensor for x in inputs):
+        return type(module).forward(module, *args, **kwargs)
     with outside_the_mode():
         return type(module).forward(module, *args, **kwargs)
