@@ -2,13 +2,13 @@
 attentions pass a sliding window, other code), run outside ``BatchInvariantMode``.
 
 Inside the mode every torch call, and every read of a tensor's attributes, is a Python call into the mode. A small
-model's forward is bound by the host, and a trainer's packed forward of a 135M model pays about a fifth more for
-ops that the mode passes through untouched. These modules' forwards, code for code HF Llama's, reach the
-functions the mode computes its own way only through their children: plain linear layers (run as the mode runs
-``F.linear``, their forward swapped for that), the RMSNorms the mode already swaps, an activation, and each other.
-So the mode is switched off inside them, and nothing changes but the host's time. Anything else keeps a module
-inside the mode: a hook, a forward set on the instance, a child of another kind, an attention implementation
-other than the one the caller names, rotary helpers that are not Llama's.
+model's forward is bound by the host, which then pays for every op that the mode passes through untouched. These
+modules' forwards, code for code HF Llama's, reach the functions the mode computes its own way only through their
+children: plain linear layers (run as the mode runs ``F.linear``, their forward swapped for that), the RMSNorms the
+mode already swaps, an activation, and each other. So the mode is switched off inside them, and nothing changes
+but the host's time. Anything else keeps a module inside the mode: a hook, a forward set on the instance, a child
+of another kind, a tensor subclass, an attention implementation other than the one the caller names, rotary
+helpers that are not Llama's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from transformers.models.llama import modeling_llama as llama
 KNOWN = (llama.LlamaDecoderLayer.forward, llama.LlamaAttention.forward, llama.LlamaMLP.forward)
 ATTENTION = llama.LlamaAttention.forward
 ROTARY = ("apply_rotary_pos_emb", "rotate_half")  # the attention's helpers, looked up in its module's globals
-ACTIVATIONS = (nn.SiLU, nn.GELU, activations.SiLUActivation, activations.GELUActivation, activations.GELUTanh)
+# Elementwise activations (those this transformers version has)
+_ELEMENTWISE = ("SiLUActivation", "GELUActivation", "GELUTanh")
+ACTIVATIONS = (nn.SiLU, nn.GELU) + tuple(getattr(activations, n) for n in _ELEMENTWISE if hasattr(activations, n))
 
 
 def same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
