@@ -310,21 +310,26 @@ def test_blocks_of_rows_under_autocast_give_autocast_dtypes() -> None:
             torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("copied", [True, False], ids=["input_copied_whole", "tail_alone"])
 @pytest.mark.parametrize("kernel", ["rows_alone", "rows_depend_on_the_row_count"])
 def test_whole_blocks_run_as_one_product_only_where_it_gives_each_row_its_blocks_bits(
-    monkeypatch: pytest.MonkeyPatch, kernel: str
+    monkeypatch: pytest.MonkeyPatch, kernel: str, copied: bool
 ) -> None:
     """The whole blocks of a product run as one product where a check on the key's first call found that to give
-    each row the bits of its own block's product; else, and for the last partial block, block by block. Either
-    way every row has its block's bits, on the first call and on later ones. Two simulated kernels: one computing
-    each row alone (one product is then right) and one that sums in another order above one block's row count,
-    which shows only where a sum is not zero. The first call's weight is zeros (a freshly initialised layer),
-    on which both orders agree: the check runs on random values, so it is not fooled."""
+    each row the bits of its own block's product; else block by block. A small input is copied whole with its
+    last block padded, which then joins the product; a large one (``COPY_BYTES`` 0 here) pads its last block
+    alone, a product of its own. Either way every row has its block's bits, on the first call and on later
+    ones. Two simulated kernels: one computing each row alone (one product is then right) and one that sums in
+    another order above one block's row count, which shows only where a sum is not zero. The first call's weight
+    is zeros (a freshly initialised layer), on which both orders agree: the check runs on random values, so it
+    is not fooled."""
     from paged_backend.worker import invariant_products
     from paged_backend.worker.invariant_products import product_in_blocks
 
     verdicts: dict[tuple[object, ...], bool] = {}
     monkeypatch.setattr(invariant_products, "ONE_PRODUCT", verdicts)
+    if not copied:
+        monkeypatch.setattr(invariant_products, "COPY_BYTES", 0)
     real_mm, calls = torch.mm, []
 
     def product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -355,8 +360,10 @@ def test_whole_blocks_run_as_one_product_only_where_it_gives_each_row_its_blocks
                 patched.setattr(torch, "addmm", addmm)
                 got = product_in_blocks(x, weight.t(), b, 4)
             assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), (b is None, trial)
-            check = [16, 4, 4, 4, 4] if trial == 0 else []  # one product and its blocks, on random values
-            assert calls == check + ([16, 4] if merged else [4] * 5)  # then the call itself, and its tail
+            whole = 20 if copied else 16  # the rows one product may cover: the padded tail too, or not
+            check = [whole] + [4] * (whole // 4) if trial == 0 else []  # one product and its blocks, random values
+            call = [whole] if merged else [4] * (whole // 4)
+            assert calls == check + call + ([] if copied else [4])  # then the call itself (and its tail alone)
     assert list(verdicts.values()) == [merged] * 2  # with and without a bias: two kernels
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 # its block's bits
 ONE_PRODUCT: dict[tuple[object, ...], bool] = {}
 CHECK_BYTES = 512 * 2**20  # the largest product (or matrix) a check makes; larger ones run on blocks
+COPY_BYTES = 16 * 2**20  # the largest input copied whole to pad its last block (one product, not two)
 
 
 def rows_in_blocks(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], block: int) -> torch.Tensor:
@@ -48,23 +49,30 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 def product_in_blocks(x: torch.Tensor, matrix: torch.Tensor, bias: torch.Tensor | None, block: int) -> torch.Tensor:
     """``x`` [..., K] @ ``matrix`` [K, N] (+ ``bias``), every row with the bits of a ``block``-row product. The
-    whole blocks are read in place (made contiguous and 256-byte aligned where they are not) and run as one
-    product where ``ONE_PRODUCT`` found that equal, else a product a block, each written straight into its rows
-    of one fresh output; only the last partial block is copied, to pad it with zeros. Blocks are sliced only
-    where they run alone, and the host's operations are few: a trainer's packed forward makes hundreds of these
-    calls, each bound by the host."""
+    whole blocks run as one product where ``ONE_PRODUCT`` found that equal, else a product a block, each written
+    straight into its rows of one fresh output. A last partial block is padded with zeros: up to ``COPY_BYTES``
+    the input is copied whole with its padding, so that it too joins the one product; a larger one is read in
+    place (made contiguous and 256-byte aligned where it is not) and only its last block copied. Blocks are
+    sliced only where they run alone, and the host's operations are few: a trainer's packed forward makes
+    hundreds of these calls, each bound by the host."""
     flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_contiguous() or flat.data_ptr() % 256:  # torch tells cuBLAS alignments up to 256 bytes
-        flat = flat.clone(memory_format=torch.contiguous_format)
     n = flat.shape[0]
-    full = n - n % block
-    tail = F.pad(flat[full:], (0, 0, 0, block - n % block)) if n % block else None
+    rows = -(-n // block) * block
+    tail = None  # the last block, padded, where it is not in ``flat``
+    if rows != n and flat.numel() * flat.element_size() <= COPY_BYTES:
+        flat = F.pad(flat, (0, 0, 0, rows - n))  # fresh and aligned: every block whole
+    else:
+        if not flat.is_contiguous() or flat.data_ptr() % 256:  # torch tells cuBLAS alignments up to 256 bytes
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        if rows != n:
+            tail = F.pad(flat[n - n % block :], (0, 0, 0, rows - n))
+    full = rows if tail is None else rows - block
     if needs_grad(flat, matrix, bias) or torch.is_autocast_enabled(flat.device.type):
         # a trainer's forward: ``out=`` has no gradient and autocast skips it, so each block is its own product
         blocks = [flat[i : i + block] for i in range(0, full, block)] + ([] if tail is None else [tail])
-        products = [torch.addmm(bias, rows, matrix) if bias is not None else rows @ matrix for rows in blocks]
+        products = [torch.addmm(bias, part, matrix) if bias is not None else part @ matrix for part in blocks]
         return torch.cat(products)[:n].view(*x.shape[:-1], matrix.shape[1])
-    out = torch.empty(full + (0 if tail is None else block), matrix.shape[1], dtype=flat.dtype, device=flat.device)
+    out = torch.empty(rows, matrix.shape[1], dtype=flat.dtype, device=flat.device)
     done = full if full > block > 1 and _one_product(flat[:full], matrix, bias, out[:full], block) else 0
     for start in range(done, full, block):
         _mm(flat[start : start + block], matrix, bias, out[start : start + block])
