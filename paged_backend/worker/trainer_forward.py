@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.hooks import RemovableHandle
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from paged_backend.kernels import triton
@@ -291,13 +292,14 @@ def batch_invariant_forward(model: torch.nn.Module) -> Iterator[None]:
         id(c): c for c in [getattr(m, "config", None) for m in model.modules()] if isinstance(c, PretrainedConfig)
     }
     previous = {key: c._attn_implementation_internal for key, c in configs.items()}
-    for c in configs.values():
-        c._attn_implementation_internal = EXACT_ATTENTION
     device = next(model.parameters()).device
-    hooks = [m.register_forward_pre_hook(_new_forward) for m in model.modules() if isinstance(m, PreTrainedModel)]
-    norms = invariant_rms_norms(model, device)
-    outside = modules_outside_the_mode(model, norms, EXACT_ATTENTION)
+    hooks: list[RemovableHandle] = []
     try:
+        for c in configs.values():
+            c._attn_implementation_internal = EXACT_ATTENTION
+        hooks += [m.register_forward_pre_hook(_new_forward) for m in model.modules() if isinstance(m, PreTrainedModel)]
+        norms = invariant_rms_norms(model, device)
+        outside = modules_outside_the_mode(model, norms, EXACT_ATTENTION)
         with BatchInvariantMode(norms, packed_siblings(model), outside):
             yield
     finally:
