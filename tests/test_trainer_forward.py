@@ -200,22 +200,24 @@ def test_a_forwards_cache_layout_is_made_once_and_again_for_the_next_forward() -
 
 def test_a_positions_buffer_written_in_place_between_forwards_bounds_the_next_forward() -> None:
     """A trainer's reused ``position_ids`` buffer (HF's packing without ``cu_seq_lens_q``: the sequences' bounds
-    are where positions restart), written in place between two no-grad forwards: the second forward reads the
-    new bounds (each forward's logits equal a forward given fresh tensors)."""
+    are where positions restart), made under inference mode (no version counter) and written in place between
+    two no-grad forwards inside one ``batch_invariant_forward``: the second forward reads the new bounds (each
+    forward's logits equal a forward given fresh tensors). The same with a buffer that keeps a version counter."""
     model = build_tiny_model("llama", vocab_size=512).to(DEVICE)
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
 
     def positions(*lengths: int) -> torch.Tensor:
         return torch.cat([torch.arange(n, device=DEVICE) for n in lengths])[None]
 
-    def forward(position_ids: torch.Tensor) -> torch.Tensor:
+    def fresh(*lengths: int) -> torch.Tensor:
         with torch.inference_mode(), trainer_forward.batch_invariant_forward(model):
-            return model(input_ids=ids, position_ids=position_ids).logits
+            return model(input_ids=ids, position_ids=positions(*lengths)).logits
 
-    buffer = positions(5, 7)
-    first = forward(buffer)
-    buffer.copy_(positions(9, 3))
-    second = forward(buffer)
-    assert torch.equal(first, forward(positions(5, 7)))
-    assert torch.equal(second, forward(positions(9, 3)))
-    assert not torch.equal(first, second)
+    for grad_mode in (torch.inference_mode, torch.no_grad):
+        with grad_mode(), trainer_forward.batch_invariant_forward(model):
+            buffer = positions(5, 7)
+            first = model(input_ids=ids, position_ids=buffer).logits
+            buffer.copy_(positions(9, 3))
+            second = model(input_ids=ids, position_ids=buffer).logits
+        assert torch.equal(first, fresh(5, 7)) and torch.equal(second, fresh(9, 3))
+        assert not torch.equal(first, second)

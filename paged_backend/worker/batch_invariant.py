@@ -37,7 +37,7 @@ from transformers import PretrainedConfig
 from paged_backend.kernels import triton
 from paged_backend.kernels.rms_norm import rms_norm_triton
 from paged_backend.kernels.row_mean import row_mean_triton
-from paged_backend.worker.invariant_modules import outside_the_mode, run_outside_the_mode, same_code
+from paged_backend.worker.invariant_modules import hooks_made, outside_the_mode, run_outside_the_mode, same_code
 from paged_backend.worker.invariant_products import needs_grad, product_in_blocks, rows_in_blocks
 from paged_backend.worker.invariant_siblings import SiblingProducts
 
@@ -196,7 +196,7 @@ class BatchInvariantMode(TorchFunctionMode):
         forwards: list[tuple[torch.nn.Module, Callable[..., Any]]] = [
             *((m, functools.partial(fused_rms_norm, m)) for m in self.rms_norms),
             *((m, functools.partial(self.linear_forward, m)) for m in linears),
-            *((m, functools.partial(run_outside_the_mode, m)) for m in modules),
+            *((m, functools.partial(run_outside_the_mode, m, hooks_made())) for m in modules),
         ]
         # A module whose instance already has a forward (an enclosing mode's, or anyone's) keeps it.
         self.swapped = []
@@ -225,9 +225,13 @@ class BatchInvariantMode(TorchFunctionMode):
             return product(x, weight.t(), bias)
         return rows_in_blocks(x, lambda row: F.linear(row, weight, bias), 1)
 
-    def linear_forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """An ``nn.Linear``'s forward inside a module that runs outside the mode."""
-        return self.linear(x, module.weight, module.bias) if x.numel() else F.linear(x, module.weight, module.bias)
+    def linear_forward(self, module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        """An ``nn.Linear``'s forward (its argument's name too) inside a module that runs outside the mode; where
+        that module's call ran inside it after all (``run_outside_the_mode``), ``F.linear`` through the mode."""
+        weight, bias = module.weight, module.bias
+        if torch._C._is_torch_function_enabled() or not input.numel():
+            return F.linear(input, weight, bias)
+        return self.linear(input, weight, bias)
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

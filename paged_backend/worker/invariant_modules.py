@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from transformers import activations
 from transformers.models.llama import modeling_llama as llama
 
@@ -64,10 +65,13 @@ def _known(forward: Callable[..., Any]) -> str | None:
     return "attention" if same_code(forward, ATTENTION) else "other"
 
 
+_LLAMA_ROTARY = {name: getattr(llama, name) for name in ROTARY}  # as imported, before anyone patches them
+
+
 def _rotary_is_llamas(forward: Callable[..., Any]) -> bool:
     """Whether the rotary helpers an attention's forward finds in its module's globals (now) are Llama's."""
     helpers = inspect.unwrap(forward).__globals__
-    return all(callable(helpers.get(n)) and same_code(helpers[n], getattr(llama, n)) for n in ROTARY)
+    return all(callable(helpers.get(n)) and same_code(helpers[n], f) for n, f in _LLAMA_ROTARY.items())
 
 
 class _Finder:
@@ -96,7 +100,9 @@ class _Finder:
             return plain and _hookless(child)
         if type(child) in ACTIVATIONS:
             return _hookless(child)
-        return id(child) in self.norms or self.outside(child)
+        if id(child) in self.norms:
+            return _hookless(child)
+        return self.outside(child)
 
 
 def modules_outside_the_mode(
@@ -130,11 +136,24 @@ def outside_the_mode() -> contextlib.AbstractContextManager[None]:
     return torch._C.DisableTorchFunction()
 
 
-def run_outside_the_mode(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``module``'s class forward outside the mode (the swapped forward of an outermost module); inside it where
-    an input is a tensor subclass (whose own torch function must run)."""
-    inputs = (*args, *kwargs.values())
-    if any(isinstance(x, torch.Tensor) and type(x) is not torch.Tensor for x in inputs):
+def hooks_made() -> int:
+    """How many hooks (module, global, tensor) have been registered in the process so far."""
+    return RemovableHandle.next_id
+
+
+def run_outside_the_mode(module: nn.Module, hooks_seen: int, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s class forward outside the mode (the swapped forward of an outermost module). Inside it, as
+    when it was found, where autograd records (a norm's own forward, which the mode computes by blocks, then runs
+    in place of its kernel), where a hook was registered since ``hooks_seen`` (it would run inside the module),
+    or where an input is a tensor subclass (whose own torch function must run)."""
+    inputs = [*args, *kwargs.values()]
+    inputs += [x for item in inputs if isinstance(item, (tuple, list)) for x in item]
+    inside = (
+        torch.is_grad_enabled()
+        or hooks_made() != hooks_seen
+        or any(isinstance(x, torch.Tensor) and type(x) is not torch.Tensor for x in inputs)
+    )
+    if inside:
         return type(module).forward(module, *args, **kwargs)
     with outside_the_mode():
         return type(module).forward(module, *args, **kwargs)

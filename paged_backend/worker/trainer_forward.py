@@ -53,8 +53,15 @@ class CacheLayout(NamedTuple):
     lens: torch.Tensor
 
 
-# the forward's layout, with the bounds tensor and token count it was made for (emptied as each forward starts)
-_LAYOUT: list[tuple[torch.Tensor, int, CacheLayout]] = []
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (in-place writes bump it); ``None`` for a tensor made under inference mode, which
+    keeps none (the forward pre-hook's emptying of the caches covers those)."""
+    return None if t.is_inference() else t._version
+
+
+# the forward's layout, with the bounds tensor, its version and the token count it was made for (emptied as each
+# forward starts)
+_LAYOUT: list[tuple[torch.Tensor, int | None, int, CacheLayout]] = []
 
 
 def _cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> CacheLayout:
@@ -62,11 +69,11 @@ def _cache_layout(cu_seqlens: torch.Tensor, num_tokens: int) -> CacheLayout:
     ``num_tokens`` in all) consecutive blocks of its own. Every layer of a forward asks with the same bounds
     tensor: made once a forward, its dozen small kernels are not launched again per layer."""
     if _LAYOUT:
-        bounds, tokens, layout = _LAYOUT[0]
-        if bounds is cu_seqlens and tokens == num_tokens:
+        bounds, version, tokens, layout = _LAYOUT[0]
+        if bounds is cu_seqlens and version == _version(cu_seqlens) and tokens == num_tokens:
             return layout
     layout = _make_cache_layout(cu_seqlens, num_tokens)
-    _LAYOUT[:] = [(cu_seqlens, num_tokens, layout)]
+    _LAYOUT[:] = [(cu_seqlens, _version(cu_seqlens), num_tokens, layout)]
     return layout
 
 
@@ -162,7 +169,7 @@ class _InvariantAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-_BOUNDS: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # the forward's (tensor read, bounds found)
+_BOUNDS: list[tuple[torch.Tensor, int | None, torch.Tensor | None]] = []  # the forward's (tensor, version, bounds)
 
 
 def _new_forward(*_: Any) -> None:
@@ -182,8 +189,8 @@ def sequence_bounds(
     key = cu_seq_lens_q if cu_seq_lens_q is not None else position_ids
     if key is None or (batch != 1 and cu_seq_lens_q is None):
         return None
-    if _BOUNDS and _BOUNDS[0][0] is key:
-        return _BOUNDS[0][1]
+    if _BOUNDS and _BOUNDS[0][0] is key and _BOUNDS[0][1] == _version(key):
+        return _BOUNDS[0][2]
     bounds: torch.Tensor | None = cu_seq_lens_q
     if cu_seq_lens_q is not None:
         if batch != 1:
@@ -198,7 +205,7 @@ def sequence_bounds(
                 raise ValueError("position_ids of a packed row must restart at 0 at each sequence")
             edges = torch.tensor([0, length], device=starts.device)
             bounds = torch.cat([edges[:1], starts, edges[1:]])
-    _BOUNDS[:] = [(key, bounds)]
+    _BOUNDS[:] = [(key, _version(key), bounds)]
     return bounds
 
 
@@ -297,7 +304,8 @@ def batch_invariant_forward(model: torch.nn.Module) -> Iterator[None]:
     try:
         for c in configs.values():
             c._attn_implementation_internal = EXACT_ATTENTION
-        hooks += [m.register_forward_pre_hook(_new_forward) for m in model.modules() if isinstance(m, PreTrainedModel)]
+        roots = [m for m in model.modules() if m is model or isinstance(m, PreTrainedModel)]  # where a forward starts
+        hooks += [m.register_forward_pre_hook(_new_forward) for m in roots]
         norms = invariant_rms_norms(model, device)
         outside = modules_outside_the_mode(model, norms, EXACT_ATTENTION)
         with BatchInvariantMode(norms, packed_siblings(model), outside):
