@@ -33,6 +33,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import add_plot_arguments, replotted  # noqa: E402
 
 from paged_backend.kernels.awq_format import dequantize, unpack  # noqa: E402
 from paged_backend.kernels.awq_gemm import awq_gemm_triton  # noqa: E402
@@ -174,13 +177,9 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--no-gemlite", action="store_true", help="leave GemLite out even where it imports")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--plot", type=Path, default=None, help="a bar chart of the run here")
-    parser.add_argument("--plot-from", type=Path, default=None, help="draw --plot from an earlier run's JSON, no run")
+    add_plot_arguments(parser, "a bar chart of the run")
     args = parser.parse_args()
-    if args.plot_from is not None:
-        if args.plot is None:
-            parser.error("--plot-from needs --plot")
-        plot(json.loads(args.plot_from.read_text()), args.plot)
+    if replotted(parser, args, plot) is not None:
         return
     torch.manual_seed(0)
     with_gemlite = not args.no_gemlite

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spec.py beside this file
 
 import spec  # noqa: E402
+from throughput import add_plot_arguments, replotted  # noqa: E402
 
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.core import spec_decode  # noqa: E402
@@ -141,13 +142,9 @@ def main() -> None:
     )
     parser.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--plot", type=Path, default=None, help="a bar chart of the modeled speed-ups here")
-    parser.add_argument("--plot-from", type=Path, default=None, help="draw --plot from an earlier run's JSON, no run")
+    add_plot_arguments(parser, "a bar chart of the modeled speed-ups")
     args = parser.parse_args()
-    if args.plot_from is not None:
-        if args.plot is None:
-            parser.error("--plot-from needs --plot")
-        plot(json.loads(args.plot_from.read_text()), args.plot)
+    if replotted(parser, args, plot) is not None:
         return
     if args.min_taken is not None:
         spec_decode.MIN_TAKEN_PER_STEP = args.min_taken

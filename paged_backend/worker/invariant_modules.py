@@ -34,14 +34,10 @@ _ELEMENTWISE = ("SiLUActivation", "GELUActivation", "GELUTanh")
 ACTIVATIONS = (nn.SiLU, nn.GELU) + tuple(getattr(activations, n) for n in _ELEMENTWISE if hasattr(activations, n))
 
 
+@functools.cache
 def same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
     """Whether two functions run the same code: their own, and that of what their decorators wrap. The verdict is
     kept for the pair of function objects (a class whose forward is patched has another function)."""
-    return _same_code(a, b)
-
-
-@functools.cache
-def _same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
     codes = []
     for f in (a, b):
         code, inner = getattr(f, "__code__", None), getattr(inspect.unwrap(f), "__code__", None)
