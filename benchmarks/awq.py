@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -24,10 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.throughput import (  # noqa: E402
+    add_plot_arguments,
     benchmark_config,
     one_prompt,
     profile_kernels,
     release_engine,
+    replotted,
     run_hf,
     run_paged,
     tokens_per_second,
@@ -107,11 +110,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (the workload: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each workload (median reported)")
     parser.add_argument("--skip-kernel", action="store_true", help="skip the kernel table")
     parser.add_argument("--profile", action="store_true", help="W2: each engine's GPU kernels per step")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a bar chart here")
+    add_plot_arguments(parser, "a bar chart")
     args = parser.parse_args(argv)
+    if (loaded := replotted(parser, args, plot)) is not None:
+        return loaded
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     results: dict[str, Any] = {
         "machine": torch.cuda.get_device_name(0),
@@ -126,17 +132,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["kernel"] = kernel()
         save()
     config = benchmark_config(num_layers=args.num_layers)
-    w1 = w1_prompts(config.vocab_size, args.num_prompts)
-    w2 = [one_prompt(config.vocab_size, 128, seed=1)]
+
+    def w1(repetition: int) -> list[list[int]]:  # each repetition's prompts new to the engine (no prefix-cache hit)
+        return w1_prompts(config.vocab_size, args.num_prompts, seed=0 if repetition == 0 else 100 + repetition)
+
+    def w2(repetition: int) -> list[list[int]]:
+        return [one_prompt(config.vocab_size, 128, seed=1 if repetition == 0 else 100 + repetition)]
+
     with tempfile.TemporaryDirectory() as tmp:
         dense_dir, awq_dir, ct_dir = Path(tmp) / "bf16", Path(tmp) / "awq", Path(tmp) / "ct_w4a16"
         config.save_pretrained(dense_dir)
         model = dummy_model(config, torch.bfloat16, torch.device("cuda"), seed=0)
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0
-        run_hf(model, w2, 4)
-        outs, seconds = run_hf(model, w2, args.max_tokens)
-        results["hf_generate_bf16_w2"] = tokens_per_second(outs, seconds)
+        run_hf(model, w2(0), 4)
+        hf_runs = [tokens_per_second(*run_hf(model, w2(r), args.max_tokens)) for r in range(args.repeats)]
+        results["hf_generate_bf16_w2"], results["hf_generate_bf16_w2_runs"] = statistics.median(hf_runs), hf_runs
         write_checkpoint(model, str(awq_dir), GROUP)
         write_ct_w4a16(model, ct_dir, GROUP)
         del model
@@ -152,14 +163,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             entry["fused_sibling_groups"] = 0 if regions is None else regions.num_fused_groups
             entry.update(linear_weight_gb(llm.llm_engine.model))
             run_paged(llm, [one_prompt(config.vocab_size, 128, seed=2)], args.max_tokens)  # warm-up, another prompt
-            outs, seconds = run_paged(llm, w2, args.max_tokens)
-            entry["w2"] = tokens_per_second(outs, seconds)
+            entry["w2_runs"] = [tokens_per_second(*run_paged(llm, w2(r), args.max_tokens)) for r in range(args.repeats)]
+            entry["w2"] = statistics.median(entry["w2_runs"])
             if args.profile:
-                entry["w2_profile"] = profile_kernels(llm, w2, 64)
+                entry["w2_profile"] = profile_kernels(llm, [one_prompt(config.vocab_size, 128, seed=9)], 64)
                 logger.info("%s W2 kernels per step: %s", name, json.dumps(entry["w2_profile"], indent=1))
             run_paged(llm, w1_prompts(config.vocab_size, 64, seed=1), 8)  # warm-up sharing no prefix with W1
-            outs, seconds = run_paged(llm, w1, args.max_tokens)
-            entry["w1"] = tokens_per_second(outs, seconds)
+            entry["w1_runs"] = [tokens_per_second(*run_paged(llm, w1(r), args.max_tokens)) for r in range(args.repeats)]
+            entry["w1"] = statistics.median(entry["w1_runs"])
             results[name] = entry
             logger.info("%s: %s", name, entry)
             llm.llm_engine.shutdown()

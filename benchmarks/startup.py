@@ -29,6 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from throughput import add_plot_arguments, replotted  # noqa: E402
+
 logger = logging.getLogger("startup")
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = "import sys; from paged_backend.entrypoints.cli import main; sys.exit(main())"  # ``paged-backend``
@@ -72,10 +74,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cases", default="8b,demo", help="comma list of 8b (fresh and second), demo")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a process may take")
     parser.add_argument("--json", type=Path, default=None)
+    add_plot_arguments(parser, "each case's seconds")
     args = parser.parse_args(argv)
     if args.child:
         child()
         return {}
+    if (loaded := replotted(parser, args, plot)) is not None:
+        return loaded
     from throughput import run_header, write_json
 
     results: dict[str, Any] = {**run_header(argv), "runs": {}}
@@ -100,7 +105,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     logger.info("medians: %s", results["medians"])
     write_json(args.json, results)
+    if args.plot is not None:
+        plot(results, args.plot)
     return results
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Each case's median seconds (bars: the engine's start, and the whole process beside it), its runs as dots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    bars = [(f"{name}\n{key.removesuffix('_s').replace('_', ' ')}", name, key)
+            for name, case in results["runs"].items() for key in case[0]]  # fmt: skip
+    for x, (_label, name, key) in enumerate(bars):
+        runs = [r[key] for r in results["runs"][name]]
+        ax.bar(x, statistics.median(runs), color="#4c72b0" if key == "engine_start_s" else "#aaa")
+        ax.plot([x] * len(runs), runs, "k.", markersize=4)
+        ax.text(x, statistics.median(runs), f"{statistics.median(runs):.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=8)
+    ax.set_ylabel("seconds (median; dots: runs)")
+    ax.set_title(f"start-up, {results['machine']}, {results['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
