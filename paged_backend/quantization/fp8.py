@@ -74,9 +74,13 @@ def fp8_scaled_mm(
 ) -> torch.Tensor:  # [M, N]
     """The product of quantized activations and fp8 weights: one ``torch._scaled_mm`` on the GPU's fp8 units when
     the output is bfloat16 (its row-wise scales write bfloat16), else the twin's float32 over the dequantized
-    operands."""
+    operands. Fast accumulation (the tensor cores' own accumulator, not promoted to fp32 every few K tiles), as
+    torchao's and fbgemm's row-wise FP8 inference run it: the error stays the fp8 operands' and the GEMM is
+    faster at a decode step's rows (both measured in docs/benchmarks.md, "FP8 linear calls")."""
     if out_dtype == torch.bfloat16 and q.is_cuda and has_fp8_matmul(q.device):
-        return torch._scaled_mm(q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=out_dtype)
+        return torch._scaled_mm(
+            q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=out_dtype, use_fast_accum=True
+        )
     return fp8_gemv_torch(q.float() * scale, weight, weight_scale).to(out_dtype)
 
 
