@@ -10,7 +10,8 @@
     python benchmarks/startup.py --json benchmarks/results/startup_<card>_<commit>.json
 
 Each case runs ``--repeats`` times (a fresh folder of caches for each fresh run; each second run after a fresh
-one); the figure is the median, the runs beside it.
+one); the figure is the median, the runs beside it. Each run also keeps the engine's log lines, stamped with the
+milliseconds since its process began: where the start's time went (profiling, compiling, capturing graphs).
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ from throughput import add_plot_arguments, replotted  # noqa: E402
 
 logger = logging.getLogger("startup")
 ROOT = Path(__file__).resolve().parent.parent
-DEMO = "import sys; from paged_backend.entrypoints.cli import main; sys.exit(main())"  # ``paged-backend``
+STAMPED = "%(relativeCreated)d ms %(name)s %(message)s"  # a child's log lines: milliseconds since it began
+# ``paged-backend``, its log stamped (set first, the CLI's own logging set-up leaves it)
+DEMO = (
+    f"import logging, sys; logging.basicConfig(level=logging.INFO, format={STAMPED!r}); "
+    "from paged_backend.entrypoints.cli import main; sys.exit(main())"
+)
 
 
 def child() -> None:
-    """In the measured process: build the 8B-shape model, then time the engine's start; one JSON line out."""
+    """In the measured process: build the 8B-shape model, then time the engine's start; one JSON line out. The
+    engine's log goes to stderr stamped with the milliseconds since the process began (its phases: what the parent
+    keeps of a run)."""
     import torch
     from throughput import build_model
 
@@ -64,7 +72,8 @@ def run(command: list[str], caches: Path, timeout: float) -> tuple[float, dict[s
     if done.returncode:
         raise RuntimeError(f"{command} failed ({done.returncode}): {done.stderr[-2000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    return wall, json.loads(lines[-1]) if lines else {}
+    log = [line for line in done.stderr.splitlines() if " paged_backend." in line]  # the engine's own lines
+    return wall, {**(json.loads(lines[-1]) if lines else {}), "log": log}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -96,12 +105,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "demo" in cases:
             with tempfile.TemporaryDirectory() as folder:
                 demo = [sys.executable, "-c", DEMO, "demo"]
-                wall, _ = run(demo, Path(folder), args.timeout)
-                runs.setdefault("demo", []).append({"wall_s": wall})
+                wall, out = run(demo, Path(folder), args.timeout)
+                runs.setdefault("demo", []).append({"wall_s": wall, "log": out["log"]})
                 logger.info("demo: %.1f s", wall)
         write_json(args.json, results)
     results["medians"] = {
-        name: {key: statistics.median(r[key] for r in case) for key in case[0]} for name, case in runs.items()
+        name: {key: statistics.median(r[key] for r in case) for key in case[0] if key != "log"}
+        for name, case in runs.items()
     }
     logger.info("medians: %s", results["medians"])
     write_json(args.json, results)
@@ -119,7 +129,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
     bars = [(f"{name}\n{key.removesuffix('_s').replace('_', ' ')}", name, key)
-            for name, case in results["runs"].items() for key in case[0]]  # fmt: skip
+            for name, case in results["runs"].items() for key in case[0] if key != "log"]  # fmt: skip
     for x, (_label, name, key) in enumerate(bars):
         runs = [r[key] for r in results["runs"][name]]
         ax.bar(x, statistics.median(runs), color="#4c72b0" if key == "engine_start_s" else "#aaa")
@@ -133,5 +143,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    child_process = "--child" in sys.argv
+    logging.basicConfig(level=logging.INFO, format=STAMPED if child_process else "%(asctime)s %(message)s")
     main()
