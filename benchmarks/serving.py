@@ -14,20 +14,24 @@ temperature 0 and ``max_tokens`` 256; arrival gaps are exponential with mean 1/r
 sends them all at once. Per rate: output tok/s (tokens streamed / from the first send to the last token), time to
 first token (first chunk with text) and inter-token latency p50/p99 (a chunk of k tokens after a gap g counts as k
 gaps of g/k: multi-step decoding streams several tokens at once), and time per output token (per request: from its
-first to its last token, over its tokens after the first).
+first to its last token, over its tokens after the first). Each rate runs ``--repeats`` times, each time with
+prompts of its own; a figure is the median of the runs, the runs kept beside it.
 
   python benchmarks/serving.py --json benchmarks/results/h200_serving.json --plot docs/images/h200_serving.png
-  python benchmarks/serving.py --tiny --servers paged          # smoke run on CPU, tiny model
+  python benchmarks/serving.py --tiny --servers paged --repeats 1   # smoke run on CPU, tiny model
+  python benchmarks/serving.py --paged-args="--num-scheduler-steps 1" ...   # the paged server with other flags
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import math
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -44,7 +48,9 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.throughput import build_model, versions, w1_prompts, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: ``benchmarks`` and ``tests``
+
+from benchmarks.throughput import add_plot_arguments, build_model, replotted, versions, w1_prompts, write_json
 
 logger = logging.getLogger("benchmarks.serving")
 
@@ -92,11 +98,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(name: str, checkpoint: Path, port: int, tiny: bool) -> list[str]:
+def server_command(name: str, checkpoint: Path, port: int, *, tiny: bool, paged_args: list[str]) -> list[str]:
     if name == "paged":
         cmd = [sys.executable, "-m", "paged_backend.entrypoints.openai.api_server", "--model", str(checkpoint)]
         cmd += ["--port", str(port), "--max-num-seqs", "256"]
-        return cmd + (["--device", "cpu", "--max-model-len", "512"] if tiny else [])
+        return cmd + (["--device", "cpu", "--max-model-len", "512"] if tiny else []) + paged_args
     if name == "hf_serve":
         exe = shutil.which("transformers")
         if exe is None:
@@ -184,6 +190,16 @@ async def run_rate(base: str, model: str, prompts: list[str], rate: float) -> li
         return list(await asyncio.gather(*(one_request(client, url, model, p, d) for p, d in zip(prompts, delays))))
 
 
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each numeric figure's median over the runs (a rate's figure); the error counts summed."""
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and k not in ("requests", "errors")]
+    return {
+        **{k: statistics.median(run[k] for run in runs) for k in keys},
+        "requests": sum(run["requests"] for run in runs),
+        "errors": sum(run["errors"] for run in runs),
+    }
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -222,30 +238,33 @@ def summarize(results: list[Result]) -> dict[str, Any]:
 def bench_server(
     name: str,
     checkpoint: Path,
-    prompt_sets: list[list[str]],
-    rates: list[float],
-    tiny: bool,
+    warm_up: list[str],
+    runs: list[tuple[float, list[str]]],
+    command: Callable[[int], list[str]],  # the server's command line, given its port
     log_dir: Path,
     out: dict[str, Any],
     save: Callable[[], None],
 ) -> None:
-    """Fills ``out`` (startup time, then one summary per rate, saved after each; or the error and log tail).
-    ``prompt_sets``: the warm-up's, then one per rate, sharing no prefix (the paged server caches prefixes)."""
+    """Fills ``out`` (startup time, then per rate each run's summary and their medians, saved after each run; or
+    the error and log tail). ``warm_up`` and every run's prompts share no prefix (the paged server caches
+    prefixes)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"{name}.log"
     with log_path.open("w") as log:
-        process = subprocess.Popen(server_command(name, checkpoint, port, tiny), stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command(port), stdout=log, stderr=subprocess.STDOUT)
     try:
         started = time.perf_counter()
         wait_ready(base, process, timeout=600)
-        warm = asyncio.run(run_rate(base, str(checkpoint), prompt_sets[0][:4], math.inf))  # loads lazily, compiles
+        warm = asyncio.run(run_rate(base, str(checkpoint), warm_up[:4], math.inf))  # loads lazily, compiles
         if any(r.error for r in warm):
             raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
         out.update(startup_s=time.perf_counter() - started, rates={})
-        for rate, prompts in zip(rates, prompt_sets[1:]):
+        for rate, prompts in runs:
             summary = summarize(asyncio.run(run_rate(base, str(checkpoint), prompts, rate)))
-            out["rates"][str(rate)] = summary
+            by_rate = out["rates"].setdefault(str(rate), {"runs": []})
+            by_rate["runs"].append(summary)
+            by_rate.update(medians(by_rate["runs"]))
             logger.info("%s rate %s: %s", name, rate, summary)
             save()
     except Exception as exc:  # report and go on to the next server
@@ -288,11 +307,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--servers", default="paged,hf_serve", help="comma list of paged, hf_serve")
     parser.add_argument("--rates", default="4,16,inf", help="comma list of request rates (req/s); inf: all at once")
     parser.add_argument("--num-prompts", type=int, default=128, help="W1 prompts per rate (at most 256)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each rate, each with prompts of its own")
+    parser.add_argument("--paged-args", default="", help="more flags for the paged server, one string")
     parser.add_argument("--tiny", action="store_true", help="tiny random Llama, prompts cut to 64 tokens")
     parser.add_argument("--checkpoint", type=Path, default=None, help="where to save the checkpoint (default: tmp)")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a plot here")
+    add_plot_arguments(parser, "throughput, TTFT and ITL by rate")
     args = parser.parse_args(argv)
+    if (loaded := replotted(parser, args, plot)) is not None:
+        return loaded
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     if not 1 <= args.num_prompts <= 256:
         raise SystemExit(f"--num-prompts must be in 1..256, got {args.num_prompts}")
     rates = [float(r) for r in args.rates.split(",")]
@@ -306,18 +331,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     vocab = save_checkpoint(checkpoint, args.tiny)
     logger.info("checkpoint saved in %.1f s", time.perf_counter() - started)
-    # W1's prompts at the first rate, others (same lengths' distribution) at the warm-up and each later rate.
-    prompt_sets = [
-        [prompt_text(p[:64] if args.tiny else p) for p in w1_prompts(vocab, 256, seed=seed)[: args.num_prompts]]
-        for seed in (100, *range(len(rates)))
+
+    def prompts(seed: int) -> list[str]:  # W1's (seed 0), or others of the same lengths' distribution
+        return [prompt_text(p[:64] if args.tiny else p) for p in w1_prompts(vocab, 256, seed=seed)[: args.num_prompts]]
+
+    # W1's prompts at the first rate's first run; every other run (and the warm-up) prompts of its own
+    runs = [
+        (rate, prompts(i if j == 0 else 200 + 10 * i + j)) for j in range(args.repeats) for i, rate in enumerate(rates)
     ]
+    paged_args = shlex.split(args.paged_args)
 
     results: dict[str, Any] = {
         "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "versions": versions(),
         "command": "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
-        "num_prompts": len(prompt_sets[1]),
+        "num_prompts": len(runs[0][1]),
+        "repeats": args.repeats,
         "servers": {},
     }
 
@@ -326,7 +356,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     for name in servers:
         results["servers"][name] = {}
-        bench_server(name, checkpoint, prompt_sets, rates, args.tiny, work, results["servers"][name], save)
+        command = functools.partial(server_command, name, checkpoint, tiny=args.tiny, paged_args=paged_args)
+        bench_server(name, checkpoint, prompts(100), runs, command, work, results["servers"][name], save)
         save()
     shutil.rmtree(work, ignore_errors=True)
     if args.plot is not None:
