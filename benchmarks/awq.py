@@ -7,6 +7,9 @@ Weights: the architecture's own random init (normal(0, 0.02)) in bf16, made on t
 written from them (``write_checkpoint``) and loaded back through the engine's AWQ loader.
 
     python benchmarks/awq.py --json benchmarks/results/h200_awq.json --plot docs/images/h200_awq.png
+
+W1 and W2 run ``--repeats`` times, each time on prompts no earlier run or warm-up used; a figure is the median, the
+runs kept beside it. ``--replot`` draws the chart again from a results file.
 """
 
 from __future__ import annotations
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if (loaded := replotted(parser, args, plot)) is not None:
         return loaded
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     results: dict[str, Any] = {
         "machine": torch.cuda.get_device_name(0),
@@ -216,7 +221,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
         bars = ax.bar(list(values), list(values.values()), color=colors)
         ax.bar_label(bars, fmt="%.1f")
         ax.set_title(title, fontsize=10)
-    title = f"{results['machine']}, Llama-3-8B shape, int4 (group {GROUP}, AWQ and compressed-tensors) vs bf16"
+    runs = (
+        f", median of {len(results['paged_bf16']['w1_runs'])} runs"
+        if "w1_runs" in results.get("paged_bf16", {})
+        else ""
+    )
+    title = f"{results['machine']}, Llama-3-8B shape, int4 (group {GROUP}, AWQ and compressed-tensors) vs bf16{runs}"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

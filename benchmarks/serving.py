@@ -8,18 +8,20 @@ EOS), saved once with ``save_pretrained``, plus a word-level tokenizer whose tok
 prompt's text encodes to exactly W1's token ids in either server, and every generated token decodes to one word, so
 output tokens are counted as words. Its chat template passes the user message through unchanged.
 Requests: the first ``--num-prompts`` of W1's prompts (lengths uniform in [64, 1024], random.Random(0)) at the first
-rate, and as many drawn the same way with other seeds at the warm-up and each later rate (the paged server caches
-prefixes: repeating a prompt set would serve its prefill from the cache), as streamed ``/v1/chat/completions`` with
-temperature 0 and ``max_tokens`` 256; arrival gaps are exponential with mean 1/rate (random.Random(1)); ``inf``
-sends them all at once. Per rate: output tok/s (tokens streamed / from the first send to the last token), time to
-first token (first chunk with text) and inter-token latency p50/p99 (a chunk of k tokens after a gap g counts as k
-gaps of g/k: multi-step decoding streams several tokens at once), and time per output token (per request: from its
-first to its last token, over its tokens after the first). Each rate runs ``--repeats`` times, each time with
-prompts of its own; a figure is the median of the runs, the runs kept beside it.
+rate's first run, and as many drawn the same way with a seed of their own at the warm-up and every other run (the
+paged server caches prefixes: repeating a prompt set would serve its prefill from the cache), as streamed
+``/v1/chat/completions`` with temperature 0 and ``max_tokens`` 256; arrival gaps are exponential with mean 1/rate
+(drawn with the run's seed); ``inf`` sends them all at once. Per rate: output tok/s (tokens streamed / from the
+first send to the last token), time to first token (first chunk with text) and inter-token latency p50/p99 (a chunk
+of k tokens after a gap g counts as k gaps of g/k: multi-step decoding streams several tokens at once), and time per
+output token (per request: from its first to its last token, over its tokens after the first). Each rate runs
+``--repeats`` times, each time with prompts and arrivals of its own; a figure is the median of the runs that
+completed a request, the runs kept beside it, the counts (requests, completed, errors, tokens) summed.
 
   python benchmarks/serving.py --json benchmarks/results/h200_serving.json --plot docs/images/h200_serving.png
   python benchmarks/serving.py --tiny --servers paged --repeats 1   # smoke run on CPU, tiny model
-  python benchmarks/serving.py --paged-args="--num-scheduler-steps 1" ...   # the paged server with other flags
+  python benchmarks/serving.py --paged-args="--num-scheduler-steps 1" ...   # the paged server with other flags (the
+                                                                            # "=": argparse reads a leading "--")
 """
 
 from __future__ import annotations
@@ -178,8 +180,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, text: str
     return result
 
 
-async def run_rate(base: str, model: str, prompts: list[str], rate: float) -> list[Result]:
-    rng = random.Random(1)
+async def run_rate(base: str, model: str, prompts: list[str], rate: float, seed: int) -> list[Result]:
+    rng = random.Random(seed)
     delays, at = [], 0.0
     for _ in prompts:
         delays.append(at)
@@ -190,13 +192,19 @@ async def run_rate(base: str, model: str, prompts: list[str], rate: float) -> li
         return list(await asyncio.gather(*(one_request(client, url, model, p, d) for p, d in zip(prompts, delays))))
 
 
+COUNTS = ("requests", "completed", "errors", "output_tokens")
+
+
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each numeric figure's median over the runs (a rate's figure); the error counts summed."""
-    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and k not in ("requests", "errors")]
+    """A rate's figures: each rate, latency and throughput the median over the runs that completed a request (a run
+    that completed none has no figures), the counts summed over all, the first error kept."""
+    done = [run for run in runs if run["completed"]]
+    figures = [k for k, v in runs[0].items() if isinstance(v, float) and k not in COUNTS]
     return {
-        **{k: statistics.median(run[k] for run in runs) for k in keys},
-        "requests": sum(run["requests"] for run in runs),
-        "errors": sum(run["errors"] for run in runs),
+        **{k: statistics.median(run[k] for run in done) if done else float("nan") for k in figures},
+        **{k: sum(run[k] for run in runs) for k in COUNTS},
+        "runs_with_figures": len(done),
+        "first_error": next((run["first_error"] for run in runs if run["first_error"]), None),
     }
 
 
@@ -239,7 +247,7 @@ def bench_server(
     name: str,
     checkpoint: Path,
     warm_up: list[str],
-    runs: list[tuple[float, list[str]]],
+    runs: list[tuple[float, int, list[str]]],  # (rate, seed, prompts) a run
     command: Callable[[int], list[str]],  # the server's command line, given its port
     log_dir: Path,
     out: dict[str, Any],
@@ -256,12 +264,12 @@ def bench_server(
     try:
         started = time.perf_counter()
         wait_ready(base, process, timeout=600)
-        warm = asyncio.run(run_rate(base, str(checkpoint), warm_up[:4], math.inf))  # loads lazily, compiles
+        warm = asyncio.run(run_rate(base, str(checkpoint), warm_up[:4], math.inf, 0))  # loads lazily, compiles
         if any(r.error for r in warm):
             raise RuntimeError(f"warm-up failed: {next(r.error for r in warm if r.error)}")
         out.update(startup_s=time.perf_counter() - started, rates={})
-        for rate, prompts in runs:
-            summary = summarize(asyncio.run(run_rate(base, str(checkpoint), prompts, rate)))
+        for rate, seed, prompts in runs:
+            summary = summarize(asyncio.run(run_rate(base, str(checkpoint), prompts, rate, seed)))
             by_rate = out["rates"].setdefault(str(rate), {"runs": []})
             by_rate["runs"].append(summary)
             by_rate.update(medians(by_rate["runs"]))
@@ -292,11 +300,17 @@ def plot(results: dict[str, Any], path: Path) -> None:
             xs = [i + k * width for i, r in enumerate(rates) if r in by_rate]
             bars = ax.bar(xs, [by_rate[r][key] for r in rates if r in by_rate], width, label=name)
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            for x, r in zip(xs, [r for r in rates if r in by_rate]):
+                values = [run[key] for run in by_rate[r].get("runs", [])]
+                ax.plot([x] * len(values), values, "k.", markersize=3)
         ax.set_xticks([i + width * (len(servers) - 1) / 2 for i in range(len(rates))], rates)
         ax.set_xlabel("request rate (req/s; inf: all at once)")
         ax.set_title(title, fontsize=10)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"Serving W1's first {results['num_prompts']} prompts, 256 new tokens - {results['machine']}")
+    flags = f", paged server {' '.join(results['paged_args'])}" if results.get("paged_args") else ""
+    runs = f"median of {results['repeats']} runs (dots)" if results.get("repeats") else "one run"
+    fig.suptitle(f"Serving {results['num_prompts']} W1-like prompts a run, 256 new tokens, {runs}{flags} - "
+                 f"{results['machine']}", fontsize=10)  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -308,7 +322,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rates", default="4,16,inf", help="comma list of request rates (req/s); inf: all at once")
     parser.add_argument("--num-prompts", type=int, default=128, help="W1 prompts per rate (at most 256)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each rate, each with prompts of its own")
-    parser.add_argument("--paged-args", default="", help="more flags for the paged server, one string")
+    parser.add_argument(
+        "--paged-args", default="", help="more flags for the paged server, one string: --paged-args=..."
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny random Llama, prompts cut to 64 tokens")
     parser.add_argument("--checkpoint", type=Path, default=None, help="where to save the checkpoint (default: tmp)")
     parser.add_argument("--json", type=Path, default=None, help="write results here")
@@ -325,6 +341,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in servers:
         if name not in ("paged", "hf_serve"):
             raise SystemExit(f"--servers takes paged and hf_serve, got {name!r}")
+    if args.paged_args and "paged" not in servers:
+        raise SystemExit("--paged-args is for the paged server, which --servers leaves out")
 
     work = Path(tempfile.mkdtemp(prefix="serving-"))
     checkpoint = args.checkpoint or work / "model"
@@ -335,23 +353,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def prompts(seed: int) -> list[str]:  # W1's (seed 0), or others of the same lengths' distribution
         return [prompt_text(p[:64] if args.tiny else p) for p in w1_prompts(vocab, 256, seed=seed)[: args.num_prompts]]
 
-    # W1's prompts at the first rate's first run; every other run (and the warm-up) prompts of its own
-    runs = [
-        (rate, prompts(i if j == 0 else 200 + 10 * i + j)) for j in range(args.repeats) for i, rate in enumerate(rates)
-    ]
+    # W1's prompts (seed 0) at the first rate's first run; every other run and the warm-up (seed 100) a seed of its own
+    seeds = [(rate, i if j == 0 else 1000 * j + i) for j in range(args.repeats) for i, rate in enumerate(rates)]
+    if len({seed for _, seed in seeds} | {100}) != len(seeds) + 1:
+        raise SystemExit(f"--rates takes fewer than 100 rates, got {len(rates)}")
+    runs = [(rate, seed, prompts(seed)) for rate, seed in seeds]
     paged_args = shlex.split(args.paged_args)
 
     results: dict[str, Any] = {
         "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "versions": versions(),
-        "command": "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": shlex.join(["python", "benchmarks/serving.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d"),
-        "num_prompts": len(runs[0][1]),
+        "num_prompts": args.num_prompts,
         "repeats": args.repeats,
+        "paged_args": paged_args,
         "servers": {},
     }
 
-    def save() -> None:  # after every rate
+    def save() -> None:  # after every run
         write_json(args.json, results)
 
     for name in servers:

@@ -11,7 +11,9 @@
 
 Each case runs ``--repeats`` times (a fresh folder of caches for each fresh run; each second run after a fresh
 one); the figure is the median, the runs beside it. Each run also keeps the engine's log lines, stamped with the
-milliseconds since its process began: where the start's time went (profiling, compiling, capturing graphs).
+milliseconds since the process set up its logging (its first lines: the interpreter's own start is not in them),
+the 8B child's "engine start begins" among them: where the start's time went (profiling, compiling, capturing
+graphs).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,7 +37,8 @@ from throughput import add_plot_arguments, replotted  # noqa: E402
 
 logger = logging.getLogger("startup")
 ROOT = Path(__file__).resolve().parent.parent
-STAMPED = "%(relativeCreated)d ms %(name)s %(message)s"  # a child's log lines: milliseconds since it began
+STAMPED = "%(relativeCreated)d ms %(name)s %(message)s"  # a child's log lines: ms since logging was set up
+RECORD = re.compile(r"\d+ ms (paged_backend|startup)\b")  # the first line of a record kept: the engine's, the child's
 # ``paged-backend``, its log stamped (set first, the CLI's own logging set-up leaves it)
 DEMO = (
     f"import logging, sys; logging.basicConfig(level=logging.INFO, format={STAMPED!r}); "
@@ -44,8 +48,8 @@ DEMO = (
 
 def child() -> None:
     """In the measured process: build the 8B-shape model, then time the engine's start; one JSON line out. The
-    engine's log goes to stderr stamped with the milliseconds since the process began (its phases: what the parent
-    keeps of a run)."""
+    engine's log goes to stderr stamped (``STAMPED``), a line of this process's own where the timed start begins:
+    what the parent keeps of a run."""
     import torch
     from throughput import build_model
 
@@ -53,6 +57,7 @@ def child() -> None:
 
     model = build_model(None)
     torch.cuda.synchronize()
+    logger.info("engine start begins")
     start = time.perf_counter()
     llm = LLM(model, skip_tokenizer_init=True)
     torch.cuda.synchronize()
@@ -62,8 +67,8 @@ def child() -> None:
 
 
 def run(command: list[str], caches: Path, timeout: float) -> tuple[float, dict[str, Any]]:
-    """(the process's wall seconds, the JSON of its last line if it printed one) for ``command`` with its compile
-    caches in ``caches``."""
+    """(the process's wall seconds, the JSON of its last line if it printed one with ``log`` added: its stamped log
+    records, each with the lines that continue it) for ``command`` with its compile caches in ``caches``."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     start = time.perf_counter()
@@ -72,8 +77,22 @@ def run(command: list[str], caches: Path, timeout: float) -> tuple[float, dict[s
     if done.returncode:
         raise RuntimeError(f"{command} failed ({done.returncode}): {done.stderr[-2000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    log = [line for line in done.stderr.splitlines() if " paged_backend." in line]  # the engine's own lines
-    return wall, {**(json.loads(lines[-1]) if lines else {}), "log": log}
+    return wall, {**(json.loads(lines[-1]) if lines else {}), "log": kept_records(done.stderr)}
+
+
+def kept_records(stderr: str) -> list[str]:
+    """The log records ``RECORD`` keeps, a record's continuation lines (a multi-line message, a traceback) joined to
+    it; anything else a process printed is left out."""
+    records: list[str] = []
+    keeping = False
+    for line in stderr.splitlines():
+        if re.match(r"\d+ ms ", line):
+            keeping = RECORD.match(line) is not None
+            if keeping:
+                records.append(line)
+        elif keeping:
+            records[-1] += "\n" + line
+    return records
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -90,10 +109,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     if (loaded := replotted(parser, args, plot)) is not None:
         return loaded
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     from throughput import run_header, write_json
 
     results: dict[str, Any] = {**run_header(argv), "runs": {}}
-    runs: dict[str, list[dict[str, float]]] = results["runs"]
+    runs: dict[str, list[dict[str, Any]]] = results["runs"]
     cases = args.cases.split(",")
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as folder:
@@ -134,7 +155,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         runs = [r[key] for r in results["runs"][name]]
         ax.bar(x, statistics.median(runs), color="#4c72b0" if key == "engine_start_s" else "#aaa")
         ax.plot([x] * len(runs), runs, "k.", markersize=4)
-        ax.text(x, statistics.median(runs), f"{statistics.median(runs):.1f}", ha="center", va="bottom", fontsize=8)
+        ax.text(x + 0.1, statistics.median(runs), f"{statistics.median(runs):.1f}", ha="left", va="bottom", fontsize=8)
     ax.set_xticks(range(len(bars)), [label for label, _, _ in bars], fontsize=8)
     ax.set_ylabel("seconds (median; dots: runs)")
     ax.set_title(f"start-up, {results['machine']}, {results['date']}", fontsize=10)

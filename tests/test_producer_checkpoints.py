@@ -329,7 +329,7 @@ def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
     from paged_backend.quantization.fp8 import fp8_linear, fp8_linear_torch, fp8_scaled_mm, quantize_per_row
 
     torch.manual_seed(0)
-    for m, k, n in [(1, 4096, 1024), (7, 256, 512), (256, 4096, 14336)]:
+    for m, k, n in [(1, 4096, 1024), (7, 256, 512), (256, 4096, 14336), (256, 14336, 4096)]:  # the last: down's K
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weight, scale = quantize_per_row(torch.randn(n, k, device="cuda") * 0.02)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)

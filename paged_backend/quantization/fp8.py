@@ -8,12 +8,12 @@ GEMV (``kernels/fp8_gemv.py``): bound by reading the weights, which it streams, 
 they are (a product of fp8 weights and unquantized activations, closer to the model than the fp8 GEMM's). More
 rows (from two on, the fp8 GEMM was the faster on an H200): the activation is quantized per token by one kernel
 (``kernels/fp8_quant.py``), then ``y = x @ W.T`` is one ``torch._scaled_mm`` of fp8 operands with the activation's
-per-token and the weight's per-channel scales; elsewhere its torch twin (``fp8_linear_torch``) computes the same
-quantities in float32: the activation rounded through fp8 per token, the weight dequantized. Weight-only checkpoints
-(no activation scheme), and models in another dtype than bfloat16 (the fp8 GEMM's row-wise scales write bfloat16),
-run the twin above one row on every device. In the compiled decoder layer the quantization is torch ops of the
-graph instead (``quantized_fp8_linear``, put in place by ``worker/fp8_activations.py``), which inductor fuses into
-the kernel that produces the activation.
+per-token and the weight's per-channel scales (fast accumulation: the tensor cores' own sums); elsewhere its torch
+twin (``fp8_linear_torch``) computes the same quantities in float32: the activation rounded through fp8 per token,
+the weight dequantized. Weight-only checkpoints (no activation scheme), and models in another dtype than bfloat16
+(the fp8 GEMM's row-wise scales write bfloat16), run the twin above one row on every device. In the compiled decoder
+layer the quantization is torch ops of the graph instead (``quantized_fp8_linear``, put in place by
+``worker/fp8_activations.py``), which inductor fuses into the kernel that produces the activation.
 """
 
 from __future__ import annotations
