@@ -15,7 +15,7 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.demo_checkpoint import CORPUS
 from paged_backend.kernels.arrival import arrival_counters
 from paged_backend.kernels.awq_format import AWQ_ORDER, dequantize, pack, unpack
-from paged_backend.kernels.awq_gemm import awq_gemm_torch, awq_gemm_triton
+from paged_backend.kernels.awq_gemm import Launch, awq_gemm_torch, awq_gemm_triton
 from paged_backend.quantization.awq import AWQLinear
 from paged_backend.quantization.awq_quantize import apply_awq, calibration_batches, quantize, write_checkpoint
 from paged_backend.quantization.rtn import pack_linear
@@ -74,10 +74,11 @@ def test_triton_kernel_equals_its_twin(dtype: torch.dtype, m: int, k: int) -> No
     qweight, qzeros, scales = pack_linear(torch.randn(n, k, device=DEVICE) * 0.1, GROUP)
     x = torch.randn(m, k, dtype=dtype, device=DEVICE)
     expected = awq_gemm_torch(x.float(), qweight, qzeros, scales)
-    # the heuristic's shape, then split-K over 4 parts: the tl.dot kernel, and for a few rows the GEMV kernel with
-    # one row a program (BLOCK_M 1) and with four (the last program's rows partly masked when m is 3 or 7)
+    # the heuristic's shape, then split-K over 4 parts: the tl.dot kernel (also with tall, narrow tiles, 8 warps and
+    # one stage, as launches for many rows may take), and for a few rows the GEMV kernel with one row a program
+    # (BLOCK_M 1) and with four (the last program's rows partly masked when m is 3 or 7)
     gemv = ((1, 64, 32, 4), (4, 64, 8, 4)) if m < 16 else ()
-    for launch in (None, (16, 32, 32, 4), *gemv):
+    for launch in (None, (16, 32, 32, 4), Launch(64, 32, 32, 2, num_warps=8, num_stages=1), *gemv):
         got = awq_gemm_triton(x, qweight, qzeros, scales, launch)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)

@@ -10,6 +10,8 @@ as one call.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from paged_backend.kernels import num_sms, tl, triton
@@ -197,22 +199,34 @@ def _row_packs(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     return row_packs
 
 
-def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. A decode step reads
-    each weight once, so the launch aims at many programs per SM, which keep enough loads in flight: up to
-    ``GEMV_MAX_M`` rows the GEMV kernel, all rows in one program (each weight made once for all of them), 256
-    columns by 4 rows a tile, K split up to 16 ways while programs stay under 6 per SM (the last program adds the
-    parts, so a deeper split costs little); up to 16 rows 16 x 64 ``tl.dot`` tiles, above that 64 x 128, split
-    where tiles are few. ``benchmarks/awq_sweep.py`` times the alternatives (docs/benchmarks.md)."""
+class Launch(NamedTuple):
+    """A fused GEMM's launch: its tiles, how many ways K is split, and Triton's warps and pipeline stages a program
+    (a plain 4-tuple of the first four takes the defaults)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4  # the GEMV's 256 x 4 tiles: one pack a thread
+    num_stages: int = 3
+
+
+def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> Launch:
+    """BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. A decode step reads each weight once, so the launch aims at many
+    programs per SM, which keep enough loads in flight: up to ``GEMV_MAX_M`` rows the GEMV kernel, all rows in one
+    program (each weight made once for all of them), 256 columns by 4 rows a tile, K split up to 16 ways while
+    programs stay under 6 per SM (the last program adds the parts, so a deeper split costs little); up to 16 rows 16
+    x 64 ``tl.dot`` tiles, above that 64 x 128, split where tiles are few. ``benchmarks/awq_sweep.py`` times the
+    alternatives (docs/benchmarks.md)."""
     if m <= GEMV_MAX_M:  # one pack per thread of 4 warps: few registers, so many warps keep loads in flight
         split_k = split_k_parts(triton.cdiv(n, 256), k, group_size, 6 * sms)  # parts of one group or more
-        return triton.next_power_of_2(m), 256, 4, split_k
+        return Launch(triton.next_power_of_2(m), 256, 4, split_k)
     if m <= 16:
         block_m, block_n, block_k, programs = 16, 64, min(group_size, 64), 12 * sms
     else:
         block_m, block_n, block_k, programs = 64, 128, min(group_size, 128), 2 * sms
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    return block_m, block_n, block_k, split_k_parts(tiles, k, 4 * block_k, programs)  # parts of 4 tiles or more
+    return Launch(block_m, block_n, block_k, split_k_parts(tiles, k, 4 * block_k, programs))  # parts of 4 tiles+
 
 
 def awq_gemm_triton(
@@ -220,17 +234,19 @@ def awq_gemm_triton(
     qweight: torch.Tensor,  # [K, N / 8] int32
     qzeros: torch.Tensor,  # [K / G, N / 8] int32
     scales: torch.Tensor,  # [K / G, N]
-    launch: tuple[int, int, int, int] | None = None,
+    launch: Launch | tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """The fused GEMM. ``launch`` is (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K), by default ``_launch_shape``'s for this
-    GPU; the shape decides which kernel runs, so a given one runs either kernel at any size: BLOCK_M below
-    ``DOT_MIN_M`` is the GEMV (BLOCK_M rows per program; BLOCK_K rows of weights per load; K split in whole
-    groups), else the ``tl.dot`` kernel."""
+    """The fused GEMM. ``launch`` is a ``Launch`` (or its first four: BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K), by default
+    ``_launch_shape``'s for this GPU; the shape decides which kernel runs, so a given one runs either kernel at any
+    size: BLOCK_M below ``DOT_MIN_M`` is the GEMV (BLOCK_M rows per program; BLOCK_K rows of weights per load; K
+    split in whole groups), else the ``tl.dot`` kernel."""
     m, k = x.shape
     n = scales.shape[1]
     group_size = k // scales.shape[0]
     sms = num_sms(x.device) if x.is_cuda else 132
-    block_m, block_n, block_k, split_k = launch or _launch_shape(m, n, k, group_size, sms)
+    block_m, block_n, block_k, split_k, num_warps, num_stages = (
+        Launch(*launch) if launch is not None else _launch_shape(m, n, k, group_size, sms)
+    )
     if group_size % block_k:
         raise ValueError(f"BLOCK_K={block_k} must divide group_size={group_size}: a tile reads one scale row")
     gemv = block_m < DOT_MIN_M
@@ -243,7 +259,7 @@ def awq_gemm_triton(
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     row_packs = _row_packs(qweight, qzeros, scales)
     tensors = (x.contiguous(), qweight, qzeros, scales, out, partial, arrival_counters(x.device, grid[0] * grid[1]))
-    tuning = dict(num_warps=4, num_stages=3)  # the GEMV's 256 x 4 tiles: one pack a thread
+    tuning = dict(num_warps=num_warps, num_stages=num_stages)
     if gemv:
         awq_gemv_kernel[grid](
             *tensors,
