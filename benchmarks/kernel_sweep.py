@@ -4,6 +4,9 @@
    64..1,280, Llama-3-8B heads, bf16 and fp8 caches) and W2's (one sequence), over a sweep of tile sizes and
    launch settings.
    W2's decode attention over the shortest context slice a program takes; prefill attention over tile sizes.
+   ``--layouts`` times decode attention on other cache layouts too (blocks of 32 or 64 tokens; a sequence's blocks
+   in order instead of scattered): whether the kernel waits on its block-table lookups more than on bytes, the
+   question for an fp8 cache, which reads half the bytes in as many lookups.
    The library's launcher takes no such settings (it picks its own: ``_tiles`` and ``MIN_SPLIT_TOKENS`` in
    ``kernels/paged_attention.py``), so ``launch`` below is this script's copy of it with every setting exposed:
    keep the two in step when the kernel's arguments change.
@@ -20,6 +23,9 @@ import argparse
 import itertools
 import logging
 import random
+import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +38,9 @@ from paged_backend.kernels.paged_attention import (
     _tiles,
     choose_num_splits,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import run_header, write_json  # noqa: E402
 
 logger = logging.getLogger("kernel_sweep")
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -118,16 +127,24 @@ def launch(
     return out
 
 
-def decode_batch(context_lens: list[int], fp8: bool = False) -> dict:
-    """One decode step's attention inputs; ``fp8``: an fp8 cache (``kv_cache_dtype="fp8"``) with its scales."""
-    blocks = [-(-c // BLOCK_SIZE) for c in context_lens]
-    order = torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
+def decode_batch(
+    context_lens: list[int], fp8: bool = False, block_size: int = BLOCK_SIZE, scattered: bool = True
+) -> dict:
+    """One decode step's attention inputs; ``fp8``: an fp8 cache (``kv_cache_dtype="fp8"``) with its scales. The
+    cache's blocks of ``block_size`` tokens lie in random order (a busy cache's), or with ``scattered=False`` each
+    sequence's one after the other (the same table lookups, contiguous reads)."""
+    blocks = [-(-c // block_size) for c in context_lens]
+    order = (
+        torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
+        if scattered
+        else torch.arange(sum(blocks), device="cuda", dtype=torch.int32)
+    )
     tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device="cuda")
     used = 0
     for i, n in enumerate(blocks):
         tables[i, :n] = order[used : used + n]
         used += n
-    shape = (sum(blocks), BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    shape = (sum(blocks), block_size, KV_HEADS, HEAD_DIM)
     cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     batch = dict(
         query=torch.randn(len(blocks), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
@@ -144,15 +161,21 @@ def decode_batch(context_lens: list[int], fp8: bool = False) -> dict:
     return batch
 
 
-def attention_sweep(sweep: bool = True) -> None:
+def attention_sweep(sweep: bool = True, layouts: list[tuple[int, bool]] | None = None) -> dict[str, Any]:
+    """Decode attention at W1's and W2's shapes, bf16 and fp8 caches, for each (block size, scattered) cache layout
+    of ``layouts`` (default: the engine's 16-token blocks in random order): the library's launch and, with
+    ``sweep``, the five fastest settings of the grid. Returns each case's figures."""
     rng = random.Random(0)
     cases = {
         "w1 (256 seqs)": [rng.randint(64, 1024) + rng.randint(0, 256) for _ in range(256)],
         "w2 (1 seq, 256)": [256],
     }
-    for (name, ctx), fp8 in itertools.product(cases.items(), (False, True)):
-        batch = decode_batch(ctx, fp8)
-        name += ", fp8 cache" if fp8 else ""
+    found: dict[str, Any] = {}
+    for (name, ctx), fp8, (block_size, scattered) in itertools.product(
+        cases.items(), (False, True), layouts or [(BLOCK_SIZE, True)]
+    ):
+        batch = decode_batch(ctx, fp8, block_size, scattered)
+        name += (", fp8 cache" if fp8 else "") + f", blocks of {block_size}" + ("" if scattered else " in order")
         gbytes = sum(ctx) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2) / 1e9
         rows = []
         settings_grid = itertools.product((64, 128, 256), (4, 8), (2, 3, 4, 5)) if sweep else []
@@ -169,6 +192,8 @@ def attention_sweep(sweep: bool = True) -> None:
         logger.info("%s: %.3f GB of KV; default %.3f ms (%.0f GB/s)", name, gbytes, default, gbytes / default * 1e3)
         for ms, settings in rows[:5]:
             logger.info("   %.3f ms (%.0f GB/s) %s", ms, gbytes / ms * 1e3, settings)
+        found[name] = {"kv_gb": gbytes, "default_ms": default, "fastest": [{"ms": ms, **st} for ms, st in rows[:5]]}
+    return found
 
 
 def min_split_sweep() -> None:
@@ -225,10 +250,17 @@ def main() -> None:
     parser.add_argument(
         "--defaults-only", action="store_true", help="attention and prefill: the library's settings only"
     )
+    parser.add_argument(
+        "--layouts", nargs="+", default=[f"{BLOCK_SIZE}"],
+        help="decode attention's cache layouts: a block size, with ':in-order' for sequences' blocks laid in order",
+    )  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None, help="decode attention's figures")
     args = parser.parse_args()
     parts = args.parts.split(",")
     if "attention" in parts:
-        attention_sweep(sweep=not args.defaults_only)
+        layouts = [(int(entry.split(":")[0]), not entry.endswith(":in-order")) for entry in args.layouts]
+        found = attention_sweep(sweep=not args.defaults_only, layouts=layouts)
+        write_json(args.json, {**run_header(None), "attention": found})
     if "min_split" in parts:
         min_split_sweep()
     if "prefill" in parts:
