@@ -212,12 +212,12 @@ class Launch(NamedTuple):
 
 
 def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> Launch:
-    """BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. A decode step reads each weight once, so the launch aims at many
-    programs per SM, which keep enough loads in flight: up to ``GEMV_MAX_M`` rows the GEMV kernel, all rows in one
-    program (each weight made once for all of them), 256 columns by 4 rows a tile, K split up to 16 ways while
-    programs stay under 6 per SM (the last program adds the parts, so a deeper split costs little); up to 16 rows 16
-    x 64 ``tl.dot`` tiles, above that 64 x 128, split where tiles are few. ``benchmarks/awq_sweep.py`` times the
-    alternatives (docs/benchmarks.md)."""
+    """The launch for ``m`` rows (4 warps, 3 stages); BLOCK_M below ``DOT_MIN_M`` is the GEMV kernel. A decode step
+    reads each weight once, so the launch aims at many programs per SM, which keep enough loads in flight: up to
+    ``GEMV_MAX_M`` rows the GEMV kernel, all rows in one program (each weight made once for all of them), 256
+    columns by 4 rows a tile, K split up to 16 ways while programs stay under 6 per SM (the last program adds the
+    parts, so a deeper split costs little); up to 16 rows 16 x 64 ``tl.dot`` tiles, above that 64 x 128, split where
+    tiles are few. ``benchmarks/awq_sweep.py`` times the alternatives (docs/benchmarks.md)."""
     if m <= GEMV_MAX_M:  # one pack per thread of 4 warps: few registers, so many warps keep loads in flight
         split_k = split_k_parts(triton.cdiv(n, 256), k, group_size, 6 * sms)  # parts of one group or more
         return Launch(triton.next_power_of_2(m), 256, 4, split_k)
@@ -226,7 +226,8 @@ def _launch_shape(m: int, n: int, k: int, group_size: int, sms: int) -> Launch:
     else:
         block_m, block_n, block_k, programs = 64, 128, min(group_size, 128), 2 * sms
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    return Launch(block_m, block_n, block_k, split_k_parts(tiles, k, 4 * block_k, programs))  # parts of 4 tiles+
+    split_k = split_k_parts(tiles, k, 4 * block_k, programs)  # parts of 4 tiles or more
+    return Launch(block_m, block_n, block_k, split_k)
 
 
 def awq_gemm_triton(
