@@ -1,8 +1,8 @@
 """Where a small model's trainer forward under ``batch_invariant_forward`` spends its time on a GPU (a diagnostic):
-a SmolLM2-135M-shaped Llama (random normal bf16, packed by a ``batch_invariant=True`` engine as
-``logprob_parity.py``'s is) scores 32 rollouts of W1-like prompts plus 128 sampled tokens, 8 sequences a forward,
-as ``logprob_parity.py`` times it: plain HF (padded rows), under parity, and under parity with one part replaced
-by a stand-in of nearly no cost (wrong numbers, right shapes), so that each part's share shows:
+a SmolLM2-135M-shaped Llama (random normal bf16, put through a default engine and then a ``batch_invariant=True``
+one, as ``logprob_parity.py``'s model is) scores 32 rollouts of W1-like prompts plus 128 sampled tokens, 8
+sequences a forward, as ``logprob_parity.py`` times it: plain HF (padded rows), under parity, and under parity with
+one part replaced by a stand-in of nearly no cost (wrong numbers, right shapes), so that each part's share shows:
 
 - ``norm kernel``: the RMSNorm kernel's launch returns its input;
 - ``attention kernel``: the paged attention kernel's launch returns an empty tensor (the cache layout is kept);
@@ -105,11 +105,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with torch.device("cuda" if cuda else "cpu"):
         model = LlamaForCausalLM(LlamaConfig(**dict(SMOLLM2, num_hidden_layers=args.num_layers)))
     model = random_normal(model.to(torch.bfloat16) if cuda else model).eval()
-    llm = LLM(model, batch_invariant=True, skip_tokenizer_init=True)  # packs the siblings, as in logprob_parity
-    done = rollouts(llm, w1_prompts(SMOLLM2["vocab_size"], args.num_prompts, seed=300), args.max_tokens)
-    llm.llm_engine.shutdown()
-    del llm
-    release_engine("paged_invariant")
+    prompts = w1_prompts(SMOLLM2["vocab_size"], args.num_prompts, seed=300)
+    # the model goes through what logprob_parity.py puts it through first: a default engine (compiled, its
+    # siblings packed), then a batch-invariant one, whose rollouts are scored
+    for name, invariant in (("paged", False), ("paged_invariant", True)):
+        llm = LLM(model, batch_invariant=invariant, skip_tokenizer_init=True)
+        done = rollouts(llm, prompts, args.max_tokens)
+        llm.llm_engine.shutdown()
+        del llm
+        release_engine(name)
     results: dict[str, Any] = {**run_header(argv), "seconds": {}}
     figures: dict[str, float] = results["seconds"]
     figures["plain"] = seconds(model, done, False, args.repetitions)
