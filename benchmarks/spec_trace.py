@@ -140,6 +140,13 @@ def main() -> None:
         help="the pausing rule's threshold (spec_decode.MIN_TAKEN_PER_STEP: proposals taken a verifying step below "
         "which a sample pauses; 0: never pauses) instead of the engine's",
     )
+    parser.add_argument(
+        "--shadow-min-taken",
+        type=int,
+        default=None,
+        help="proposals a paused sample's shadow lookup must have had taken to end its pause "
+        "(spec_decode.SHADOW_MIN_TAKEN) instead of the engine's",
+    )
     parser.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     parser.add_argument("--json", type=Path, default=None)
     add_plot_arguments(parser, "a bar chart of the modeled speed-ups")
@@ -148,6 +155,8 @@ def main() -> None:
         return
     if args.min_taken is not None:
         spec_decode.MIN_TAKEN_PER_STEP = args.min_taken
+    if args.shadow_min_taken is not None:
+        spec_decode.SHADOW_MIN_TAKEN = args.shadow_min_taken
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path, real = demo_model(None, default_cache_dir())
     if not real:
@@ -170,6 +179,7 @@ def main() -> None:
             "prompts": args.prompts,
             "max_tokens": args.max_tokens,
             "min_taken_per_step": spec_decode.MIN_TAKEN_PER_STEP,
+            "shadow_min_taken": spec_decode.SHADOW_MIN_TAKEN,
             "prompt_lookup_min": llm.llm_engine.config.speculative_config.prompt_lookup_min,  # type: ignore[union-attr]
         },
         "workloads": {},
