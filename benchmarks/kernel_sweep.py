@@ -121,7 +121,7 @@ def launch(
         DIM_PAD=_next_pow2(head_dim), BLOCK_N=block_n or default_n, BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), MIN_SPLIT=min_split_tokens,
         USE_WINDOW=False, USE_SOFTCAP=False, IEEE=query.dtype == torch.float32, SCALED=k_scale is not None,
-        FP16_DOTS=k_scale is not None and query.dtype == torch.bfloat16,
+        FP16_DOTS=k_scale is not None and query.dtype == torch.bfloat16, MASK_ALL=False,
         **tuning,
     )  # fmt: skip
     return out
