@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.kernels import tl, triton
 from paged_backend.kernels.cache_write import write_kv_cache_torch, write_kv_cache_triton
 from paged_backend.kernels.fp8_quant import FP8_MAX
 from paged_backend.kernels.paged_attention import paged_attention_torch, paged_attention_triton
@@ -142,6 +143,51 @@ def test_bf16_queries_over_an_fp8_cache(query_magnitude: float) -> None:
                                 k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     out = paged_attention_triton(**batch, scale=scale, k_scale=k_scale, v_scale=v_scale)
     assert batch["query"].abs().max() > 65504 or query_magnitude == 1.0
+    assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+if triton is not None:
+    from paged_backend.kernels.online_softmax import e4m3_pairs_as_fp16
+
+    @triton.jit
+    def _pairs_kernel(words_ptr, out_ptr, N: tl.constexpr, CVT: tl.constexpr):
+        offs = tl.arange(0, N)
+        values = e4m3_pairs_as_fp16(tl.load(words_ptr + offs), CVT)  # [N, 2]
+        tl.store(out_ptr + offs[:, None] * 2 + tl.arange(0, 2)[None, :], values)
+
+
+@pytest.mark.parametrize("cvt", [False, True] if DEVICE.type == "cuda" else [False])  # PTX: a GPU's only
+def test_fp8_words_become_fp16_values_exactly(cvt: bool) -> None:
+    """The kernel reads an fp8 cache read by fp16 dots as 16-bit words, two values each, made fp16
+    (``e4m3_pairs_as_fp16``: by integer arithmetic, or on a GPU by its conversion instruction): every pair of
+    finite e4m3 bytes gives its two values times 2^-8, exactly (subnormals, the largest values and both zeros
+    included), the lower address first."""
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F, 0xFF: NaN
+    first, second = torch.meshgrid(finite, finite, indexing="ij")
+    data = torch.stack([first.flatten(), second.flatten()], dim=1)  # [N, 2] bytes, in memory order
+    n = 1 << (data.shape[0] - 1).bit_length()  # a power of two for tl.arange; the extra words repeat the first
+    data = torch.cat([data, data[: n - data.shape[0]]]).contiguous()
+    out = torch.empty(n, 2, dtype=torch.float16, device=DEVICE)
+    _pairs_kernel[(1,)](data.to(DEVICE).view(torch.int16).flatten(), out, N=n, CVT=cvt)
+    expected = (data.view(FP8).float() / 256).to(torch.float16)  # exact: e4m3 values over 2^8 fit fp16
+    assert torch.equal(out.cpu().view(torch.int16), expected.view(torch.int16))  # bits, so -0.0 counts too
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_bf16_queries_over_an_fp8_cache_of_an_odd_head_size(num_splits: int) -> None:
+    """Heads of 80 (padded to 128 in the kernel: the padding's words masked), split and not: bf16 queries over
+    an fp8 cache equal the twin."""
+    if num_splits == 1:
+        batch = make_batch([1, 20, 1], [60, 0, 17], 4, 2, 80, torch.float32, 16, seed=11)
+    else:
+        batch = make_batch([1, 1], [400, 35], 4, 2, 80, torch.float32, 16, seed=12)
+    batch["query"] = batch["query"].to(torch.bfloat16)
+    k_scale, v_scale = scaled_cache(batch, 2, seed=13)
+    scale = batch["query"].shape[-1] ** -0.5
+    args = (batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], scale)
+    ref = paged_attention_torch(batch["query"].float(), batch["k_cache"], batch["v_cache"], *args,
+                                k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    out = paged_attention_triton(**batch, scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits)
     assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 

@@ -9,6 +9,29 @@ from paged_backend.kernels import tl, triton
 if triton is not None:
 
     @triton.jit
+    def e4m3_bits_as_fp16(b):
+        """fp8 e4m3 values given as their bits (int32, 0..255), as fp16 values 2^-8 times as large, exactly: the
+        sign moves to bit 15, exponent and mantissa to bits 7..14 (fp16's exponent bias is e4m3's plus 8, so the
+        same exponent field means 2^-8 times the value; subnormals map to subnormals alike). The NaN byte, which a
+        cache never holds, becomes a finite value."""
+        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def e4m3_pairs_as_fp16(words, CVT: tl.constexpr):
+        """16-bit words of two e4m3 bytes each, as fp16 values 2^-8 times as large: ``[..., 2]``, the first byte
+        (the lower address) first. ``CVT``: by the GPU's own conversion (one instruction a pair, sm_89 and later),
+        else by integer arithmetic (``e4m3_bits_as_fp16``, also in Triton's interpreter)."""
+        if CVT:
+            both = tl.inline_asm_elementwise(
+                "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [words], dtype=tl.int32, is_pure=True, pack=1
+            )  # the first byte's value in the lower half
+            lo = (both & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+            hi = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+            return tl.join((lo * 0.00390625).to(tl.float16), (hi * 0.00390625).to(tl.float16))
+        w = words.to(tl.int32) & 0xFFFF
+        return tl.join(e4m3_bits_as_fp16(w & 0xFF), e4m3_bits_as_fp16(w >> 8))
+
+    @triton.jit
     def attend_tile(
         acc,
         m_i,
@@ -35,8 +58,17 @@ if triton is not None:
         USE_SOFTCAP: tl.constexpr,
         IEEE: tl.constexpr,
         SCALED: tl.constexpr,
+        BYTES: tl.constexpr,  # an fp8 cache given as 16-bit words (strides in words): read as fp16 times 2^-8
+        HEAD_DIM: tl.constexpr,  # BYTES only
+        DIM_PAD: tl.constexpr,  # BYTES only
+        CVT: tl.constexpr,  # BYTES: the GPU's conversion instruction (``e4m3_pairs_as_fp16``)
     ):
-        """One key tile of the online softmax: ``(acc, m_i, l_i)`` updated, scores in the log2 domain."""
+        """One key tile of the online softmax: ``(acc, m_i, l_i)`` updated, scores in the log2 domain.
+
+        ``BYTES``: an fp8 cache is read as 16-bit words, two values each, made fp16 (``e4m3_pairs_as_fp16``) and
+        split in registers (``tl.join``, then the pairs laid out along the head dimension). A conversion of the fp8
+        tile itself (``to(tl.float16)``, or integer arithmetic on its bytes) is moved by Triton into the dot's operand
+        layout, which reads the tile from shared memory a byte at a time."""
         LOG2E: tl.constexpr = 1.4426950408889634
         offs_n = start_n + tl.arange(0, BLOCK_N)  # [N]
         n_mask = offs_n < kv_hi
@@ -45,13 +77,19 @@ if triton is not None:
         else:
             blocks = tl.load(table_ptr + offs_n // BLOCK_SIZE)
         slots = blocks.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + head_offset
-        if MASKED:
+        if BYTES:  # [D/2, N] words, then [D/2, 2, N] values: row 2i + j is byte j of word i
+            offs_p = tl.arange(0, DIM_PAD // 2)
+            p_mask = offs_p < HEAD_DIM // 2
+            k_mask = p_mask[:, None] & n_mask[None, :] if MASKED else p_mask[:, None]
+            words = tl.load(k_cache_ptr + slots[None, :] + offs_p[:, None], mask=k_mask, other=0)
+            k = tl.reshape(tl.permute(e4m3_pairs_as_fp16(words, CVT), (0, 2, 1)), (DIM_PAD, BLOCK_N))
+        elif MASKED:
             k = tl.load(
                 k_cache_ptr + slots[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0
             )
         else:
             k = tl.load(k_cache_ptr + slots[None, :] + offs_d[:, None], mask=d_mask[:, None], other=0.0)  # [D, N]
-        if SCALED:
+        if SCALED and not BYTES:
             k = k.to(q.dtype)
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [M, N] fp32
@@ -73,13 +111,17 @@ if triton is not None:
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
+        if BYTES:  # [N, D/2] words, then [N, D/2, 2] values
+            v_mask = n_mask[:, None] & p_mask[None, :] if MASKED else p_mask[None, :]
+            words = tl.load(v_cache_ptr + slots[:, None] + offs_p[None, :], mask=v_mask, other=0)
+            v = tl.reshape(e4m3_pairs_as_fp16(words, CVT), (BLOCK_N, DIM_PAD))
+        elif MASKED:
             v = tl.load(
                 v_cache_ptr + slots[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0
             )
         else:
             v = tl.load(v_cache_ptr + slots[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)  # [N, D]
-        if SCALED:
+        if SCALED and not BYTES:
             v = v.to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")

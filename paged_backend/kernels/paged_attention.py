@@ -170,6 +170,7 @@ if triton is not None:
         SCALED: tl.constexpr,  # an fp8 cache: keys and values are read in the queries' dtype, times their scale
         FP16_DOTS: tl.constexpr,  # SCALED with bf16 queries: the dots run in fp16
         MASK_ALL: tl.constexpr,  # every key tile masked: a row's arithmetic then never depends on its tile's rows
+        CVT: tl.constexpr,  # FP16_DOTS: fp8 made fp16 by the GPU's conversion instruction
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         pid = tl.program_id(0)
@@ -207,9 +208,9 @@ if triton is not None:
         qk_scale = scale
         if SCALED:  # one KV head a program: its scales are two scalars, folded into the scores and the output
             qk_scale = scale * tl.load(k_scale_ptr + kv_head)
-        if FP16_DOTS:  # bf16 queries over an fp8 cache, as fp16 times 2^8 (see the launcher)
+        if FP16_DOTS:  # bf16 queries over an fp8 cache, as fp16, and keys and values, all times 2^-8 (the launcher)
             q = tl.clamp(q.to(tl.float32) * 0.00390625, -65504.0, 65504.0).to(tl.float16)
-            qk_scale = qk_scale * 256.0
+            qk_scale = qk_scale * 65536.0
 
         # Keys this tile can see: [kv_lo, kv_hi). An empty range (tile past q_len) runs no iteration.
         kv_hi = prefix + tl.minimum(tile_start + BLOCK_Q, q_len)
@@ -238,18 +239,20 @@ if triton is not None:
             acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, start_n,
                 kv_hi, kv_head * stride_ch, stride_cb, stride_cs, qk_scale, softcap, sliding_window, offs_d, d_mask,
-                BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED,
+                BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED, FP16_DOTS, HEAD_DIM, DIM_PAD, CVT,
             )  # fmt: skip
         for start_n in range(full_hi, kv_hi, BLOCK_N):
             acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, start_n,
                 kv_hi, kv_head * stride_ch, stride_cb, stride_cs, qk_scale, softcap, sliding_window, offs_d, d_mask,
-                BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED,
+                BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED, FP16_DOTS, HEAD_DIM, DIM_PAD, CVT,
             )  # fmt: skip
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if SCALED:
             out = out * tl.load(v_scale_ptr + kv_head)
+        if FP16_DOTS:  # the values were read 2^-8 times as large
+            out = out * 256.0
         token = (q_start + q_tok).to(tl.int64)
         out_mask = row_valid[:, None] & d_mask[None, :]
         if NUM_SPLITS > 1:
@@ -322,7 +325,9 @@ def paged_attention_triton(
     only through fp32, which made the fp8 kernel slower than the bf16 one. fp16 holds every fp8 value and the
     probabilities exactly; the queries go in as ``q / 2^8`` (scores times 2^8), so the range reaches 1.7e7
     (larger queries are clamped) and a query element loses at most 2^-17 in absolute terms, far below bf16's
-    own rounding of any element that matters to a score."""
+    own rounding of any element that matters to a score. The caches go in as 16-bit words, two values each, made
+    fp16 in registers (``attend_tile``: each value times 2^-8, exactly, undone by the scales): a conversion of the
+    fp8 tile itself runs in the dot's operand layout, which reads the tile from shared memory a byte at a time."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -333,6 +338,9 @@ def paged_attention_triton(
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
+    fp16_dots = k_scale is not None and query.dtype == torch.bfloat16
+    # fp8 caches read by fp16 dots go in as 16-bit words, two values each (``attend_tile``), strides in words
+    caches = (k_cache.view(torch.int16), v_cache.view(torch.int16)) if fp16_dots else (k_cache, v_cache)
     if batch_invariant:
         num_splits = 1
     elif num_splits is None:
@@ -355,8 +363,7 @@ def paged_attention_triton(
         out,
         arrival_counters(query.device, grid[0] * grid[1]),
         query,
-        k_cache,
-        v_cache,
+        *caches,
         context_lens if k_scale is None else k_scale,  # not read unless SCALED
         context_lens if v_scale is None else v_scale,
         block_tables,
@@ -368,9 +375,9 @@ def paged_attention_triton(
         int(sliding_window or 0),
         query.stride(0),
         query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        caches[0].stride(0),
+        caches[0].stride(1),
+        caches[0].stride(2),
         block_tables.stride(0),
         stride_os,
         stride_ot,
@@ -393,7 +400,8 @@ def paged_attention_triton(
         USE_SOFTCAP=bool(softcap),
         IEEE=query.dtype == torch.float32,
         SCALED=k_scale is not None,
-        FP16_DOTS=k_scale is not None and query.dtype == torch.bfloat16,
+        FP16_DOTS=fp16_dots,
+        CVT=fp16_dots and query.is_cuda,  # the interpreter (CPU tensors) runs no PTX
         MASK_ALL=batch_invariant,
         **tuning,
     )
