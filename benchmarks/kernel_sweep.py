@@ -117,13 +117,13 @@ def launch(
         context_lens if k_scale is None else k_scale, context_lens if v_scale is None else v_scale,
         block_tables, cu_seqlens_q, context_lens,
         num_seqs, float(scale), 0.0, 0,
-        query.stride(0), query.stride(1), *(caches[0].stride(i) for i in range(3)),
+        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), *strides, out.stride(0), out.stride(1),
         QUERIES_PER_KV=num_heads // num_kv_heads, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         DIM_PAD=_next_pow2(head_dim), BLOCK_N=block_n or default_n, BLOCK_SIZE=k_cache.shape[1],
         NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), MIN_SPLIT=min_split_tokens,
         USE_WINDOW=False, USE_SOFTCAP=False, IEEE=query.dtype == torch.float32, SCALED=k_scale is not None,
-        FP16_DOTS=fp16_dots, CVT=fp16_dots, MASK_ALL=False,
+        FP16_DOTS=fp16_dots, CVT=fp16_dots and query.is_cuda, MASK_ALL=False,
         **tuning,
     )  # fmt: skip
     return out

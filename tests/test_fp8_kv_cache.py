@@ -160,8 +160,8 @@ if triton is not None:
 def test_fp8_words_become_fp16_values_exactly(cvt: bool) -> None:
     """The kernel reads an fp8 cache read by fp16 dots as 16-bit words, two values each, made fp16
     (``e4m3_pairs_as_fp16``: by integer arithmetic, or on a GPU by its conversion instruction): every pair of
-    finite e4m3 bytes gives its two values times 2^-8, exactly (subnormals, the largest values and both zeros
-    included), the lower address first."""
+    finite e4m3 bytes gives its two values exactly (subnormals, the largest values and both zeros included), the
+    lower address first."""
     finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F, 0xFF: NaN
     first, second = torch.meshgrid(finite, finite, indexing="ij")
     data = torch.stack([first.flatten(), second.flatten()], dim=1)  # [N, 2] bytes, in memory order
@@ -169,14 +169,18 @@ def test_fp8_words_become_fp16_values_exactly(cvt: bool) -> None:
     data = torch.cat([data, data[: n - data.shape[0]]]).contiguous()
     out = torch.empty(n, 2, dtype=torch.float16, device=DEVICE)
     _pairs_kernel[(1,)](data.to(DEVICE).view(torch.int16).flatten(), out, N=n, CVT=cvt)
-    expected = (data.view(FP8).float() / 256).to(torch.float16)  # exact: e4m3 values over 2^8 fit fp16
+    expected = data.view(FP8).float().to(torch.float16)  # exact: fp16 holds every e4m3 value
     assert torch.equal(out.cpu().view(torch.int16), expected.view(torch.int16))  # bits, so -0.0 counts too
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_bf16_queries_over_an_fp8_cache_of_an_odd_head_size(num_splits: int) -> None:
-    """Heads of 80 (padded to 128 in the kernel: the padding's words masked), split and not: bf16 queries over
-    an fp8 cache equal the twin."""
+@pytest.mark.parametrize(
+    ("num_splits", "options"),
+    [(1, {}), (4, {}), (1, {"sliding_window": 24}), (1, {"softcap": 5.0}), (1, {"batch_invariant": True})],
+    ids=["whole", "split", "window", "softcap", "invariant"],
+)
+def test_bf16_queries_over_an_fp8_cache_of_an_odd_head_size(num_splits: int, options: dict) -> None:
+    """Heads of 80 (padded to 128 in the kernel: the padding's words masked), split and not, with a sliding window,
+    a softcap and every tile masked (``batch_invariant``): bf16 queries over an fp8 cache equal the twin."""
     if num_splits == 1:
         batch = make_batch([1, 20, 1], [60, 0, 17], 4, 2, 80, torch.float32, 16, seed=11)
     else:
@@ -185,9 +189,11 @@ def test_bf16_queries_over_an_fp8_cache_of_an_odd_head_size(num_splits: int) -> 
     k_scale, v_scale = scaled_cache(batch, 2, seed=13)
     scale = batch["query"].shape[-1] ** -0.5
     args = (batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], scale)
+    twin_options = {k: v for k, v in options.items() if k != "batch_invariant"}
     ref = paged_attention_torch(batch["query"].float(), batch["k_cache"], batch["v_cache"], *args,
-                                k_scale=k_scale, v_scale=v_scale)  # fmt: skip
-    out = paged_attention_triton(**batch, scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits)
+                                k_scale=k_scale, v_scale=v_scale, **twin_options)  # fmt: skip
+    out = paged_attention_triton(**batch, scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits,
+                                 **options)  # fmt: skip
     assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 

@@ -18,18 +18,20 @@ if triton is not None:
 
     @triton.jit
     def e4m3_pairs_as_fp16(words, CVT: tl.constexpr):
-        """16-bit words of two e4m3 bytes each, as fp16 values 2^-8 times as large: ``[..., 2]``, the first byte
-        (the lower address) first. ``CVT``: by the GPU's own conversion (one instruction a pair, sm_89 and later),
-        else by integer arithmetic (``e4m3_bits_as_fp16``, also in Triton's interpreter)."""
+        """16-bit words of two e4m3 bytes each, as their fp16 values (exact): ``[..., 2]``, the first byte (the lower
+        address) first. ``CVT``: by the GPU's own conversion (one instruction a pair, sm_89 and later), else by
+        integer arithmetic (``e4m3_bits_as_fp16``; Triton's interpreter runs no PTX)."""
         if CVT:
             both = tl.inline_asm_elementwise(
                 "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [words], dtype=tl.int32, is_pure=True, pack=1
             )  # the first byte's value in the lower half
             lo = (both & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
             hi = (both >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-            return tl.join((lo * 0.00390625).to(tl.float16), (hi * 0.00390625).to(tl.float16))
+            return tl.join(lo, hi)
         w = words.to(tl.int32) & 0xFFFF
-        return tl.join(e4m3_bits_as_fp16(w & 0xFF), e4m3_bits_as_fp16(w >> 8))
+        lo = (e4m3_bits_as_fp16(w & 0xFF).to(tl.float32) * 256.0).to(tl.float16)
+        hi = (e4m3_bits_as_fp16(w >> 8).to(tl.float32) * 256.0).to(tl.float16)
+        return tl.join(lo, hi)
 
     @triton.jit
     def attend_tile(
@@ -58,7 +60,7 @@ if triton is not None:
         USE_SOFTCAP: tl.constexpr,
         IEEE: tl.constexpr,
         SCALED: tl.constexpr,
-        BYTES: tl.constexpr,  # an fp8 cache given as 16-bit words (strides in words): read as fp16 times 2^-8
+        BYTES: tl.constexpr,  # an fp8 cache given as 16-bit words (strides in words), read as fp16
         HEAD_DIM: tl.constexpr,  # BYTES only
         DIM_PAD: tl.constexpr,  # BYTES only
         CVT: tl.constexpr,  # BYTES: the GPU's conversion instruction (``e4m3_pairs_as_fp16``)

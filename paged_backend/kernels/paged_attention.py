@@ -208,9 +208,14 @@ if triton is not None:
         qk_scale = scale
         if SCALED:  # one KV head a program: its scales are two scalars, folded into the scores and the output
             qk_scale = scale * tl.load(k_scale_ptr + kv_head)
-        if FP16_DOTS:  # bf16 queries over an fp8 cache, as fp16, and keys and values, all times 2^-8 (the launcher)
+        if FP16_DOTS:  # bf16 queries over an fp8 cache, as fp16 times 2^8 (see the launcher)
             q = tl.clamp(q.to(tl.float32) * 0.00390625, -65504.0, 65504.0).to(tl.float16)
-            qk_scale = qk_scale * 65536.0
+            qk_scale = qk_scale * 256.0
+            # the cache as 16-bit words (``attend_tile``): its strides, given in bytes, halved here, where Triton
+            # still sees them divisible by 8 (given in words, a head of 80 would lose its aligned loads)
+            stride_cb = stride_cb // 2
+            stride_cs = stride_cs // 2
+            stride_ch = stride_ch // 2
 
         # Keys this tile can see: [kv_lo, kv_hi). An empty range (tile past q_len) runs no iteration.
         kv_hi = prefix + tl.minimum(tile_start + BLOCK_Q, q_len)
@@ -251,8 +256,6 @@ if triton is not None:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if SCALED:
             out = out * tl.load(v_scale_ptr + kv_head)
-        if FP16_DOTS:  # the values were read 2^-8 times as large
-            out = out * 256.0
         token = (q_start + q_tok).to(tl.int64)
         out_mask = row_valid[:, None] & d_mask[None, :]
         if NUM_SPLITS > 1:
@@ -326,8 +329,8 @@ def paged_attention_triton(
     probabilities exactly; the queries go in as ``q / 2^8`` (scores times 2^8), so the range reaches 1.7e7
     (larger queries are clamped) and a query element loses at most 2^-17 in absolute terms, far below bf16's
     own rounding of any element that matters to a score. The caches go in as 16-bit words, two values each, made
-    fp16 in registers (``attend_tile``: each value times 2^-8, exactly, undone by the scales): a conversion of the
-    fp8 tile itself runs in the dot's operand layout, which reads the tile from shared memory a byte at a time."""
+    fp16 in registers (``attend_tile``): a conversion of the fp8 tile itself runs in the dot's operand layout, which
+    reads the tile from shared memory a byte at a time."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -340,6 +343,8 @@ def paged_attention_triton(
         return out
     fp16_dots = k_scale is not None and query.dtype == torch.bfloat16
     # fp8 caches read by fp16 dots go in as 16-bit words, two values each (``attend_tile``), strides in words
+    if fp16_dots and not (k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"scaled caches are float8_e4m3fn, got {k_cache.dtype} and {v_cache.dtype}")
     caches = (k_cache.view(torch.int16), v_cache.view(torch.int16)) if fp16_dots else (k_cache, v_cache)
     if batch_invariant:
         num_splits = 1
@@ -375,9 +380,9 @@ def paged_attention_triton(
         int(sliding_window or 0),
         query.stride(0),
         query.stride(1),
-        caches[0].stride(0),
-        caches[0].stride(1),
-        caches[0].stride(2),
+        k_cache.stride(0),  # in elements (bytes, for an fp8 cache)
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         stride_os,
         stride_ot,
