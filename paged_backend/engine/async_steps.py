@@ -9,6 +9,7 @@ a row that a stop string, a stop token or an abort ends meanwhile is computed fo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -18,6 +19,7 @@ from paged_backend.worker.worker import Executor
 logger = logging.getLogger(__name__)
 
 InFlight = tuple[SchedulerOutput, AsyncModelRunnerOutput]  # a step queued on the device
+Arrivals = Callable[[], bool]  # whether requests wait to be added to the engine (``LLMEngine.arrivals``)
 
 
 class FailedLaunch:
@@ -30,9 +32,15 @@ class FailedLaunch:
     def get_output(self) -> ModelRunnerOutput:
         raise self.error
 
+    def wait_for_last_steps(self) -> None:
+        return None
 
-def queue_following(scheduler: Scheduler, executor: Executor) -> InFlight | None:
-    """The next step, scheduled and launched as soon as this one's tokens are counted."""
+
+def queue_following(scheduler: Scheduler, executor: Executor, arrivals: Arrivals | None = None) -> InFlight | None:
+    """The next step, scheduled and launched as soon as this one's tokens are counted; None while ``arrivals``
+    says requests are about to be added (the step after them schedules with them)."""
+    if arrivals is not None and arrivals():
+        return None
     following = scheduler.schedule()
     if following.is_empty:
         return None
@@ -42,11 +50,24 @@ def queue_following(scheduler: Scheduler, executor: Executor) -> InFlight | None
         return following, FailedLaunch(error)
 
 
-def queue_next(scheduler: Scheduler, executor: Executor, in_flight: SchedulerOutput) -> InFlight | None:
+def queue_next(
+    scheduler: Scheduler,
+    executor: Executor,
+    in_flight: InFlight,
+    arrivals: Arrivals | None = None,
+) -> InFlight | None:
     """The round after ``in_flight`` (a round whose tokens are not read yet), when the scheduler plans one
     (``Scheduler.schedule_continuation``). If queueing it fails, the next step is a normal one, which runs the
-    same tokens again (and reports its own error, if any)."""
-    continuation = scheduler.schedule_continuation(in_flight)
+    same tokens again (and reports its own error, if any).
+
+    With ``arrivals`` (an engine that takes requests while it steps), the decision waits until the round in flight
+    has only its last forwards left (``wait_for_last_steps``), and there is no continuation if requests arrived
+    meanwhile: they are admitted right after this round, not after the next one too (time to first token)."""
+    if arrivals is not None:
+        in_flight[1].wait_for_last_steps()
+        if arrivals():
+            return None
+    continuation = scheduler.schedule_continuation(in_flight[0])
     if continuation is None:
         return None
     try:

@@ -83,6 +83,9 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.stopped = False
         self.grammars: GrammarService | None = None  # a server's: see ``structured_output/grammar_budget.py``
+        # a call queued while the engine steps (an arriving request, mostly): async scheduling then queues no step
+        # ahead of it, so a request waits for the step in flight only (``LLMEngine.arrivals``)
+        engine.arrivals = self._calls_waiting
         self.thread = threading.Thread(target=self._run, name="paged-backend-engine", daemon=True)
         self.thread.start()
 
@@ -274,6 +277,9 @@ class EngineLoop:
         if self.on_abort is not None:
             self.on_abort(request_id)
 
+    def _calls_waiting(self) -> bool:
+        return not self.calls.empty()
+
     def _run_calls(self) -> None:
         while True:
             try:
@@ -341,6 +347,7 @@ class EngineLoop:
                 break
         with self.submit_lock:  # from here on nothing can be queued
             self.closed = True
+        self.engine.arrivals = None
         reason = error or EngineDeadError("the engine loop was shut down")
         for request_id, sink in list(self.sinks.items()):
             with contextlib.suppress(RuntimeError):  # a closed event loop has no reader left

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from paged_backend.config import EngineConfig
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.sequence import SequenceStatus
-from paged_backend.engine.async_steps import InFlight, queue_following, queue_next
+from paged_backend.engine.async_steps import Arrivals, InFlight, queue_following, queue_next
 from paged_backend.engine.engine_setup import (
     async_scheduling,
     eos_token_ids,
@@ -82,6 +82,9 @@ class LLMEngine:
         self.weight_updates = WeightUpdates(self.model) if watch else None
         # async scheduling: a step queued on the device, its tokens not read yet (the next step reads them)
         self._in_flight: InFlight | None = None
+        # set by whoever adds requests while the engine steps (``EngineLoop``): whether some wait to be added. Async
+        # scheduling then queues nothing ahead of them (``queue_next``, ``queue_following``).
+        self.arrivals: Arrivals | None = None
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.input_processor = InputProcessor(
             self.config,
@@ -156,7 +159,7 @@ class LLMEngine:
         ``finished_only`` just of those that finished (a snapshot of every running request each step costs more
         than the step's bookkeeping when nobody streams). With async scheduling the next step is queued on the
         device before this one's outputs are made: a multi-step round's successor before its tokens are read
-        (``_queue_next``), any other step once they are counted (``_queue_following``); the step after reads it."""
+        (``queue_next``), any other step once they are counted (``queue_following``); the step after reads it."""
         if self.weight_updates is not None and self.weight_updates.changed():
             self.scheduler.reset_prefix_cache()
             self._in_flight = None  # queued with the old weights: its tokens are computed again with the new
@@ -175,7 +178,7 @@ class LLMEngine:
         try:
             pending = self._execute(scheduler_output) if in_flight is None else in_flight[1]
             if self.async_scheduling:
-                self._in_flight = self._queue_next(scheduler_output)
+                self._in_flight = queue_next(self.scheduler, self.executor, (scheduler_output, pending), self.arrivals)
             runner_output = pending.get_output()
         except Exception as error:  # no token of the step was taken: its requests are redone, or fail
             self._in_flight = None
@@ -208,10 +211,7 @@ class LLMEngine:
         return ReadyOutput(self.executor.execute_model(scheduler_output))
 
     def _queue_following(self) -> InFlight | None:
-        return queue_following(self.scheduler, self.executor)
-
-    def _queue_next(self, in_flight: SchedulerOutput) -> InFlight | None:
-        return queue_next(self.scheduler, self.executor, in_flight)
+        return queue_following(self.scheduler, self.executor, self.arrivals)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode, level 1: the KV cache, its cached prefixes and the CUDA graphs are freed; the

@@ -16,10 +16,20 @@ import torch
 from paged_backend.core.scheduler_output import ModelRunnerOutput
 from paged_backend.worker.structured_output import RoundGrammars
 
+# A round's forwards still queued when the host decides what follows it (``wait_for_last_steps``): the device runs
+# them while the host plans and launches the next round, so it does not idle; a request that arrives before then
+# is admitted right after this round instead of after the next.
+LAST_STEPS = 2
+
 
 class AsyncModelRunnerOutput(Protocol):
     def get_output(self) -> ModelRunnerOutput:
         """The step's output; waits for the device when it has not finished the step yet."""
+        ...
+
+    def wait_for_last_steps(self) -> None:
+        """Returns once the device has only the step's last ``LAST_STEPS`` forwards left to run: a multi-step
+        round's (``PendingRound``); any other step returns at once."""
         ...
 
 
@@ -29,6 +39,9 @@ class ReadyOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         return self.output
+
+    def wait_for_last_steps(self) -> None:
+        return None
 
 
 class DeferredOutput:
@@ -53,6 +66,9 @@ class DeferredOutput:
             self._output, self._logits = self._sample(self._logits), None
         return self._output
 
+    def wait_for_last_steps(self) -> None:
+        return None
+
 
 class PendingRound:
     """A queued round's sampled tokens and their logprobs, ``[K, B]`` each on the device; row ``i`` keeps its
@@ -65,8 +81,9 @@ class PendingRound:
         num_steps: list[int],
         grammars: RoundGrammars | None,
         sampling: bool,
+        last_steps: torch.cuda.Event | None = None,  # recorded before the round's last LAST_STEPS forwards
     ) -> None:
-        self.num_steps, self.grammars = num_steps, grammars
+        self.num_steps, self.grammars, self.last_steps = num_steps, grammars, last_steps
         self.host: torch.Tensor | None = None
         self.event: torch.cuda.Event | None = None
         if sampling:  # one copy for both (token ids < 2**53 are exact in float64)
@@ -77,6 +94,10 @@ class PendingRound:
             if on_gpu:
                 self.event = torch.cuda.Event()
                 self.event.record(torch.cuda.current_stream(both.device))
+
+    def wait_for_last_steps(self) -> None:
+        if self.last_steps is not None:
+            self.last_steps.synchronize()
 
     def get_output(self) -> ModelRunnerOutput:
         if self.host is None:

@@ -208,6 +208,9 @@ class ProposingOutput:
         self.step, self.draft, self.scheduler_output = step, draft, scheduler_output
         self.output: ModelRunnerOutput | None = None
 
+    def wait_for_last_steps(self) -> None:
+        self.step.wait_for_last_steps()
+
     def get_output(self) -> ModelRunnerOutput:
         if self.output is None:
             output = self.step.get_output()

@@ -28,7 +28,7 @@ from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
 from paged_backend.worker import batch_invariant as invariance
-from paged_backend.worker.async_output import AsyncModelRunnerOutput, DeferredOutput, PendingRound
+from paged_backend.worker.async_output import LAST_STEPS, AsyncModelRunnerOutput, DeferredOutput, PendingRound
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
@@ -92,6 +92,8 @@ class ModelRunner:
         self._last_round: tuple[torch.Tensor, list[int]] | None = None  # its tokens [K, B] and rows' steps
         self._unread: DeferredOutput | None = None  # the last single step, until it is sampled
         self._round_parity = 0  # which half of the graphs' staging buffers the last round used
+        # the last round's mark before its last LAST_STEPS forwards (on a GPU): PendingRound.wait_for_last_steps
+        self.last_steps: torch.cuda.Event | None = None
         self.calibrate_kv_scales = False  # the warm-ups below never calibrate
         self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
         self.siblings: SiblingProducts | None = None  # batch_invariant's packed sibling projections
@@ -226,7 +228,7 @@ class ModelRunner:
             bias = RoundBias.of(seqs, self.device)
             tokens, logprobs = self._run_round(inputs, batch.num_steps, grammars, first, bias)
         self._last_round = (tokens, batch.num_steps)
-        return PendingRound(tokens, logprobs, batch.num_steps, grammars, sampling=bool(seqs))
+        return PendingRound(tokens, logprobs, batch.num_steps, grammars, bool(seqs), self.last_steps)
 
     def _round_inputs(self, prev_rows: list[int] | None) -> torch.Tensor | None:
         """A round queued behind the previous one starts from the last token each of its rows sampled there."""
@@ -357,12 +359,17 @@ class ModelRunner:
         ``first_input_ids`` [B] on the device, when given). Returns the sampled tokens and their logprobs,
         ``[K, B]`` each. No host sync, except that rows under a grammar wait for the previous step's tokens (while
         the device runs the next forward) to mask each step. Two rounds may be queued at once: they take turns
-        on the CUDA graphs' pinned staging buffers."""
+        on the CUDA graphs' pinned staging buffers. On a GPU an event marks where the last ``LAST_STEPS``
+        forwards begin (``last_steps``)."""
         tokens, logprobs = [], []
         previous = first_input_ids
         self._round_parity ^= 1
         first_staging = self._round_parity * self._graph_shape[2]  # num_scheduler_steps buffers each
+        self.last_steps = None
         for k, inputs in enumerate(steps):
+            if k == max(0, len(steps) - LAST_STEPS) and self.device.type == "cuda":
+                self.last_steps = torch.cuda.Event()
+                self.last_steps.record(torch.cuda.current_stream(self.device))
             logits = self.run(inputs, previous, first_staging + k)
             if bias is not None:
                 bias.apply(logits)
