@@ -17,7 +17,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
 
-from paged_backend.entrypoints.openai.protocol import INT64_END, MODEL_CONFIG, REQUEST_CONFIG, StopString, Text
+from paged_backend.entrypoints.openai.protocol import (
+    INT64_END,
+    MAX_STOP,
+    MODEL_CONFIG,
+    REQUEST_CONFIG,
+    StopString,
+    Text,
+)
 from paged_backend.entrypoints.openai.tools import NAME_PATTERN
 from paged_backend.sampling_params import MAX_FLOAT32
 
@@ -112,7 +119,8 @@ class MessagesRequest(BaseModel):
     system: Text | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = Field(default=None, max_length=128)
     tool_choice: AnthropicToolChoice | None = None
-    stop_sequences: list[StopString] | None = None
+    # run as the chat request's ``stop``, which takes at most MAX_STOP: said here, so the schema says it too
+    stop_sequences: list[StopString] | None = Field(default=None, max_length=MAX_STOP)
     temperature: float | None = Field(default=None, ge=0.0, le=MAX_FLOAT32)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, lt=INT64_END)
