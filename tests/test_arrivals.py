@@ -4,7 +4,10 @@ those of the synchronous engine whatever the arrivals say, and the engine loop w
 
 from __future__ import annotations
 
+import copy
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch
 from paged_backend import LLM, SamplingParams
 from paged_backend.engine.async_steps import queue_following, queue_next
 from paged_backend.engine.engine_loop import EngineLoop
+from paged_backend.worker.async_output import last_steps_begin
 from tests.conftest import assert_idle, ragged_prompts, tiny_model
 from tests.test_async_scheduling import STOPS, count_continuations, stop_params, summary
 
@@ -60,9 +64,10 @@ def test_random_arrivals_keep_the_synchronous_tokens(device: str, tokenizer) -> 
     prompts = [{"prompt_token_ids": p} for p in ragged_prompts(4, seed=7)]
     params = stop_params(tokenizer, prompts)
     engine_kwargs = dict(num_kv_blocks=40, max_num_seqs=4, **STOPS)
-    sync = LLM(tiny_model("llama").to(device), tokenizer=tokenizer, async_scheduling=False, **engine_kwargs)
+    model = copy.deepcopy(tiny_model("llama")).to(device)  # the shared model stays on the CPU
+    sync = LLM(model, tokenizer=tokenizer, async_scheduling=False, **engine_kwargs)
     expected = summary(sync.generate(prompts, params, use_tqdm=False))
-    llm = LLM(tiny_model("llama").to(device), tokenizer=tokenizer, async_scheduling=True, **engine_kwargs)
+    llm = LLM(model, tokenizer=tokenizer, async_scheduling=True, **engine_kwargs)
     rng = random.Random(0)
     answers: list[bool] = []
 
@@ -74,8 +79,6 @@ def test_random_arrivals_keep_the_synchronous_tokens(device: str, tokenizer) -> 
     continued = count_continuations(llm)
     assert summary(llm.generate(prompts, params, use_tqdm=False)) == expected
     assert continued[0] > 0 and any(answers) and not all(answers)
-    marked = llm.llm_engine.executor.model_runner.last_steps is not None  # the last round's
-    assert marked == (device == "cuda")
     assert_idle(llm)
 
 
@@ -115,10 +118,37 @@ def test_the_queueing_functions_ask_before_they_plan(tokenizer) -> None:
     assert calls == ["ask"]
 
 
-def test_the_engine_loop_wires_the_predicate(tokenizer) -> None:
+def test_the_engine_loop_tells_of_adds_only(tokenizer) -> None:
+    """While the loop is busy, a queued add makes ``arrivals`` true and other calls do not; the loop clears the
+    predicate when it stops, unless a later loop on the same engine has set its own."""
     engine = rounds_engine(tokenizer).llm_engine
     assert engine.arrivals is None
     loop = EngineLoop(engine)
     assert engine.arrivals is not None and engine.arrivals() is False
+    busy, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=loop.call_sync, args=(lambda _: busy.set() or release.wait(30),))
+    holder.start()
+    assert busy.wait(30)
+    loop.abort("nobody")
+    assert engine.arrivals() is False  # an abort queued: no arrival
+    params = SamplingParams(temperature=0, max_tokens=2)
+    adder = threading.Thread(target=loop.add_sync, args=([("late", {"prompt_token_ids": [5, 6, 7]})], params))
+    adder.start()
+    for _ in range(3000):  # until the adding thread has queued its call (30 s at most)
+        if engine.arrivals():
+            break
+        time.sleep(0.01)
+    assert engine.arrivals() is True
+    release.set()
+    holder.join(30)
+    adder.join(30)
+    assert engine.arrivals() is False
+    later = EngineLoop(engine)
     loop.shutdown()
+    assert engine.arrivals == later._adds_waiting
+    later.shutdown()
     assert engine.arrivals is None
+
+
+def test_a_round_marks_its_last_forwards() -> None:
+    assert [last_steps_begin(k) for k in (1, 2, 3, 8)] == [0, 0, 1, 6]

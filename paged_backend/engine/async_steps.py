@@ -36,10 +36,15 @@ class FailedLaunch:
         return None
 
 
-def queue_following(scheduler: Scheduler, executor: Executor, arrivals: Arrivals | None = None) -> InFlight | None:
-    """The next step, scheduled and launched as soon as this one's tokens are counted; None while ``arrivals``
-    says requests are about to be added (the step after them schedules with them)."""
-    if arrivals is not None and arrivals():
+def admits_arrivals(scheduler: Scheduler, arrivals: Arrivals | None) -> bool:
+    """Whether requests wait to be added and the next step could take one (the batch is not full)."""
+    return arrivals is not None and arrivals() and len(scheduler.running) < scheduler.max_num_seqs
+
+
+def queue_following(scheduler: Scheduler, executor: Executor, arrivals: Arrivals | None) -> InFlight | None:
+    """The next step, scheduled and launched as soon as this one's tokens are counted; None while requests wait to
+    be added that it could take (the step after them schedules with them)."""
+    if admits_arrivals(scheduler, arrivals):
         return None
     following = scheduler.schedule()
     if following.is_empty:
@@ -54,7 +59,7 @@ def queue_next(
     scheduler: Scheduler,
     executor: Executor,
     in_flight: InFlight,
-    arrivals: Arrivals | None = None,
+    arrivals: Arrivals | None,
 ) -> InFlight | None:
     """The round after ``in_flight`` (a round whose tokens are not read yet), when the scheduler plans one
     (``Scheduler.schedule_continuation``). If queueing it fails, the next step is a normal one, which runs the
@@ -62,10 +67,11 @@ def queue_next(
 
     With ``arrivals`` (an engine that takes requests while it steps), the decision waits until the round in flight
     has only its last forwards left (``wait_for_last_steps``), and there is no continuation if requests arrived
-    meanwhile: they are admitted right after this round, not after the next one too (time to first token)."""
+    meanwhile that the batch has room for: they are admitted right after this round, not after the next one too
+    (time to first token)."""
     if arrivals is not None:
         in_flight[1].wait_for_last_steps()
-        if arrivals():
+        if admits_arrivals(scheduler, arrivals):
             return None
     continuation = scheduler.schedule_continuation(in_flight[0])
     if continuation is None:

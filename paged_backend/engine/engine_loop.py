@@ -83,9 +83,11 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.stopped = False
         self.grammars: GrammarService | None = None  # a server's: see ``structured_output/grammar_budget.py``
-        # a call queued while the engine steps (an arriving request, mostly): async scheduling then queues no step
-        # ahead of it, so a request waits for the step in flight only (``LLMEngine.arrivals``)
-        engine.arrivals = self._calls_waiting
+        # requests queued to be added while the engine steps: async scheduling then queues no step ahead of them,
+        # so they wait for the step in flight only (``LLMEngine.arrivals``)
+        self.adds_lock = threading.Lock()
+        self.pending_adds = 0
+        engine.arrivals = self._adds_waiting
         self.thread = threading.Thread(target=self._run, name="paged-backend-engine", daemon=True)
         self.thread.start()
 
@@ -124,6 +126,7 @@ class EngineLoop:
         sinks: list[Sink],
         add_kwargs: dict[str, Any],
     ) -> Callable[[LLMEngine], None]:
+        self._count_adds(1)  # the call is queued next (or the loop is dead, and nothing steps any more)
         per_request = params if isinstance(params, list) else [params] * len(requests)
         # A keyword whose value is a list gives one value per request (``lora_request``); others apply to all.
         kwargs = [
@@ -132,6 +135,7 @@ class EngineLoop:
         ]
 
         def add_all(engine: LLMEngine) -> None:
+            self._count_adds(-1)
             self._check_room(len(engine.scheduler.waiting), len(requests))
             added: list[str] = []
             try:
@@ -277,8 +281,12 @@ class EngineLoop:
         if self.on_abort is not None:
             self.on_abort(request_id)
 
-    def _calls_waiting(self) -> bool:
-        return not self.calls.empty()
+    def _adds_waiting(self) -> bool:
+        return self.pending_adds > 0
+
+    def _count_adds(self, change: int) -> None:
+        with self.adds_lock:
+            self.pending_adds += change
 
     def _run_calls(self) -> None:
         while True:
@@ -347,7 +355,8 @@ class EngineLoop:
                 break
         with self.submit_lock:  # from here on nothing can be queued
             self.closed = True
-        self.engine.arrivals = None
+        if self.engine.arrivals == self._adds_waiting:  # not a later loop's, on the same engine
+            self.engine.arrivals = None
         reason = error or EngineDeadError("the engine loop was shut down")
         for request_id, sink in list(self.sinks.items()):
             with contextlib.suppress(RuntimeError):  # a closed event loop has no reader left

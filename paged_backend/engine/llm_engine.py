@@ -83,7 +83,7 @@ class LLMEngine:
         # async scheduling: a step queued on the device, its tokens not read yet (the next step reads them)
         self._in_flight: InFlight | None = None
         # set by whoever adds requests while the engine steps (``EngineLoop``): whether some wait to be added. Async
-        # scheduling then queues nothing ahead of them (``queue_next``, ``queue_following``).
+        # scheduling then queues nothing ahead of them that they could join (``queue_next``, ``queue_following``).
         self.arrivals: Arrivals | None = None
         self.vocab_size = self.model.config.get_text_config().vocab_size
         self.input_processor = InputProcessor(
@@ -159,7 +159,7 @@ class LLMEngine:
         ``finished_only`` just of those that finished (a snapshot of every running request each step costs more
         than the step's bookkeeping when nobody streams). With async scheduling the next step is queued on the
         device before this one's outputs are made: a multi-step round's successor before its tokens are read
-        (``queue_next``), any other step once they are counted (``queue_following``); the step after reads it."""
+        (``_queue_next``), any other step once they are counted (``_queue_following``); the step after reads it."""
         if self.weight_updates is not None and self.weight_updates.changed():
             self.scheduler.reset_prefix_cache()
             self._in_flight = None  # queued with the old weights: its tokens are computed again with the new
@@ -178,7 +178,7 @@ class LLMEngine:
         try:
             pending = self._execute(scheduler_output) if in_flight is None else in_flight[1]
             if self.async_scheduling:
-                self._in_flight = queue_next(self.scheduler, self.executor, (scheduler_output, pending), self.arrivals)
+                self._in_flight = self._queue_next((scheduler_output, pending))
             runner_output = pending.get_output()
         except Exception as error:  # no token of the step was taken: its requests are redone, or fail
             self._in_flight = None
@@ -198,6 +198,12 @@ class LLMEngine:
             self._in_flight = None
             raise StepError(step_failed(self, owners, error, retry=False), error) from error
 
+    def _queue_next(self, in_flight: InFlight) -> InFlight | None:
+        return queue_next(self.scheduler, self.executor, in_flight, self.arrivals)
+
+    def _queue_following(self) -> InFlight | None:
+        return queue_following(self.scheduler, self.executor, self.arrivals)
+
     def _live_in_flight(self) -> InFlight | None:
         """The queued step, unless every row of it has ended (or was aborted) meanwhile: then its work is
         dropped unread."""
@@ -209,9 +215,6 @@ class LLMEngine:
         if self.async_scheduling:
             return self.executor.execute_model_async(scheduler_output)
         return ReadyOutput(self.executor.execute_model(scheduler_output))
-
-    def _queue_following(self) -> InFlight | None:
-        return queue_following(self.scheduler, self.executor, self.arrivals)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode, level 1: the KV cache, its cached prefixes and the CUDA graphs are freed; the

@@ -22,6 +22,11 @@ from paged_backend.worker.structured_output import RoundGrammars
 LAST_STEPS = 2
 
 
+def last_steps_begin(num_forwards: int) -> int:
+    """The forward of a round before which its last ``LAST_STEPS`` begin (0 for a round that short)."""
+    return max(0, num_forwards - LAST_STEPS)
+
+
 class AsyncModelRunnerOutput(Protocol):
     def get_output(self) -> ModelRunnerOutput:
         """The step's output; waits for the device when it has not finished the step yet."""

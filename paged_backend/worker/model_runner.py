@@ -28,7 +28,7 @@ from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
 from paged_backend.worker import batch_invariant as invariance
-from paged_backend.worker.async_output import LAST_STEPS, AsyncModelRunnerOutput, DeferredOutput, PendingRound
+from paged_backend.worker.async_output import AsyncModelRunnerOutput, DeferredOutput, PendingRound, last_steps_begin
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
@@ -92,8 +92,6 @@ class ModelRunner:
         self._last_round: tuple[torch.Tensor, list[int]] | None = None  # its tokens [K, B] and rows' steps
         self._unread: DeferredOutput | None = None  # the last single step, until it is sampled
         self._round_parity = 0  # which half of the graphs' staging buffers the last round used
-        # the last round's mark before its last LAST_STEPS forwards (on a GPU): PendingRound.wait_for_last_steps
-        self.last_steps: torch.cuda.Event | None = None
         self.calibrate_kv_scales = False  # the warm-ups below never calibrate
         self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
         self.siblings: SiblingProducts | None = None  # batch_invariant's packed sibling projections
@@ -226,9 +224,9 @@ class ModelRunner:
         with self._lora_step(batch, [1] * batch.num_seqs, scheduler_output.seqs):
             grammars = RoundGrammars.of(seqs, batch.num_steps, self.device)
             bias = RoundBias.of(seqs, self.device)
-            tokens, logprobs = self._run_round(inputs, batch.num_steps, grammars, first, bias)
+            tokens, logprobs, last_steps = self._run_round(inputs, batch.num_steps, grammars, first, bias)
         self._last_round = (tokens, batch.num_steps)
-        return PendingRound(tokens, logprobs, batch.num_steps, grammars, bool(seqs), self.last_steps)
+        return PendingRound(tokens, logprobs, batch.num_steps, grammars, sampling=bool(seqs), last_steps=last_steps)
 
     def _round_inputs(self, prev_rows: list[int] | None) -> torch.Tensor | None:
         """A round queued behind the previous one starts from the last token each of its rows sampled there."""
@@ -339,7 +337,7 @@ class ModelRunner:
         grammars: RoundGrammars | None = None,
         first_input_ids: torch.Tensor | None = None,
         bias: RoundBias | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
         """``max(num_steps)`` decode steps from ``inputs`` (step 0; row i takes ``num_steps[i]``)."""
         per_row = np.asarray(num_steps, dtype=np.int64)
         if self.device.type == "cuda":  # every step's copy of the tables is queued, not waited for
@@ -354,22 +352,22 @@ class ModelRunner:
         grammars: RoundGrammars | None = None,
         first_input_ids: torch.Tensor | None = None,
         bias: RoundBias | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
         """Greedy decode steps back to back, each fed the previous one's tokens on the device (the first fed
         ``first_input_ids`` [B] on the device, when given). Returns the sampled tokens and their logprobs,
-        ``[K, B]`` each. No host sync, except that rows under a grammar wait for the previous step's tokens (while
-        the device runs the next forward) to mask each step. Two rounds may be queued at once: they take turns
-        on the CUDA graphs' pinned staging buffers. On a GPU an event marks where the last ``LAST_STEPS``
-        forwards begin (``last_steps``)."""
+        ``[K, B]`` each, and on a GPU an event recorded where the last ``LAST_STEPS`` forwards begin
+        (``PendingRound.wait_for_last_steps``). No host sync, except that rows under a grammar wait for the
+        previous step's tokens (while the device runs the next forward) to mask each step. Two rounds may be
+        queued at once: they take turns on the CUDA graphs' pinned staging buffers."""
         tokens, logprobs = [], []
         previous = first_input_ids
         self._round_parity ^= 1
         first_staging = self._round_parity * self._graph_shape[2]  # num_scheduler_steps buffers each
-        self.last_steps = None
+        last_steps = None
         for k, inputs in enumerate(steps):
-            if k == max(0, len(steps) - LAST_STEPS) and self.device.type == "cuda":
-                self.last_steps = torch.cuda.Event()
-                self.last_steps.record(torch.cuda.current_stream(self.device))
+            if k == last_steps_begin(len(steps)) and self.device.type == "cuda":
+                last_steps = torch.cuda.Event()
+                last_steps.record(torch.cuda.current_stream(self.device))
             logits = self.run(inputs, previous, first_staging + k)
             if bias is not None:
                 bias.apply(logits)
@@ -381,7 +379,7 @@ class ModelRunner:
             tokens.append(token)
             logprobs.append(logprob)
             previous = token
-        return torch.stack(tokens), torch.stack(logprobs)
+        return torch.stack(tokens), torch.stack(logprobs), last_steps
 
     def _model_forward(
         self,
