@@ -3,6 +3,8 @@ twins; on a GPU the same padding feeds the Triton kernels)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -232,7 +234,8 @@ def test_a_gpu_engine_compiles_and_captures(tokenizer, fp8: bool) -> None:
     """A compile failure falls back to eager layers with only a warning: here it is an error, fp8 calibration
     (whose flag the warm-ups read) included."""
     fp8_args = {"kv_cache_dtype": "fp8", "calculate_kv_scales": True} if fp8 else {}
-    llm = LLM(tiny_model("llama").cuda(), tokenizer=tokenizer, num_kv_blocks=64, max_model_len=128, **fp8_args)
+    model = copy.deepcopy(tiny_model("llama")).cuda()  # the shared model stays on the CPU
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_model_len=128, **fp8_args)
     runner = llm.llm_engine.executor.model_runner
     assert runner.regions is not None and runner.regions.num_graphs >= 1
     assert runner.graphs is not None

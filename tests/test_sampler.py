@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -195,7 +196,7 @@ def test_logit_bias_forces_or_bars_a_token_on_its_row_only(tokenizer, monkeypatc
     from paged_backend import LLM
     from tests.conftest import assert_idle, tiny_model
 
-    llm = LLM(tiny_model("llama").to(device), tokenizer=tokenizer, max_model_len=64)
+    llm = LLM(copy.deepcopy(tiny_model("llama")).to(device), tokenizer=tokenizer, max_model_len=64)  # shared: copied
     prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     free = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
