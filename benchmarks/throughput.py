@@ -6,7 +6,8 @@ shows), a checkpoint or a .gguf file, also without EOS. Workloads:
   w1    256 prompts, lengths uniform in [64, 1024] (random.Random(0)), 256 new tokens each, greedy
   w2    one 128-token prompt, 256 new tokens
   ttft  a lone 1,024-token prompt: time to its first token, beside one plain HF forward over it
-Backends: paged (this library; paged_sync without async scheduling, paged_fp8kv with an fp8 KV cache, paged_fp8
+Backends: paged (this library; paged_sync without async scheduling, paged_loop stepped by its engine loop's thread
+as the server steps it, paged_fp8kv with an fp8 KV cache, paged_fp8
 with fp8 weights: ``quantization="fp8"`` on the model saved to a file, paged_fp8_fp8kv the same with an fp8 KV
 cache, paged_invariant with
 ``batch_invariant=True``), hf_patched (``model.generate`` after
@@ -454,6 +455,7 @@ def decode_gpu_busy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict
 COLORS = {
     "paged": "#2a7",
     "paged_sync": "#6b9",
+    "paged_loop": "#5a8",
     "paged_fp8kv": "#1a5",
     "paged_fp8": "#073",
     "paged_fp8_fp8kv": "#0a6",
@@ -517,7 +519,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--backends",
         default="paged,hf,hf_cb,hf_static",
-        help="comma list of paged, paged_sync (async_scheduling=False), paged_fp8kv (kv_cache_dtype='fp8'), "
+        help="comma list of paged, paged_sync (async_scheduling=False), paged_loop (the same engine stepped by its "
+        "engine loop, as the server and the integrations step it), paged_fp8kv (kv_cache_dtype='fp8'), "
         "paged_fp8 (quantization='fp8': the model saved and loaded, its linears' weights fp8), "
         "paged_fp8_fp8kv (the same with kv_cache_dtype='fp8'), "
         "paged_invariant (batch_invariant=True; also checks a request alone and in a batch of 64), "
@@ -552,7 +555,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workloads = args.workload.split(",")
     backends = args.backends.split(",")
     known_backends = {
-        *("paged", "paged_sync", "paged_fp8kv", "paged_fp8", "paged_fp8_fp8kv", "paged_invariant", "paged_spec"),
+        *("paged", "paged_sync", "paged_loop", "paged_fp8kv", "paged_fp8", "paged_fp8_fp8kv", "paged_invariant"),
+        "paged_spec",
         *("hf_patched", "hf", "hf_cb", "hf_static"),
     }
     unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - known_backends
@@ -611,6 +615,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         llm, startup = timed(lambda: LLM(checkpoint or model, **engine_args))
         results.setdefault("engine_start_s", {})[backend] = startup
         logger.info("%s engine ready in %.1f s", backend, startup)
+        if backend == "paged_loop":  # generate then runs on the engine loop's thread, as the server's requests do
+            llm.start_engine_loop()
         if not args.skip_check:
             try:
                 results.setdefault("agreement", {})[backend] = check_agreement(llm, model, vocab)
@@ -648,7 +654,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             logger.info("%s W2 kernels per step: %s", backend, results["w2_profile"][backend])
         save()
-        llm.llm_engine.shutdown()
+        if backend == "paged_loop":
+            llm.shutdown()  # the loop's thread holds the engine
+        else:
+            llm.llm_engine.shutdown()
 
     # The paged engines first, then each is released: its KV cache takes most of the GPU, which HF needs back.
     base_args: dict[str, Any] = {"enforce_eager": args.enforce_eager}
@@ -660,6 +669,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "paged_sync" in backends:
         measure_engine("paged_sync", {**base_args, "async_scheduling": False})
         release_engine("synchronous engine")
+    if "paged_loop" in backends:
+        measure_engine("paged_loop", base_args)
+        release_engine("engine behind its loop")
     if "paged_invariant" in backends:
         measure_engine("paged_invariant", {**base_args, "batch_invariant": True})
         release_engine("batch-invariant engine")
