@@ -1,0 +1,46 @@
+"""The benchmark scripts' own copies of the paged attention launch stay in step with the kernel: ``kernel_sweep``'s
+``launch`` (every setting exposed) gives the library launcher's output, over a bf16-style and an fp8 cache, and
+``attention_sass`` still compiles the kernel for sm_90 (a kernel argument added without them breaks both: the sweep's
+copy once went without ``MASK_ALL`` unnoticed until a GPU run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import benchmarks.kernel_sweep as kernel_sweep
+from paged_backend.kernels.paged_attention import paged_attention_triton
+from tests.test_fp8_kv_cache import scaled_cache
+from tests.test_kernels import TOLERANCE, make_batch, relative_error
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain cache", "fp8 cache"])
+def test_kernel_sweep_launches_as_the_library_does(fp8: bool) -> None:
+    batch = make_batch([1, 1, 1], [70, 31, 3], 8, 2, 64, torch.float32, 16, seed=31)  # a decode step
+    scales: dict[str, torch.Tensor] = {}
+    if fp8:
+        batch["query"] = batch["query"].to(torch.bfloat16)
+        scales = dict(zip(("k_scale", "v_scale"), scaled_cache(batch, 2, seed=32), strict=True))
+    expected = paged_attention_triton(**batch, scale=0.125, **scales)
+    out = kernel_sweep.launch(**batch, scale=0.125, **scales)
+    assert relative_error(out, expected) < TOLERANCE[batch["query"].dtype]
+
+
+def test_attention_sass_still_compiles_the_kernel(tmp_path) -> None:
+    """Compiled as the script compiles it, in a process of its own: the tests' Triton interprets kernels."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "attention_sass.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--json", str(tmp_path / "sass.json")], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0 and "ptxas" in done.stderr:
+        pytest.skip("this Triton wheel has no ptxas")
+    assert done.returncode == 0, done.stderr[-2000:]
+    caches = json.loads((tmp_path / "sass.json").read_text())["caches"]
+    assert caches["bf16"]["registers"] > 0 and caches["fp8"]["instructions"] > 0
