@@ -1,7 +1,7 @@
 """The benchmark scripts' own copies of the paged attention launch stay in step with the kernel: ``kernel_sweep``'s
 ``launch`` (every setting exposed) gives the library launcher's output, over a bf16-style and an fp8 cache, and
-``attention_sass`` still compiles the kernel for sm_90 (a kernel argument added without them breaks both: the sweep's
-copy once went without ``MASK_ALL`` unnoticed until a GPU run)."""
+``attention_sass`` still compiles the kernel for sm_90: a kernel argument added without them breaks both, and
+otherwise only a GPU run would tell."""
 
 from __future__ import annotations
 
