@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from paged_backend.engine import handoff
 from paged_backend.engine.llm_engine import StepError
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams, StructuredOutputsParams
@@ -83,10 +84,9 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.stopped = False
         self.grammars: GrammarService | None = None  # a server's: see ``structured_output/grammar_budget.py``
-        # requests queued to be added while the engine steps: async scheduling then queues no step ahead of them,
-        # so they wait for the step in flight only (``LLMEngine.arrivals``)
-        self.adds_lock = threading.Lock()
-        self.pending_adds = 0
+        # adds queued (under submit_lock) and run (on the loop thread): while some wait, async scheduling queues no
+        # step ahead of them, so they wait for the step in flight only (``LLMEngine.arrivals``)
+        self.adds_queued = self.adds_run = 0
         engine.arrivals = self._adds_waiting
         self.thread = threading.Thread(target=self._run, name="paged-backend-engine", daemon=True)
         self.thread.start()
@@ -107,7 +107,7 @@ class EngineLoop:
         """``fn(engine)`` on the loop thread between two steps; its result or exception comes back here."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._submit(fn, lambda result, error: _post(loop, _settle, future, result, error))
+        self._submit(fn, lambda result, error: handoff.post(loop, handoff.settle, future, result, error))
         return await future
 
     def call_sync(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -115,7 +115,7 @@ class EngineLoop:
         if threading.current_thread() is self.thread:
             return fn(self.engine)
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._submit(fn, lambda result, error: _settle(future, result, error))
+        self._submit(fn, lambda result, error: handoff.settle(future, result, error))
         return future.result()
 
     # ------------------------------------------------------------------ requests
@@ -126,7 +126,8 @@ class EngineLoop:
         sinks: list[Sink],
         add_kwargs: dict[str, Any],
     ) -> Callable[[LLMEngine], None]:
-        self._count_adds(1)  # the call is queued next (or the loop is dead, and nothing steps any more)
+        with self.submit_lock:  # the call is queued next (or the loop is dead, and nothing steps any more)
+            self.adds_queued += 1
         per_request = params if isinstance(params, list) else [params] * len(requests)
         # A keyword whose value is a list gives one value per request (``lora_request``); others apply to all.
         kwargs = [
@@ -135,7 +136,7 @@ class EngineLoop:
         ]
 
         def add_all(engine: LLMEngine) -> None:
-            self._count_adds(-1)
+            self.adds_run += 1
             self._check_room(len(engine.scheduler.waiting), len(requests))
             added: list[str] = []
             try:
@@ -167,7 +168,7 @@ class EngineLoop:
             await asyncio.to_thread(self.compile_grammars, params)
         loop = asyncio.get_running_loop()
         queues: list[asyncio.Queue[Delivery]] = [asyncio.Queue() for _ in requests]
-        sinks = [Sink(functools.partial(_post, loop, q.put_nowait), stream) for q in queues]
+        sinks = [Sink(functools.partial(handoff.post, loop, q.put_nowait), stream) for q in queues]
         try:
             await self.call(self._adder(requests, params, sinks, add_kwargs))
         except asyncio.CancelledError:
@@ -282,11 +283,7 @@ class EngineLoop:
             self.on_abort(request_id)
 
     def _adds_waiting(self) -> bool:
-        return self.pending_adds > 0
-
-    def _count_adds(self, change: int) -> None:
-        with self.adds_lock:
-            self.pending_adds += change
+        return self.adds_queued > self.adds_run
 
     def _run_calls(self) -> None:
         while True:
@@ -378,28 +375,12 @@ class EngineLoop:
                     settle(None, EngineDeadError(f"the engine stopped: {exc!r}"))
 
 
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
-    """Run ``fn(*args)`` on ``loop``; raises RuntimeError once that loop has closed."""
-    loop.call_soon_threadsafe(fn, *args)
-
-
 def _checked(item: Delivery) -> RequestOutput:
     if isinstance(item, RequestFailedError):
         raise item
     if isinstance(item, BaseException):
         raise EngineDeadError(f"the engine stopped: {item!r}") from item
     return item
-
-
-def _settle(
-    future: asyncio.Future[Any] | concurrent.futures.Future[Any], result: Any, error: BaseException | None
-) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 def _structured(params: SamplingParams | list[SamplingParams]) -> list[StructuredOutputsParams]:
