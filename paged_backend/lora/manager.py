@@ -18,10 +18,11 @@ indices: placement depends only on the sequence of steps and their adapters, whi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ from paged_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from paged_backend.lora.request import LoRARequest
 from paged_backend.model_loader.tp_plan import TPShard, tp_shard_of
 from paged_backend.model_structure import module_tensor
+
+if TYPE_CHECKING:
+    from paged_backend.core.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +164,23 @@ class LoRAManager:
         if any(s >= 0 for s in seq_indices):  # else a base-model step: every index stays -1
             per_token = np.repeat(np.asarray(seq_indices, dtype=np.int64), np.asarray(num_tokens, dtype=np.int64))
         self._write_token_lora_indices(per_token)
+
+    @contextlib.contextmanager
+    def step(
+        self, seqs: Sequence[Seq], lora_requests: Sequence[LoRARequest | None] | None, num_tokens: Sequence[int]
+    ) -> Iterator[None]:
+        """The step's adapters at the device's LoRA indices and each token's index, for the forwards inside. Rank 0
+        has each request's adapter in hand (``seqs``); other ranks read theirs by request (cached after the first
+        step) and place them alike: placement depends only on the order of steps and their adapters."""
+        if seqs:
+            adapters = [seq.request.lora_adapter for seq in seqs]
+        else:
+            adapters = [None if r is None else self.get(r) for r in lora_requests or []]
+        self.set_step(adapters, num_tokens)
+        try:
+            yield
+        finally:
+            self.clear_step()
 
     def profile_step(self) -> None:
         """Every token through index 0 (zeros until filled): the memory profile's forward computes every delta."""

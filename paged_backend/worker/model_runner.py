@@ -15,7 +15,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -36,6 +36,7 @@ from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
 from paged_backend.worker.invariant_siblings import SiblingProducts, packed_siblings
+from paged_backend.worker.mixed_graphs import MixedGraphRunner, mixed_capture_sizes
 from paged_backend.worker.prompt_logprobs import step_prompt_logprobs
 from paged_backend.worker.rejection_sampler import draft_views, sampling_drafts, take_verified
 from paged_backend.worker.sampler import RoundBias, Sampler
@@ -72,6 +73,7 @@ class ModelRunner:
         calculate_kv_scales: bool = False,
         logprobs_mode: str = "raw_logprobs",
         verify_shape: tuple[int, int] | None = None,  # speculative decoding: (tokens a row, rows) of its graphs
+        max_num_batched_tokens: int = 0,  # steps with prompt tokens replay graphs up to this many (0: none)
     ) -> None:
         self.model = model
         if batch_invariant:
@@ -86,6 +88,8 @@ class ModelRunner:
         self.regions: RegionalCompile | None = None
         self.graphs: CUDAGraphRunner | None = None
         self.verify_graphs: CUDAGraphRunner | None = None  # steps whose rows are short: verifying ones
+        self.mixed_graphs: MixedGraphRunner | None = None  # steps with prompt tokens, up to a few hundred
+        self.mixed_sizes = mixed_capture_sizes(max_num_batched_tokens)
         self.verify_shape = verify_shape
         self.weights: WeightAddresses | None = None
         self._recapture = False  # sleep() dropped CUDA graphs that wake_up() captures again
@@ -118,7 +122,12 @@ class ModelRunner:
                 self.verify_graphs = CUDAGraphRunner(
                     self._model_forward, rows, width, self.device, 1, self.batch_invariant, q_len
                 )
-        for name in ("graphs", "verify_graphs"):
+            if self.mixed_sizes:
+                rows = self.graphs.max_size
+                self.mixed_graphs = MixedGraphRunner(
+                    self._model_forward, self.mixed_sizes, rows, width, self.device, self.batch_invariant
+                )
+        for name in ("mixed_graphs", "graphs", "verify_graphs"):
             runner = getattr(self, name)
             try:
                 if runner is not None:
@@ -132,6 +141,7 @@ class ModelRunner:
     def sleep(self) -> None:
         """Free the KV cache and the CUDA graphs (and their memory pools); the weights are the user's and stay."""
         self._recapture, self.graphs, self.verify_graphs = self.graphs is not None, None, None
+        self.mixed_graphs = None
         self.cache_engine.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -275,24 +285,12 @@ class ModelRunner:
             prompt,
         )
 
-    @contextlib.contextmanager
-    def _lora_step(self, batch: ScheduledBatch, tokens_per_seq: Sequence[int], seqs: list[Seq]) -> Iterator[None]:
-        """The step's adapters at the device's LoRA indices and each token's index, for the forwards inside. Rank 0
-        has each request's adapter in hand; other ranks read theirs by request (cached after the first step) and
-        place them alike: placement depends only on the order of steps and their adapters."""
-        if self.lora_manager is None:
-            yield
-            return
+    def _lora_step(
+        self, batch: ScheduledBatch, tokens_per_seq: Sequence[int], seqs: list[Seq]
+    ) -> contextlib.AbstractContextManager[None]:
+        """The step's adapters placed for the forwards inside (``LoRAManager.step``)."""
         manager = self.lora_manager
-        if seqs:
-            adapters = [seq.request.lora_adapter for seq in seqs]
-        else:
-            adapters = [None if r is None else manager.get(r) for r in batch.lora_requests or []]
-        manager.set_step(adapters, tokens_per_seq)
-        try:
-            yield
-        finally:
-            manager.clear_step()
+        return contextlib.nullcontext() if manager is None else manager.step(seqs, batch.lora_requests, tokens_per_seq)
 
     def run(
         self,
@@ -316,6 +314,11 @@ class ModelRunner:
             if padded is not None and verify.can_run(padded[0]):
                 with self.switch:  # every token's logits, of which the step's
                     return verify.run(padded[0])[queued_copy(padded[1], self.device)]
+        mixed = self.mixed_graphs
+        if use_graphs and mixed is not None and input_ids is None and not self.calibrate_kv_scales:
+            if mixed.can_run(inputs):
+                with self.switch:
+                    return mixed.run(inputs)
         n = inputs.logits_indices.shape[0]
         if self.regions is not None:
             short = inputs.num_seqs < 2 or inputs.num_tokens < 2

@@ -156,6 +156,7 @@ class Worker:
             calculate_kv_scales=config.cache_config.calculate_kv_scales,
             logprobs_mode=config.model_config.logprobs_mode,
             verify_shape=verify_shape(config),
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         if self.draft_runner is not None:  # after the target's set-up, which may pack weights the draft shares
             self.draft_runner.capture_graphs()

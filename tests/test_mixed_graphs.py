@@ -1,0 +1,100 @@
+"""Graphs of steps with prompt tokens (worker/mixed_graphs.py): the padded layout they replay gives every real
+token the eager step's result. Graphs are replaced by re-running the forward on the static buffers, so this runs
+on CPU; on a GPU the same buffers are captured (tests/test_model_runner.py's GPU engine test)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.worker.mixed_graphs import MIXED_MAX_TOKENS, MIXED_STEP, MixedGraphRunner, mixed_capture_sizes
+from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tiny_model
+
+
+def test_mixed_capture_sizes() -> None:
+    assert mixed_capture_sizes(1) == [MIXED_STEP]
+    assert mixed_capture_sizes(MIXED_STEP + 1) == [MIXED_STEP, 2 * MIXED_STEP]
+    assert mixed_capture_sizes(8192)[-1] == MIXED_MAX_TOKENS
+    assert mixed_capture_sizes(8192, max_tokens=0) == []
+
+
+class _ReplayInPython:
+    def __init__(self, runner: MixedGraphRunner, size: int) -> None:
+        self.runner, self.size = runner, size
+
+    def replay(self) -> None:
+        self.runner.outputs[self.size] = self.runner._run(self.size)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2", "qwen3"])
+def test_mixed_graph_buffers_give_the_eager_result(tokenizer, arch: str) -> None:
+    """Prefill chunks beside decodes, through buckets of 8 to 64 tokens (sequences without tokens and a padding
+    sequence after the real ones; logit rows repeated), match HF greedy: padding writes no cache slot that a real
+    sequence reads later, and changes no real row. Mistral's window and GPT-2's learned positions included."""
+    model = tiny_model(arch)
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_model_len=128, num_scheduler_steps=1,
+              max_num_batched_tokens=40, max_num_seqs=6)  # fmt: skip
+    runner = llm.llm_engine.executor.model_runner
+    mixed = MixedGraphRunner(runner._model_forward, [8, 16, 32, 64], 8, 8, torch.device("cpu"))
+    mixed.graphs = {size: _ReplayInPython(mixed, size) for size in mixed.sizes}  # type: ignore[misc]
+    used: list[tuple[int, int, int]] = []
+    replay = mixed.run
+
+    def run(inputs):
+        used.append((mixed.bucket(inputs), inputs.num_tokens, inputs.num_seqs))
+        return replay(inputs)
+
+    mixed.run = run  # type: ignore[method-assign]
+    runner.mixed_graphs = mixed
+    prompts = ragged_prompts(16)[:7]
+    max_tokens = [3, 9, 5, 12, 4, 8, 6]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens],
+        use_tqdm=False,
+    )
+    for out, prompt, n in zip(outs, prompts, max_tokens):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, n)
+    buckets = {bucket for bucket, _, _ in used}
+    assert len(buckets) >= 2, used  # several bucket sizes
+    assert any(t < bucket for bucket, t, _ in used)  # padding tokens
+    assert any(b < mixed.rows[bucket] for bucket, _, b in used)  # sequences without tokens
+    assert_idle(llm)
+
+
+def test_a_step_no_bucket_holds_runs_eagerly(tokenizer) -> None:
+    """More tokens or sequences than the largest bucket: the eager forward, same tokens."""
+    model = tiny_model("llama")
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_model_len=128, num_scheduler_steps=1)
+    runner = llm.llm_engine.executor.model_runner
+    mixed = MixedGraphRunner(runner._model_forward, [8], 8, 8, torch.device("cpu"))
+    mixed.graphs = {8: _ReplayInPython(mixed, 8)}  # type: ignore[dict-item]
+    runner.mixed_graphs = mixed
+    prompt = ragged_prompts(16)[4]  # 50 tokens: one step of 50 > 8
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(model, prompt, 4)
+    assert_idle(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graphs are captured on a GPU only")
+def test_a_gpu_engine_replays_mixed_graphs(tokenizer) -> None:
+    """Captured for real: prefill chunks beside decodes replay graphs and the tokens equal HF greedy."""
+    model = copy.deepcopy(tiny_model("llama")).cuda()
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=40,
+              num_scheduler_steps=1)  # fmt: skip
+    runner = llm.llm_engine.executor.model_runner
+    assert runner.mixed_graphs is not None and runner.mixed_graphs.graphs
+    replays = []
+    replay = runner.mixed_graphs.run
+    runner.mixed_graphs.run = lambda inputs: replays.append(inputs.num_tokens) or replay(inputs)  # type: ignore
+    prompts = ragged_prompts(16)[:7]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    for out, prompt in zip(outs, prompts):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+    assert replays
+    assert_idle(llm)
