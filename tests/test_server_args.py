@@ -162,3 +162,18 @@ def test_speculative_config_flag_is_json_checked_before_the_model_loads(capsys) 
         with pytest.raises(SystemExit):
             parse_args(["--model", "m", "--speculative-config", bad], "serve")
         assert said in capsys.readouterr().err
+
+
+def test_the_server_steps_512_tokens_unless_told(monkeypatch) -> None:
+    """The server's own token budget (a step is a gap in every stream); a flag still sets it."""
+    from paged_backend.entrypoints.openai.launch import SERVER_MAX_NUM_BATCHED_TOKENS, load
+
+    built: list[dict] = []
+    monkeypatch.setattr("paged_backend.entrypoints.llm.LLM", lambda model, **kwargs: built.append(kwargs))
+    load(*parse_args(["--model", "M", "--seed", "1"]))
+    load(*parse_args(["--model", "M", "--max-num-batched-tokens", "2048"]))
+    assert built == [
+        {"max_num_batched_tokens": SERVER_MAX_NUM_BATCHED_TOKENS, "seed": 1},
+        {"max_num_batched_tokens": 2048},
+    ]
+    assert SERVER_MAX_NUM_BATCHED_TOKENS == 512

@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,9 +34,6 @@ from paged_backend.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from paged_backend.lora.request import LoRARequest
 from paged_backend.model_loader.tp_plan import TPShard, tp_shard_of
 from paged_backend.model_structure import module_tensor
-
-if TYPE_CHECKING:
-    from paged_backend.core.sequence import Sequence as Seq
 
 logger = logging.getLogger(__name__)
 
@@ -167,14 +164,15 @@ class LoRAManager:
 
     @contextlib.contextmanager
     def step(
-        self, seqs: Sequence[Seq], lora_requests: Sequence[LoRARequest | None] | None, num_tokens: Sequence[int]
+        self,
+        adapters: Sequence[LoRAAdapter | None] | None,
+        lora_requests: Sequence[LoRARequest | None] | None,
+        num_tokens: Sequence[int],
     ) -> Iterator[None]:
         """The step's adapters at the device's LoRA indices and each token's index, for the forwards inside. Rank 0
-        has each request's adapter in hand (``seqs``); other ranks read theirs by request (cached after the first
-        step) and place them alike: placement depends only on the order of steps and their adapters."""
-        if seqs:
-            adapters = [seq.request.lora_adapter for seq in seqs]
-        else:
+        has each request's adapter in hand (``adapters``); other ranks (None) read theirs by request (cached after
+        the first step) and place them alike: placement depends only on the order of steps and their adapters."""
+        if adapters is None:
             adapters = [None if r is None else self.get(r) for r in lora_requests or []]
         self.set_step(adapters, num_tokens)
         try:

@@ -53,6 +53,37 @@ def fits_decode_graph(inputs: StepInputs, max_size: int) -> bool:
     return inputs.decode_only and inputs.logits_indices.shape[0] == num_seqs and num_seqs <= max_size
 
 
+def capture_buckets(
+    sizes: list[int],
+    run: Callable[[int], torch.Tensor],
+    device: torch.device,
+    prepare: Callable[[int], None] = lambda size: None,
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """``run(size)`` captured for every size, largest first, into one memory pool (after ``prepare(size)`` and a
+    warm-up run that compiles kernels and settles the allocator): the graphs and their outputs."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    pool = torch.cuda.graph_pool_handle()
+    torch.cuda.synchronize(device)
+    # An engine dropped earlier in this process may still be garbage in a reference cycle: collected during a
+    # capture, its graphs' reset is an operation a capturing stream refuses, and the capture fails.
+    gc.collect()
+    gc.disable()
+    try:
+        for size in sorted(sizes, reverse=True):
+            prepare(size)
+            run(size)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[size] = run(size)
+            graphs[size] = graph
+    finally:
+        gc.enable()
+    torch.cuda.synchronize(device)
+    return graphs, outputs
+
+
 class CUDAGraphRunner:
     def __init__(
         self,
@@ -101,23 +132,7 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first. Inputs are all padding: no cache slot is read or written."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize(self.device)
-        # An engine dropped earlier in this process may still be garbage in a reference cycle: collected during a
-        # capture, its graphs' reset is an operation a capturing stream refuses, and the capture fails.
-        gc.collect()
-        gc.disable()
-        try:
-            for size in reversed(self.sizes):
-                self._run(size)  # warm-up: compile kernels, settle the allocator
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self._run(size)
-                self.graphs[size] = graph
-        finally:
-            gc.enable()
-        torch.cuda.synchronize(self.device)
+        self.graphs, self.outputs = capture_buckets(self.sizes, self._run, self.device)
         logger.info(
             "captured %d CUDA graphs (batch sizes %s) in %.1f s",
             len(self.sizes),

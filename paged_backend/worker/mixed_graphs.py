@@ -22,14 +22,13 @@ The grid of every kernel, attention's included (fixed by its tokens and sequence
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 
 import torch
 
 from paged_backend.worker.attention import AttentionMetadata
-from paged_backend.worker.cuda_graphs import ForwardFn
+from paged_backend.worker.cuda_graphs import ForwardFn, capture_buckets
 from paged_backend.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -96,24 +95,10 @@ class MixedGraphRunner:
         return self.forward(ids, pos, metadata, self.static_ints[5, :rows])
 
     def capture(self) -> None:
-        """Capture every bucket, largest first, into one memory pool."""
+        """Capture every bucket, largest first, into one memory pool, each over a step of padding only."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize(self.device)
-        gc.collect()  # see CUDAGraphRunner.capture
-        gc.disable()
-        try:
-            for size in reversed(self.sizes):
-                self._fill(size, _empty_step())  # all padding: no slot written, no key read
-                self._run(size)  # warm-up: compile kernels, settle the allocator
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self._run(size)
-                self.graphs[size] = graph
-        finally:
-            gc.enable()
-        torch.cuda.synchronize(self.device)
+        prepare = lambda size: self._fill(size, _empty_step())  # noqa: E731 - no slot written, no key read
+        self.graphs, self.outputs = capture_buckets(self.sizes, self._run, self.device, prepare)
         logger.info("captured %d CUDA graphs of steps with prompt tokens (up to %d tokens) in %.1f s",
                     len(self.sizes), self.sizes[-1], time.perf_counter() - start)  # fmt: skip
 

@@ -289,8 +289,10 @@ class ModelRunner:
         self, batch: ScheduledBatch, tokens_per_seq: Sequence[int], seqs: list[Seq]
     ) -> contextlib.AbstractContextManager[None]:
         """The step's adapters placed for the forwards inside (``LoRAManager.step``)."""
-        manager = self.lora_manager
-        return contextlib.nullcontext() if manager is None else manager.step(seqs, batch.lora_requests, tokens_per_seq)
+        if self.lora_manager is None:
+            return contextlib.nullcontext()
+        adapters = [seq.request.lora_adapter for seq in seqs] if seqs else None
+        return self.lora_manager.step(adapters, batch.lora_requests, tokens_per_seq)
 
     def run(
         self,

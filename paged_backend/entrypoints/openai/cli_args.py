@@ -28,12 +28,13 @@ API_KEY_ENV = "PAGED_BACKEND_API_KEY"
 DEFAULT_MAX_REQUEST_BODY_MB = 32.0
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20  # about 50 MB of JSON
 
-# (flag, type, help): each flag's name with underscores is its LLM keyword; defaults are the engine's own.
+# (flag, type, help): each flag's name with underscores is its LLM keyword; defaults are the engine's own, but the
+# server's token budget (launch.SERVER_MAX_NUM_BATCHED_TOKENS).
 _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--block-size", int, "tokens per KV block (default 16)"),
     ("--swap-space", float, "GiB of pinned CPU memory for swapped-out blocks (default 4)"),
     ("--max-num-seqs", int, "sequences per step (default 256)"),
-    ("--max-num-batched-tokens", int, "tokens per step (default 8192)"),
+    ("--max-num-batched-tokens", int, "tokens per step (default 512 in the server; LLM's is 8192)"),
     ("--max-model-len", int, "context limit (default: the model's)"),
     ("--gpu-memory-utilization", float, "share of GPU memory to use (default 0.9)"),
     (

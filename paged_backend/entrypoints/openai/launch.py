@@ -19,6 +19,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A served step's length is a gap in every running stream: prompts go in chunks that keep a step of the 8B shape
+# near 20 ms on an H100 and inside the graphs of steps with prompt tokens (worker/mixed_graphs.py). LLM's own
+# default, 8192, serves a batch's throughput. Measured in docs/benchmarks.md ("Serving").
+SERVER_MAX_NUM_BATCHED_TOKENS = 512
+
 
 def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-backend serve") -> int:
     """Load the model and serve until SIGTERM or Ctrl-C (``GracefulServer``: requests in flight get
@@ -85,6 +90,7 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
 def load(args: ServerArgs, engine_kwargs: dict[str, Any]) -> LLM | DataParallelLLM:
     """The engine this server runs: one ``LLM`` here, or ``--data-parallel-size`` replicas on Ray (each loads
     the model itself; this process only routes)."""
+    engine_kwargs = {"max_num_batched_tokens": SERVER_MAX_NUM_BATCHED_TOKENS, **engine_kwargs}
     if args.data_parallel is not None:
         from paged_backend.entrypoints.data_parallel.llm import DataParallelLLM
 
