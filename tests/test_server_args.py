@@ -172,8 +172,10 @@ def test_the_server_steps_512_tokens_unless_told(monkeypatch) -> None:
     monkeypatch.setattr("paged_backend.entrypoints.llm.LLM", lambda model, **kwargs: built.append(kwargs))
     load(*parse_args(["--model", "M", "--seed", "1"]))
     load(*parse_args(["--model", "M", "--max-num-batched-tokens", "2048"]))
+    load(*parse_args(["--model", "M", "--max-num-seqs", "1024"]))  # each running sequence can still decode
     assert built == [
         {"max_num_batched_tokens": SERVER_MAX_NUM_BATCHED_TOKENS, "seed": 1},
         {"max_num_batched_tokens": 2048},
+        {"max_num_batched_tokens": 1024, "max_num_seqs": 1024},
     ]
     assert SERVER_MAX_NUM_BATCHED_TOKENS == 512

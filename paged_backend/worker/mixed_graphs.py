@@ -6,9 +6,9 @@ the 8B shape spends about 20 ms launching its kernels whatever its size, while a
 10 ms of GPU work (docs/benchmarks.md, "Serving"): the launches, not the prefill, set the streams' longest gaps.
 Replayed from a graph, the launches cost about a millisecond.
 
-One graph per bucket of tokens (multiples of ``MIXED_STEP``), each with room for ``rows`` sequences (half its
-tokens, at most the decode graphs' largest batch) and as many logit rows. A step goes to the smallest bucket that
-holds its tokens, sequences and logit rows, padded so:
+One graph per bucket of tokens (multiples of ``MIXED_STEP``, and the step budget), each with room for ``rows``
+sequences (half its tokens, at most the decode graphs' largest batch) and as many logit rows. A step goes to the
+smallest bucket that holds its tokens, sequences and logit rows, padded so:
 
 - its own sequences first, unchanged;
 - then sequences without tokens (``cu_seqlens_q`` repeats, context 0): the attention's programs for them find no
@@ -38,10 +38,11 @@ MIXED_MAX_TOKENS = 512  # beyond this a step's GPU work outlasts its launches: g
 
 
 def mixed_capture_sizes(max_num_batched_tokens: int, max_tokens: int = MIXED_MAX_TOKENS) -> list[int]:
-    """Token buckets: multiples of ``MIXED_STEP`` up to the first that holds the step budget, at most
-    ``max_tokens`` (empty when it is below one step)."""
-    top = min(max_tokens, -(-max_num_batched_tokens // MIXED_STEP) * MIXED_STEP)
-    return list(range(MIXED_STEP, top + 1, MIXED_STEP))
+    """Token buckets: multiples of ``MIXED_STEP`` below the step budget (at most ``max_tokens``), then the budget
+    itself, which the buffers every forward reads (LoRA's token slots, the all-reduce's) are sized for. None below
+    4 tokens: a bucket of 1 or 2 would make dynamo specialise a dimension of size 1 (one logit row)."""
+    top = min(max_tokens, max_num_batched_tokens)
+    return [*range(MIXED_STEP, top, MIXED_STEP), top] if top >= 4 else []
 
 
 class MixedGraphRunner:

@@ -127,7 +127,7 @@ class ModelRunner:
                 self.mixed_graphs = MixedGraphRunner(
                     self._model_forward, self.mixed_sizes, rows, width, self.device, self.batch_invariant
                 )
-        for name in ("mixed_graphs", "graphs", "verify_graphs"):
+        for name in ("graphs", "verify_graphs", "mixed_graphs"):  # the steady state's first, if memory runs short
             runner = getattr(self, name)
             try:
                 if runner is not None:
@@ -140,8 +140,8 @@ class ModelRunner:
 
     def sleep(self) -> None:
         """Free the KV cache and the CUDA graphs (and their memory pools); the weights are the user's and stay."""
-        self._recapture, self.graphs, self.verify_graphs = self.graphs is not None, None, None
-        self.mixed_graphs = None
+        self._recapture = self._has_graphs()
+        self.graphs, self.verify_graphs, self.mixed_graphs = None, None, None
         self.cache_engine.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -156,7 +156,10 @@ class ModelRunner:
     def record_weights(self) -> None:
         """Where the parameters are now, when packed projections or CUDA graphs will read them there."""
         packed = self.regions is not None or self.siblings is not None
-        self.weights = WeightAddresses(self.model) if packed or self.graphs is not None else None
+        self.weights = WeightAddresses(self.model) if packed or self._has_graphs() else None
+
+    def _has_graphs(self) -> bool:
+        return any(runner is not None for runner in (self.graphs, self.verify_graphs, self.mixed_graphs))
 
     # ------------------------------------------------------------------ set-up
     def compile(self, backend: str | CompilerFn = "inductor") -> None:

@@ -11,6 +11,7 @@ import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from paged_backend.config import SchedulerConfig
 from paged_backend.entrypoints.openai.cli_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -90,7 +91,9 @@ def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-back
 def load(args: ServerArgs, engine_kwargs: dict[str, Any]) -> LLM | DataParallelLLM:
     """The engine this server runs: one ``LLM`` here, or ``--data-parallel-size`` replicas on Ray (each loads
     the model itself; this process only routes)."""
-    engine_kwargs = {"max_num_batched_tokens": SERVER_MAX_NUM_BATCHED_TOKENS, **engine_kwargs}
+    # a budget below max_num_seqs would leave running decodes without a token in a full batch
+    budget = max(SERVER_MAX_NUM_BATCHED_TOKENS, engine_kwargs.get("max_num_seqs", SchedulerConfig.max_num_seqs))
+    engine_kwargs = {"max_num_batched_tokens": budget, **engine_kwargs}
     if args.data_parallel is not None:
         from paged_backend.entrypoints.data_parallel.llm import DataParallelLLM
 
