@@ -22,6 +22,8 @@ completed a request, the runs kept beside it, the counts (requests, completed, e
   python benchmarks/serving.py --tiny --servers paged --repeats 1   # smoke run on CPU, tiny model
   python benchmarks/serving.py --paged-args="--num-scheduler-steps 1" ...   # the paged server with other flags (the
                                                                             # "=": argparse reads a leading "--")
+  python benchmarks/serving.py --servers paged --paged-args="" --paged-args="--max-num-batched-tokens 256" ...
+      # several settings of the paged server side by side, each a server of its own ("paged", "paged <flags>")
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import json
 import logging
 import math
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -258,7 +261,7 @@ def bench_server(
     prefixes)."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    log_path = log_dir / f"{name}.log"
+    log_path = log_dir / (re.sub(r"[^\w.-]+", "_", name) + ".log")  # a name may carry the server's flags
     with log_path.open("w") as log:
         process = subprocess.Popen(command(port), stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -323,7 +326,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num-prompts", type=int, default=128, help="W1 prompts per rate (at most 256)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each rate, each with prompts of its own")
     parser.add_argument(
-        "--paged-args", default="", help="more flags for the paged server, one string: --paged-args=..."
+        "--paged-args",
+        action="append",
+        default=None,
+        help="more flags for the paged server, one string: --paged-args=...; given again, another paged server",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny random Llama, prompts cut to 64 tokens")
     parser.add_argument("--checkpoint", type=Path, default=None, help="where to save the checkpoint (default: tmp)")
@@ -343,6 +349,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"--servers takes paged and hf_serve, got {name!r}")
     if args.paged_args and "paged" not in servers:
         raise SystemExit("--paged-args is for the paged server, which --servers leaves out")
+    variants = [shlex.split(a) for a in args.paged_args or [""]]  # the paged server's settings, one server each
+    if len({shlex.join(v) for v in variants}) != len(variants):
+        raise SystemExit(f"--paged-args given twice the same: {args.paged_args}")
 
     work = Path(tempfile.mkdtemp(prefix="serving-"))
     checkpoint = args.checkpoint or work / "model"
@@ -358,7 +367,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if len({seed for _, seed in seeds} | {100}) != len(seeds) + 1:
         raise SystemExit(f"--rates takes fewer than 100 rates, got {len(rates)}")
     runs = [(rate, seed, prompts(seed)) for rate, seed in seeds]
-    paged_args = shlex.split(args.paged_args)
 
     results: dict[str, Any] = {
         "machine": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -367,17 +375,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"),
         "num_prompts": args.num_prompts,
         "repeats": args.repeats,
-        "paged_args": paged_args,
+        "paged_args": variants[0] if len(variants) == 1 else [],  # several: each in its server's name
         "servers": {},
     }
 
     def save() -> None:  # after every run
         write_json(args.json, results)
 
-    for name in servers:
-        results["servers"][name] = {}
+    named = [(name, []) for name in servers if name != "paged"]
+    if "paged" in servers:
+        only = len(variants) == 1
+        named[servers.index("paged") : servers.index("paged")] = [
+            ("paged" if only or not v else f"paged {shlex.join(v)}", v) for v in variants
+        ]
+    for label, paged_args in named:
+        results["servers"][label] = {}
+        name = "paged" if label.startswith("paged") else label
         command = functools.partial(server_command, name, checkpoint, tiny=args.tiny, paged_args=paged_args)
-        bench_server(name, checkpoint, prompts(100), runs, command, work, results["servers"][name], save)
+        bench_server(label, checkpoint, prompts(100), runs, command, work, results["servers"][label], save)
         save()
     shutil.rmtree(work, ignore_errors=True)
     if args.plot is not None:
