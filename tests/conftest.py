@@ -187,6 +187,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
+def assert_greedy_like_hf(llm, model, prompts: list[list[int]], max_tokens: list[int]) -> None:
+    """The engine's greedy continuations of ``prompts`` (one ``max_tokens`` each, in one batch) equal HF's."""
+    from paged_backend import SamplingParams
+
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens],
+        use_tqdm=False,
+    )
+    for out, prompt, n in zip(outs, prompts, max_tokens, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, n)
+
+
 def assert_idle(llm) -> None:
     """Block accounting is back to its idle value: every block free, nothing queued."""
     stats = llm.stats()

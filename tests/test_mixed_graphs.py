@@ -13,7 +13,7 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.kernels.paged_attention import paged_attention_torch, paged_attention_triton
 from paged_backend.worker.mixed_graphs import MIXED_MAX_TOKENS, MIXED_STEP, MixedGraphRunner, mixed_capture_sizes
 from paged_backend.worker.step_inputs import StepInputs
-from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tiny_model
+from tests.conftest import assert_greedy_like_hf, assert_idle, hf_greedy, ragged_prompts, tiny_model
 from tests.test_kernels import DEVICE, DTYPES, TOLERANCE, make_batch, relative_error
 
 
@@ -93,15 +93,7 @@ def test_mixed_graph_buffers_give_the_eager_result(tokenizer, arch: str) -> None
 
     mixed.run = run  # type: ignore[method-assign]
     runner.mixed_graphs = mixed
-    prompts = ragged_prompts(16)[:7]
-    max_tokens = [3, 9, 5, 12, 4, 8, 6]
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens],
-        use_tqdm=False,
-    )
-    for out, prompt, n in zip(outs, prompts, max_tokens):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, n)
+    assert_greedy_like_hf(llm, model, ragged_prompts(16)[:7], [3, 9, 5, 12, 4, 8, 6])
     buckets = {bucket for bucket, _, _ in used}
     assert len(buckets) >= 2, used  # several bucket sizes
     assert any(t < bucket for bucket, t, _ in used)  # padding tokens

@@ -13,7 +13,15 @@ from paged_backend.kernels.ops import paged_attention_op, write_kv_cache_op
 from paged_backend.worker.attention import KV_CACHE_ATTR
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner, capture_sizes, fits_decode_graph
 from paged_backend.worker.step_inputs import build_step_inputs, pad_step_inputs
-from tests.conftest import assert_idle, before_each_step, capturing_backend, hf_greedy, ragged_prompts, tiny_model
+from tests.conftest import (
+    assert_greedy_like_hf,
+    assert_idle,
+    before_each_step,
+    capturing_backend,
+    hf_greedy,
+    ragged_prompts,
+    tiny_model,
+)
 
 
 def test_capture_sizes() -> None:
@@ -215,15 +223,7 @@ def test_graph_runner_buffers_give_the_eager_logits(tokenizer) -> None:
 
     graph_runner.run = run
     runner.graphs = graph_runner  # decode steps go through it; prefills stay eager
-    prompts = ragged_prompts(16)[:5]
-    max_tokens = [3, 7, 12, 16, 20]
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens],
-        use_tqdm=False,
-    )
-    for out, prompt, n in zip(outs, prompts, max_tokens):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, n)
+    assert_greedy_like_hf(llm, model, ragged_prompts(16)[:5], [3, 7, 12, 16, 20])
     assert {8, 4, 2, 1} <= sizes_used
     assert_idle(llm)
 
