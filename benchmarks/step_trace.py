@@ -11,6 +11,7 @@ outputs, the garbage collector) and how many prompt tokens it scheduled. Tokens 
 round) count as k gaps of g/k, as ``serving.py`` counts them.
 
     python benchmarks/step_trace.py --json benchmarks/results/step_trace_h100.json
+    python benchmarks/step_trace.py --max-num-batched-tokens 512 ...   # at the OpenAI server's step budget
     python benchmarks/step_trace.py --tiny     # the same on CPU with a tiny random model (a smoke run)
 """
 
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--every", type=int, default=24, help="engine steps between arrivals")
     parser.add_argument("--settings", nargs="+", default=["8:0", "1:0", "1:512", "1:256", "2:256"],
                         help="num_scheduler_steps:long_prefill_token_threshold per phase")  # fmt: skip
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the step's token budget (default: LLM's; the server's is 512)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama on CPU (smoke run)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         model, kwargs = build_model(None), {}
     vocab = model.config.vocab_size
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model, num_scheduler_steps=max_steps, max_model_len=8192, **kwargs)
     engine = llm.llm_engine
     clock = StepClock(engine)
@@ -180,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine.step()
     clock.close()
     results: dict[str, Any] = run_header(argv)
-    results |= {"running": args.running, "every": args.every, "phases": {}}
+    results |= {"running": args.running, "every": args.every, "budget": engine.config.max_num_batched_tokens}
+    results["phases"] = {}
     for n, (steps, threshold) in enumerate(settings):
         engine.scheduler.num_scheduler_steps = steps
         engine.scheduler.long_prefill_token_threshold = threshold
