@@ -3,9 +3,10 @@ decode forwards — and samples the tokens of the sequences that sample (``execu
 
 On CUDA (unless ``enforce_eager``) the decoder layer is compiled once (dynamic token and sequence dimensions; our
 attention and cache write stay opaque custom ops; ``worker/compile.py``; with ``batch_invariant`` its sibling
-projections are only packed: ``worker/invariant_siblings.py``) and decode steps replay CUDA graphs. The compile's
-warm-up has several sequences, tokens and logit rows: a dimension of size 1 would make dynamo specialise on it
-(the CUDA graph bucket of 1 gets a second graph of its own).
+projections are only packed: ``worker/invariant_siblings.py``) and decode steps replay CUDA graphs, as do steps
+with prompt tokens up to a few hundred (``worker/mixed_graphs.py``). The compile's warm-up has several sequences,
+tokens and logit rows: a dimension of size 1 would make dynamo specialise on it (the CUDA graph bucket of 1 gets a
+second graph of its own).
 """
 
 from __future__ import annotations
