@@ -216,6 +216,22 @@ def test_speculative_config_is_checked_by_name() -> None:
         EngineConfig.from_kwargs("m", speculative_config={}, tensor_parallel_size=2)
 
 
+def test_verifying_graphs_hold_what_the_step_budget_does() -> None:
+    """Rows of k + 1 tokens: as many as the batch has, but no more than the token budget holds (the server's 512)."""
+    from paged_backend.worker.worker import verify_shape
+
+    def shape(**kwargs):
+        return verify_shape(EngineConfig.from_kwargs("m", **kwargs).resolve(2048))
+
+    large = {"num_speculative_tokens": 8, "disable_by_batch_size": 1000}  # proposals at any batch size
+    assert shape(speculative_config=large, max_num_seqs=256) == (9, 256)  # budget 8192
+    assert shape(speculative_config=large, max_num_batched_tokens=512) == (9, 56)
+    assert shape(speculative_config=large, max_num_batched_tokens=4) == (9, 1)
+    spec = {"num_speculative_tokens": 4, "disable_by_batch_size": 9}
+    assert shape(speculative_config=spec, max_num_batched_tokens=512) == (5, 8)
+    assert shape(speculative_config=spec, enable_lora=True) is None
+
+
 def test_counters_reach_stats_and_the_server_metrics(tokenizer) -> None:
     pytest.importorskip("prometheus_client")
     from paged_backend.entrypoints.openai.metrics import ServerMetrics

@@ -216,11 +216,14 @@ class Worker:
 
 
 def verify_shape(config: EngineConfig) -> tuple[int, int] | None:
-    """Speculative decoding's graphs: rows of its proposals plus one token, as many as a step with proposals has."""
+    """Speculative decoding's graphs: rows of its proposals plus one token, as many as a step with proposals has
+    and its token budget holds at k proposals a row (each bucket keeps every token's logits: rows past the budget
+    would hold memory for steps that never come; a step of many short rows replays a prompt-step graph)."""
     spec = config.speculative_config
     if spec is None or config.lora_config.enable_lora:  # LoRA's per-token adapter indices are not padded alike
         return None
-    return spec.num_speculative_tokens + 1, proposal_rows(config)
+    q_len = spec.num_speculative_tokens + 1
+    return q_len, max(1, min(proposal_rows(config), config.max_num_batched_tokens // q_len))
 
 
 def check_draft_positions(draft: PreTrainedModel, max_model_len: int) -> None:
