@@ -62,6 +62,7 @@ def test_each_step_is_one_message_to_the_workers(checkpoints) -> None:
     prompts = ragged_prompts(6)
     llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=128, num_scheduler_steps=8, **ENGINE)
     engine, sent, steps = llm.llm_engine, [], [0]
+    assert engine.executor.driver_worker.agree is not None  # graph captures agreed over the ranks
     group = engine.executor.group
     send, step = group.send, engine.step
 
@@ -225,6 +226,26 @@ def test_workers_choose_cuda_graphs_like_rank_0() -> None:
         assert wire.batch is batch and not wire.seqs and not wire.sampling_seqs
         inputs = build_step_inputs(wire.batch, block_size=4)
         assert fits_decode_graph(inputs, 8) == (len(sampling) == 3)
+
+
+def test_ranks_keep_only_the_graphs_every_rank_captured() -> None:
+    """A capture that failed on one rank (out of memory, say) drops those graphs on every rank, and only those."""
+    from types import SimpleNamespace
+
+    from paged_backend.worker.cuda_graphs import keep_agreed
+
+    names = ["graphs", "verify_graphs", "mixed_graphs"]
+    other_rank = {"graphs": 1, "verify_graphs": 1, "mixed_graphs": 0}  # its mixed capture failed
+    ours = SimpleNamespace(graphs="decode", verify_graphs=None, mixed_graphs="mixed")
+    asked: list[int] = []
+
+    def agree(value: int) -> int:  # the minimum over this rank and the other
+        asked.append(value)
+        return min(value, other_rank[names[len(asked) - 1]])
+
+    keep_agreed(ours, names, agree)
+    assert asked == [1, 0, 1]  # one call a name, in order, on every rank
+    assert ours.graphs == "decode" and ours.verify_graphs is None and ours.mixed_graphs is None
 
 
 def test_unsupported_layouts_are_refused_before_any_worker_starts(checkpoints, tokenizer, tmp_path) -> None:

@@ -11,6 +11,7 @@ holds the same logits, so a round's on-device argmax agrees.
 
 from __future__ import annotations
 
+import functools
 import logging
 from multiprocessing.connection import Connection
 
@@ -79,6 +80,7 @@ def _worker_main(
     try:
         model, all_reduce = load_rank(config, model_path, rank, device)
         worker = _RankWorker(Worker(model, device, world_size), control)
+        worker.worker.agree = functools.partial(min_over_ranks, control=control)  # ranks keep the same graphs
         while True:
             method, args = messages.receive()
             if method == "shutdown":
@@ -118,7 +120,9 @@ class TPExecutor:
         group = TPGroup.start(config, model_path, _worker_main)
         model, all_reduce = load_rank(config, model_path, 0, group.device)
         group.all_reduces.append(all_reduce)
-        return cls(group, Worker(model, group.device, group.world_size), all_reduce)
+        driver = Worker(model, group.device, group.world_size)
+        driver.agree = group.min_over_ranks  # the ranks keep the same graphs (ModelRunner.capture_graphs)
+        return cls(group, driver, all_reduce)
 
     def init_lora(self, config: EngineConfig) -> None:
         self.group.send("init_lora", config)

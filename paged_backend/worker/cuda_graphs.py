@@ -84,6 +84,17 @@ def capture_buckets(
     return graphs, outputs
 
 
+def keep_agreed(holder: object, names: list[str], agree: Callable[[int], int]) -> None:
+    """Drop the graph runners (attributes ``names`` of ``holder``) that some rank of a tensor-parallel group lacks
+    (its capture failed): one rank replaying a padded bucket while another runs the step eagerly would all-reduce
+    tensors of different sizes. ``agree`` is the minimum over the ranks; every rank calls it once per name."""
+    for name in names:
+        ours = getattr(holder, name) is not None
+        if agree(int(ours)) == 0 and ours:
+            logger.warning("CUDA graphs (%s) dropped: another rank could not capture them", name)
+            setattr(holder, name, None)
+
+
 class CUDAGraphRunner:
     def __init__(
         self,

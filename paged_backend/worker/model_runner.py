@@ -16,7 +16,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -33,7 +33,7 @@ from paged_backend.worker.async_output import AsyncModelRunnerOutput, DeferredOu
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
-from paged_backend.worker.cuda_graphs import CUDAGraphRunner
+from paged_backend.worker.cuda_graphs import CUDAGraphRunner, keep_agreed
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
 from paged_backend.worker.invariant_siblings import SiblingProducts, packed_siblings
@@ -75,6 +75,7 @@ class ModelRunner:
         logprobs_mode: str = "raw_logprobs",
         verify_shape: tuple[int, int] | None = None,  # speculative decoding: (tokens a row, rows) of its graphs
         max_num_batched_tokens: int = 0,  # steps with prompt tokens replay graphs up to this many (0: none)
+        agree: Callable[[int], int] | None = None,  # tensor parallelism: the minimum of a value over the ranks
     ) -> None:
         self.model = model
         if batch_invariant:
@@ -91,7 +92,7 @@ class ModelRunner:
         self.verify_graphs: CUDAGraphRunner | None = None  # steps whose rows are short: verifying ones
         self.mixed_graphs: MixedGraphRunner | None = None  # steps with prompt tokens, up to a few hundred
         self.mixed_sizes = mixed_capture_sizes(max_num_batched_tokens)
-        self.verify_shape = verify_shape
+        self.verify_shape, self.agree = verify_shape, agree
         self.weights: WeightAddresses | None = None
         self._recapture = False  # sleep() dropped CUDA graphs that wake_up() captures again
         self._last_round: tuple[torch.Tensor, list[int]] | None = None  # its tokens [K, B] and rows' steps
@@ -111,24 +112,21 @@ class ModelRunner:
         self.record_weights()
 
     def capture_graphs(self) -> None:
-        """Capture the decode CUDA graphs (they read the KV cache and the weights at today's addresses)."""
+        """Capture the CUDA graphs (they read the KV cache and the weights at today's addresses): decode steps',
+        verifying steps', steps with prompt tokens'."""
         max_num_seqs, width, num_scheduler_steps = self._graph_shape
+        forward, invariant = self._model_forward, self.batch_invariant
         with torch.inference_mode():  # static buffers must be inference tensors, like every step's inputs
             # two rounds' worth of staging buffers: see run_decode_steps
-            self.graphs = CUDAGraphRunner(
-                self._model_forward, max_num_seqs, width, self.device, 2 * num_scheduler_steps, self.batch_invariant
-            )
+            self.graphs = CUDAGraphRunner(forward, max_num_seqs, width, self.device, 2 * num_scheduler_steps, invariant)
             if self.verify_shape is not None:
                 q_len, rows = self.verify_shape
-                self.verify_graphs = CUDAGraphRunner(
-                    self._model_forward, rows, width, self.device, 1, self.batch_invariant, q_len
-                )
+                self.verify_graphs = CUDAGraphRunner(forward, rows, width, self.device, 1, invariant, q_len)
             if self.mixed_sizes:
                 rows = self.graphs.max_size
-                self.mixed_graphs = MixedGraphRunner(
-                    self._model_forward, self.mixed_sizes, rows, width, self.device, self.batch_invariant
-                )
-        for name in ("graphs", "verify_graphs", "mixed_graphs"):  # the steady state's first, if memory runs short
+                self.mixed_graphs = MixedGraphRunner(forward, self.mixed_sizes, rows, width, self.device, invariant)
+        names = ["graphs", "verify_graphs", "mixed_graphs"]  # the steady state's first, if memory runs short
+        for name in names:
             runner = getattr(self, name)
             try:
                 if runner is not None:
@@ -138,6 +136,8 @@ class ModelRunner:
                 logger.warning("CUDA graph capture (%s) failed (%s: %s); those steps run eagerly", name,
                                type(exc).__name__, exc)  # fmt: skip
                 setattr(self, name, None)
+        if self.agree is not None:
+            keep_agreed(self, names, self.agree)
 
     def sleep(self) -> None:
         """Free the KV cache and the CUDA graphs (and their memory pools); the weights are the user's and stay."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -80,6 +81,7 @@ class Worker:
         self.lora_manager: LoRAManager | None = None
         self._model_runner: ModelRunner | None = None
         self.draft_runner: DraftRunner | None = None
+        self.agree: Callable[[int], int] | None = None  # tensor parallelism: a value's minimum over the ranks
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -157,6 +159,7 @@ class Worker:
             logprobs_mode=config.model_config.logprobs_mode,
             verify_shape=verify_shape(config),
             max_num_batched_tokens=config.max_num_batched_tokens,
+            agree=self.agree,
         )
         if self.draft_runner is not None:  # after the target's set-up, which may pack weights the draft shares
             self.draft_runner.capture_graphs()
