@@ -17,9 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
-import numpy as np
 import torch
 from torch._dynamo.backends.registry import CompilerFn
 from transformers import PreTrainedModel
@@ -44,11 +42,11 @@ from paged_backend.worker.sampler import RoundBias, Sampler
 from paged_backend.worker.step_inputs import (
     EmbedsPieces,
     StepInputs,
-    advance_decode_inputs,
     build_step_inputs,
     pad_step_inputs,
     prompt_embeds_pieces,
     queued_copy,
+    round_steps,
     warmup_inputs,
 )
 from paged_backend.worker.structured_output import RoundGrammars, apply_grammar_bitmask, fill_grammar_bitmask
@@ -238,7 +236,8 @@ class ModelRunner:
         with self._lora_step(batch, [1] * batch.num_seqs, scheduler_output.seqs):
             grammars = RoundGrammars.of(seqs, batch.num_steps, self.device)
             bias = RoundBias.of(seqs, self.device)
-            tokens, logprobs, last_steps = self._run_round(inputs, batch.num_steps, grammars, first, bias)
+            steps = round_steps(inputs, batch.num_steps, self.block_size, pin=self.device.type == "cuda")
+            tokens, logprobs, last_steps = self.run_decode_steps(steps, grammars, first, bias)
         self._last_round = (tokens, batch.num_steps)
         return PendingRound(tokens, logprobs, batch.num_steps, grammars, sampling=bool(seqs), last_steps=last_steps)
 
@@ -338,22 +337,6 @@ class ModelRunner:
             logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices, prompt_embeds)
         self.calibrate_kv_scales = False  # set once the step's forward went through (a failed one calibrates again)
         return logits[:n]
-
-    def _run_round(
-        self,
-        inputs: StepInputs,
-        num_steps: list[int],
-        grammars: RoundGrammars | None = None,
-        first_input_ids: torch.Tensor | None = None,
-        bias: RoundBias | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
-        """``max(num_steps)`` decode steps from ``inputs`` (step 0; row i takes ``num_steps[i]``)."""
-        per_row = np.asarray(num_steps, dtype=np.int64)
-        if self.device.type == "cuda":  # every step's copy of the tables is queued, not waited for
-            inputs = replace(inputs, block_tables=inputs.block_tables.pin_memory())
-        steps = [inputs]
-        steps += [advance_decode_inputs(inputs, k, per_row, self.block_size) for k in range(1, max(num_steps))]
-        return self.run_decode_steps(steps, grammars, first_input_ids, bias)
 
     def run_decode_steps(
         self,

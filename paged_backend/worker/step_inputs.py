@@ -152,6 +152,16 @@ def advance_decode_inputs(inputs: StepInputs, k: int, num_steps: np.ndarray, blo
     )
 
 
+def round_steps(inputs: StepInputs, num_steps: list[int], block_size: int, pin: bool) -> list[StepInputs]:
+    """The inputs of a multi-step round's ``max(num_steps)`` forwards: ``inputs`` (step 0), then each later
+    step's (``advance_decode_inputs``). ``pin``: the tables in pinned memory, so that every step's copy of them
+    is queued, not waited for."""
+    if pin:
+        inputs = replace(inputs, block_tables=inputs.block_tables.pin_memory())
+    per_row = np.asarray(num_steps, dtype=np.int64)
+    return [inputs] + [advance_decode_inputs(inputs, k, per_row, block_size) for k in range(1, max(num_steps))]
+
+
 EmbedsPieces = Sequence[tuple[int, torch.Tensor]]  # (flat token offset, [n, hidden] embeddings) of a step
 
 
