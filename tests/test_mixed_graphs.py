@@ -13,7 +13,7 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.kernels.paged_attention import paged_attention_torch, paged_attention_triton
 from paged_backend.worker.mixed_graphs import MIXED_MAX_TOKENS, MIXED_STEP, MixedGraphRunner, mixed_capture_sizes
 from paged_backend.worker.step_inputs import StepInputs
-from tests.conftest import assert_greedy_like_hf, assert_idle, hf_greedy, ragged_prompts, tiny_model
+from tests.conftest import assert_greedy_like_hf, assert_idle, hf_greedy, ragged_prompts, replay_in_python, tiny_model
 from tests.test_kernels import DEVICE, DTYPES, TOLERANCE, make_batch, relative_error
 
 
@@ -65,14 +65,6 @@ def test_the_kernel_on_the_padded_layout(dtype: torch.dtype, q_lens: list[int], 
     assert torch.equal(out[t:], torch.zeros_like(out[t:]))
 
 
-class _ReplayInPython:
-    def __init__(self, runner: MixedGraphRunner, size: int) -> None:
-        self.runner, self.size = runner, size
-
-    def replay(self) -> None:
-        self.runner.outputs[self.size] = self.runner._run(self.size)
-
-
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2", "qwen3"])
 def test_mixed_graph_buffers_give_the_eager_result(tokenizer, arch: str) -> None:
     """Prefill chunks beside decodes, through buckets of 8 to 64 tokens (sequences without tokens and a padding
@@ -83,7 +75,7 @@ def test_mixed_graph_buffers_give_the_eager_result(tokenizer, arch: str) -> None
               max_num_batched_tokens=40, max_num_seqs=6)  # fmt: skip
     runner = llm.llm_engine.executor.model_runner
     mixed = MixedGraphRunner(runner._model_forward, [8, 16, 32, 64], 8, 8, torch.device("cpu"))
-    mixed.graphs = {size: _ReplayInPython(mixed, size) for size in mixed.sizes}  # type: ignore[misc]
+    replay_in_python(mixed)
     used: list[tuple[int, int, int]] = []
     replay = mixed.run
 
@@ -107,7 +99,7 @@ def test_a_step_no_bucket_holds_runs_eagerly(tokenizer) -> None:
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_model_len=128, num_scheduler_steps=1)
     runner = llm.llm_engine.executor.model_runner
     mixed = MixedGraphRunner(runner._model_forward, [8], 8, 8, torch.device("cpu"))
-    mixed.graphs = {8: _ReplayInPython(mixed, 8)}  # type: ignore[dict-item]
+    replay_in_python(mixed)
     runner.mixed_graphs = mixed
     prompt = ragged_prompts(16)[4]  # 50 tokens: one step of 50 > 8
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)

@@ -20,6 +20,7 @@ from tests.conftest import (
     capturing_backend,
     hf_greedy,
     ragged_prompts,
+    replay_in_python,
     tiny_model,
 )
 
@@ -192,16 +193,6 @@ def test_switch_and_regions_are_reentrant(tokenizer) -> None:
     assert not any(hasattr(m, KV_CACHE_ATTR) or "forward" in m.__dict__ for m in model.modules())
 
 
-class _ReplayInPython:
-    """Stands in for a captured CUDA graph: replaying re-runs the forward on the static buffers."""
-
-    def __init__(self, runner: CUDAGraphRunner, size: int) -> None:
-        self.runner, self.size = runner, size
-
-    def replay(self) -> None:
-        self.runner.outputs[self.size] = self.runner._run(self.size)
-
-
 def test_graph_runner_buffers_give_the_eager_logits(tokenizer) -> None:
     """The decode-graph path (staging, padding rows, static block tables wider than needed, bucket choice) feeds
     the forward the same step as the eager path, and its padding rows touch no real sequence's cache: decoding
@@ -213,7 +204,7 @@ def test_graph_runner_buffers_give_the_eager_logits(tokenizer) -> None:
     engine = llm.llm_engine
     runner = engine.executor.model_runner
     graph_runner = CUDAGraphRunner(runner._model_forward, 8, 8, torch.device("cpu"))
-    graph_runner.graphs = {size: _ReplayInPython(graph_runner, size) for size in graph_runner.sizes}
+    replay_in_python(graph_runner)
     sizes_used = set()
     replay = graph_runner.run
 

@@ -365,7 +365,7 @@ def test_verifying_steps_through_the_graph_runner_give_hf_greedy(tokenizer) -> N
     sequences of a bucket) feeds the forward what the eager path does: greedy output equals HF's. Graphs are
     replaced by re-running the forward on the static buffers, so this runs on CPU."""
     from paged_backend.worker.cuda_graphs import CUDAGraphRunner
-    from tests.test_model_runner import _ReplayInPython
+    from tests.conftest import replay_in_python
 
     model = tiny_model("llama")
     prompts = repetitive_prompts()
@@ -373,7 +373,7 @@ def test_verifying_steps_through_the_graph_runner_give_hf_greedy(tokenizer) -> N
     runner = llm.llm_engine.executor.model_runner
     graphs = CUDAGraphRunner(runner._model_forward, 8, runner._graph_shape[1], torch.device("cpu"),
                              q_len=SPEC["num_speculative_tokens"] + 1)  # fmt: skip
-    graphs.graphs = {size: _ReplayInPython(graphs, size) for size in graphs.sizes}
+    replay_in_python(graphs)
     used = []
     replay = graphs.run
     graphs.run = lambda inputs, *args: used.append(inputs.num_seqs) or replay(inputs, *args)
