@@ -28,21 +28,23 @@ def rounds_engine(tokenizer) -> LLM:
 
 
 def calls_to_first_token(arrivals_flagged: bool, tokenizer) -> int:
-    """A request decoding in rounds, one more added: how many ``step()`` calls until its first token. With
-    ``arrivals_flagged`` the step before the add is told that a request waits (as the engine loop tells it)."""
+    """A request decoding in rounds read whole (nobody streams: ``finished_only``), one more added: how many
+    ``step()`` calls until its first token. With ``arrivals_flagged`` the step before the add is told that a
+    request waits (as the engine loop tells it)."""
     engine = rounds_engine(tokenizer).llm_engine
     long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     engine.add_request("running", {"prompt_token_ids": ragged_prompts(4, seed=3)[0]}, long)
     for _ in range(4):  # its prefill, then rounds, each queued behind the one before
-        engine.step()
+        engine.step(finished_only=True)
     assert engine._in_flight is not None and engine._in_flight[0].batch.prev_rows is not None
     flag = [arrivals_flagged]
     engine.arrivals = lambda: flag[0]
-    engine.step()
+    engine.step(finished_only=True)
     flag[0] = False
-    engine.add_request("arrival", {"prompt_token_ids": ragged_prompts(4, seed=4)[1]}, long)
+    one = SamplingParams(temperature=0, max_tokens=1)  # finished at its first token: seen with finished_only
+    engine.add_request("arrival", {"prompt_token_ids": ragged_prompts(4, seed=4)[1]}, one)
     for calls in range(1, 6):
-        if any(o.request_id == "arrival" and o.outputs[0].token_ids for o in engine.step()):
+        if any(o.request_id == "arrival" for o in engine.step(finished_only=True)):
             return calls
     raise AssertionError("the arrival got no token in five steps")
 
@@ -101,7 +103,7 @@ def test_the_queueing_functions_ask_before_they_plan(tokenizer) -> None:
     engine = rounds_engine(tokenizer).llm_engine
     calls: list[str] = []
     scheduler = engine.scheduler
-    scheduler.schedule_continuation = lambda in_flight: calls.append("plan")  # type: ignore[method-assign]
+    scheduler.schedule_continuation = lambda in_flight, read=0: calls.append("plan")  # type: ignore[method-assign]
     scheduler.schedule = lambda: calls.append("schedule")  # type: ignore[method-assign]
 
     def asked(answer: bool):

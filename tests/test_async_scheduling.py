@@ -126,9 +126,11 @@ def test_equals_sync_with_a_backlog_preemption_and_prefix_hits(num_kv_blocks: in
     assert counts["num_preemptions"] > 0 or num_kv_blocks == 80
 
 
-def test_abort_while_its_round_is_in_flight(tokenizer) -> None:
-    """A request aborted between the step that queued its next round and the step that reads it: it reports
-    nothing more, its blocks are freed, and the others go on as if it had never been there."""
+@pytest.mark.parametrize("finished_only", [True, False], ids=["whole rounds", "rounds by step"])
+def test_abort_while_its_round_is_in_flight(finished_only: bool, tokenizer) -> None:
+    """A request aborted between the step that queued its next round and the step that reads it (or, read a step
+    at a time, while its round is being read): it reports nothing more, its blocks are freed, and the others go
+    on as if it had never been there."""
     model = tiny_model("llama")
     prompts = ragged_prompts(4, seed=5)[:3]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -141,11 +143,11 @@ def test_abort_while_its_round_is_in_flight(tokenizer) -> None:
         tokens: dict[str, list[int]] = {}
         steps, aborted = 0, False
         while engine.has_unfinished_requests():
-            if steps == abort_at:
-                assert engine._in_flight is not None  # the round that would give "1" its next tokens
+            if steps == abort_at:  # the round that would give "1" its next tokens
+                assert engine._in_flight is not None or engine._reading is not None
                 engine.abort_request("1")
                 aborted = True
-            for output in engine.step():
+            for output in engine.step(finished_only=finished_only and async_scheduling):
                 assert not (aborted and output.request_id == "1")
                 tokens[output.request_id] = output.outputs[0].token_ids
             steps += 1
@@ -155,7 +157,8 @@ def test_abort_while_its_round_is_in_flight(tokenizer) -> None:
     reference = run(False, None)
     aborted = run(True, 4)
     assert aborted["0"] == reference["0"] and aborted["2"] == reference["2"]
-    assert aborted["1"] == reference["1"][: len(aborted["1"])] and len(aborted["1"]) < 40
+    if not finished_only:  # its tokens until the abort
+        assert aborted["1"] == reference["1"][: len(aborted["1"])] and len(aborted["1"]) < 40
 
 
 def test_nothing_left_in_flight_when_every_row_stopped(tokenizer) -> None:
@@ -282,8 +285,8 @@ def test_a_failure_reading_a_queued_round_spares_requests_that_ended_before_it(t
     engine.add_request(
         "B", {"prompt_token_ids": prompt_b}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     )
-    while "A" in engine.requests:
-        engine.step()
+    while "A" in engine.requests:  # rounds read whole: the round behind A's last one is queued
+        engine.step(finished_only=True)
     assert engine._in_flight is not None and any(seq.request.request_id == "A" for seq in engine._in_flight[0].seqs)
     engine.add_request(
         "A", {"prompt_token_ids": prompt_b}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -298,27 +301,30 @@ def test_a_failure_reading_a_queued_round_spares_requests_that_ended_before_it(t
 
     engine.output_processor.process_tokens = failing_once  # type: ignore[method-assign]
     with pytest.raises(StepError) as raised:
-        engine.step()
+        engine.step(finished_only=True)
     assert raised.value.request_ids == ["B"]
     outputs = {}
     while engine.has_unfinished_requests():
-        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        outputs.update({o.request_id: o for o in engine.step(finished_only=True)})
     assert list(outputs) == ["A"] and outputs["A"].outputs[0].token_ids == hf_greedy(model, prompt_b, 5)
     assert_idle(llm)
 
 
-def test_a_weight_change_drops_the_round_queued_with_the_old_weights(tokenizer) -> None:
+@pytest.mark.parametrize("finished_only", [True, False], ids=["whole rounds", "rounds by step"])
+def test_a_weight_change_drops_the_round_queued_with_the_old_weights(finished_only: bool, tokenizer) -> None:
     """Weights changed in place between steps while a round is queued: that round was computed with the old
     weights, so it is dropped and its tokens computed again — the outputs equal the synchronous engine's with the
-    same change at the same step."""
+    same change at the same step. Read a step at a time, a step hands out one token a row, as the synchronous
+    engine's single steps do: the change comes at the same token."""
     from tests.conftest import fresh_model
 
     prompts = ragged_prompts(4, seed=9)[3:6]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
-    def run(async_scheduling: bool) -> list[list[int]]:
+    def run(async_scheduling: bool, num_scheduler_steps: int = 8) -> list[list[int]]:
         model = fresh_model(tokenizer)
-        llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, async_scheduling=async_scheduling)
+        llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, async_scheduling=async_scheduling,
+                  num_scheduler_steps=num_scheduler_steps)  # fmt: skip
         engine = llm.llm_engine
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
@@ -327,14 +333,15 @@ def test_a_weight_change_drops_the_round_queued_with_the_old_weights(tokenizer) 
             if not engine.has_unfinished_requests():
                 break
             if step == 3:
-                assert engine._in_flight is not None or not async_scheduling
+                assert engine._in_flight is not None or engine._reading is not None or not async_scheduling
                 with torch.no_grad():
                     model.lm_head.weight.mul_(-1.0)  # in place, as an optimizer step would
-            tokens.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+            outputs = engine.step(finished_only=finished_only)
+            tokens.update({o.request_id: o.outputs[0].token_ids for o in outputs})
         assert_idle(llm)
         return [tokens[str(i)] for i in range(len(prompts))]
 
-    assert run(True) == run(False)
+    assert run(True) == run(False, 8 if finished_only else 1)
 
 
 def test_forked_samples_in_queued_rounds(tokenizer) -> None:

@@ -111,8 +111,9 @@ def plan_continuation(
     return (rows, steps) if rows and _few_idle(steps) else None
 
 
-def continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> SchedulerOutput | None:
-    """The multi-step round that follows ``in_flight`` (a round queued on the device, its tokens not read yet),
+def continuation(scheduler: Scheduler, in_flight: SchedulerOutput, read: int = 0) -> SchedulerOutput | None:
+    """The multi-step round that follows ``in_flight`` (a round queued on the device, its tokens not read yet, or
+    only its first ``read`` steps' when a stream reads it a step at a time),
     for async scheduling: its sequences again, each from the token that round ends with (its rows read
     ``prev_rows``), planned as if none stops there (``plan_continuation``). None when the next step must be a
     normal one: a request is swapped out or must run alone, a waiting request could take a place (the batch is
@@ -133,7 +134,7 @@ def continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> SchedulerO
     bm = scheduler.block_manager
     plan = plan_continuation(
         [in_flight.seqs[row] for row in live],
-        [num_steps[row] for row in live],
+        [max(0, num_steps[row] - read) for row in live],
         scheduler.num_scheduler_steps,
         scheduler.max_model_len,
         bm,
@@ -143,11 +144,16 @@ def continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> SchedulerO
     rows = [live[i] for i in plan[0]]
     if scheduler.waiting and len(rows) < len(live):
         return None  # a row ends at its length in the round in flight: its place goes to a waiting request
-    return continuation_output(in_flight, rows, plan[1], bm, scheduler.max_loras is not None)
+    return continuation_output(in_flight, rows, plan[1], bm, scheduler.max_loras is not None, read)
 
 
 def continuation_output(
-    in_flight: SchedulerOutput, rows: list[int], steps: list[int], block_manager: BlockManager, lora: bool
+    in_flight: SchedulerOutput,
+    rows: list[int],
+    steps: list[int],
+    block_manager: BlockManager,
+    lora: bool,
+    read: int = 0,  # steps of ``in_flight`` already counted
 ) -> SchedulerOutput:
     """The queued round's step: ``in_flight``'s rows ``rows`` again, from the positions that round leaves them
     at, each first fed the last token it sampled there (``prev_rows``: on the device, not known here)."""
@@ -155,7 +161,7 @@ def continuation_output(
     ahead = in_flight.batch.num_steps or []
     batch = ScheduledBatch(
         input_token_ids=[0] * len(seqs),  # not known yet: the device has them (prev_rows)
-        num_computed_tokens=[seq.num_computed_tokens + ahead[row] for seq, row in zip(seqs, rows)],
+        num_computed_tokens=[seq.num_computed_tokens + max(0, ahead[row] - read) for seq, row in zip(seqs, rows)],
         num_scheduled_tokens=[1] * len(seqs),
         block_tables=[block_manager.get_block_table(seq.seq_id) for seq in seqs],
         sampling_rows=list(range(len(seqs))),

@@ -130,9 +130,10 @@ class Scheduler:
         self.num_chunked_prefill_steps += sum(1 for seq, n in plan.scheduled.items() if n < seq.num_uncomputed_tokens)
         return self._make_output(plan)
 
-    def schedule_continuation(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
-        """Async scheduling's round after ``in_flight``, or None (``multi_step.continuation``)."""
-        return continuation(self, in_flight)
+    def schedule_continuation(self, in_flight: SchedulerOutput, read: int = 0) -> SchedulerOutput | None:
+        """Async scheduling's round after ``in_flight`` (of which ``read`` steps are counted), or None
+        (``multi_step.continuation``)."""
+        return continuation(self, in_flight, read)
 
     def _chunk(self, seq: Sequence, plan: StepPlan) -> int:
         """The sequence's tokens this step: what it has left, within the step's budget and the chunk cap."""
@@ -361,6 +362,8 @@ class Scheduler:
             if seq.status.finished:  # ended (or aborted) while a round queued behind its last one ran
                 continue
             tokens = runner_output.sampled_token_ids[row]
+            if in_round and not tokens:  # a round read a step at a time: this row took fewer steps
+                continue
             if runner_output.grammars and runner_output.grammars[row] is not None:
                 seq.grammar = runner_output.grammars[row]  # the round's, which took these tokens already
             row_drafts = drafts[output.batch.sampling_rows[row]] if drafts and row < num_parents else []

@@ -60,6 +60,7 @@ def queue_next(
     executor: Executor,
     in_flight: InFlight,
     arrivals: Arrivals | None,
+    read: int = 0,  # steps of the round in flight already counted (``round_reader``)
 ) -> InFlight | None:
     """The round after ``in_flight`` (a round whose tokens are not read yet), when the scheduler plans one
     (``Scheduler.schedule_continuation``). If queueing it fails, the next step is a normal one, which runs the
@@ -73,7 +74,7 @@ def queue_next(
         in_flight[1].wait_for_last_steps()
         if admits_arrivals(scheduler, arrivals):
             return None
-    continuation = scheduler.schedule_continuation(in_flight[0])
+    continuation = scheduler.schedule_continuation(in_flight[0], read)
     if continuation is None:
         return None
     try:

@@ -30,6 +30,7 @@ from paged_backend.engine.engine_setup import (
 from paged_backend.engine.engine_stats import engine_stats
 from paged_backend.engine.input_processor import InputProcessor, PromptType
 from paged_backend.engine.output_processor import OutputProcessor
+from paged_backend.engine.round_reader import Reading, read_round_step, reading, step_owners
 from paged_backend.engine.step_failures import StepError, step_failed
 from paged_backend.engine.weight_updates import WeightUpdates
 from paged_backend.lora.request import LoRARequest
@@ -82,6 +83,7 @@ class LLMEngine:
         self.weight_updates = WeightUpdates(self.model) if watch else None
         # async scheduling: a step queued on the device, its tokens not read yet (the next step reads them)
         self._in_flight: InFlight | None = None
+        self._reading: Reading | None = None  # a round handed out a step at a time (``round_reader``)
         # set by whoever adds requests while the engine steps (``EngineLoop``): whether some wait to be added. Async
         # scheduling then queues nothing ahead of them that they could join (``queue_next``, ``queue_following``).
         self.arrivals: Arrivals | None = None
@@ -162,7 +164,9 @@ class LLMEngine:
         (``_queue_next``), any other step once they are counted (``_queue_following``); the step after reads it."""
         if self.weight_updates is not None and self.weight_updates.changed():
             self.scheduler.reset_prefix_cache()
-            self._in_flight = None  # queued with the old weights: its tokens are computed again with the new
+            self._in_flight = self._reading = None  # queued with the old weights: its tokens are computed again
+        if self._reading is not None:  # a round read a step at a time (``round_reader``)
+            return read_round_step(self, step_owners(self, self._reading.scheduler_output), finished_only)
         in_flight, self._in_flight = self._live_in_flight(), None
         if in_flight is None:
             scheduler_output = self.scheduler.schedule()
@@ -172,11 +176,12 @@ class LLMEngine:
                 return []
         else:
             scheduler_output = in_flight[0]
-        # whom a failure takes down: not a request that ended before a queued round is read (nor one added since
-        # under its id)
-        owners = [r for r in scheduler_output.touched_requests() if self.requests.get(r.request_id) is r]
+        owners = step_owners(self, scheduler_output)
         try:
             pending = self._execute(scheduler_output) if in_flight is None else in_flight[1]
+            self._reading = reading(self, scheduler_output, pending, finished_only)
+            if self._reading is not None:
+                return read_round_step(self, owners, finished_only)
             if self.async_scheduling:
                 self._in_flight = self._queue_next((scheduler_output, pending))
             runner_output = pending.get_output()
@@ -198,8 +203,8 @@ class LLMEngine:
             self._in_flight = None
             raise StepError(step_failed(self, owners, error, retry=False), error) from error
 
-    def _queue_next(self, in_flight: InFlight) -> InFlight | None:
-        return queue_next(self.scheduler, self.executor, in_flight, self.arrivals)
+    def _queue_next(self, in_flight: InFlight, read: int = 0) -> InFlight | None:
+        return queue_next(self.scheduler, self.executor, in_flight, self.arrivals, read)
 
     def _queue_following(self) -> InFlight | None:
         return queue_following(self.scheduler, self.executor, self.arrivals)
@@ -229,7 +234,7 @@ class LLMEngine:
             raise RuntimeError("the engine has requests in flight: let them finish or abort them before sleep()")
         if not self.asleep:
             self.scheduler.reset_prefix_cache()  # the KV they point to is about to go
-            self._in_flight = None  # a queued round of rows that all ended: dropped unread
+            self._in_flight = self._reading = None  # a queued round of rows that all ended: dropped unread
             self.executor.sleep()
             self.asleep = True
 

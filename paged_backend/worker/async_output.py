@@ -75,9 +75,25 @@ class DeferredOutput:
         return None
 
 
+class StepCopies:
+    """A round's tokens and logprobs copied to pinned host memory step by step, an event behind each step's copy:
+    a step's tokens can be read as soon as it has run, while the round's later steps still run."""
+
+    def __init__(self, num_forwards: int, num_rows: int) -> None:
+        self.host = torch.empty(2, num_forwards, num_rows, dtype=torch.float64, pin_memory=True)
+        self.events: list[torch.cuda.Event] = []
+
+    def add(self, token: torch.Tensor, logprob: torch.Tensor) -> None:
+        """Queue step ``len(events)``'s copy (token ids < 2**53 are exact in float64)."""
+        self.host[:, len(self.events)].copy_(torch.stack([token.double(), logprob.double()]), non_blocking=True)
+        self.events.append(torch.cuda.Event())
+        self.events[-1].record(torch.cuda.current_stream(token.device))
+
+
 class PendingRound:
     """A queued round's sampled tokens and their logprobs, ``[K, B]`` each on the device; row ``i`` keeps its
-    first ``num_steps[i]``. A tensor-parallel rank other than 0 samples nothing: its output is empty."""
+    first ``num_steps[i]``. A tensor-parallel rank other than 0 samples nothing: its output is empty. Read whole
+    (``get_output``) or a step at a time (``read_step``)."""
 
     def __init__(
         self,
@@ -87,18 +103,40 @@ class PendingRound:
         grammars: RoundGrammars | None,
         sampling: bool,
         last_steps: torch.cuda.Event | None = None,  # recorded before the round's last LAST_STEPS forwards
+        copies: StepCopies | None = None,  # on a GPU: its steps' copies, already queued
     ) -> None:
         self.num_steps, self.grammars, self.last_steps = num_steps, grammars, last_steps
         self.host: torch.Tensor | None = None
-        self.event: torch.cuda.Event | None = None
-        if sampling:  # one copy for both (token ids < 2**53 are exact in float64)
+        self.events: list[torch.cuda.Event] = []  # one a step, or one for the whole round
+        if sampling and copies is not None:
+            self.host, self.events = copies.host, copies.events
+        elif sampling:  # one copy for both (token ids < 2**53 are exact in float64)
             both = torch.stack([tokens.double(), logprobs.double()])  # [2, K, B]
             on_gpu = both.device.type == "cuda"
             self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=on_gpu)
             self.host.copy_(both, non_blocking=on_gpu)
             if on_gpu:
-                self.event = torch.cuda.Event()
-                self.event.record(torch.cuda.current_stream(both.device))
+                self.events = [torch.cuda.Event()]
+                self.events[0].record(torch.cuda.current_stream(both.device))
+
+    @property
+    def num_forwards(self) -> int:
+        return max(self.num_steps)
+
+    def read_step(self, step: int) -> ModelRunnerOutput:
+        """Step ``step``'s tokens, once it has run: one a row that takes the step, none for the others. Not for a
+        round under a grammar (its state advances by whole rounds)."""
+        assert self.grammars is None, "a round under a grammar is read whole"
+        if self.host is None:
+            return ModelRunnerOutput()
+        if self.events:
+            self.events[min(step, len(self.events) - 1)].synchronize()
+        tokens, logprobs = self.host[:, step].tolist()  # [B] each
+        takes = [n > step for n in self.num_steps]
+        return ModelRunnerOutput(
+            [[int(t)] if take else [] for t, take in zip(tokens, takes)],
+            [[p] if take else [] for p, take in zip(logprobs, takes)],
+        )
 
     def wait_for_last_steps(self) -> None:
         if self.last_steps is not None:
@@ -107,8 +145,8 @@ class PendingRound:
     def get_output(self) -> ModelRunnerOutput:
         if self.host is None:
             return ModelRunnerOutput()
-        if self.event is not None:
-            self.event.synchronize()
+        if self.events:
+            self.events[-1].synchronize()
         token_rows, logprob_rows = self.host.tolist()  # [K][B] each
         steps = self.num_steps
         sampled = [[int(t) for t in row[:n]] for row, n in zip(zip(*token_rows), steps)]  # row i's first steps[i]

@@ -27,7 +27,13 @@ from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
 from paged_backend.worker import batch_invariant as invariance
-from paged_backend.worker.async_output import AsyncModelRunnerOutput, DeferredOutput, PendingRound, last_steps_begin
+from paged_backend.worker.async_output import (
+    AsyncModelRunnerOutput,
+    DeferredOutput,
+    PendingRound,
+    StepCopies,
+    last_steps_begin,
+)
 from paged_backend.worker.attention import AttentionMetadata, PagedAttentionSwitch
 from paged_backend.worker.cache_engine import CacheEngine
 from paged_backend.worker.compile import RegionalCompile
@@ -237,9 +243,11 @@ class ModelRunner:
             grammars = RoundGrammars.of(seqs, batch.num_steps, self.device)
             bias = RoundBias.of(seqs, self.device)
             steps = round_steps(inputs, batch.num_steps, self.block_size, pin=self.device.type == "cuda")
-            tokens, logprobs, last_steps = self.run_decode_steps(steps, grammars, first, bias)
+            tokens, logprobs, last_steps, copies = self.run_decode_steps(steps, grammars, first, bias)
         self._last_round = (tokens, batch.num_steps)
-        return PendingRound(tokens, logprobs, batch.num_steps, grammars, sampling=bool(seqs), last_steps=last_steps)
+        return PendingRound(
+            tokens, logprobs, batch.num_steps, grammars, sampling=bool(seqs), last_steps=last_steps, copies=copies
+        )
 
     def _round_inputs(self, prev_rows: list[int] | None) -> torch.Tensor | None:
         """A round queued behind the previous one starts from the last token each of its rows sampled there."""
@@ -344,11 +352,12 @@ class ModelRunner:
         grammars: RoundGrammars | None = None,
         first_input_ids: torch.Tensor | None = None,
         bias: RoundBias | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None, StepCopies | None]:
         """Greedy decode steps back to back, each fed the previous one's tokens on the device (the first fed
         ``first_input_ids`` [B] on the device, when given). Returns the sampled tokens and their logprobs,
         ``[K, B]`` each, and on a GPU an event recorded where the last ``LAST_STEPS`` forwards begin
-        (``PendingRound.wait_for_last_steps``). No host sync, except that rows under a grammar wait for the
+        (``PendingRound.wait_for_last_steps``) and each step's tokens copied to the host behind it (``StepCopies``:
+        a stream reads them step by step). No host sync, except that rows under a grammar wait for the
         previous step's tokens (while the device runs the next forward) to mask each step. Two rounds may be
         queued at once: they take turns on the CUDA graphs' pinned staging buffers."""
         tokens, logprobs = [], []
@@ -356,6 +365,7 @@ class ModelRunner:
         self._round_parity ^= 1
         first_staging = self._round_parity * self._graph_shape[2]  # num_scheduler_steps buffers each
         last_steps = None
+        copies = StepCopies(len(steps), steps[0].num_seqs) if self.device.type == "cuda" else None
         for k, inputs in enumerate(steps):
             if k == last_steps_begin(len(steps)) and self.device.type == "cuda":
                 last_steps = torch.cuda.Event()
@@ -370,8 +380,10 @@ class ModelRunner:
                 grammars.sampled(token)
             tokens.append(token)
             logprobs.append(logprob)
+            if copies is not None:
+                copies.add(token, logprob)
             previous = token
-        return torch.stack(tokens), torch.stack(logprobs), last_steps
+        return torch.stack(tokens), torch.stack(logprobs), last_steps, copies
 
     def _model_forward(
         self,
