@@ -68,6 +68,17 @@ class StepClock:
                     self.current["wait"] += time.perf_counter() - begin
 
             pending.get_output = timed_read
+            read_step = getattr(pending, "read_step", None)
+            if read_step is not None:  # a round a stream reads a step at a time
+
+                def timed_step(step: int) -> Any:
+                    begin = time.perf_counter()
+                    try:
+                        return read_step(step)
+                    finally:
+                        self.current["wait"] += time.perf_counter() - begin
+
+                pending.read_step = timed_step
             return pending
 
         engine.executor.execute_model_async = timed_launch

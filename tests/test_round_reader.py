@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.engine.step_failures import StepError
+from paged_backend.worker.async_output import PendingRound
 from tests.conftest import assert_idle, ragged_prompts, tiny_model
 from tests.test_async_scheduling import STOPS, count_continuations, stop_params, summary
 
@@ -57,4 +59,61 @@ def test_a_stream_gets_a_token_a_step_and_the_synchronous_tokens(device: str, nu
     assert summary(outputs) == expected
     assert most == 1  # never a burst (a round read whole gives up to num_scheduler_steps at once)
     assert continued[0] > 0  # rounds were still queued behind the round being read
+    assert_idle(llm)
+
+
+def test_a_failed_read_redoes_the_round_s_requests_once(tokenizer, monkeypatch) -> None:
+    """Reading a step of a round fails once: no request fails (each is redone alone, its failure counted once),
+    and the outputs are the synchronous engine's."""
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(4, seed=7)[:4]]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 4
+    engine_kwargs = dict(num_kv_blocks=200, max_num_seqs=4, **STOPS)
+    sync = LLM(tiny_model("llama"), tokenizer=tokenizer, async_scheduling=False, **engine_kwargs)
+    expected = summary(sync.generate(prompts, params, use_tqdm=False))
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, async_scheduling=True, **engine_kwargs)
+    read_step, calls = PendingRound.read_step, []
+
+    def failing_once(self: PendingRound, step: int):
+        calls.append(step)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return read_step(self, step)
+
+    monkeypatch.setattr(PendingRound, "read_step", failing_once)
+    engine, requests = llm.llm_engine, []
+    add = engine.add_request
+
+    def adding(request_id: str, *args, **kwargs) -> None:
+        add(request_id, *args, **kwargs)
+        requests.append(engine.requests[request_id])
+
+    monkeypatch.setattr(engine, "add_request", adding)
+    outputs, _ = stream(llm, prompts, params, finished_only=False)
+    assert len(calls) > 3 and summary(outputs) == expected
+    assert [r.num_failed_steps for r in requests] == [1, 1, 1, 1]  # counted once, not once more by step()
+    assert_idle(llm)
+
+
+def test_a_failed_read_of_a_lone_request_fails_it_once(tokenizer, monkeypatch) -> None:
+    """A round of one request whose read fails: that request fails (``StepError`` naming it, caused by the read's
+    own error), its failure counted once, and the engine goes on idle."""
+    llm = LLM(tiny_model("llama"), tokenizer=tokenizer, async_scheduling=True, num_kv_blocks=200, **STOPS)
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)  # rounds
+    engine.add_request("0", {"prompt_token_ids": ragged_prompts(4, seed=7)[0]}, greedy)
+    request = engine.requests["0"]
+    read_step, firsts = PendingRound.read_step, []
+
+    def failing(self: PendingRound, step: int):
+        firsts.append(step == 0)
+        if sum(firsts) == 2 and step == 0:  # the second round's first step: read in the step() that launched it
+            raise RuntimeError("boom")
+        return read_step(self, step)
+
+    monkeypatch.setattr(PendingRound, "read_step", failing)
+    with pytest.raises(StepError) as raised:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert raised.value.request_ids == ["0"] and isinstance(raised.value.__cause__, RuntimeError)
+    assert request.num_failed_steps == 1 and not engine.has_unfinished_requests()
     assert_idle(llm)

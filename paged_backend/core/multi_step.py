@@ -1,4 +1,5 @@
-"""Multi-step rounds: several greedy decode steps run back to back on the device, one host read at the end.
+"""Multi-step rounds: several greedy decode steps run back to back on the device, read by the host at the end
+(or a step at a time by a stream: ``engine/round_reader.py``).
 
 A round suits a batch where every sequence decodes one token greedily without penalties, logits processors,
 logprobs, kept logits or a ``min_tokens`` barrier: each step's argmax can feed the next forward on the device

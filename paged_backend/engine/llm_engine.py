@@ -30,8 +30,8 @@ from paged_backend.engine.engine_setup import (
 from paged_backend.engine.engine_stats import engine_stats
 from paged_backend.engine.input_processor import InputProcessor, PromptType
 from paged_backend.engine.output_processor import OutputProcessor
-from paged_backend.engine.round_reader import Reading, read_round_step, reading, step_owners
-from paged_backend.engine.step_failures import StepError, step_failed
+from paged_backend.engine.round_reader import Reading, read_round_step, round_to_read, unfinished
+from paged_backend.engine.step_failures import StepError, step_failed, step_owners
 from paged_backend.engine.weight_updates import WeightUpdates
 from paged_backend.lora.request import LoRARequest
 from paged_backend.model_loader import causal_lm_class, load_hf_config, load_tokenizer, model_max_length
@@ -165,6 +165,7 @@ class LLMEngine:
         if self.weight_updates is not None and self.weight_updates.changed():
             self.scheduler.reset_prefix_cache()
             self._in_flight = self._reading = None  # queued with the old weights: its tokens are computed again
+        self._reading = unfinished(self._reading)
         if self._reading is not None:  # a round read a step at a time (``round_reader``)
             return read_round_step(self, step_owners(self, self._reading.scheduler_output), finished_only)
         in_flight, self._in_flight = self._live_in_flight(), None
@@ -179,18 +180,18 @@ class LLMEngine:
         owners = step_owners(self, scheduler_output)
         try:
             pending = self._execute(scheduler_output) if in_flight is None else in_flight[1]
-            self._reading = reading(self, scheduler_output, pending, finished_only)
-            if self._reading is not None:
-                return read_round_step(self, owners, finished_only)
-            if self.async_scheduling:
+            self._reading = round_to_read(self, scheduler_output, pending, finished_only)
+            if self._reading is None and self.async_scheduling:
                 self._in_flight = self._queue_next((scheduler_output, pending))
-            runner_output = pending.get_output()
+            runner_output = pending.get_output() if self._reading is None else None
         except Exception as error:  # no token of the step was taken: its requests are redone, or fail
             self._in_flight = None
             failed = step_failed(self, owners, error, retry=True)
             if failed:
                 raise StepError(failed, error) from error
             return []
+        if runner_output is None:  # its failures are its own (``read_round_step``)
+            return read_round_step(self, owners, finished_only)
         try:
             updates = self.scheduler.update_from_output(scheduler_output, runner_output)
             if self.async_scheduling and self._in_flight is None:

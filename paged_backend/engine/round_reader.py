@@ -26,18 +26,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class Reading:
+    """A round being handed out a step at a time: its step, its queued output and how many steps are out."""
+
     scheduler_output: SchedulerOutput
     pending: PendingRound
-    read: int = 0  # steps handed out
+    read: int = 0
 
 
-def step_owners(engine: LLMEngine, scheduler_output: SchedulerOutput) -> list[Request]:
-    """Whom a failure of the step takes down: not a request that ended before a queued round is read (nor one
-    added since under its id)."""
-    return [r for r in scheduler_output.touched_requests() if engine.requests.get(r.request_id) is r]
-
-
-def reading(
+def round_to_read(
     engine: LLMEngine, scheduler_output: SchedulerOutput, pending: AsyncModelRunnerOutput, finished_only: bool
 ) -> Reading | None:
     """The round to read a step at a time, if this step is one (see the module's docstring)."""
@@ -48,13 +44,22 @@ def reading(
     return Reading(scheduler_output, pending)
 
 
+def unfinished(current: Reading | None) -> Reading | None:
+    """The round being read, unless every row of it has ended (or was aborted): then the rest is dropped unread."""
+    if current is None or all(seq.status.finished for seq in current.scheduler_output.seqs):
+        return None
+    return current
+
+
 def read_round_step(engine: LLMEngine, owners: list[Request], finished_only: bool) -> list[RequestOutput]:
     """Hand out the next step of ``engine._reading``; plan the round after it when its last forwards are
     left; once its last step is read (or every row has ended), the engine steps on as after a round read whole."""
     current = engine._reading
     assert current is not None
     output, pending = current.scheduler_output, current.pending
-    begin = last_steps_begin(pending.num_forwards)
+    # with arrivals (an engine loop), the next round is planned once this one's last forwards are left, so that
+    # a request arriving meanwhile is not queued behind it; else at once, which leaves the host the most time
+    begin = last_steps_begin(pending.num_forwards) if engine.arrivals is not None else 0
     try:
         if current.read == begin:
             engine._in_flight = engine._queue_next((output, pending), current.read)
@@ -70,10 +75,9 @@ def read_round_step(engine: LLMEngine, owners: list[Request], finished_only: boo
         updates = engine.scheduler.update_from_output(output, runner_output)
         for hit in engine.output_processor.process_tokens(updates):
             engine.scheduler.finish_seq(hit.seq, SequenceStatus.FINISHED_STOPPED, hit.stop, hit.num_tokens)
-        if current.read >= pending.num_forwards or all(seq.status.finished for seq in output.seqs):
-            engine._reading = None  # read, or nobody is left to read it for
-            if engine._in_flight is None:
-                engine._in_flight = engine._queue_following()
+        engine._reading = unfinished(current) if current.read < pending.num_forwards else None
+        if engine._reading is None and engine._in_flight is None:  # read, or nobody is left to read it for
+            engine._in_flight = engine._queue_following()
         engine._in_flight = engine._live_in_flight()
         return engine.output_processor.make_outputs(updates, finished_only)
     except Exception as error:

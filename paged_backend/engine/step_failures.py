@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.sequence import Request
 
 if TYPE_CHECKING:
@@ -21,6 +22,12 @@ class StepError(RuntimeError):
     def __init__(self, request_ids: list[str], error: Exception) -> None:
         super().__init__(f"a step running request(s) {request_ids} failed: {error!r}")
         self.request_ids = request_ids
+
+
+def step_owners(engine: LLMEngine, scheduler_output: SchedulerOutput) -> list[Request]:
+    """Whom a failure of the step takes down: not a request that ended before a queued round is read (nor one
+    added since under its id)."""
+    return [r for r in scheduler_output.touched_requests() if engine.requests.get(r.request_id) is r]
 
 
 def step_failed(engine: LLMEngine, owners: list[Request], error: Exception, retry: bool) -> list[str]:

@@ -1,9 +1,10 @@
 """A step's output before the host has read it: vLLM v1's ``AsyncModelRunnerOutput``.
 
-A multi-step round's tokens stay on the device until ``get_output``: they are copied into pinned host memory
-behind the round's last step and an event marks the copy, so reading them waits for that round only, not for
-a round queued behind it (async scheduling). A single step samples on the host when its output is read
-(``DeferredOutput``): its forward runs on the device meanwhile, while the host finishes the step before it.
+A multi-step round's tokens are copied into pinned host memory behind each of its steps on a GPU, an event
+marking each copy (behind its last step elsewhere), so reading them waits for that round only, not for a round
+queued behind it (async scheduling), and a stream can read them a step at a time (``read_step``). A single step
+samples on the host when its output is read (``DeferredOutput``): its forward runs on the device meanwhile,
+while the host finishes the step before it.
 """
 
 from __future__ import annotations
@@ -80,12 +81,14 @@ class StepCopies:
     a step's tokens can be read as soon as it has run, while the round's later steps still run."""
 
     def __init__(self, num_forwards: int, num_rows: int) -> None:
-        self.host = torch.empty(2, num_forwards, num_rows, dtype=torch.float64, pin_memory=True)
+        # [K, 2, B]: a step's copy lands in one contiguous piece of pinned memory (a strided target would make
+        # the copy go through pageable memory and wait for the device)
+        self.host = torch.empty(num_forwards, 2, num_rows, dtype=torch.float64, pin_memory=True)
         self.events: list[torch.cuda.Event] = []
 
     def add(self, token: torch.Tensor, logprob: torch.Tensor) -> None:
         """Queue step ``len(events)``'s copy (token ids < 2**53 are exact in float64)."""
-        self.host[:, len(self.events)].copy_(torch.stack([token.double(), logprob.double()]), non_blocking=True)
+        self.host[len(self.events)].copy_(torch.stack([token.double(), logprob.double()]), non_blocking=True)
         self.events.append(torch.cuda.Event())
         self.events[-1].record(torch.cuda.current_stream(token.device))
 
@@ -111,7 +114,7 @@ class PendingRound:
         if sampling and copies is not None:
             self.host, self.events = copies.host, copies.events
         elif sampling:  # one copy for both (token ids < 2**53 are exact in float64)
-            both = torch.stack([tokens.double(), logprobs.double()])  # [2, K, B]
+            both = torch.stack([tokens.double(), logprobs.double()], dim=1)  # [K, 2, B]
             on_gpu = both.device.type == "cuda"
             self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=on_gpu)
             self.host.copy_(both, non_blocking=on_gpu)
@@ -121,6 +124,7 @@ class PendingRound:
 
     @property
     def num_forwards(self) -> int:
+        """The round's forwards: as many as its longest row's steps."""
         return max(self.num_steps)
 
     def read_step(self, step: int) -> ModelRunnerOutput:
@@ -131,7 +135,7 @@ class PendingRound:
             return ModelRunnerOutput()
         if self.events:
             self.events[min(step, len(self.events) - 1)].synchronize()
-        tokens, logprobs = self.host[:, step].tolist()  # [B] each
+        tokens, logprobs = self.host[step].tolist()  # [B] each
         takes = [n > step for n in self.num_steps]
         return ModelRunnerOutput(
             [[int(t)] if take else [] for t, take in zip(tokens, takes)],
@@ -147,7 +151,7 @@ class PendingRound:
             return ModelRunnerOutput()
         if self.events:
             self.events[-1].synchronize()
-        token_rows, logprob_rows = self.host.tolist()  # [K][B] each
+        token_rows, logprob_rows = self.host.transpose(0, 1).tolist()  # [K][B] each
         steps = self.num_steps
         sampled = [[int(t) for t in row[:n]] for row, n in zip(zip(*token_rows), steps)]  # row i's first steps[i]
         return ModelRunnerOutput(

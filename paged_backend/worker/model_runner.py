@@ -365,7 +365,8 @@ class ModelRunner:
         self._round_parity ^= 1
         first_staging = self._round_parity * self._graph_shape[2]  # num_scheduler_steps buffers each
         last_steps = None
-        copies = StepCopies(len(steps), steps[0].num_seqs) if self.device.type == "cuda" else None
+        streamable = self.device.type == "cuda" and grammars is None  # a grammar's round is read whole
+        copies = StepCopies(len(steps), steps[0].num_seqs) if streamable else None
         for k, inputs in enumerate(steps):
             if k == last_steps_begin(len(steps)) and self.device.type == "cuda":
                 last_steps = torch.cuda.Event()
