@@ -164,7 +164,7 @@ def test_speculative_config_flag_is_json_checked_before_the_model_loads(capsys) 
         assert said in capsys.readouterr().err
 
 
-def test_the_server_steps_512_tokens_unless_told(monkeypatch) -> None:
+def test_the_server_steps_384_tokens_unless_told(monkeypatch) -> None:
     """The server's own token budget (a step is a gap in every stream); a flag still sets it."""
     from paged_backend.entrypoints.openai.launch import SERVER_MAX_NUM_BATCHED_TOKENS, load
 
@@ -178,4 +178,4 @@ def test_the_server_steps_512_tokens_unless_told(monkeypatch) -> None:
         {"max_num_batched_tokens": 2048},
         {"max_num_batched_tokens": 1024, "max_num_seqs": 1024},
     ]
-    assert SERVER_MAX_NUM_BATCHED_TOKENS == 512
+    assert SERVER_MAX_NUM_BATCHED_TOKENS == 384

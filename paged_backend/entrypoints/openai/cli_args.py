@@ -34,7 +34,7 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--block-size", int, "tokens per KV block (default 16)"),
     ("--swap-space", float, "GiB of pinned CPU memory for swapped-out blocks (default 4)"),
     ("--max-num-seqs", int, "sequences per step (default 256)"),
-    ("--max-num-batched-tokens", int, "tokens per step (default 512 or --max-num-seqs in the server; LLM's is 8192)"),
+    ("--max-num-batched-tokens", int, "tokens per step (default 384 or --max-num-seqs in the server; LLM's is 8192)"),
     ("--max-model-len", int, "context limit (default: the model's)"),
     ("--gpu-memory-utilization", float, "share of GPU memory to use (default 0.9)"),
     (

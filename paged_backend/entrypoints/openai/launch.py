@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # A served step's length is a gap in every running stream: prompts go in chunks that keep a step of the 8B shape
-# near 20 ms on an H100 and inside the graphs of steps with prompt tokens (worker/mixed_graphs.py). LLM's own
-# default, 8192, serves a batch's throughput. Measured in docs/benchmarks.md ("Serving").
-SERVER_MAX_NUM_BATCHED_TOKENS = 512
+# under 15 ms at p99 on an H100 at 4 req/s, and inside the graphs of steps with prompt tokens
+# (worker/mixed_graphs.py). 512 kept p99 near 16 ms, 256 lengthened the wait for a first token at 16 req/s.
+# LLM's own default, 8192, serves a batch's throughput. Measured in docs/benchmarks.md ("Serving").
+SERVER_MAX_NUM_BATCHED_TOKENS = 384
 
 
 def run(args: ServerArgs, engine_kwargs: dict[str, Any], prog: str = "paged-backend serve") -> int:
