@@ -48,10 +48,10 @@ def compile_kernel(fp8: bool, block_n: int, num_stages: int, num_warps: int) -> 
     pointers = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "final_ptr": "*bf16", "counters_ptr": "*i32", "q_ptr": "*bf16"}
     pointers |= {"k_cache_ptr": cache, "v_cache_ptr": cache, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     pointers |= {"block_tables_ptr": "*i32", "cu_seqlens_q_ptr": "*i32", "context_lens_ptr": "*i32"}
-    scalars = {"num_seqs": "i32", "scale": "fp32", "softcap": "fp32", "sliding_window": "i32"}
+    scalars = {"num_seqs": "i32", "num_splits": "i32", "scale": "fp32", "softcap": "fp32", "sliding_window": "i32"}
     scalars |= dict.fromkeys(STRIDES, "i32")
     constants: dict[str, Any] = dict(
-        QUERIES_PER_KV=4, G_PAD=4, BLOCK_Q=4, HEAD_DIM=128, DIM_PAD=128, BLOCK_N=block_n, BLOCK_SIZE=16, NUM_SPLITS=1,
+        QUERIES_PER_KV=4, G_PAD=4, BLOCK_Q=4, HEAD_DIM=128, DIM_PAD=128, BLOCK_N=block_n, BLOCK_SIZE=16, SPLIT=False,
         SPLITS_PAD=1, MIN_SPLIT=64, USE_WINDOW=False, USE_SOFTCAP=False, IEEE=False, SCALED=fp8, FP16_DOTS=fp8,
         MASK_ALL=False,
     )  # fmt: skip

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from paged_backend.kernels.arrival import arrival_counters
 from paged_backend.kernels.paged_attention import (
+    MAX_SPLITS,
     MIN_SPLIT_TOKENS,
     _next_pow2,
     _paged_attention_kernel,
@@ -116,12 +117,12 @@ def launch(
         query, *caches,
         context_lens if k_scale is None else k_scale, context_lens if v_scale is None else v_scale,
         block_tables, cu_seqlens_q, context_lens,
-        num_seqs, float(scale), 0.0, 0,
+        num_seqs, num_splits, float(scale), 0.0, 0,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), *strides, out.stride(0), out.stride(1),
         QUERIES_PER_KV=num_heads // num_kv_heads, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         DIM_PAD=_next_pow2(head_dim), BLOCK_N=block_n or default_n, BLOCK_SIZE=k_cache.shape[1],
-        NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits), MIN_SPLIT=min_split_tokens,
+        SPLIT=num_splits > 1, SPLITS_PAD=MAX_SPLITS if num_splits > 1 else 1, MIN_SPLIT=min_split_tokens,
         USE_WINDOW=False, USE_SOFTCAP=False, IEEE=query.dtype == torch.float32, SCALED=k_scale is not None,
         FP16_DOTS=fp16_dots, CVT=fp16_dots and query.is_cuda, MASK_ALL=False,
         **tuning,

@@ -13,6 +13,8 @@ import torch
 from paged_backend.kernels.arrival import arrival_counters
 from paged_backend.kernels.cache_write import write_kv_cache_torch, write_kv_cache_triton
 from paged_backend.kernels.paged_attention import (
+    MAX_SPLITS,
+    _paged_attention_kernel,
     choose_num_splits,
     paged_attention_torch,
     paged_attention_triton,
@@ -102,13 +104,13 @@ def test_sliding_window_and_softcap(dtype: torch.dtype, sliding_window: int | No
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_splits", "sliding_window"), [(1, None), (3, 300), (8, None), (8, 300)])
+@pytest.mark.parametrize(("num_splits", "sliding_window"), [(1, None), (3, 300), (8, None), (8, 300), (32, None)])
 def test_split_kv_decode(dtype: torch.dtype, num_splits: int, sliding_window: int | None) -> None:
     """Decode-only batch with contexts from 1 token to six slices of 128 tokens; with 8 splits some slices are
     empty, so the merge must give them no weight; a context within one slice is written by that slice alone; and a
     window far from the start moves the first slice. A padding row of a CUDA-graph bucket (context 0) comes out
-    as zeros, not NaN."""
-    prefix = [0, 700, 31, 0]
+    as zeros, not NaN. At 32 splits a context of 4,200 tokens fills every slice the merge can hold."""
+    prefix = [0, 4200 if num_splits == 32 else 700, 31, 0]
     batch = make_batch([1] * len(prefix), prefix, 8, 2, 64, dtype, 16, seed=num_splits)
     batch["context_lens"][-1] = 0  # the padding row
     out = check_attention(batch, dtype, sliding_window=sliding_window, num_splits=num_splits)
@@ -118,6 +120,29 @@ def test_split_kv_decode(dtype: torch.dtype, num_splits: int, sliding_window: in
 
 def test_split_heuristic_on_cpu() -> None:
     assert choose_num_splits(1, 1, 8, torch.device("cpu")) == 1
+
+
+def test_a_number_of_splits_past_the_merge_is_refused() -> None:
+    """The merge reads at most MAX_SPLITS slices: more would leave slices out of the softmax, silently."""
+    batch = make_batch([1, 1], [700, 31], 8, 2, 64, torch.float32, 16, seed=0)
+    for bad in (0, MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match=f"num_splits must be between 1 and {MAX_SPLITS}, got {bad}"):
+            paged_attention_triton(**batch, scale=0.125, num_splits=bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels exist on a GPU only")
+def test_every_number_of_splits_shares_one_compiled_kernel() -> None:
+    """Decode batches of 1 to 32 sequences pick 2 to 32 slices (``choose_num_splits``); each number compiled a
+    kernel of its own while CUDA graphs were captured, a second or more each on a fresh machine."""
+    caches = getattr(_paged_attention_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no per-device kernel caches")
+    batch = make_batch([1] * 3, [700, 31, 300], 8, 2, 64, torch.float16, 16, seed=0)
+    paged_attention_triton(**batch, scale=0.125, num_splits=2)
+    compiled = sum(len(entry[0]) for entry in caches.values())
+    for num_splits in (4, 8, 32):
+        check_attention(batch, torch.float16, num_splits=num_splits)
+    assert sum(len(entry[0]) for entry in caches.values()) == compiled
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the heuristic reads the GPU's SM count")

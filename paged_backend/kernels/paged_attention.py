@@ -101,7 +101,7 @@ def paged_attention_torch(
 # One kernel serves prefill, mixed and decode batches. A program owns a tile of BLOCK_Q query tokens of one
 # sequence times the G query heads that share one KV head (rows = BLOCK_Q * G_PAD), so each KV tile is loaded
 # once per KV head. The kernel finds its sequence by a binary search over ``cu_seqlens_q``; the grid depends
-# only on T and B, so it is the same at every replay of a CUDA graph. With NUM_SPLITS > 1 (decode of long
+# only on T and B, so it is the same at every replay of a CUDA graph. With SPLIT (decode of long
 # contexts with few sequences) each program covers a slice of the context and writes a partial output plus
 # its log-sum-exp; the last program of a tile to finish merges the slices (``kernels/arrival.py``).
 
@@ -116,7 +116,8 @@ def _next_pow2(n: int) -> int:
 # Arguments that change from step to step are not specialised on (Triton would otherwise compile a new variant
 # whenever one of them becomes 1 or a multiple of 16, in the middle of serving).
 _VARYING_ARGS = (
-    "num_seqs stride_qt stride_qh stride_bt stride_os stride_ot stride_oh stride_ls stride_lt stride_ft stride_fh"
+    "num_seqs num_splits stride_qt stride_qh stride_bt stride_os stride_ot stride_oh stride_ls stride_lt stride_ft"
+    " stride_fh"
 )
 
 if triton is not None:
@@ -125,9 +126,9 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=_VARYING_ARGS.split())
     def _paged_attention_kernel(
-        out_ptr,  # [T, H, D] final, or [S, T, H, D] fp32 partials when NUM_SPLITS > 1
-        lse_ptr,  # [S, T, H] fp32 (NUM_SPLITS > 1 only)
-        final_ptr,  # [T, H, D]: where the last slice's program writes the merged output (NUM_SPLITS > 1 only)
+        out_ptr,  # [T, H, D] final, or [S, T, H, D] fp32 partials when SPLIT
+        lse_ptr,  # [S, T, H] fp32 (SPLIT only)
+        final_ptr,  # [T, H, D]: where the last slice's program writes the merged output (SPLIT only)
         counters_ptr,  # [tiles] int32 zeros (``kernels/arrival.py``)
         q_ptr,
         k_cache_ptr,
@@ -138,6 +139,7 @@ if triton is not None:
         cu_seqlens_q_ptr,
         context_lens_ptr,
         num_seqs,
+        num_splits,  # S, at most SPLITS_PAD: a value, not a constant, so that every S shares one compiled kernel
         scale,
         softcap,
         sliding_window,
@@ -161,7 +163,7 @@ if triton is not None:
         DIM_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
+        SPLIT: tl.constexpr,  # num_splits > 1
         SPLITS_PAD: tl.constexpr,
         MIN_SPLIT: tl.constexpr,
         USE_WINDOW: tl.constexpr,
@@ -224,9 +226,9 @@ if triton is not None:
             kv_lo = tl.maximum(kv_lo, prefix + tile_start - sliding_window + 1)
         kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
         kv_hi = tl.where(tile_start < q_len, kv_hi, kv_lo)
-        num_active = 1  # slices with keys (NUM_SPLITS > 1)
-        if NUM_SPLITS > 1:
-            per_split = tl.maximum(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), MIN_SPLIT)
+        num_active = 1  # slices with keys (SPLIT)
+        if SPLIT:
+            per_split = tl.maximum(tl.cdiv(kv_hi - kv_lo, num_splits), MIN_SPLIT)
             per_split = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
             num_active = tl.cdiv(kv_hi - kv_lo, per_split)
             kv_lo = kv_lo + split * per_split
@@ -258,7 +260,7 @@ if triton is not None:
             out = out * tl.load(v_scale_ptr + kv_head)
         token = (q_start + q_tok).to(tl.int64)
         out_mask = row_valid[:, None] & d_mask[None, :]
-        if NUM_SPLITS > 1:
+        if SPLIT:
             if num_active <= 1:  # one slice holds the whole context (or there is none): it writes the output
                 if split == 0:
                     dst = token[:, None] * stride_ft + head[:, None] * stride_fh + offs_d[None, :]
@@ -350,6 +352,8 @@ def paged_attention_triton(
         num_splits = 1
     elif num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_tokens, num_kv_heads, query.device)
+    elif not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be between 1 and {MAX_SPLITS}, got {num_splits}")
     g_pad = _next_pow2(queries_per_kv)
     dim_pad = _next_pow2(head_dim)
     block_q, block_n, tuning = _tiles(num_tokens == num_seqs or batch_invariant, g_pad, dim_pad)
@@ -375,6 +379,7 @@ def paged_attention_triton(
         cu_seqlens_q,
         context_lens,
         num_seqs,
+        num_splits,
         float(scale),
         float(softcap or 0.0),
         int(sliding_window or 0),
@@ -398,8 +403,8 @@ def paged_attention_triton(
         DIM_PAD=dim_pad,
         BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1],
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=_next_pow2(num_splits),
+        SPLIT=num_splits > 1,
+        SPLITS_PAD=MAX_SPLITS if num_splits > 1 else 1,
         MIN_SPLIT=MIN_SPLIT_TOKENS,
         USE_WINDOW=bool(sliding_window),
         USE_SOFTCAP=bool(softcap),
