@@ -66,13 +66,14 @@ class CacheEngine:
         self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = (
             list(zip(ones[0::2], ones[1::2])) if spec.scaled else None
         )
-        # Swap space: the same layout in (pinned, on a GPU machine) CPU memory.
+        # Swap space: the same layout in (pinned, on a GPU machine) CPU memory. Left unwritten (a block is read
+        # back only after a swap-out wrote all of it): zeroing 4 GiB of host memory costs start-up most of a second.
         cpu_shape = (num_cpu_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         pin = device.type == "cuda"
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
-                torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin),
-                torch.zeros(cpu_shape, dtype=spec.dtype, pin_memory=pin),
+                torch.empty(cpu_shape, dtype=spec.dtype, pin_memory=pin),
+                torch.empty(cpu_shape, dtype=spec.dtype, pin_memory=pin),
             )
             for _ in range(spec.num_layers if num_cpu_blocks else 0)
         ]
