@@ -11,7 +11,7 @@ outputs, the garbage collector) and how many prompt tokens it scheduled. Tokens 
 round) count as k gaps of g/k, as ``serving.py`` counts them.
 
     python benchmarks/step_trace.py --json benchmarks/results/step_trace_h100.json
-    python benchmarks/step_trace.py --max-num-batched-tokens 512 ...   # at the OpenAI server's step budget
+    python benchmarks/step_trace.py --max-num-batched-tokens 384 ...   # at the OpenAI server's step budget
     python benchmarks/step_trace.py --tiny     # the same on CPU with a tiny random model (a smoke run)
 """
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--settings", nargs="+", default=["8:0", "1:0", "1:512", "1:256", "2:256"],
                         help="num_scheduler_steps:long_prefill_token_threshold per phase")  # fmt: skip
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="the step's token budget (default: LLM's; the server's is 512)")  # fmt: skip
+                        help="the step's token budget (default: LLM's; the server's is 384)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a tiny random Llama on CPU (smoke run)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)

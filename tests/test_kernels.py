@@ -109,8 +109,8 @@ def test_split_kv_decode(dtype: torch.dtype, num_splits: int, sliding_window: in
     """Decode-only batch with contexts from 1 token to six slices of 128 tokens; with 8 splits some slices are
     empty, so the merge must give them no weight; a context within one slice is written by that slice alone; and a
     window far from the start moves the first slice. A padding row of a CUDA-graph bucket (context 0) comes out
-    as zeros, not NaN. At 32 splits a context of 4,200 tokens fills every slice the merge can hold."""
-    prefix = [0, 4200 if num_splits == 32 else 700, 31, 0]
+    as zeros, not NaN. At 32 splits a context of 4,000 tokens fills every slice the merge can hold: 32 of 128."""
+    prefix = [0, 4000 if num_splits == 32 else 700, 31, 0]
     batch = make_batch([1] * len(prefix), prefix, 8, 2, 64, dtype, 16, seed=num_splits)
     batch["context_lens"][-1] = 0  # the padding row
     out = check_attention(batch, dtype, sliding_window=sliding_window, num_splits=num_splits)

@@ -217,7 +217,7 @@ def test_speculative_config_is_checked_by_name() -> None:
 
 
 def test_verifying_graphs_hold_what_the_step_budget_does() -> None:
-    """Rows of k + 1 tokens: as many as the batch has, but no more than the token budget holds (the server's 512)."""
+    """Rows of k + 1 tokens: as many as the batch has, but no more than the token budget holds (the server's 384)."""
     from paged_backend.worker.worker import verify_shape
 
     def shape(**kwargs):
