@@ -6,14 +6,21 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from paged_backend import LLM
 from paged_backend.entrypoints.cli import main
 from paged_backend.entrypoints.demo import WARMUP_TAG, SideResult, demo_prompts, repetition_tag, run_demo, verdict
 
 
-def test_demo_compares_hf_and_the_engine_on_one_batch(tmp_path) -> None:
+def test_demo_compares_hf_and_the_engine_on_one_batch(tmp_path, monkeypatch) -> None:
+    import paged_backend
+
+    engines: list[paged_backend.LLM] = []
+    monkeypatch.setattr(paged_backend, "LLM", lambda *a, **kw: engines.append(LLM(*a, **kw)) or engines[-1])
     result = run_demo(
         num_prompts=5, max_tokens=6, batch_size=2, cache_dir=tmp_path, block_size=4, repetitions=2, embedded=True
     )
+    # the engine is sized to the batch (no graphs for batches the demo never runs), which all runs at once
+    assert engines[0].llm_engine.config.scheduler_config.max_num_seqs == 5
     hf, paged = result["hf"], result["paged"]
     assert result["identical"] == 10 and hf.outputs == paged.outputs  # 5 rows in each of 2 repetitions
     assert hf.tokens == paged.tokens == [30, 30] and paged.preemptions == 0

@@ -297,6 +297,9 @@ def run_demo(
     hf_model = hf_model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     hf = run_hf(hf_model, tokenizer, warmup, timed, max_tokens, batch_size or num_prompts, ignore_eos=not chat)
     del hf_model
+    # The engine is sized to the batch it runs: on a GPU every batch size up to max_num_seqs gets a CUDA graph at
+    # start (1, 2, 4, 8, then every 16), which a demo of 32 prompts would spend seconds capturing for nothing.
+    engine_args = {"max_num_seqs": num_prompts, **engine_args}
     llm = LLM(path, dtype=str(dtype).removeprefix("torch."), **engine_args)
     block_size = llm.llm_engine.stats()["block_size"]
     try:
