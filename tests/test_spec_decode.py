@@ -376,7 +376,7 @@ def test_verifying_steps_through_the_graph_runner_give_hf_greedy(tokenizer) -> N
     replay_in_python(graphs)
     used = []
     replay = graphs.run
-    graphs.run = lambda inputs, *args: used.append(inputs.num_seqs) or replay(inputs, *args)
+    graphs.run = lambda inputs, *args, **kw: used.append(inputs.num_seqs) or replay(inputs, *args, **kw)
     runner.verify_graphs = graphs
     lengths = (9, 17, 26, 40)
     params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]

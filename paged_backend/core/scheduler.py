@@ -33,6 +33,7 @@ from paged_backend.core.scheduler_output import (
     SequenceUpdate,
 )
 from paged_backend.core.sequence import Request, Sequence, SequenceStatus
+from paged_backend.core.spec_chain import stale_rows, verify_continuation
 from paged_backend.core.spec_decode import DraftPlanner, Proposer
 from paged_backend.core.step_plan import StepPlan
 from paged_backend.core.stop_checker import append_tokens
@@ -133,6 +134,8 @@ class Scheduler:
     def schedule_continuation(self, in_flight: SchedulerOutput, read: int = 0) -> SchedulerOutput | None:
         """Async scheduling's round after ``in_flight`` (of which ``read`` steps are counted), or None
         (``multi_step.continuation``)."""
+        if in_flight.batch.num_steps is None:
+            return verify_continuation(self, in_flight)
         return continuation(self, in_flight, read)
 
     def _chunk(self, seq: Sequence, plan: StepPlan) -> int:
@@ -343,13 +346,16 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[SequenceUpdate]:
         """The step ran: count its tokens as computed, fork samples, append each sampled token until a stop."""
         in_round = output.batch.num_steps is not None
-        # A queued step (async scheduling) may hold rows that ended before it was read: nothing of theirs counts.
+        # A queued step (async scheduling) may hold rows that ended before it was read, or that a chained verifying
+        # step ran at positions the step before did not reach (spec_chain.py): nothing of theirs counts.
+        stale = set(stale_rows(output))
         for row, entries in runner_output.prompt_logprobs.items():  # an aborted request's are never read
             take_prompt_logprobs(output.seqs[row], output.batch.num_computed_tokens[row], entries)
         drafts = output.batch.draft_token_ids
         if not in_round:  # a round, and a row with proposals, count their tokens one by one below, as taken
             for row, (seq, n) in enumerate(zip(output.seqs, output.batch.num_scheduled_tokens)):
-                seq.num_computed_tokens += n if not (drafts and drafts[row]) and not seq.status.finished else 0
+                counts = not (drafts and drafts[row]) and not seq.status.finished and row not in stale
+                seq.num_computed_tokens += n if counts else 0
             self.cache_full_blocks([seq for seq in output.seqs if not seq.status.finished])
         num_parents = len(output.sampling_seqs) - len(output.fork_parents)
         for child, parent in zip(output.sampling_seqs[num_parents:], output.fork_parents):
@@ -359,7 +365,7 @@ class Scheduler:
         if self.run_alone:  # a step that sampled them succeeded: they rejoin the batch
             self.run_alone.difference_update(seq.request for seq in output.sampling_seqs)
         for row, seq in enumerate(output.sampling_seqs):
-            if seq.status.finished:  # ended (or aborted) while a round queued behind its last one ran
+            if seq.status.finished or row in stale:  # ended (or aborted) while a step queued behind ran, or stale
                 continue
             tokens = runner_output.sampled_token_ids[row]
             if in_round and not tokens:  # a round read a step at a time: this row took fewer steps

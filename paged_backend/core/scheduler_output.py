@@ -48,6 +48,10 @@ class ScheduledBatch:
     # Speculative decoding: each row's proposed tokens, the last of its new tokens (a row with some samples,
     # and its logits come one per new token from its last sampled one on). None when no row has any.
     draft_token_ids: list[list[int]] | None = None
+    # Async scheduling: a verifying step queued behind the previous one before its tokens were read (spec_chain.py).
+    # Row i's first input is the greedy token of that step's logits row first_from[i] (on the device; its place in
+    # input_token_ids holds a zero).
+    first_from: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from paged_backend.config import EngineConfig
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.sequence import SequenceStatus
-from paged_backend.engine.async_steps import Arrivals, InFlight, queue_following, queue_next
+from paged_backend.engine.async_steps import Arrivals, InFlight, live, queue_following, queue_next
 from paged_backend.engine.engine_setup import (
     async_scheduling,
     eos_token_ids,
@@ -211,11 +211,9 @@ class LLMEngine:
         return queue_following(self.scheduler, self.executor, self.arrivals)
 
     def _live_in_flight(self) -> InFlight | None:
-        """The queued step, unless every row of it has ended (or was aborted) meanwhile: then its work is
+        """The queued step, unless no row of it is left to read (``async_steps.live``): then its work is
         dropped unread."""
-        if self._in_flight is None or all(seq.status.finished for seq in self._in_flight[0].seqs):
-            return None
-        return self._in_flight
+        return self._in_flight if self._in_flight is not None and live(self._in_flight) else None
 
     def _execute(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         if self.async_scheduling:

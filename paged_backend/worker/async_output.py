@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 
 from paged_backend.core.scheduler_output import ModelRunnerOutput
+from paged_backend.kernels.greedy import greedy_tokens
+from paged_backend.worker.step_inputs import queued_copy
 from paged_backend.worker.structured_output import RoundGrammars
 
 # A round's forwards still queued when the host decides what follows it (``wait_for_last_steps``): the device runs
@@ -65,6 +67,13 @@ class DeferredOutput:
         """Copy the logits out of a buffer that the next launch may overwrite (queued before it: same stream)."""
         if self._logits is not None:
             self._logits = self._logits.clone()
+
+    def greedy_rows(self, rows: list[int]) -> torch.Tensor:
+        """The greedy token of each of the logits ``rows``, queued on the device before the step is read: a chained
+        verifying step's first inputs (core/spec_chain.py)."""
+        if self._logits is None:
+            raise RuntimeError("a chained verifying step must be launched before the step it follows is read")
+        return greedy_tokens(self._logits[queued_copy(torch.tensor(rows), self._logits.device)])[0]
 
     def get_output(self) -> ModelRunnerOutput:
         if self._output is None:

@@ -156,10 +156,17 @@ class CUDAGraphRunner:
             return bool(self.graphs) and fits_verify_graph(inputs, self.max_size, self.q_len)
         return bool(self.graphs) and fits_decode_graph(inputs, self.max_size)
 
-    def run(self, inputs: StepInputs, input_ids: torch.Tensor | None = None, staging_index: int = 0) -> torch.Tensor:
+    def run(
+        self,
+        inputs: StepInputs,
+        input_ids: torch.Tensor | None = None,
+        staging_index: int = 0,
+        first_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Replay the bucket that holds the batch; returns ``[B, V]``, a view valid until the next replay.
-        ``input_ids`` [B] on the device replaces ``inputs.input_ids``; steps launched without a host sync in
-        between must use different ``staging_index`` values."""
+        ``input_ids`` [B] on the device replaces ``inputs.input_ids`` (one token a row), ``first_ids`` [B] each
+        row's first token (rows of ``q_len``); steps launched without a host sync in between must use different
+        ``staging_index`` values."""
         b, t = inputs.num_seqs, inputs.num_tokens
         size = next(s for s in self.sizes if s >= b)
         staging = self.staging[staging_index]
@@ -177,6 +184,8 @@ class CUDAGraphRunner:
             self.copied[staging_index].record()
         if input_ids is not None:
             self.static_ints[0, :b].copy_(input_ids)
+        if first_ids is not None:
+            self.static_ints[0, : b * self.q_len : self.q_len].copy_(first_ids)
         width = inputs.block_tables.shape[1]
         self.static_tables[:b, :width].copy_(inputs.block_tables, non_blocking=True)
         self.graphs[size].replay()

@@ -221,7 +221,7 @@ class ModelRunner:
         queued: its tokens are read by ``get_output``, after the next round may have been queued behind it. A
         tensor-parallel rank other than 0 gets the batch without its sequences: it runs the forwards and samples
         nothing."""
-        batch = scheduler_output.batch
+        batch, before = scheduler_output.batch, self._unread
         if self._unread is not None:  # its logits may be a graph's buffer, which this step's replay overwrites
             self._unread.keep()
             self._unread = None
@@ -235,7 +235,12 @@ class ModelRunner:
         inputs = build_step_inputs(batch, self.block_size)
         if batch.num_steps is None:
             self._last_round = None
-            self._unread = self._execute_step(inputs, scheduler_output)
+            first = None  # a verifying step chained to the one before (core/spec_chain.py): its rows' first tokens
+            if batch.first_from is not None:
+                if before is None:
+                    raise RuntimeError("a chained verifying step, but no single step before it is unread")
+                first = before.greedy_rows(batch.first_from)
+            self._unread = self._execute_step(inputs, scheduler_output, first)
             return self._unread
         seqs = scheduler_output.sampling_seqs
         first = self._round_inputs(batch.prev_rows)
@@ -259,12 +264,16 @@ class ModelRunner:
         last_step, rows = torch.tensor([num_steps[row] - 1 for row in prev_rows]), torch.tensor(prev_rows)
         return tokens[queued_copy(last_step, self.device), queued_copy(rows, self.device)]
 
-    def _execute_step(self, inputs: StepInputs, scheduler_output: SchedulerOutput) -> DeferredOutput:
-        """A single step: its forward, queued; sampling on the host when its output is read."""
+    def _execute_step(
+        self, inputs: StepInputs, scheduler_output: SchedulerOutput, first: torch.Tensor | None = None
+    ) -> DeferredOutput:
+        """A single step: its forward, queued; sampling on the host when its output is read. ``first`` [B] on the
+        device replaces each row's first token."""
         batch = scheduler_output.batch
         embeds = prompt_embeds_pieces(scheduler_output)
         with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
-            logits = self.run(inputs, use_graphs=not batch.prompt_logprob_rows and not embeds, prompt_embeds=embeds)
+            graphs = not batch.prompt_logprob_rows and not embeds
+            logits = self.run(inputs, use_graphs=graphs, prompt_embeds=embeds, first_ids=first)
         return DeferredOutput(functools.partial(self._sample_step, scheduler_output=scheduler_output), logits)
 
     def _sample_step(self, logits: torch.Tensor, *, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -312,24 +321,26 @@ class ModelRunner:
         staging_index: int = 0,
         use_graphs: bool = True,
         prompt_embeds: EmbedsPieces = (),
+        first_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step; returns ``[N, V]``. ``input_ids`` [T] on the device replaces ``inputs.input_ids``
         (multi-step decoding feeds the previous step's sampled tokens without a trip to the host); steps queued
         without a host sync between them use different ``staging_index`` values (the graphs' pinned buffers).
         ``use_graphs=False`` when the logits wanted are not one per row, last token each (prompt logprobs), or
-        when ``prompt_embeds`` replace some tokens' embeddings: a graph returns exactly those logits from token ids."""
+        when ``prompt_embeds`` replace some tokens' embeddings: a graph returns exactly those logits from token ids.
+        ``first_ids`` [B] on the device replaces each row's first token."""
         if use_graphs and self.graphs is not None and self.graphs.can_run(inputs):
             with self.switch:  # [B, V]: every decode sequence samples
-                return self.graphs.run(inputs, input_ids, staging_index)
+                return self.graphs.run(inputs, input_ids if first_ids is None else first_ids, staging_index)
         verify = self.verify_graphs
         if use_graphs and verify is not None and input_ids is None and not self.calibrate_kv_scales:
             padded = pad_rows(inputs, verify.q_len, self.block_size, self._graph_shape[1])
             if padded is not None and verify.can_run(padded[0]):
                 with self.switch:  # every token's logits, of which the step's
-                    return verify.run(padded[0])[queued_copy(padded[1], self.device)]
+                    return verify.run(padded[0], first_ids=first_ids)[queued_copy(padded[1], self.device)]
         mixed = self.mixed_graphs
-        if use_graphs and mixed is not None and input_ids is None and not self.calibrate_kv_scales:
-            if mixed.can_run(inputs):
+        if use_graphs and mixed is not None and input_ids is None and first_ids is None:
+            if mixed.can_run(inputs) and not self.calibrate_kv_scales:
                 with self.switch:
                     return mixed.run(inputs)
         n = inputs.logits_indices.shape[0]
@@ -339,6 +350,8 @@ class ModelRunner:
         d = inputs.to(self.device, exact=self.batch_invariant)
         if input_ids is not None:
             d.input_ids = torch.cat([input_ids, d.input_ids[input_ids.shape[0] :]])  # keeps any padding token
+        if first_ids is not None:  # each row starts at cu_seqlens_q (padding rows come after the step's own)
+            d.input_ids = d.input_ids.index_copy(0, d.metadata.cu_seqlens_q[: first_ids.shape[0]].long(), first_ids)
         calibrate = self.calibrate_kv_scales
         # The calibrating step runs eagerly: compiled code would keep the flag it was traced with.
         with self.switch, self.switch.calibrating() if calibrate else self._compiled(), self._invariant():

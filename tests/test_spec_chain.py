@@ -1,0 +1,157 @@
+"""Verifying steps chained under async scheduling (core/spec_chain.py): the step after a verifying step is queued
+before that step is read, on the guess that every proposal is taken; a row that took fewer is stale there and
+skipped. Greedy output must stay HF's whichever rows turn out stale."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_backend import SamplingParams
+from paged_backend.core.spec_chain import lookup_after, stale_rows
+from paged_backend.spec_decode.ngram_proposer import NgramProposer
+from tests.conftest import assert_idle, hf_greedy, replay_in_python, tiny_model
+from tests.test_spec_decode import SPEC, repetitive_prompts, spec_llm
+
+
+class PositionTruth:
+    """A test double for prompt lookup that proposes by position alone: what follows position ``len(token_ids)``
+    in the sequence's true continuation, whatever the ids before it, wrong at every position ``p % 11 == 5``. So
+    a step whose proposals hold a wrong one takes fewer, while the lookup after it (made on the guess that it takes
+    all) still proposes: its chained successor is stale."""
+
+    def __init__(self, truths: list[list[int]], prompt_lens: list[int], k: int = 4) -> None:
+        self.truths, self.prompt_lens, self.k = truths, prompt_lens, k
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
+        k = self.k if max_tokens is None else min(self.k, max_tokens)
+        for full, n in zip(self.truths, self.prompt_lens):
+            if full[:n] == token_ids[:n]:
+                start = len(token_ids)
+                return [t if p % 11 != 5 else (t + 1) % 500 + 3 for p, t in enumerate(full[start : start + k], start)]
+        return []
+
+
+def position_truth(model, prompts: list[list[int]]) -> PositionTruth:
+    return PositionTruth([p + hf_greedy(model, p, 60) for p in prompts], [len(p) for p in prompts])
+
+
+def traced(llm) -> tuple[list, list[int]]:
+    """The batches the engine launches, and for each verifying step read, how many of its rows were stale."""
+    engine = llm.llm_engine
+    batches, stale = [], []
+    execute, update = engine.executor.execute_model_async, engine.scheduler.update_from_output
+    engine.executor.execute_model_async = lambda out: batches.append(out.batch) or execute(out)
+
+    def counted(output, runner_output):
+        if output.batch.first_from is not None:
+            stale.append(len(stale_rows(output)))
+        return update(output, runner_output)
+
+    engine.scheduler.update_from_output = counted
+    return batches, stale
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
+def test_chained_verifying_steps_give_hf_greedy(tokenizer, arch: str) -> None:
+    """The oracle proposes HF's continuation with every third proposal wrong: some chained rows are stale, some
+    not; both ways the output equals HF's, at lengths that end inside a step's taken proposals."""
+    model = tiny_model(arch)
+    prompts = repetitive_prompts()
+    llm = spec_llm(model, tokenizer, async_scheduling=True)
+    llm.llm_engine.scheduler.drafter.proposer = position_truth(model, prompts)
+    batches, stale = traced(llm)
+    lengths = (9, 17, 26, 40)
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out, n in zip(prompts, outs, lengths):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, n), (arch, prompt)
+    chained = [b for b in batches if b.first_from is not None]
+    assert chained and all(b.draft_token_ids for b in chained)
+    assert any(n == 0 for n in stale) and any(n > 0 for n in stale), stale  # kept and stale rows both read
+    assert_idle(llm)
+
+
+def test_a_lone_stream_chains_and_drops_a_stale_step_unread(tokenizer) -> None:
+    """One sequence: a chained step whose only row is stale is dropped unread (the next step schedules anew);
+    streamed outputs grow without gaps or repeats."""
+    model = tiny_model("llama")
+    prompt = repetitive_prompts()[2]
+    llm = spec_llm(model, tokenizer, async_scheduling=True)
+    llm.llm_engine.scheduler.drafter.proposer = position_truth(model, [prompt])
+    batches, stale = traced(llm)
+    engine, seen = llm.llm_engine, []
+    engine.add_request("0", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ids = out.outputs[0].token_ids
+            assert ids[: len(seen)] == seen
+            seen = list(ids)
+    assert seen == hf_greedy(model, prompt, 40)
+    chained = [b for b in batches if b.first_from is not None]
+    assert len(chained) > len(stale)  # some chained steps were dropped, never read
+    assert_idle(llm)
+
+
+def test_chained_steps_through_the_verify_graphs_give_hf_greedy(tokenizer) -> None:
+    """The first token of each row goes into the graph's static inputs (every q_len-th token): graphs replaced by
+    re-running the forward on the static buffers, so this runs on CPU."""
+    from paged_backend.worker.cuda_graphs import CUDAGraphRunner
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()
+    llm = spec_llm(model, tokenizer, prompts, max_num_seqs=8, async_scheduling=True)
+    runner = llm.llm_engine.executor.model_runner
+    graphs = CUDAGraphRunner(runner._model_forward, 8, runner._graph_shape[1], torch.device("cpu"),
+                             q_len=SPEC["num_speculative_tokens"] + 1)  # fmt: skip
+    replay_in_python(graphs)
+    fed = []
+    replay = graphs.run
+    graphs.run = lambda inputs, *args, **kw: fed.append(kw.get("first_ids") is not None) or replay(inputs, *args, **kw)
+    runner.verify_graphs = graphs
+    params = SamplingParams(temperature=0, max_tokens=30)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 30)
+    assert any(fed) and not all(fed), fed
+    assert_idle(llm)
+
+
+def test_chaining_through_preemption_prefix_hits_and_chunked_prefill(tokenizer) -> None:
+    """Few blocks (no chain where a block is short: a normal step preempts), shared prefixes, chunked prompts."""
+    model = tiny_model("llama")
+    shared = repetitive_prompts(1)[2]
+    prompts = [shared + tail for tail in ([7], [8, 9], [10, 11, 12], [13])] + repetitive_prompts(2)
+    llm = spec_llm(model, tokenizer, prompts, num_kv_blocks=40, enable_prefix_caching=True,
+                   long_prefill_token_threshold=8, async_scheduling=True)  # fmt: skip
+    batches, _ = traced(llm)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)  # its blocks stay cached
+    outs = first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 32)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_prompt_tokens_cached"] > 0, stats
+    assert any(b.first_from is not None for b in batches)
+    assert_idle(llm)
+
+
+def test_no_chain_for_rows_the_device_cannot_choose_for(tokenizer) -> None:
+    """Sampled rows, and greedy ones asking logprobs, take their tokens on the host: nothing is chained."""
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()
+    for params in (SamplingParams(temperature=0.8, seed=1, max_tokens=20),
+                   SamplingParams(temperature=0, logprobs=1, max_tokens=20)):  # fmt: skip
+        llm = spec_llm(model, tokenizer, prompts, async_scheduling=True)
+        batches, _ = traced(llm)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert any(b.draft_token_ids for b in batches) and not any(b.first_from is not None for b in batches)
+        assert_idle(llm)
+
+
+def test_the_lookup_after_a_guess_continues_the_match() -> None:
+    """The token after the proposals is guessed as the lookup's next, and the row's proposals follow it."""
+    proposer = NgramProposer(1, 3, 4)
+    ids = [5, 6, 7, 8, 9, 10, 11, 5, 6]
+    assert lookup_after(proposer, ids + [7, 8], 3) == [10, 11, 5]  # 9 guessed after 7, 8
+    assert lookup_after(proposer, ids, 0) == [] and lookup_after(proposer, [1, 2, 3], 4) == []
