@@ -10,7 +10,8 @@ rejected proposals lies past ``num_computed_tokens`` in the sequence's own block
 Proposals stop where they do not pay: in a step where ``disable_by_batch_size`` sequences or more run, and for a
 sample whose proposals seldom pay (``judge``): it is paused for a number of tokens. A step without proposals may
 be a multi-step round (core/multi_step.py), the cheapest way to decode a token where nothing is proposed; async
-scheduling queues the next round only when no sample of the round would be proposed for after it. Not proposed
+scheduling queues the next round only when no sample of the round would be proposed for after it, and a
+verifying step's successor on the guess that every proposal is taken (core/spec_chain.py). Not proposed
 for either: requests that keep logits (one row per step), which decode a token a step in the same batch. Each
 sample of a request with several (``n``, ``best_of``) is proposed for on its own; a sample under a grammar only
 the tokens its grammar allows, up to the first it does not.

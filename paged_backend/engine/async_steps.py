@@ -1,9 +1,11 @@
 """Async scheduling's queue of one: the next step launched on the device before the engine has made this step's
 outputs, so that its forward runs while the host turns tokens into text (``LLMEngine.step`` reads it next).
 
-Two moments to launch it: right after a multi-step round is launched, the round that continues it (its tokens
-not known yet: ``queue_next``); otherwise once this step's tokens are counted (``queue_following``). Either way
-a row that a stop string, a stop token or an abort ends meanwhile is computed for nothing and skipped when read.
+Two moments to launch it: right after a multi-step round or a verifying step is launched, the step that continues
+it (its tokens not known yet: ``queue_next``; a verifying step's successor on the guess that every proposal is
+taken, core/spec_chain.py); otherwise once this step's tokens are counted (``queue_following``). Either way a row
+that a stop string, a stop token or an abort ends meanwhile, or that turns out stale, is computed for nothing and
+skipped when read.
 """
 
 from __future__ import annotations
