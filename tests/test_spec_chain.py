@@ -54,8 +54,8 @@ def traced(llm) -> tuple[list, list[int]]:
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])
 def test_chained_verifying_steps_give_hf_greedy(tokenizer, arch: str) -> None:
-    """The oracle proposes HF's continuation with every third proposal wrong: some chained rows are stale, some
-    not; both ways the output equals HF's, at lengths that end inside a step's taken proposals."""
+    """Proposals are HF's continuation, wrong at every position p % 11 == 5: some chained rows are stale, some
+    not; both ways the output equals HF's, for requests of four lengths."""
     model = tiny_model(arch)
     prompts = repetitive_prompts()
     llm = spec_llm(model, tokenizer, async_scheduling=True)
@@ -100,7 +100,9 @@ def test_chained_steps_through_the_verify_graphs_give_hf_greedy(tokenizer) -> No
 
     model = tiny_model("llama")
     prompts = repetitive_prompts()
-    llm = spec_llm(model, tokenizer, prompts, max_num_seqs=8, async_scheduling=True)
+    llm = spec_llm(model, tokenizer, max_num_seqs=8, async_scheduling=True)
+    llm.llm_engine.scheduler.drafter.proposer = position_truth(model, prompts)
+    _, stale = traced(llm)
     runner = llm.llm_engine.executor.model_runner
     graphs = CUDAGraphRunner(runner._model_forward, 8, runner._graph_shape[1], torch.device("cpu"),
                              q_len=SPEC["num_speculative_tokens"] + 1)  # fmt: skip
@@ -113,12 +115,14 @@ def test_chained_steps_through_the_verify_graphs_give_hf_greedy(tokenizer) -> No
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 30)
-    assert any(fed) and not all(fed), fed
+    assert sum(fed) > 2 and not all(fed), fed
+    assert any(n == 0 for n in stale) and any(n > 0 for n in stale), stale
     assert_idle(llm)
 
 
 def test_chaining_through_preemption_prefix_hits_and_chunked_prefill(tokenizer) -> None:
-    """Few blocks (no chain where a block is short: a normal step preempts), shared prefixes, chunked prompts."""
+    """Greedy output with chaining on through preemption (few blocks), prefix hits and chunked prompts; the
+    watermark test below checks the chain's own use of blocks."""
     model = tiny_model("llama")
     shared = repetitive_prompts(1)[2]
     prompts = [shared + tail for tail in ([7], [8, 9], [10, 11, 12], [13])] + repetitive_prompts(2)
@@ -133,6 +137,35 @@ def test_chaining_through_preemption_prefix_hits_and_chunked_prefill(tokenizer) 
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["num_prompt_tokens_cached"] > 0, stats
     assert any(b.first_from is not None for b in batches)
+    assert_idle(llm)
+
+
+def test_a_chain_leaves_the_watermark_free(tokenizer, monkeypatch) -> None:
+    """A chained step's slots, like a normal step's proposals, never take the free blocks below the watermark
+    (they would push a request out): under a tight cache the chain gives way, and the output stays HF's."""
+    import paged_backend.core.spec_chain as spec_chain
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()
+    llm = spec_llm(model, tokenizer, num_kv_blocks=48, async_scheduling=True)
+    llm.llm_engine.scheduler.drafter.proposer = position_truth(model, prompts)
+    bm = llm.llm_engine.scheduler.block_manager
+    bm.watermark_blocks = 6
+    allocated, allocate = [], spec_chain._allocate
+
+    def watched(*args):
+        before = bm.num_free_blocks
+        done = allocate(*args)
+        allocated.append((done, before, bm.num_free_blocks))
+        return done
+
+    monkeypatch.setattr(spec_chain, "_allocate", watched)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40)
+    assert any(done for done, _, _ in allocated) and not all(done for done, _, _ in allocated), allocated
+    assert all(after >= 6 or after == before for done, before, after in allocated if done), allocated
     assert_idle(llm)
 
 

@@ -57,11 +57,30 @@ def verify_continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> Sch
         rows.append(row)
     if not any(rows) or sum(1 + len(row) for row in rows) > scheduler.max_num_batched_tokens:
         return None  # nothing proposed: a multi-step round decodes the next tokens for less
+    if not _allocate(scheduler, seqs, [1 + len(d) for d in proposed], rows):
+        return None
     return _continuation_output(scheduler, in_flight, rows)
 
 
+def _allocate(scheduler: Scheduler, seqs: list[Sequence], ahead: list[int], rows: list[list[int]]) -> bool:
+    """Slots for every row, from where the step in flight leaves it, if they leave the watermark free (as a
+    normal step's proposals must: they never push a request out) and need no copy-on-write copy."""
+    bm = scheduler.block_manager
+    spans = [(seq.num_computed_tokens + n, 1 + len(row)) for seq, n, row in zip(seqs, ahead, rows)]
+    needed = sum(bm.num_new_blocks_needed(seq.seq_id, start, start + n) for seq, (start, n) in zip(seqs, spans))
+    if bm.num_free_blocks - needed < bm.watermark_blocks:
+        return False
+    for seq, (start, n) in zip(seqs, spans):
+        planned = bm.allocate_slots(seq.seq_id, start, n)
+        if planned is None or planned:  # a shared block: a normal step copies it
+            if planned:
+                bm.undo_copies(seq.seq_id, planned)
+            return False
+    return True
+
+
 def _next_row(scheduler: Scheduler, seq: Sequence, drafts: list[int]) -> list[int] | None:
-    """The proposals of ``seq``'s row in the successor (blocks allocated for them), or None when it cannot run."""
+    """The proposals of ``seq``'s row in the successor, or None when it cannot run."""
     params, drafter = seq.params, scheduler.drafter
     assert drafter is not None
     max_len = scheduler.max_model_len
@@ -71,14 +90,7 @@ def _next_row(scheduler: Scheduler, seq: Sequence, drafts: list[int]) -> list[in
     room = min(drafter.k, max_len - len(guessed) - 2, scheduler.max_num_batched_tokens - 1)
     if room < 0:
         return None  # it ends in the step in flight, or with the model's own token after it
-    row = lookup_after(drafter.proposer, guessed, room) if drafter.speculates(seq, len(drafts) + 1) else []
-    start = seq.num_computed_tokens + len(drafts) + 1
-    planned = scheduler.block_manager.allocate_slots(seq.seq_id, start, 1 + len(row))
-    if planned is None or planned:  # no free block, or a copy-on-write copy: a normal step does those
-        if planned:
-            scheduler.block_manager.undo_copies(seq.seq_id, planned)
-        return None
-    return row
+    return lookup_after(drafter.proposer, guessed, room) if drafter.speculates(seq, len(drafts) + 1) else []
 
 
 def lookup_after(proposer: Proposer, guessed: list[int], room: int) -> list[int]:

@@ -78,7 +78,10 @@ def queue_next(
     With ``arrivals`` (an engine that takes requests while it steps), the decision waits until the round in flight
     has only its last forwards left (``wait_for_last_steps``), and there is no continuation if requests arrived
     meanwhile that the batch has room for: they are admitted right after this round, not after the next one too
-    (time to first token)."""
+    (time to first token). A verifying step has no last forwards to wait for: its successor is decided at its
+    launch, and a request that arrives during it waits for the successor too (one verifying step more)."""
+    if isinstance(in_flight[1], FailedLaunch):
+        return None  # the step it would follow never ran
     if arrivals is not None:
         in_flight[1].wait_for_last_steps()
         if admits_arrivals(scheduler, arrivals):

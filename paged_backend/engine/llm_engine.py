@@ -194,6 +194,7 @@ class LLMEngine:
             return read_round_step(self, owners, finished_only)
         try:
             updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self._in_flight = self._live_in_flight()  # a chained step whose rows all turned out stale: dropped
             if self.async_scheduling and self._in_flight is None:
                 self._in_flight = self._queue_following()
             for hit in self.output_processor.process_tokens(updates):
