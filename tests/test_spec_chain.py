@@ -5,13 +5,17 @@ skipped. Greedy output must stay HF's whichever rows turn out stale."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from paged_backend import SamplingParams
 from paged_backend.core.spec_chain import lookup_after, stale_rows
 from paged_backend.spec_decode.ngram_proposer import NgramProposer
-from tests.conftest import assert_idle, hf_greedy, replay_in_python, tiny_model
-from tests.test_spec_decode import SPEC, repetitive_prompts, spec_llm
+from tests.conftest import assert_idle, hf_greedy, tiny_model
+from tests.test_spec_decode import (
+    preemption_prefix_hits_and_chunks,
+    repetitive_prompts,
+    replayed_verify_graphs,
+    spec_llm,
+)
 
 
 class PositionTruth:
@@ -96,21 +100,14 @@ def test_a_lone_stream_chains_and_drops_a_stale_step_unread(tokenizer) -> None:
 def test_chained_steps_through_the_verify_graphs_give_hf_greedy(tokenizer) -> None:
     """The first token of each row goes into the graph's static inputs (every q_len-th token): graphs replaced by
     re-running the forward on the static buffers, so this runs on CPU."""
-    from paged_backend.worker.cuda_graphs import CUDAGraphRunner
 
     model = tiny_model("llama")
     prompts = repetitive_prompts()
     llm = spec_llm(model, tokenizer, max_num_seqs=8, async_scheduling=True)
     llm.llm_engine.scheduler.drafter.proposer = position_truth(model, prompts)
     _, stale = traced(llm)
-    runner = llm.llm_engine.executor.model_runner
-    graphs = CUDAGraphRunner(runner._model_forward, 8, runner._graph_shape[1], torch.device("cpu"),
-                             q_len=SPEC["num_speculative_tokens"] + 1)  # fmt: skip
-    replay_in_python(graphs)
-    fed = []
-    replay = graphs.run
-    graphs.run = lambda inputs, *args, **kw: fed.append(kw.get("first_ids") is not None) or replay(inputs, *args, **kw)
-    runner.verify_graphs = graphs
+    fed: list[bool] = []
+    replayed_verify_graphs(llm, lambda inputs, kw: fed.append(kw.get("first_ids") is not None))
     params = SamplingParams(temperature=0, max_tokens=30)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -123,21 +120,10 @@ def test_chained_steps_through_the_verify_graphs_give_hf_greedy(tokenizer) -> No
 def test_chaining_through_preemption_prefix_hits_and_chunked_prefill(tokenizer) -> None:
     """Greedy output with chaining on through preemption (few blocks), prefix hits and chunked prompts; the
     watermark test below checks the chain's own use of blocks."""
-    model = tiny_model("llama")
-    shared = repetitive_prompts(1)[2]
-    prompts = [shared + tail for tail in ([7], [8, 9], [10, 11, 12], [13])] + repetitive_prompts(2)
-    llm = spec_llm(model, tokenizer, prompts, num_kv_blocks=40, enable_prefix_caching=True,
-                   long_prefill_token_threshold=8, async_scheduling=True)  # fmt: skip
-    batches, _ = traced(llm)
-    params = SamplingParams(temperature=0, max_tokens=32)
-    first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)  # its blocks stay cached
-    outs = first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 32)
-    stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["num_prompt_tokens_cached"] > 0, stats
-    assert any(b.first_from is not None for b in batches)
-    assert_idle(llm)
+    launched: list = []
+    preemption_prefix_hits_and_chunks(tokenizer, lambda llm: launched.extend([traced(llm)[0]]),
+                                      async_scheduling=True)  # fmt: skip
+    assert any(b.first_from is not None for b in launched[0])
 
 
 def test_a_chain_leaves_the_watermark_free(tokenizer, monkeypatch) -> None:

@@ -131,11 +131,19 @@ def test_greedy_output_equals_hf_with_proposals(tokenizer, arch: str) -> None:
 
 def test_greedy_equality_through_preemption_prefix_hits_and_chunked_prefill(tokenizer) -> None:
     """Few blocks (sequences preempted and recomputed), a shared prefix (cache hits), chunked prompts."""
+    preemption_prefix_hits_and_chunks(tokenizer)
+
+
+def preemption_prefix_hits_and_chunks(tokenizer, watch=None, **engine_args) -> None:
+    """The case above, run and checked, ``watch(llm)`` called before it generates (``tests/test_spec_chain.py``
+    runs it chained)."""
     model = tiny_model("llama")
     shared = repetitive_prompts(1)[2]
     prompts = [shared + tail for tail in ([7], [8, 9], [10, 11, 12], [13])] + repetitive_prompts(2)
     llm = spec_llm(model, tokenizer, prompts, num_kv_blocks=40, enable_prefix_caching=True,
-                   long_prefill_token_threshold=8)  # fmt: skip
+                   long_prefill_token_threshold=8, **engine_args)  # fmt: skip
+    if watch is not None:
+        watch(llm)
     params = SamplingParams(temperature=0, max_tokens=32)
     first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)  # its blocks stay cached
     outs = first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
@@ -360,24 +368,30 @@ def test_no_proposals_while_the_batch_is_large(tokenizer) -> None:
     assert llm.stats()["spec_decode_num_drafts"] > 0
 
 
-def test_verifying_steps_through_the_graph_runner_give_hf_greedy(tokenizer) -> None:
-    """The verify-graph path (rows padded to k + 1 tokens, every token's logits, the step's picked back, padding
-    sequences of a bucket) feeds the forward what the eager path does: greedy output equals HF's. Graphs are
-    replaced by re-running the forward on the static buffers, so this runs on CPU."""
+def replayed_verify_graphs(llm: LLM, record) -> None:
+    """The engine's verifying steps through a graph runner of 8 rows whose graphs are replaced by re-running the
+    forward on the static buffers (``replay_in_python``), ``record(inputs, keywords)`` called at each run."""
     from paged_backend.worker.cuda_graphs import CUDAGraphRunner
     from tests.conftest import replay_in_python
 
-    model = tiny_model("llama")
-    prompts = repetitive_prompts()
-    llm = spec_llm(model, tokenizer, prompts, max_num_seqs=8)
     runner = llm.llm_engine.executor.model_runner
     graphs = CUDAGraphRunner(runner._model_forward, 8, runner._graph_shape[1], torch.device("cpu"),
                              q_len=SPEC["num_speculative_tokens"] + 1)  # fmt: skip
     replay_in_python(graphs)
-    used = []
     replay = graphs.run
-    graphs.run = lambda inputs, *args, **kw: used.append(inputs.num_seqs) or replay(inputs, *args, **kw)
+    graphs.run = lambda inputs, *args, **kw: record(inputs, kw) or replay(inputs, *args, **kw)
     runner.verify_graphs = graphs
+
+
+def test_verifying_steps_through_the_graph_runner_give_hf_greedy(tokenizer) -> None:
+    """The verify-graph path (rows padded to k + 1 tokens, every token's logits, the step's picked back, padding
+    sequences of a bucket) feeds the forward what the eager path does: greedy output equals HF's. Graphs are
+    replaced by re-running the forward on the static buffers, so this runs on CPU."""
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()
+    llm = spec_llm(model, tokenizer, prompts, max_num_seqs=8)
+    used: list[int] = []
+    replayed_verify_graphs(llm, lambda inputs, kw: used.append(inputs.num_seqs))
     lengths = (9, 17, 26, 40)
     params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
