@@ -174,3 +174,31 @@ def test_the_lookup_after_a_guess_continues_the_match() -> None:
     ids = [5, 6, 7, 8, 9, 10, 11, 5, 6]
     assert lookup_after(proposer, ids + [7, 8], 3) == [10, 11, 5]  # 9 guessed after 7, 8
     assert lookup_after(proposer, ids, 0) == [] and lookup_after(proposer, [1, 2, 3], 4) == []
+
+
+def test_random_arrivals_keep_hf_greedy_while_chaining(tokenizer) -> None:
+    """Requests added between steps while the arrivals predicate (the engine loop's) answers at random: a chain is
+    planned only when no arrival could take a place, and every output stays HF's."""
+    import random
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts() + repetitive_prompts(3)
+    llm = spec_llm(model, tokenizer, async_scheduling=True, max_num_seqs=4)
+    llm.llm_engine.scheduler.drafter.proposer = position_truth(model, prompts)
+    batches, _ = traced(llm)
+    engine, rng = llm.llm_engine, random.Random(0)
+    engine.arrivals = lambda: rng.random() < 0.5
+    lengths = [rng.randrange(8, 40) for _ in prompts]
+    finished: dict[str, list[int]] = {}
+    added = 0
+    while added < len(prompts) or engine.has_unfinished_requests():
+        if added < len(prompts) and rng.random() < 0.3:
+            params = SamplingParams(temperature=0, max_tokens=lengths[added])
+            engine.add_request(str(added), {"prompt_token_ids": prompts[added]}, params)
+            added += 1
+        for out in engine.step(finished_only=True):
+            finished[out.request_id] = list(out.outputs[0].token_ids)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        assert finished[str(i)] == hf_greedy(model, prompt, n), i
+    assert any(b.first_from is not None for b in batches)
+    assert_idle(llm)
