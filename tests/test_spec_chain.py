@@ -169,11 +169,33 @@ def test_no_chain_for_rows_the_device_cannot_choose_for(tokenizer) -> None:
 
 
 def test_the_lookup_after_a_guess_continues_the_match() -> None:
-    """The token after the proposals is guessed as the lookup's next, and the row's proposals follow it."""
-    proposer = NgramProposer(1, 3, 4)
-    ids = [5, 6, 7, 8, 9, 10, 11, 5, 6]
-    assert lookup_after(proposer, ids + [7, 8], 3) == [10, 11, 5]  # 9 guessed after 7, 8
-    assert lookup_after(proposer, ids, 0) == [] and lookup_after(proposer, [1, 2, 3], 4) == []
+    """The token after the proposals is guessed as the lookup's next, and the row's proposals follow it; a
+    proposer other than prompt lookup is asked with the guesses in its list."""
+    from types import SimpleNamespace
+
+    from tests.test_spec_decode import TruthProposer
+
+    seq = SimpleNamespace(token_ids=[5, 6, 7, 8, 9, 10, 11, 5, 6], seq_id=3)
+    for proposer in (NgramProposer(1, 3, 4), TruthProposer([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5]])):
+        assert lookup_after(proposer, seq, [7, 8], 3) == [10, 11, 5]  # 9 guessed after 7, 8
+        assert lookup_after(proposer, seq, [7, 8], 0) == []
+    assert lookup_after(NgramProposer(1, 3, 4), SimpleNamespace(token_ids=[1, 2], seq_id=4), [3], 4) == []
+
+
+def test_a_lookup_ahead_equals_one_over_the_whole_list_and_keeps_only_taken_tokens() -> None:
+    """``propose_ahead`` reads the sequence's kept array and the guesses after it: as a lookup over both, without
+    the guesses joining the array (a later lookup over the taken tokens would otherwise read them)."""
+    import random
+
+    rng = random.Random(0)
+    proposer, fresh = NgramProposer(1, 3, 5), NgramProposer(1, 3, 5)
+    ids: list[int] = []
+    for _ in range(200):
+        ids.append(rng.randrange(6))
+        ahead = [rng.randrange(6) for _ in range(rng.randrange(4))]
+        assert proposer.propose_ahead(ids, ahead, 5, seq_id=1) == fresh.propose(ids + ahead, 5)
+        assert proposer.arrays[1][1] == len(ids)
+        assert proposer.propose(ids, 5, seq_id=1) == fresh.propose(ids, 5)
 
 
 def test_random_arrivals_keep_hf_greedy_while_chaining(tokenizer) -> None:

@@ -21,6 +21,7 @@ from paged_backend.core.multi_step import can_run_ahead
 from paged_backend.core.scheduler_output import ScheduledBatch, SchedulerOutput
 from paged_backend.core.sequence import Sequence, SequenceStatus
 from paged_backend.core.spec_decode import DraftModelProposals, Proposer
+from paged_backend.spec_decode.ngram_proposer import NgramProposer
 
 if TYPE_CHECKING:
     from paged_backend.core.scheduler import Scheduler
@@ -86,20 +87,24 @@ def _next_row(scheduler: Scheduler, seq: Sequence, drafts: list[int]) -> list[in
     max_len = scheduler.max_model_len
     if params.max_tokens is not None:
         max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
-    guessed = seq.token_ids + drafts  # the tokens it holds once the step in flight took every proposal
-    room = min(drafter.k, max_len - len(guessed) - 2, scheduler.max_num_batched_tokens - 1)
+    held = len(seq.token_ids) + len(drafts)  # its tokens once the step in flight took every proposal
+    room = min(drafter.k, max_len - held - 2, scheduler.max_num_batched_tokens - 1)
     if room < 0:
         return None  # it ends in the step in flight, or with the model's own token after it
-    return lookup_after(drafter.proposer, guessed, room) if drafter.speculates(seq, len(drafts) + 1) else []
+    return lookup_after(drafter.proposer, seq, drafts, room) if drafter.speculates(seq, len(drafts) + 1) else []
 
 
-def lookup_after(proposer: Proposer, guessed: list[int], room: int) -> list[int]:
-    """Proposals after ``guessed`` and the token that will follow it, guessed as the lookup's first: ``room`` at
-    most. The lookup runs without the sequence's id, whose kept array holds only the tokens it has taken."""
+def lookup_after(proposer: Proposer, seq: Sequence, drafts: list[int], room: int) -> list[int]:
+    """Proposals after ``seq``'s tokens, its ``drafts`` and the token that will follow them, guessed as the
+    lookup's first: ``room`` at most. Prompt lookup reads the sequence's kept array with the guesses after it
+    (``propose_ahead``); another proposer is asked with the guesses in its list, without the sequence's id."""
     if room <= 0:
         return []
-    first = proposer.propose(guessed, 1)
-    return proposer.propose(guessed + first, room) if first else []
+    if isinstance(proposer, NgramProposer):
+        first = proposer.propose_ahead(seq.token_ids, drafts, 1, seq.seq_id)
+        return proposer.propose_ahead(seq.token_ids, drafts + first, room, seq.seq_id) if first else []
+    first = proposer.propose(seq.token_ids + drafts, 1)
+    return proposer.propose(seq.token_ids + drafts + first, room) if first else []
 
 
 def _continuation_output(scheduler: Scheduler, in_flight: SchedulerOutput, rows: list[list[int]]) -> SchedulerOutput:

@@ -27,10 +27,22 @@ class NgramProposer:
         One pass over the ids finds where the last token occurred before; only those places are compared
         further back (a step's lookup runs on the host between forwards, over thousands of ids)."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
-        length = len(token_ids)
-        if k <= 0 or length < self.min_n + 1:
+        if k <= 0 or len(token_ids) < self.min_n + 1:
             return []
-        ids = self._array(token_ids, seq_id)
+        return self._search(self._array(token_ids, seq_id), k)
+
+    def propose_ahead(self, token_ids: list[int], ahead: list[int], max_tokens: int, seq_id: int) -> list[int]:
+        """``propose`` over ``token_ids + ahead``, where ``ahead`` are tokens not taken yet (a chained verifying
+        step's guesses, core/spec_chain.py): the sequence's kept array serves ``token_ids`` and is not grown by
+        them."""
+        k = min(self.k, max_tokens)
+        if k <= 0 or len(token_ids) + len(ahead) < self.min_n + 1:
+            return []
+        return self._search(np.concatenate([self._array(token_ids, seq_id), np.asarray(ahead, dtype=np.int64)]), k)
+
+    def _search(self, ids: np.ndarray, k: int) -> list[int]:
+        """The lookup over ``ids`` (at least ``min_n + 1`` of them), ``k`` proposals at most."""
+        length = len(ids)
         ends = np.flatnonzero(ids[: length - 1] == ids[length - 1])  # an earlier occurrence ends at each
         matched = np.ones(ends.size, dtype=np.int64)  # how many of the suffix's tokens each end matches
         alive = np.ones(ends.size, dtype=bool)
