@@ -5,12 +5,14 @@ skipped. Greedy output must stay HF's whichever rows turn out stale."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from paged_backend import SamplingParams
+from paged_backend import LLM, SamplingParams
 from paged_backend.core.spec_chain import lookup_after, stale_rows
 from paged_backend.spec_decode.ngram_proposer import NgramProposer
 from tests.conftest import assert_idle, hf_greedy, tiny_model
 from tests.test_spec_decode import (
+    SPEC,
     preemption_prefix_hits_and_chunks,
     repetitive_prompts,
     replayed_verify_graphs,
@@ -223,4 +225,30 @@ def test_random_arrivals_keep_hf_greedy_while_chaining(tokenizer) -> None:
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         assert finished[str(i)] == hf_greedy(model, prompt, n), i
     assert any(b.first_from is not None for b in batches)
+    assert_idle(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a GPU only")
+def test_a_gpu_engine_chains_verifying_steps_in_captured_graphs_with_hf_greedy(tokenizer) -> None:
+    """On a GPU (async scheduling on by default): chained steps replay the captured verify graphs with their first
+    tokens gathered on the device, stale rows among them, and greedy output stays HF's."""
+    import copy
+
+    model = copy.deepcopy(tiny_model("llama")).cuda()  # the session's CPU model stays on the CPU
+    prompts = repetitive_prompts()
+    llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=256, max_model_len=128, speculative_config=SPEC)
+    runner = llm.llm_engine.executor.model_runner
+    assert llm.llm_engine.async_scheduling and runner.verify_graphs is not None and runner.verify_graphs.graphs
+    llm.llm_engine.scheduler.drafter.proposer = position_truth(model, prompts)
+    _, stale = traced(llm)
+    fed: list[bool] = []
+    replay = runner.verify_graphs.run
+    runner.verify_graphs.run = lambda inputs, *a, **kw: (
+        fed.append(kw.get("first_ids") is not None) or replay(inputs, *a, **kw)
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=30),
+                        use_tqdm=False)  # fmt: skip
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 30)
+    assert any(fed) and any(n == 0 for n in stale), (fed, stale)
     assert_idle(llm)

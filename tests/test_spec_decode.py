@@ -437,7 +437,9 @@ def test_a_gpu_engine_verifies_in_captured_graphs_with_hf_greedy(tokenizer) -> N
     llm.llm_engine.scheduler.drafter.proposer = oracle_proposer(model, prompts)
     replays = []
     replay = runner.verify_graphs.run
-    runner.verify_graphs.run = lambda inputs, *args: replays.append(inputs.num_seqs) or replay(inputs, *args)
+    runner.verify_graphs.run = lambda inputs, *args, **kw: (
+        replays.append(inputs.num_seqs) or replay(inputs, *args, **kw)
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=30),
                         use_tqdm=False)  # fmt: skip
     for prompt, out in zip(prompts, outs):
