@@ -28,7 +28,6 @@ from paged_backend.core.prompt_logprobs import prompt_logprob_rows, take_prompt_
 from paged_backend.core.scheduler_output import (
     BlockMoves,
     ModelRunnerOutput,
-    ScheduledBatch,
     SchedulerOutput,
     SequenceUpdate,
 )
@@ -270,34 +269,8 @@ class Scheduler:
             num_steps, blocks_to_copy = plan_round(
                 seqs, num_new, self.num_scheduler_steps, self.max_model_len, self.block_manager, self.grammar_rounds
             )
-        tokens: list[int] = []
-        sampling_rows: list[int] = []
-        for row, (seq, n) in enumerate(zip(seqs, num_new)):
-            start, drafts = seq.num_computed_tokens, plan.drafts.get(seq, [])
-            tokens += seq.token_ids[start : start + n - len(drafts)] + drafts
-            if start + n - len(drafts) == len(seq.token_ids):
-                sampling_rows.append(row)
-        sampling_seqs = [seqs[row] for row in sampling_rows]
-        fork_parents: list[int] = []
-        for index, seq in enumerate(list(sampling_seqs)):
-            if seq.request.unforked and seq is seq.request.seqs[0]:  # the prompt is in: its samples fork now
-                sampling_seqs += seq.request.unforked
-                fork_parents += [index] * len(seq.request.unforked)
-        batch = ScheduledBatch(
-            input_token_ids=tokens,
-            num_computed_tokens=[seq.num_computed_tokens for seq in seqs],
-            num_scheduled_tokens=num_new,
-            block_tables=[self.block_manager.get_block_table(seq.seq_id) for seq in seqs],
-            sampling_rows=sampling_rows,
-            num_steps=num_steps,
-            blocks_to_swap_out=plan.swap_out,
-            blocks_to_swap_in=plan.swap_in,
-            blocks_to_copy=blocks_to_copy,
-            lora_requests=None if self.max_loras is None else [seq.request.lora_request for seq in seqs],
-            prompt_logprob_rows=prompt_rows,
-            draft_token_ids=[plan.drafts.get(seq, []) for seq in seqs] if plan.drafts else None,
-        )
-        return SchedulerOutput(batch, seqs, sampling_seqs, fork_parents, plan.swapped, plan.kv_imports)
+        lora = self.max_loras is not None
+        return plan.output(num_steps, blocks_to_copy, prompt_rows, self.block_manager.get_block_table, lora)
 
     def _alone_request(self) -> Request | None:
         """The request to run alone next (see ``retry_alone``): one already running, else the first waiting."""

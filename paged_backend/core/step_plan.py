@@ -1,11 +1,13 @@
 """The step the scheduler is putting together: which sequences run how many tokens, their proposed tokens, and
-the block moves that takes (``StepPlan``). Only the scheduler makes and reads one."""
+the block moves that takes (``StepPlan``), and the step it makes for the worker (``StepPlan.output``). Only the
+scheduler makes and reads one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from paged_backend.core.scheduler_output import BlockMoves, KVImport
+from paged_backend.core.scheduler_output import BlockMoves, KVImport, ScheduledBatch, SchedulerOutput
 from paged_backend.core.sequence import Sequence
 
 
@@ -35,3 +37,43 @@ class StepPlan:
         self.budget += self.scheduled.pop(seq, 0)
         self.drafts.pop(seq, None)
         return self.copies.pop(seq, [])
+
+    def output(
+        self,
+        num_steps: list[int] | None,
+        blocks_to_copy: BlockMoves,
+        prompt_logprob_rows: list[tuple[int, int]],
+        block_table: Callable[[int], list[int]],
+        lora: bool,
+    ) -> SchedulerOutput:
+        """The planned step as the worker gets it: each row's new tokens (its proposals last), the rows that
+        sample, and a request's other samples forked from its first once its prompt is in."""
+        seqs, num_new = list(self.scheduled), list(self.scheduled.values())
+        tokens: list[int] = []
+        sampling_rows: list[int] = []
+        for row, (seq, n) in enumerate(zip(seqs, num_new)):
+            start, drafts = seq.num_computed_tokens, self.drafts.get(seq, [])
+            tokens += seq.token_ids[start : start + n - len(drafts)] + drafts
+            if start + n - len(drafts) == len(seq.token_ids):
+                sampling_rows.append(row)
+        sampling_seqs = [seqs[row] for row in sampling_rows]
+        fork_parents: list[int] = []
+        for index, seq in enumerate(list(sampling_seqs)):
+            if seq.request.unforked and seq is seq.request.seqs[0]:  # the prompt is in: its samples fork now
+                sampling_seqs += seq.request.unforked
+                fork_parents += [index] * len(seq.request.unforked)
+        batch = ScheduledBatch(
+            input_token_ids=tokens,
+            num_computed_tokens=[seq.num_computed_tokens for seq in seqs],
+            num_scheduled_tokens=num_new,
+            block_tables=[block_table(seq.seq_id) for seq in seqs],
+            sampling_rows=sampling_rows,
+            num_steps=num_steps,
+            blocks_to_swap_out=self.swap_out,
+            blocks_to_swap_in=self.swap_in,
+            blocks_to_copy=blocks_to_copy,
+            lora_requests=[seq.request.lora_request for seq in seqs] if lora else None,
+            prompt_logprob_rows=prompt_logprob_rows,
+            draft_token_ids=[self.drafts.get(seq, []) for seq in seqs] if self.drafts else None,
+        )
+        return SchedulerOutput(batch, seqs, sampling_seqs, fork_parents, self.swapped, self.kv_imports)

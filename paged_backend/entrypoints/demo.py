@@ -298,7 +298,7 @@ def run_demo(
     hf = run_hf(hf_model, tokenizer, warmup, timed, max_tokens, batch_size or num_prompts, ignore_eos=not chat)
     del hf_model
     # The engine is sized to the batch it runs: on a GPU every batch size up to max_num_seqs gets a CUDA graph at
-    # start (1, 2, 4, 8, then every 16), which a demo of 32 prompts would spend seconds capturing for nothing.
+    # start (1, 2, 4, 8, then every 16), and those past the demo's batch would be captured for nothing.
     engine_args = {"max_num_seqs": num_prompts, **engine_args}
     llm = LLM(path, dtype=str(dtype).removeprefix("torch."), **engine_args)
     block_size = llm.llm_engine.stats()["block_size"]

@@ -67,7 +67,7 @@ class CacheEngine:
             list(zip(ones[0::2], ones[1::2])) if spec.scaled else None
         )
         # Swap space: the same layout in (pinned, on a GPU machine) CPU memory. Left unwritten (a block is read
-        # back only after a swap-out wrote all of it): zeroing 4 GiB of host memory costs start-up most of a second.
+        # back only after a swap-out wrote all of it): zeroing the default 4 GiB would be start-up time for nothing.
         cpu_shape = (num_cpu_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         pin = device.type == "cuda"
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = [

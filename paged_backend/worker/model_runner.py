@@ -42,8 +42,6 @@ from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
 from paged_backend.worker.invariant_siblings import SiblingProducts, packed_siblings
 from paged_backend.worker.mixed_graphs import MixedGraphRunner, mixed_capture_sizes
-from paged_backend.worker.prompt_logprobs import step_prompt_logprobs
-from paged_backend.worker.rejection_sampler import draft_views, sampling_drafts, take_verified
 from paged_backend.worker.sampler import RoundBias, Sampler
 from paged_backend.worker.step_inputs import (
     EmbedsPieces,
@@ -55,7 +53,8 @@ from paged_backend.worker.step_inputs import (
     round_steps,
     warmup_inputs,
 )
-from paged_backend.worker.structured_output import RoundGrammars, apply_grammar_bitmask, fill_grammar_bitmask
+from paged_backend.worker.step_sampler import sample_step
+from paged_backend.worker.structured_output import RoundGrammars
 from paged_backend.worker.verify_inputs import pad_rows
 from paged_backend.worker.weights import WeightAddresses
 
@@ -274,36 +273,10 @@ class ModelRunner:
         with self._lora_step(batch, batch.num_scheduled_tokens, scheduler_output.seqs):
             graphs = not batch.prompt_logprob_rows and not embeds
             logits = self.run(inputs, use_graphs=graphs, prompt_embeds=embeds, first_ids=first)
-        return DeferredOutput(functools.partial(self._sample_step, scheduler_output=scheduler_output), logits)
-
-    def _sample_step(self, logits: torch.Tensor, *, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """A single step's sampling, from its logits: a row per sequence, or per proposal (rejection_sampler.py)."""
-        batch, seqs = scheduler_output.batch, scheduler_output.sampling_seqs
-        # on the host while the forward runs
-        drafts = sampling_drafts(batch, len(seqs))
-        views, firsts = draft_views(seqs, drafts)
-        grammar_mask = fill_grammar_bitmask(views, logits.shape[-1], pin=self.device.type == "cuda")
-        prompt = {}
-        if batch.prompt_logprob_rows:
-            num_prompt = sum(count for _, count in batch.prompt_logprob_rows)
-            if scheduler_output.seqs:  # rank 0: it has the sequences, and so the tokens after each chunk
-                prompt = step_prompt_logprobs(logits[:num_prompt], scheduler_output)
-            logits = logits[num_prompt:]
-        if not seqs:
-            return ModelRunnerOutput(prompt_logprobs=prompt)
-        if scheduler_output.fork_parents:  # forked samples draw their first token from their parent's row
-            logits = torch.cat([logits, logits[[firsts[p] for p in scheduler_output.fork_parents]]])  # [N + F, V]
-        kept = [logits[firsts[i]].float().cpu() if seq.request.keep_logits else None for i, seq in enumerate(seqs)]
-        if grammar_mask is not None:  # after the raw rows are kept
-            apply_grammar_bitmask(logits, grammar_mask)
-        results = take_verified(self.sampler(logits, views), drafts)
-        return ModelRunnerOutput(
-            [[r.token_id for r in taken] for taken in results],
-            [[r.logprob for r in taken] for taken in results],
-            [None if taken[0].top_logprobs is None else [r.top_logprobs or [] for r in taken] for taken in results],
-            kept if any(row is not None for row in kept) else [],
-            prompt,
+        sample = functools.partial(
+            sample_step, self.sampler, scheduler_output=scheduler_output, pin=self.device.type == "cuda"
         )
+        return DeferredOutput(sample, logits)
 
     def _lora_step(
         self, batch: ScheduledBatch, tokens_per_seq: Sequence[int], seqs: list[Seq]
