@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch._functorch._aot_autograd.autograd_cache import check_cacheable
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.quantization.fp8 import FP8Linear, quantized_fp8_linear
@@ -101,6 +102,10 @@ def test_engine_fuses_hf_projections(tokenizer, arch: str, groups: int) -> None:
 
     runner.compile(capture)
     assert runner.regions is not None and runner.regions.num_fused_groups == groups
+    for gm in graphs:  # traced once (no float became an input, then a restart) and kept for the next process
+        scalars = [n.name for n in gm.graph.find_nodes(op="placeholder") if _is_python_float(n)]
+        assert not scalars, f"Python floats traced as graph inputs: {scalars}"
+        check_cacheable(gm)
     if groups:
         for layer in runner.regions.layers:
             attn = layer.self_attn
@@ -113,6 +118,13 @@ def test_engine_fuses_hf_projections(tokenizer, arch: str, groups: int) -> None:
     )
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8)
+
+
+def _is_python_float(node: torch.fx.Node) -> bool:
+    """Dynamo wraps a float it does not specialize (an RMSNorm's eps, attention's scale) as a 0-d float64 input;
+    the compile then restarts to specialize it, tracing the layer twice."""
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float64
 
 
 class AWQBlock(nn.Module):

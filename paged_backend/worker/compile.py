@@ -8,7 +8,9 @@ Qwen2) compile one graph per kind. The layers' ``forward`` is swapped only insid
 calls to the model never see the compiled code.
 
 Shapes are dynamic, with duck sizing off: otherwise dynamo would give two dimensions that happen to be equal
-when it traces (say 2 logit rows and 2 KV heads) one symbol, and recompile when they differ.
+when it traces (say 2 logit rows and 2 KV heads) one symbol, and recompile when they differ. Floats are
+constants (an RMSNorm's eps, attention's scale: the same in every layer of a kind): traced as inputs, they make
+dynamo restart its trace to specialize them, so the layer would be traced and handed to inductor twice.
 """
 
 from __future__ import annotations
@@ -65,12 +67,14 @@ class RegionalCompile:
         self.depth = 0
         # torch's fx config module lacks the TYPE_CHECKING import of _config_typing that declares patch()
         self.no_duck_shapes = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
+        self.constant_floats = torch._dynamo.config.patch(specialize_float=True)
 
     def __enter__(self) -> None:
         self.depth += 1
         if self.depth > 1:
             return
         self.no_duck_shapes.__enter__()
+        self.constant_floats.__enter__()
         self.previous = [layer.__dict__.get("forward") for layer in self.layers]
         for layer, method in zip(self.layers, self.methods):
             layer.forward = method
@@ -84,4 +88,5 @@ class RegionalCompile:
                 layer.__dict__.pop("forward", None)
             else:
                 layer.forward = previous
+        self.constant_floats.__exit__(*exc)
         self.no_duck_shapes.__exit__(*exc)

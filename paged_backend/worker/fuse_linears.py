@@ -219,6 +219,15 @@ def _quantized_siblings(layer: nn.Module, modules: list[str], op: QuantizedOp) -
     return [[layer.get_buffer(f"{m}.{name}") for m in modules] for name in op.tensors]
 
 
+def _piece(graph: fx.Graph, split: fx.Node, i: int, replaced: fx.Node) -> fx.Node:
+    """The ``i``-th piece of a fused product, standing for ``replaced``. It takes over the node's metadata (the
+    example value dynamo traced, same shape and dtype): AOTAutograd's cache only keeps graphs whose method calls
+    are made on nodes known to be tensors, and without it every process would trace the layer again."""
+    piece = graph.call_function(operator.getitem, (split, i))
+    piece.meta.update(replaced.meta)
+    return piece
+
+
 def _fuse_quantized_group(graph: fx.Graph, group: QuantizedGroup, siblings: list[list[torch.Tensor]]) -> None:
     """One call over the packed buffers (read as ``as_strided`` from the first layer's), split back."""
     dim = group.op.dim
@@ -235,7 +244,7 @@ def _fuse_quantized_group(graph: fx.Graph, group: QuantizedGroup, siblings: list
         fused = graph.call_function(op, (first.args[0], *tensors, *first.args[1 + len(siblings) :]))
         split = graph.call_function(torch.split, (fused, widths), {"dim": -1})
         for i, node in enumerate(group.nodes):
-            node.replace_all_uses_with(graph.call_function(operator.getitem, (split, i)))
+            node.replace_all_uses_with(_piece(graph, split, i, node))
     for node in group.nodes:
         graph.erase_node(node)
 
@@ -296,7 +305,7 @@ def fuse_sibling_linears(gm: fx.GraphModule, layers: list[nn.Module]) -> int:
             fused = graph.call_function(torch._C._nn.linear, (first.args[0], weight, bias))
             split = graph.call_function(torch.split, (fused, sizes), {"dim": -1})
             for i, node in enumerate(group.nodes):
-                node.replace_all_uses_with(graph.call_function(operator.getitem, (split, i)))
+                node.replace_all_uses_with(_piece(graph, split, i, node))
         for node in group.nodes:
             graph.erase_node(node)
         fused_groups += 1
