@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+import torch
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.core.block_manager import BlockManager
@@ -141,3 +144,31 @@ def test_forked_samples_respect_max_num_seqs(tokenizer) -> None:
         peak = max(peak, len(engine.scheduler.running))
     assert peak == 3
     assert_idle(llm)
+
+
+def test_swap_space_is_allocated_off_the_starting_thread_and_its_failure_stops_the_start(
+    tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's own thread compiles while another pins the swap space; a failed allocation is not left for
+    the first preemption to find."""
+    threads: list[str] = []
+    empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    llm = tight_llm(tiny_model("llama"), tokenizer, "swap")
+    caches = llm.llm_engine.executor.model_runner.cache_engine.swap_space.caches()
+    assert len(caches) == tiny_model("llama").config.num_hidden_layers and caches[0][0].shape[1:3] == (BS, 2)
+    assert threads.count("swap-space") == 2 * len(caches)
+
+    def failing_empty(*args, **kwargs):
+        if threading.current_thread().name == "swap-space":
+            raise MemoryError("no pinned memory left")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    with pytest.raises(RuntimeError, match="allocating the swap space failed: no pinned memory left"):
+        tight_llm(tiny_model("llama"), tokenizer, "swap")

@@ -4,6 +4,7 @@ in CPU memory with the same layout. An fp8 cache also has per layer a float32 sc
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,42 @@ class KVCacheSpec:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element + draft
 
 
+class SwapSpace:
+    """The swap space: the cache's layout in CPU memory, pinned on a GPU machine. Page-locking the default 4 GiB
+    takes seconds of a start-up, so a thread of its own allocates it while the decoder layer compiles; the model
+    runner waits for it before capturing CUDA graphs (a host allocation during a capture would break it), and an
+    allocation that failed stops the start there. Left unwritten (a block is read back only after a swap-out
+    wrote all of it): zeroing it would be start-up time for nothing."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, device: torch.device) -> None:
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._error: BaseException | None = None
+        if device.type == "cuda" and device.index is None:  # the engine's device, as this thread sees it
+            device = torch.device("cuda", torch.cuda.current_device())
+        args = (shape, dtype, num_layers, device)
+        self._thread = threading.Thread(target=self._allocate, args=args, name="swap-space", daemon=True)
+        if num_layers:  # else no swap space: nothing to allocate
+            self._thread.start()
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, device: torch.device) -> None:
+        try:
+            pin = device.type == "cuda"
+            if pin:  # a new thread's current device is the first GPU: pin under the engine's own
+                torch.cuda.set_device(device)
+            empty = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(2 * num_layers)]
+            self._caches = list(zip(empty[0::2], empty[1::2]))
+        except BaseException as exc:  # noqa: BLE001 - raised by caches(), in the thread that waits for it
+            self._error = exc
+
+    def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) ``[num_cpu_blocks, block_size, Hkv, D]``, once allocated."""
+        if self._thread.ident is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"allocating the swap space failed: {self._error}") from self._error
+        return self._caches
+
+
 class CacheEngine:
     """Allocates the cache once and moves blocks for copy-on-write."""
 
@@ -66,17 +103,8 @@ class CacheEngine:
         self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = (
             list(zip(ones[0::2], ones[1::2])) if spec.scaled else None
         )
-        # Swap space: the same layout in (pinned, on a GPU machine) CPU memory. Left unwritten (a block is read
-        # back only after a swap-out wrote all of it): zeroing the default 4 GiB would be start-up time for nothing.
         cpu_shape = (num_cpu_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        pin = device.type == "cuda"
-        self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.empty(cpu_shape, dtype=spec.dtype, pin_memory=pin),
-                torch.empty(cpu_shape, dtype=spec.dtype, pin_memory=pin),
-            )
-            for _ in range(spec.num_layers if num_cpu_blocks else 0)
-        ]
+        self.swap_space = SwapSpace(cpu_shape, spec.dtype, spec.num_layers if num_cpu_blocks else 0, device)
 
     def write_tokens(
         self, kv: list[tuple[torch.Tensor, torch.Tensor]], block_table: list[int], dtype: torch.dtype
@@ -115,7 +143,7 @@ class CacheEngine:
             return
         src = torch.tensor([s for s, _ in mapping], device=self.kv_caches[0][0].device)
         dst = torch.tensor([d for _, d in mapping])
-        for (k_cache, v_cache), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_caches):
+        for (k_cache, v_cache), (k_cpu, v_cpu) in zip(self.kv_caches, self.swap_space.caches()):
             _bytes(k_cpu).index_copy_(0, dst, _bytes(k_cache).index_select(0, src).cpu())
             _bytes(v_cpu).index_copy_(0, dst, _bytes(v_cache).index_select(0, src).cpu())
 
@@ -126,7 +154,7 @@ class CacheEngine:
         device = self.kv_caches[0][0].device
         src = torch.tensor([s for s, _ in mapping])
         dst = torch.tensor([d for _, d in mapping], device=device)
-        for (k_cache, v_cache), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_caches):
+        for (k_cache, v_cache), (k_cpu, v_cpu) in zip(self.kv_caches, self.swap_space.caches()):
             _bytes(k_cache).index_copy_(0, dst, _bytes(k_cpu).index_select(0, src).to(device, non_blocking=True))
             _bytes(v_cache).index_copy_(0, dst, _bytes(v_cpu).index_select(0, src).to(device, non_blocking=True))
 

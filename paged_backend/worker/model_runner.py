@@ -108,6 +108,7 @@ class ModelRunner:
             self.compile()
         if batch_invariant and self.siblings is None:  # groups an earlier engine packed: the trainer's forward,
             self.siblings = packed_siblings(model) or None  # finding them too, must compute them alike
+        cache_engine.swap_space.caches()  # pinned while the layer compiled: host allocations must not meet a capture
         if device.type == "cuda" and not enforce_eager:
             self.capture_graphs()
         # After the warm-ups: the first real step (a prefill: nothing decodes before one) sets the fp8 scales.
