@@ -1,7 +1,8 @@
 """What a verifying step costs, so that an acceptance rate measured on one model translates to another: a single
 stream's tokens per second when every proposal is taken (the proposals are the target's own greedy continuation,
 what a draft equal to the target would propose) and when none is, beside the engine without speculation and HF
-``generate``, on random normal(0, 0.02) bf16 weights of a model's shape.
+``generate``, on random normal bf16 weights of a model's shape, drawn so that each token decides the next by a wide
+margin (``decisive``: else bf16 ties on random weights break otherwise in a verifying step than in a decode step).
 
     python benchmarks/spec_verify.py --shape 8b --k 2,4,8 --json benchmarks/results/spec_verify_<card>_<commit>.json
 
@@ -73,13 +74,34 @@ class Replay:
         return []
 
 
-def build(shape: str) -> LlamaForCausalLM:
+def build(shape: str, device: str = "cuda") -> LlamaForCausalLM:
     config = LlamaConfig(**SHAPES[shape])
     config.eos_token_id = config.bos_token_id = config.pad_token_id = None
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
-    return random_normal(model).eval()
+    return decisive(random_normal(model)).eval()
+
+
+def decisive(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Make each token decide the next by a wide margin. With every matrix normal(0, 0.02) the top two logits of a
+    128k vocabulary lie closer than bf16's rounding, and a verifying step's kernels (several query tokens a row)
+    break such ties otherwise than a decode step's: a replayed continuation leaves the model's path after a token
+    or two. Here the embedding is normal(0, 1), the layers' output projections (``o_proj``, ``down_proj``)
+    normal(0, 2e-4), so the residual stream stays close to the current token's embedding, and an untied LM head is
+    the embedding's rows in a fixed random order: token t is followed by the one whose head row is t's embedding,
+    thousands of logits ahead of the rest (a tied head repeats t). Shapes, bytes and FLOPs are the model's."""
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        embedding.normal_(0.0, 1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.normal_(0.0, 2e-4)
+            layer.mlp.down_proj.weight.normal_(0.0, 2e-4)
+        head = model.get_output_embeddings().weight
+        if head.data_ptr() != embedding.data_ptr():
+            order = torch.randperm(embedding.shape[0], generator=torch.Generator().manual_seed(0))
+            head.copy_(embedding[order.to(embedding.device)])
+    return model
 
 
 def timed_engine(llm: LLM, prompt: list[int]) -> tuple[float, int]:
