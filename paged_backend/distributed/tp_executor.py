@@ -28,6 +28,7 @@ from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_loader.sharded import check_tp_support, load_shard
 from paged_backend.worker.async_output import AsyncModelRunnerOutput, ReadyOutput
 from paged_backend.worker.cache_engine import KVCacheSpec
+from paged_backend.worker.compile import start_compile_workers
 from paged_backend.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ def _worker_main(
     """A worker process: join the groups, load its shard, then run what rank 0 sends (through ``pipe``, or
     broadcast over the control group) until told to stop."""
     device = tp_device(config, rank)
+    start_compile_workers(config, device)
     control = init_groups(init_method, rank, world_size, device)
     messages = Messages(control, None if pipe is None else [pipe])
     all_reduce: TPAllReduce | None = None
@@ -118,6 +120,7 @@ class TPExecutor:
         """Start the workers; each loads its shard while rank 0 loads its own."""
         check_tp_support(config, model_path)  # before any process starts
         group = TPGroup.start(config, model_path, _worker_main)
+        start_compile_workers(config, group.device)
         model, all_reduce = load_rank(config, model_path, 0, group.device)
         group.all_reduces.append(all_reduce)
         driver = Worker(model, group.device, group.world_size)

@@ -12,13 +12,16 @@ from paged_backend.core.block_manager import BlockManager
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.distributed.tp_executor import TPExecutor
 from paged_backend.model_loader import load_model
+from paged_backend.model_loader.hf import resolve_device
 from paged_backend.worker.attention import check_model_supported
+from paged_backend.worker.compile import start_compile_workers
 from paged_backend.worker.worker import Executor, Worker
 
 
 def make_executor(config: EngineConfig, model: str | PreTrainedModel) -> Executor:
     """One ``Worker`` on one device, or a tensor-parallel group whose workers each load their shard."""
     if config.parallel_config.tensor_parallel_size == 1:
+        start_compile_workers(config, resolve_device(config, None if isinstance(model, str) else model))
         target, device = load_model(config, model)
         return Worker(target, device, draft_model=load_draft_model(config, target, device))
     if not isinstance(model, str):

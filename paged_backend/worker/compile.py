@@ -23,8 +23,21 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
+from paged_backend.config import EngineConfig
 from paged_backend.worker.fp8_activations import divides_as_eager, quantize_fp8_activations
 from paged_backend.worker.fuse_linears import PackingBackend, fuse_sibling_linears
+
+
+def start_compile_workers(config: EngineConfig, device: torch.device) -> None:
+    """Start inductor's compile workers now, while the weights load and the profile runs, when this engine will
+    compile. Inductor starts them at its first call, after dynamo's trace of the layer, and until they are ready
+    it compiles each kernel in the main process, one after another: in a fresh process that is most of the
+    compile, since a trace ends long before workers that must import torch are ready."""
+    if device.type != "cuda" or config.device_config.enforce_eager:
+        return
+    from torch._inductor.async_compile import maybe_warm_pool  # private, but what inductor's own backend calls
+
+    maybe_warm_pool()
 
 
 def _fresh_copy(fn: Callable[..., Any]) -> types.FunctionType:
