@@ -18,7 +18,7 @@ untimed warm-up on its own prompt. Backends:
   speculation costs where it does not pay;
 - ``engine_verify_k<k>``: the same proposals with pausing off, so that every step after the prefill verifies
   k of them: the time of a verifying step, and from it what every proposal taken would give, (k + 1) tokens a
-  step (where bf16 ties on random weights make the replay above leave the model's path, as on the 8B shape);
+  step (a check on the replay above, which ``decisive`` weights keep on the model's path);
 - ``hf``: ``model.generate`` (dynamic cache).
 
 Besides tokens per second: the mean accepted length (tokens a verifying step yields) and the wall time of a

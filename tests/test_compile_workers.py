@@ -15,13 +15,26 @@ from tests.conftest import tiny_model
 
 
 @pytest.mark.parametrize(
-    ("device", "eager", "started"), [("cuda", False, True), ("cuda", True, False), ("cpu", False, False)]
-)
-def test_workers_start_only_for_an_engine_that_compiles(monkeypatch, device: str, eager: bool, started: bool) -> None:
+    ("device", "settings", "started"),
+    [("cuda", {}, True), ("cuda", {"enforce_eager": True}, False), ("cuda", {"batch_invariant": True}, False),
+     ("cpu", {}, False)],
+)  # fmt: skip
+def test_workers_start_only_for_an_engine_that_compiles(
+    monkeypatch, device: str, settings: dict, started: bool
+) -> None:
     calls: list[str] = []
     monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append("warm"))
-    start_compile_workers(EngineConfig.from_kwargs("m", enforce_eager=eager), torch.device(device))
+    start_compile_workers(EngineConfig.from_kwargs("m", **settings), torch.device(device))
     assert calls == (["warm"] if started else [])
+
+
+def test_workers_that_cannot_start_early_leave_the_start_to_inductor(monkeypatch, caplog) -> None:
+    def fail() -> None:
+        raise OSError("too many processes")
+
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", fail)
+    start_compile_workers(EngineConfig.from_kwargs("m"), torch.device("cuda"))
+    assert "could not start inductor's compile workers early (OSError: too many processes)" in caplog.text
 
 
 def test_the_engine_starts_them_before_loading_the_model(monkeypatch, tokenizer) -> None:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -172,3 +174,43 @@ def test_swap_space_is_allocated_off_the_starting_thread_and_its_failure_stops_t
     monkeypatch.setattr(torch, "empty", failing_empty)
     with pytest.raises(RuntimeError, match="allocating the swap space failed: no pinned memory left"):
         tight_llm(tiny_model("llama"), tokenizer, "swap")
+
+
+def test_a_start_that_fails_after_the_swap_space_began_waits_for_it(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread goes on pinning memory past an engine start that failed (a later capture would meet it)."""
+    from paged_backend.worker.worker import Worker
+
+    empty = torch.empty
+
+    def slow_empty(*args, **kwargs):
+        if threading.current_thread().name == "swap-space":
+            time.sleep(0.05)
+        return empty(*args, **kwargs)
+
+    def failing_runners(*args, **kwargs) -> None:
+        raise ValueError("a check after the cache was made")
+
+    monkeypatch.setattr(torch, "empty", slow_empty)
+    monkeypatch.setattr(Worker, "_make_runners", failing_runners)
+    with pytest.raises(ValueError, match="a check after the cache was made"):
+        tight_llm(tiny_model("llama"), tokenizer, "swap")
+    assert not [t for t in threading.enumerate() if t.name == "swap-space"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and CUDA graphs need a GPU")
+def test_the_swap_space_is_pinned_before_any_graph_is_captured(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from paged_backend.worker.model_runner import ModelRunner
+
+    seen: list[tuple[bool, bool]] = []
+    capture = ModelRunner.capture_graphs
+
+    def checked_capture(self) -> None:
+        swapping = any(t.name == "swap-space" for t in threading.enumerate())
+        seen.append((swapping, self.cache_engine.swap_space.caches()[0][0].is_pinned()))
+        capture(self)
+
+    monkeypatch.setattr(ModelRunner, "capture_graphs", checked_capture)
+    model = copy.deepcopy(tiny_model("llama")).cuda()  # the shared model stays on the CPU
+    LLM(model, tokenizer=tokenizer, block_size=BS, num_kv_blocks=16, max_model_len=48,
+        swap_space=0.01, preemption_mode="swap")  # fmt: skip
+    assert seen and seen[0] == (False, True)

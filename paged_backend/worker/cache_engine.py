@@ -73,10 +73,14 @@ class SwapSpace:
         except BaseException as exc:  # noqa: BLE001 - raised by caches(), in the thread that waits for it
             self._error = exc
 
-    def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (k, v) ``[num_cpu_blocks, block_size, Hkv, D]``, once allocated."""
+    def join(self) -> None:
+        """Wait until the allocation has ended (or failed)."""
         if self._thread.ident is not None:
             self._thread.join()
+
+    def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) ``[num_cpu_blocks, block_size, Hkv, D]``, once allocated."""
+        self.join()
         if self._error is not None:
             raise RuntimeError(f"allocating the swap space failed: {self._error}") from self._error
         return self._caches

@@ -8,13 +8,15 @@ Qwen2) compile one graph per kind. The layers' ``forward`` is swapped only insid
 calls to the model never see the compiled code.
 
 Shapes are dynamic, with duck sizing off: otherwise dynamo would give two dimensions that happen to be equal
-when it traces (say 2 logit rows and 2 KV heads) one symbol, and recompile when they differ. Floats are
-constants (an RMSNorm's eps, attention's scale: the same in every layer of a kind): traced as inputs, they make
-dynamo restart its trace to specialize them, so the layer would be traced and handed to inductor twice.
+when it traces (say 2 logit rows and 2 KV heads) one symbol, and recompile when they differ. Floats (an RMSNorm's
+eps, attention's scale) are constants: traced as inputs, dynamo would restart its trace to specialize them, so the
+layer would be traced and handed to inductor twice. A float that differs from layer to layer (GPT-2's attention
+scaled by the inverse layer index) gives a graph per value either way.
 """
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -27,17 +29,22 @@ from paged_backend.config import EngineConfig
 from paged_backend.worker.fp8_activations import divides_as_eager, quantize_fp8_activations
 from paged_backend.worker.fuse_linears import PackingBackend, fuse_sibling_linears
 
+logger = logging.getLogger(__name__)
+
 
 def start_compile_workers(config: EngineConfig, device: torch.device) -> None:
     """Start inductor's compile workers now, while the weights load and the profile runs, when this engine will
     compile. Inductor starts them at its first call, after dynamo's trace of the layer, and until they are ready
     it compiles each kernel in the main process, one after another: in a fresh process that is most of the
     compile, since a trace ends long before workers that must import torch are ready."""
-    if device.type != "cuda" or config.device_config.enforce_eager:
-        return
-    from torch._inductor.async_compile import maybe_warm_pool  # private, but what inductor's own backend calls
+    if device.type != "cuda" or config.device_config.enforce_eager or config.model_config.batch_invariant:
+        return  # batch_invariant: the layers stay eager (ModelRunner.compile), inductor never runs
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool  # private, but what inductor's backend calls
 
-    maybe_warm_pool()
+        maybe_warm_pool()
+    except Exception as exc:  # noqa: BLE001 - inductor starts them itself, later, or the compile falls back to eager
+        logger.warning("could not start inductor's compile workers early (%s: %s)", type(exc).__name__, exc)
 
 
 def _fresh_copy(fn: Callable[..., Any]) -> types.FunctionType:

@@ -65,7 +65,7 @@ class DraftRunner:
         self.scratch_per_row = math.ceil(num_speculative_tokens / block_size) + 1
         total = num_blocks + max_rows * self.scratch_per_row
         self.cache_engine = CacheEngine(spec, total, block_size, device, num_cpu_blocks)
-        self.cache_engine.swap_space.caches()  # a draft's is small: allocated now, before any graph is captured
+        self.cache_engine.swap_space.caches()  # the draft's share, allocated now: before any graph is captured
         self.switch = PagedAttentionSwitch(model, self.cache_engine.kv_caches)
         self.keeps_logits = takes_logits_to_keep(model)
         self.width = math.ceil(max_positions / block_size) + self.scratch_per_row  # blocks a row's table holds

@@ -220,11 +220,13 @@ def _quantized_siblings(layer: nn.Module, modules: list[str], op: QuantizedOp) -
 
 
 def _piece(graph: fx.Graph, split: fx.Node, i: int, replaced: fx.Node) -> fx.Node:
-    """The ``i``-th piece of a fused product, standing for ``replaced``. It takes over the node's metadata (the
-    example value dynamo traced, same shape and dtype): AOTAutograd's cache only keeps graphs whose method calls
-    are made on nodes known to be tensors, and without it every process would trace the layer again."""
+    """The ``i``-th piece of a fused product, standing for ``replaced``. It takes the node's example value (same
+    shape and dtype; the piece's strides are the fused product's): AOTAutograd's cache only keeps graphs whose
+    method calls are made on nodes known to be tensors, and without it every process would trace the layer again.
+    Nothing else of the node's metadata (its module stack: a projection's) describes the piece."""
     piece = graph.call_function(operator.getitem, (split, i))
-    piece.meta.update(replaced.meta)
+    if "example_value" in replaced.meta:
+        piece.meta["example_value"] = replaced.meta["example_value"]
     return piece
 
 

@@ -127,6 +127,20 @@ class Worker:
     def initialize_cache(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         spec = self.kv_cache_spec(config)
         cache_engine = CacheEngine(spec, num_gpu_blocks, config.block_size, self.device, num_cpu_blocks)
+        try:
+            self._make_runners(config, spec, cache_engine, num_gpu_blocks, num_cpu_blocks)
+        except BaseException:
+            cache_engine.swap_space.join()  # its thread must not pin on past a start that failed
+            raise
+
+    def _make_runners(
+        self,
+        config: EngineConfig,
+        spec: KVCacheSpec,
+        cache_engine: CacheEngine,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+    ) -> None:
         self._use_checkpoint_kv_scales(config, cache_engine)
         draft = config.speculative_config
         if self.draft_model is not None and spec.draft is not None and draft is not None:
