@@ -141,6 +141,7 @@ class Worker:
         num_gpu_blocks: int,
         num_cpu_blocks: int,
     ) -> None:
+        """The draft's runner (speculative decoding with a draft model) and the model runner over the cache."""
         self._use_checkpoint_kv_scales(config, cache_engine)
         draft = config.speculative_config
         if self.draft_model is not None and spec.draft is not None and draft is not None:
