@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from paged_backend.core.spec_chain import has_live_rows
 from paged_backend.worker.async_output import AsyncModelRunnerOutput
 from paged_backend.worker.worker import Executor
 
@@ -37,12 +36,6 @@ class FailedLaunch:
 
     def wait_for_last_steps(self) -> None:
         return None
-
-
-def live(in_flight: InFlight) -> bool:
-    """Whether a queued step has a row left to read: one that neither ended (or was aborted) meanwhile nor, in a
-    chained verifying step, is stale (``spec_chain.stale_rows``)."""
-    return has_live_rows(in_flight[0])
 
 
 def admits_arrivals(scheduler: Scheduler, arrivals: Arrivals | None) -> bool:

@@ -19,7 +19,8 @@ from transformers import PreTrainedModel
 from paged_backend.config import EngineConfig
 from paged_backend.core.scheduler_output import SchedulerOutput
 from paged_backend.core.sequence import SequenceStatus
-from paged_backend.engine.async_steps import Arrivals, InFlight, live, queue_following, queue_next
+from paged_backend.core.spec_chain import has_live_rows
+from paged_backend.engine.async_steps import Arrivals, InFlight, queue_following, queue_next
 from paged_backend.engine.engine_setup import (
     async_scheduling,
     eos_token_ids,
@@ -212,9 +213,9 @@ class LLMEngine:
         return queue_following(self.scheduler, self.executor, self.arrivals)
 
     def _live_in_flight(self) -> InFlight | None:
-        """The queued step, unless no row of it is left to read (``async_steps.live``): then its work is
+        """The queued step, unless no row of it is left to read (``spec_chain.has_live_rows``): then its work is
         dropped unread."""
-        return self._in_flight if self._in_flight is not None and live(self._in_flight) else None
+        return self._in_flight if self._in_flight is not None and has_live_rows(self._in_flight[0]) else None
 
     def _execute(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         if self.async_scheduling:
