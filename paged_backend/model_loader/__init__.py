@@ -1,7 +1,8 @@
 """Loading the model and tokenizer an engine runs: one dispatcher over where the weights come from.
 
 ``load_model`` picks the source: the user's model object (``hf.py``, adopted as is), an AWQ checkpoint
-(``awq.py``), a GPTQ one (``gptq.py``), a compressed-tensors one (``compressed_tensors.py``), random weights from
+(``awq.py``), a GPTQ one (``gptq.py``), a compressed-tensors one (``compressed_tensors.py``), a block-wise FP8 one
+(``fp8_block.py``), random weights from
 the config alone (``dummy.py``), or any other checkpoint through transformers (``hf.py``; with
 ``quantization="fp8"`` its linears quantized once loaded). One tensor-parallel rank's slice of a model is
 ``sharded.load_shard``, which cuts by ``tp_plan.py``.
@@ -16,6 +17,7 @@ from paged_backend.config import EngineConfig
 from paged_backend.model_loader.awq import load_awq_model
 from paged_backend.model_loader.compressed_tensors import load_compressed_tensors_model
 from paged_backend.model_loader.dummy import dummy_model
+from paged_backend.model_loader.fp8_block import load_fp8_block_model
 from paged_backend.model_loader.gptq import load_gptq_model
 from paged_backend.model_loader.hf import (
     adopt_model,
@@ -54,20 +56,25 @@ def load_model(
     dummy = config.model_config.load_format == "dummy"
     trust = config.model_config.trust_remote_code
     quantization = checkpoint_quantization(config, hf_config, model)
-    if quantization in ("awq", "gptq", "compressed-tensors"):
+    if quantization is not None and getattr(hf_config, "quantization_config", None) is not None:
         if dummy:
             raise ValueError(
                 f"load_format='dummy' does not make {quantization} weights: quantize a model with "
                 "paged_backend.quantization.awq_quantize.quantize, or llm-compressor"
             )
         load_device = torch.device("cpu") if keep_on_cpu else device
-        loaders = {"awq": load_awq_model, "gptq": load_gptq_model, "compressed-tensors": load_compressed_tensors_model}
+        loaders = {
+            "awq": load_awq_model,
+            "gptq": load_gptq_model,
+            "compressed-tensors": load_compressed_tensors_model,
+            "fp8": load_fp8_block_model,
+        }
         load = loaders[quantization]
         return load(hf_config, model, dtype, load_device, trust), device
     if dummy:
         loaded = dummy_model(hf_config, dtype, device, config.model_config.seed, trust)
     else:
         loaded = load_pretrained(config, model, dtype, device, keep_on_cpu)
-    if quantization == "fp8":
+    if quantization == "fp8":  # an unquantized checkpoint, quantized once loaded
         quantize_fp8(loaded)
     return loaded, device

@@ -23,6 +23,7 @@ from paged_backend.model_loader.hf import checkpoint_files
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.quantization.awq import AWQConfig, AWQLinear, convertible_linears
 from paged_backend.quantization.fp8 import FP8Linear
+from paged_backend.quantization.fp8_block import FP8BlockLinear
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,11 @@ def _store(
     """Put one checkpoint tensor in place: a quantized layer's packed buffers as that layer checks them (shape and
     dtype), parameters in ``dtype``, other buffers as they are; a shape unlike the config's fails with the tensor's
     name."""
-    if isinstance(module, (AWQLinear, FP8Linear)) and attr in module.expected_shapes() and attr != "bias":
+    if (
+        isinstance(module, (AWQLinear, FP8Linear, FP8BlockLinear))
+        and attr in module.expected_shapes()
+        and attr != "bias"
+    ):
         module.load_buffer(attr, tensor, key, device)
         return
     shape = tuple(getattr(module, attr).shape)

@@ -23,14 +23,15 @@ from paged_backend.quantization.gptq import GPTQConfig
 logger = logging.getLogger(__name__)
 
 
-def quantized_modules(folder: str) -> set[str]:
-    """The modules whose ``qweight`` the checkpoint holds."""
+def quantized_modules(folder: str, part: str = "qweight") -> set[str]:
+    """The modules whose ``part`` (a tensor only quantized linears have) the checkpoint holds."""
     from safetensors import safe_open
 
     modules = set()
+    suffix = f".{part}"
     for path in checkpoint_files(folder):
         with safe_open(path, framework="pt", device="cpu") as f:
-            modules |= {key[: -len(".qweight")] for key in f.keys() if key.endswith(".qweight")}  # noqa: SIM118
+            modules |= {key[: -len(suffix)] for key in f.keys() if key.endswith(suffix)}  # noqa: SIM118
     return modules
 
 

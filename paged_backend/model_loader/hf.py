@@ -114,13 +114,14 @@ def load_hf_config(config: EngineConfig, name: str) -> PretrainedConfig:
     return _from_pretrained(AutoConfig, name, trust_remote_code=config.model_config.trust_remote_code)
 
 
-CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")  # quantization a checkpoint carries (in its config)
+# quantization a checkpoint carries (in its config); "fp8" also names the online quantization of an unquantized one
+CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
 
 
 def checkpoint_quantization(config: EngineConfig, hf_config: PretrainedConfig, name: str) -> str | None:
-    """The quantization to load with: ``awq``, ``gptq`` or ``compressed-tensors`` when asked for or when the
-    checkpoint's ``quantization_config`` says so (the two must agree), ``fp8`` when asked for on an unquantized
-    checkpoint; None otherwise. A checkpoint quantized by another method fails, naming it."""
+    """The quantization to load with: ``awq``, ``gptq``, ``compressed-tensors`` or ``fp8`` when asked for or when
+    the checkpoint's ``quantization_config`` says so (the two must agree), ``fp8`` also when asked for on an
+    unquantized checkpoint; None otherwise. A checkpoint quantized by another method fails, naming it."""
     qc = getattr(hf_config, "quantization_config", None)
     method = None
     if qc is not None:
@@ -135,7 +136,7 @@ def checkpoint_quantization(config: EngineConfig, hf_config: PretrainedConfig, n
         raise ValueError(
             f"quantization={asked!r} does not match {name}'s config.json, which has "
             f"{'no quantization_config' if method is None else f'quant_method={method!r}'}"
-            + (" (quantization='fp8' quantizes an unquantized checkpoint)" if asked == "fp8" else "")
+            + (" (quantization='fp8' quantizes an unquantized checkpoint, or loads an fp8 one)" * (asked == "fp8"))
         )
     if method is not None and asked is None:
         logger.info("%s is a %s checkpoint (quantization_config): loading it as such", name, method)

@@ -21,9 +21,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.quantization.awq import AWQLinear
 from paged_backend.quantization.fp8 import FP8Linear
+from paged_backend.quantization.fp8_block import FP8BlockLinear
 
 STYLES = ("colwise", "rowwise")
-LINEARS = (nn.Linear, AWQLinear, FP8Linear)  # the layers a plan cuts
+LINEARS = (nn.Linear, AWQLinear, FP8Linear, FP8BlockLinear)  # the layers a plan cuts
 
 
 class AllReduce(Protocol):
@@ -141,6 +142,19 @@ def _keep(tensor: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor
     return tensor.narrow(dim, start, stop - start).clone()
 
 
+def _keep_blocks(name: str, linear: FP8BlockLinear, dim: int, start: int, stop: int) -> None:
+    """A block-wise FP8 layer's outputs (``dim`` 0) or inputs (1) ``start:stop`` with their scales: whole blocks
+    of one scale each (the layer's last block may be short)."""
+    block = linear.block_n if dim == 0 else linear.block_k
+    if start % block or (stop % block and stop != linear.weight.shape[dim]):
+        raise ValueError(
+            f"{name}: block-wise FP8 has one scale per {block} {('outputs', 'inputs')[dim]}; this rank's "
+            f"{start}:{stop} splits a block"
+        )
+    linear.weight = _keep(linear.weight, dim, start, stop)
+    linear.weight_scale_inv = _keep(linear.weight_scale_inv, dim, start // block, -(-stop // block))
+
+
 def tp_shard_of(module: nn.Module) -> TPShard | None:
     """The slice ``shard_linear`` recorded on a layer (``module.tp_shard``); None on a layer it did not cut."""
     shard = getattr(module, "tp_shard", None)
@@ -156,15 +170,13 @@ def shard_linear(
     rank: int,
     all_reduce: AllReduce | None,
 ) -> None:
-    """Cut one planned linear (``colwise`` or ``rowwise``; an ``nn.Linear``, ``AWQLinear`` or ``FP8Linear``) in place
-    down to rank ``rank``'s slice. AWQ's packed tensors are cut on whole packs of eight outputs and whole groups of
-    inputs; FP8's per-output-channel scales go with their rows.
+    """Cut one planned linear (``colwise`` or ``rowwise``; one of ``LINEARS``) in place down to rank ``rank``'s
+    slice. AWQ's packed tensors are cut on whole packs of eight outputs and whole groups of inputs; FP8's
+    per-output-channel scales go with their rows; block-wise FP8 is cut on whole blocks.
     A rowwise bias is added once, on rank 0; ``all_reduce`` (sum over ranks, in place or returned) is hooked on a
     rowwise layer's output, None leaves the partial sums to the caller (a single-process check)."""
     if not isinstance(linear, LINEARS):  # tp_plan() names only these
-        raise TypeError(
-            f"{name}: tensor parallelism cuts nn.Linear, AWQLinear and FP8Linear, not {type(linear).__name__}"
-        )
+        raise TypeError(f"{name}: tensor parallelism cuts {[c.__name__ for c in LINEARS]}, not {type(linear).__name__}")
     if style == "colwise":
         start, stop = _output_range(name, linear.out_features, layout, rank)
         if isinstance(linear, AWQLinear):
@@ -178,6 +190,8 @@ def shard_linear(
         elif isinstance(linear, FP8Linear):
             linear.weight = _keep(linear.weight, 0, start, stop)
             linear.weight_scale = _keep(linear.weight_scale, 0, start, stop)
+        elif isinstance(linear, FP8BlockLinear):
+            _keep_blocks(name, linear, 0, start, stop)
         else:
             linear.weight = nn.Parameter(_keep(linear.weight, 0, start, stop), requires_grad=False)
         if isinstance(linear.bias, torch.Tensor):
@@ -204,6 +218,8 @@ def shard_linear(
         linear.scales = _keep(linear.scales, 0, start // group, stop // group)
     elif isinstance(linear, FP8Linear):
         linear.weight = _keep(linear.weight, 1, start, stop)
+    elif isinstance(linear, FP8BlockLinear):
+        _keep_blocks(name, linear, 1, start, stop)
     else:
         linear.weight = nn.Parameter(_keep(linear.weight, 1, start, stop), requires_grad=False)
     set_module_attribute(linear, "tp_shard", TPShard(style, start, stop, linear.in_features))

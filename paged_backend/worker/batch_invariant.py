@@ -101,8 +101,9 @@ def check_batch_invariant_supported(model: torch.nn.Module, device: torch.device
     from paged_backend.config import FieldError
     from paged_backend.quantization.awq import AWQLinear
     from paged_backend.quantization.fp8 import FP8Linear
+    from paged_backend.quantization.fp8_block import FP8BlockLinear
 
-    if any(isinstance(m, (AWQLinear, FP8Linear)) for m in model.modules()):
+    if any(isinstance(m, (AWQLinear, FP8Linear, FP8BlockLinear)) for m in model.modules()):
         raise FieldError("batch_invariant", "batch_invariant runs unquantized linear layers: this model's are not")
     config = getattr(model, "config", None)
     text = config.get_text_config() if isinstance(config, PretrainedConfig) else None

@@ -27,6 +27,7 @@ from torch import fx
 from paged_backend.quantization.fp8 import GEMV_ROWS, quantized_fp8_linear
 
 FP8_LINEAR = "paged_backend.fp8_linear.default"
+FP8_BLOCK_MM = "paged_backend.fp8_block_mm.default"  # quantization/fp8_block.py: its layers quantize in torch ops
 
 
 def _quantizes(node: fx.Node) -> bool:
@@ -53,6 +54,12 @@ def quantize_fp8_activations(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return rewritten
+
+
+def quantizes_block_fp8(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` holds a block-wise FP8 layer's product, whose activations are quantized by torch ops before
+    it (in every graph, like a rewritten call's)."""
+    return any(node.op == "call_function" and str(node.target) == FP8_BLOCK_MM for node in gm.graph.nodes)
 
 
 def divides_as_eager() -> contextlib.AbstractContextManager[object]:

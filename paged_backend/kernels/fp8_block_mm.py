@@ -1,0 +1,147 @@
+"""y = x @ W.T with both operands in fp8 and a scale per block: the block-wise FP8 of DeepSeek-V3 and Qwen3-FP8
+(transformers' ``quant_method: "fp8"`` with ``weight_block_size``).
+
+The weight [N, K] has one scale per ``block_n × block_k`` tile; each activation row one per ``block_k`` inputs
+(``quantize_per_group``, at run time). A product over one block of inputs is therefore a plain fp8 dot whose result
+both scales multiply: the kernel walks K a block at a time and accumulates ``dot(a, b) * a_scale * w_scale`` in
+float32. The twin dequantizes both operands whole and multiplies in float32: the same sums in another order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from paged_backend.kernels import tl, triton
+from paged_backend.kernels.fp8_quant import quantize_per_row, quantize_per_row_triton
+
+
+def quantize_per_group(x: torch.Tensor, group: int, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] as fp8 with a float32 scale per row and ``group`` inputs ([M, ceil(K / group)]): each group is
+    a row of ``quantize_per_row`` (zeros pad the last, which changes no largest magnitude). ``kernel`` quantizes
+    with its one-kernel twin where no padding is needed."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = x if groups * group == k else F.pad(x, (0, groups * group - k))
+    quantize = quantize_per_row_triton if kernel and padded is x else quantize_per_row
+    q, scale = quantize(padded.reshape(m * groups, group))
+    return q.reshape(m, groups * group)[:, :k], scale.reshape(m, groups)
+
+
+def expand_scales(scale: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> torch.Tensor:
+    """Per-block scales [ceil(rows / block_rows), ceil(cols / block_cols)] as one per element [rows, cols]."""
+    return scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+
+
+def fp8_block_mm_torch(
+    q: torch.Tensor,  # [M, K] fp8
+    q_scale: torch.Tensor,  # [M, ceil(K / block_k)] float32
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [ceil(N / block_n), ceil(K / block_k)] float32
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N]
+    """Reference twin: both operands dequantized in float32, one matmul."""
+    (m, k), n = q.shape, weight.shape[0]
+    x = q.float() * expand_scales(q_scale.float(), m, k, 1, block_k)
+    w = weight.float() * expand_scales(weight_scale.float(), n, k, block_n, block_k)
+    return (x @ w.T).to(out_dtype)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _fp8_block_mm_kernel(
+        a_ptr,  # [M, K] fp8, rows contiguous
+        a_scale_ptr,  # [M, K_GROUPS] float32
+        b_ptr,  # [N, K] fp8, rows contiguous
+        b_scale_ptr,  # [ceil(N / BLOCK_SIZE_N), K_GROUPS] float32
+        out_ptr,  # [M, N]
+        M,
+        N,
+        K,
+        stride_a,
+        stride_b,
+        K_GROUPS,
+        BLOCK_SIZE_N: tl.constexpr,  # the weight's scale blocks
+        BLOCK_SIZE_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,  # the program's tile
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,  # divides BLOCK_SIZE_K: one scale per step
+        UPCAST: tl.constexpr,  # no fp8 matrix units: the dot in fp16, which holds every e4m3 value exactly
+    ):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m, mask_n = offs_m < M, offs_n < N
+        a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a
+        b_cols = b_ptr + offs_n.to(tl.int64)[None, :] * stride_b
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + offs_k
+            a = tl.load(a_rows + k[None, :], mask=mask_m[:, None] & (k[None, :] < K), other=0.0)  # [BM, BK]
+            b = tl.load(b_cols + k[:, None], mask=(k[:, None] < K) & mask_n[None, :], other=0.0)  # [BK, BN]
+            group = start // BLOCK_SIZE_K
+            a_scale = tl.load(a_scale_ptr + offs_m * K_GROUPS + group, mask=mask_m, other=0.0)
+            b_scale = tl.load(b_scale_ptr + (offs_n // BLOCK_SIZE_N) * K_GROUPS + group, mask=mask_n, other=0.0)
+            if UPCAST:
+                a, b = a.to(tl.float16), b.to(tl.float16)
+            acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        out = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def step_k(block_k: int) -> int:
+    """The kernel's step along K: the largest power of two up to 128 that divides ``block_k`` (a dot needs 16)."""
+    step = 128
+    while block_k % step:
+        step //= 2
+    if step < 16:
+        raise ValueError(f"fp8 block-wise weights: block_k {block_k} must be a multiple of 16")
+    return step
+
+
+def fp8_block_mm_triton(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+    upcast: bool = False,
+) -> torch.Tensor:
+    """The kernel (``upcast``: the dots in fp16, for devices without fp8 matrix units and the interpreter's
+    tests); arguments as the twin's."""
+    (m, k), n = q.shape, weight.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=q.device)
+    if m == 0:
+        return out
+    q, weight = q.contiguous(), weight.contiguous()
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n_tile = 64 if m <= 64 else 128
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n_tile))
+    _fp8_block_mm_kernel[grid](
+        q,
+        q_scale.contiguous(),
+        weight,
+        weight_scale.contiguous(),
+        out,
+        m,
+        n,
+        k,
+        q.stride(0),
+        weight.stride(0),
+        q_scale.shape[1],
+        BLOCK_SIZE_N=block_n,
+        BLOCK_SIZE_K=block_k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n_tile,
+        BLOCK_K=step_k(block_k),
+        UPCAST=upcast,
+        num_warps=4,
+        num_stages=3,
+    )
+    return out

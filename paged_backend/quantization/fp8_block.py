@@ -1,0 +1,160 @@
+"""Block-wise FP8 checkpoints (``quant_method: "fp8"`` with ``weight_block_size``): the format of DeepSeek-V3,
+Qwen3's ``-FP8`` releases and transformers' ``FineGrainedFP8Config``.
+
+Each quantized linear stores ``weight`` [N, K] in float8_e4m3fn and ``weight_scale_inv`` [ceil(N / block_n),
+ceil(K / block_k)] in float32 (the weight is ``weight * scale`` block by block, despite the name). Activations are
+quantized at run time per token and per ``block_k`` inputs, as those models were trained and as transformers and
+vLLM run them; the product is ``kernels/fp8_block_mm.py``. Which linears are quantized is read from the checkpoint
+itself (those with a ``weight_scale_inv``): producers leave some in the model's dtype (the output embedding, the
+``modules_to_not_convert``, shapes their blocks do not tile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paged_backend.kernels import triton
+from paged_backend.kernels.fp8_block_mm import fp8_block_mm_torch, fp8_block_mm_triton, quantize_per_group, step_k
+from paged_backend.quantization.fp8 import FP8, has_fp8_matmul
+
+
+def _unsupported(setting: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"fp8 checkpoint: quantization_config.{setting}={value!r} is not supported ({allowed})")
+
+
+@dataclass(frozen=True)
+class FP8BlockConfig:
+    block_n: int  # output rows per weight scale
+    block_k: int  # inputs per weight scale, and per activation scale
+
+    @classmethod
+    def from_hf(cls, quantization_config: Any) -> FP8BlockConfig:
+        qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+        method = qc.get("quant_method", "")
+        if str(getattr(method, "value", method)).lower() != "fp8":  # transformers' configs hold an enum
+            raise _unsupported("quant_method", method, "'fp8'")
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise _unsupported("activation_scheme", qc.get("activation_scheme"), "'dynamic'")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise _unsupported("fmt", qc.get("fmt"), "'e4m3'")
+        if qc.get("scale_fmt") not in (None, "float"):
+            raise _unsupported("scale_fmt", qc.get("scale_fmt"), "'float' or absent: float32 scales")
+        block = qc.get("weight_block_size")
+        if not (
+            isinstance(block, (list, tuple))
+            and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        ):
+            allowed = "two positive integers [block_n, block_k]: per-tensor fp8 checkpoints are not read"
+            raise _unsupported("weight_block_size", block, allowed)
+        try:
+            step_k(block[1])
+        except ValueError as exc:
+            raise _unsupported("weight_block_size", block, str(exc)) from None
+        return cls(block_n=block[0], block_k=block[1])
+
+
+def fp8_block_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale_inv: torch.Tensor,  # [ceil(N / block_n), ceil(K / block_k)] float32
+    block_n: int,
+    block_k: int,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """``x`` quantized per token and ``block_k`` inputs, times the weight: the kernel on a GPU (its dots in fp8
+    where the device has fp8 units, in fp16 elsewhere), the twin on other devices."""
+    compiling = torch.compiler.is_compiling()
+    q, scale = quantize_per_group(x, block_k, kernel=x.is_cuda and triton is not None and not compiling)
+    mm = fp8_block_mm_op if compiling else fp8_block_mm
+    return mm(q, scale, weight, weight_scale_inv, block_n, block_k, x.dtype)
+
+
+def fp8_block_mm(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    if q.is_cuda and triton is not None:
+        upcast = not has_fp8_matmul(q.device)
+        return fp8_block_mm_triton(q, q_scale, weight, weight_scale_inv, block_n, block_k, out_dtype, upcast)
+    return fp8_block_mm_torch(q, q_scale, weight, weight_scale_inv, block_n, block_k, out_dtype)
+
+
+# Opaque in compiled graphs: the quantization before it stays torch ops, which inductor fuses into the kernel
+# that produced the activation (RMSNorm's, SiLU·mul's).
+@torch.library.custom_op("paged_backend::fp8_block_mm", mutates_args=())
+def fp8_block_mm_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return fp8_block_mm(q, q_scale, weight, weight_scale_inv, block_n, block_k, out_dtype)
+
+
+@fp8_block_mm_op.register_fake
+def _(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return q.new_empty(q.shape[0], weight.shape[0], dtype=out_dtype)
+
+
+class FP8BlockLinear(nn.Module):
+    """``nn.Linear``'s interface over block-wise fp8 weights: ``y = quantized(x) @ (W * s).T + bias``."""
+
+    weight: torch.Tensor  # [out, in] float8_e4m3fn, buffer
+    weight_scale_inv: torch.Tensor  # [ceil(out / block_n), ceil(in / block_k)] float32, buffer
+    bias: nn.Parameter | None
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, block: FP8BlockConfig, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.block_n, self.block_k = block.block_n, block.block_k
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
+        scales = (-(-out_features // block.block_n), -(-in_features // block.block_k))
+        self.register_buffer("weight_scale_inv", torch.empty(scales, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {"weight": tuple(self.weight.shape), "weight_scale_inv": tuple(self.weight_scale_inv.shape)}
+        return shapes | ({"bias": (self.out_features,)} if self.bias is not None else {})
+
+    def load_buffer(self, attr: str, tensor: torch.Tensor, key: str, device: torch.device) -> None:
+        """A checkpoint's tensor for one of the buffers, checked against the layer's shape and dtype."""
+        expected = self.expected_shapes()[attr]
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"checkpoint tensor {key} has shape {tuple(tensor.shape)}, expected {expected}")
+        if attr == "weight" and tensor.dtype != FP8:
+            raise ValueError(f"checkpoint tensor {key} has dtype {tensor.dtype}, expected {FP8}")
+        if attr == "weight_scale_inv" and not tensor.is_floating_point():
+            raise ValueError(f"checkpoint tensor {key} has dtype {tensor.dtype}, expected a float")
+        self._buffers[attr] = tensor.to(device=device, dtype=FP8 if attr == "weight" else torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        flat = x.reshape(-1, self.in_features)
+        y = fp8_block_linear(flat, self.weight, self.weight_scale_inv, self.block_n, self.block_k)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.block_n}x{self.block_k}"

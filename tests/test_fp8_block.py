@@ -1,0 +1,220 @@
+"""Block-wise FP8 (``quant_method: "fp8"`` with ``weight_block_size``: DeepSeek-V3's and Qwen3-FP8's format) on a
+checkpoint transformers' own quantizer made (``tests/data/quantized/make_fp8_block_fixtures.py``): the engine's
+greedy output equals HF ``generate`` on the weights transformers dequantizes from it, with each linear's input
+rounded through fp8 per token and block of inputs as the format runs; the kernel equals its twin; tensor-parallel
+ranks cut on whole blocks; settings we do not run fail naming them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from paged_backend import LLM
+from paged_backend.config import EngineConfig
+from paged_backend.kernels.fp8_block_mm import (
+    expand_scales,
+    fp8_block_mm_torch,
+    fp8_block_mm_triton,
+    quantize_per_group,
+)
+from paged_backend.kernels.fp8_quant import FP8, quantize_per_row
+from paged_backend.model_loader.fp8_block import load_fp8_block_model
+from paged_backend.model_loader.hf import load_hf_config
+from paged_backend.quantization.fp8_block import FP8BlockConfig, FP8BlockLinear
+from tests.conftest import hf_greedy, ragged_prompts
+from tests.test_producer_checkpoints import greedy_outputs, reference_model
+from tests.test_tp_plan import tp_logits
+
+FOLDER = Path(__file__).parent / "data" / "quantized" / "fp8_block_32x64"
+BLOCK_N, BLOCK_K = 32, 64  # the fixture's weight_block_size
+FP8_MAX = 448.0
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def fake_quantize_per_group(x: torch.Tensor, group: int) -> torch.Tensor:
+    """What the format does to a linear's input: each token's inputs in groups of ``group``, each group scaled so
+    its largest magnitude is fp8's largest, rounded to float8_e4m3fn, scaled back (written from the format's
+    definition, not from the library)."""
+    groups = x.unflatten(-1, (-1, group))
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    return ((groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).flatten(-2)
+
+
+def reference() -> nn.Module:
+    model = reference_model(FOLDER, fp8_inputs=False)
+    for name in {key.rsplit(".", 1)[0] for key in load_file(FOLDER / "reference.safetensors")}:
+        hook = lambda _, args: (fake_quantize_per_group(args[0], BLOCK_K),)  # noqa: E731
+        model.get_submodule(name).register_forward_pre_hook(hook)
+    return model
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])  # named or read from the checkpoint: the same
+def test_greedy_equals_hf_on_transformers_dequantized_model(quantization: str | None, tokenizer) -> None:
+    llm = LLM(
+        str(FOLDER),
+        tokenizer=tokenizer,
+        quantization=quantization,
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=128,
+        device="cpu",
+    )
+    layers = [m for m in llm.llm_engine.model.modules() if isinstance(m, FP8BlockLinear)]
+    assert len(layers) == 7 * 2 and not isinstance(llm.llm_engine.model.lm_head, FP8BlockLinear)
+    model = reference()
+    prompts = ragged_prompts(4, seed=31)
+    for prompt, ours in zip(prompts, greedy_outputs(llm, prompts)):
+        assert ours == hf_greedy(model, prompt, 12)
+
+
+def test_weights_and_block_scales_are_the_checkpoints(tokenizer) -> None:
+    """As stored, and dequantized block by block to exactly what transformers dequantizes."""
+    llm = LLM(str(FOLDER), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
+    stored = load_file(FOLDER / "model.safetensors")
+    dequantized = load_file(FOLDER / "reference.safetensors")
+    layers = {n: m for n, m in llm.llm_engine.model.named_modules() if isinstance(m, FP8BlockLinear)}
+    assert set(layers) == {key.rsplit(".", 1)[0] for key in dequantized}
+    for name, layer in layers.items():
+        assert torch.equal(layer.weight.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8))
+        assert torch.equal(layer.weight_scale_inv, stored[f"{name}.weight_scale_inv"])
+        n, k = layer.weight.shape
+        ours = layer.weight.float() * expand_scales(layer.weight_scale_inv, n, k, BLOCK_N, BLOCK_K)
+        torch.testing.assert_close(ours, dequantized[f"{name}.weight"], rtol=0, atol=0)
+
+
+def _changed(tmp_path: Path, change) -> str:
+    folder = tmp_path / "changed"
+    shutil.copytree(FOLDER, folder)
+    config = json.loads((folder / "config.json").read_text())
+    change(config["quantization_config"])
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda qc: qc.update(activation_scheme="static"), "activation_scheme='static'"),
+        (lambda qc: qc.update(scale_fmt="ue8m0"), "scale_fmt='ue8m0'"),
+        (lambda qc: qc.update(fmt="e5m2"), "fmt='e5m2'"),
+        (lambda qc: qc.pop("weight_block_size"), "weight_block_size=None .*per-tensor"),
+        (lambda qc: qc.update(weight_block_size=[32, 40]), "block_k 40 must be a multiple of 16"),
+        (lambda qc: qc.update(weight_block_size=[32, 128]), "weight_scale_inv has shape"),  # unlike the tensors
+    ],
+)
+def test_settings_we_do_not_run_fail_at_load_naming_them(change, message: str, tokenizer, tmp_path) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(_changed(tmp_path, change), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
+
+
+def test_the_quantization_named_must_be_the_checkpoints(tokenizer) -> None:
+    with pytest.raises(ValueError, match="quantization='awq' does not match .* quant_method='fp8'"):
+        LLM(str(FOLDER), tokenizer=tokenizer, quantization="awq", num_kv_blocks=64, device="cpu")
+    with pytest.raises(ValueError, match="load_format='dummy' does not make fp8 weights"):
+        LLM(str(FOLDER), tokenizer=tokenizer, load_format="dummy", num_kv_blocks=64, device="cpu")
+
+
+def _model() -> nn.Module:
+    config = EngineConfig.from_kwargs(str(FOLDER))
+    model = load_fp8_block_model(load_hf_config(config, str(FOLDER)), str(FOLDER), torch.float32, torch.device("cpu"))
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def test_tensor_parallel_ranks_cut_whole_blocks_with_their_scales() -> None:
+    """Two ranks: colwise layers keep whole blocks of outputs, rowwise ones whole blocks of inputs (so each rank's
+    activation groups are the full layer's), and every rank's logits equal the full model's. Four ranks would cut
+    o_proj's 128 inputs into 32, half a block: refused by name."""
+    from paged_backend.model_loader.tp_plan import shard_model
+
+    model = _model()
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+    for logits in tp_logits(model, 2, ids):
+        assert logits is not None
+        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"o_proj: block-wise FP8 has one scale per 64 inputs; this rank's 0:32"):
+        shard_model(_model(), 0, 4, None)
+
+
+def block_quantized(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random [n, k] weight in fp8 with a scale per BLOCK_N × BLOCK_K block (ragged at the edges)."""
+    w = torch.randn(n, k, generator=gen) * 0.1
+    rows, cols = -(-n // BLOCK_N), -(-k // BLOCK_K)
+    padded = torch.zeros(rows * BLOCK_N, cols * BLOCK_K)
+    padded[:n, :k] = w
+    amax = padded.unflatten(0, (rows, BLOCK_N)).unflatten(-1, (cols, BLOCK_K)).abs().amax(dim=(1, 3))
+    scale = amax / FP8_MAX
+    return (w / expand_scales(scale, n, k, BLOCK_N, BLOCK_K)).to(FP8), scale
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 128), (5, 96, 200), (40, 130, 64), (70, 33, 96)])
+@pytest.mark.parametrize("upcast", [False, True])
+def test_block_kernel_equals_its_twin(m: int, n: int, k: int, upcast: bool) -> None:
+    """Ragged rows, outputs and inputs (partial blocks at every edge), fp8 dots and fp16 ones; NaN-poisoned
+    outputs would show any element left unwritten (the kernel allocates its own, so a wrong mask shows as
+    garbage against the twin)."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=gen)
+    q, scale = quantize_per_group(x, BLOCK_K)
+    weight, weight_scale = block_quantized(n, k, gen)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    args = (q.to(DEVICE), scale.to(DEVICE), weight.to(DEVICE), weight_scale.to(DEVICE), BLOCK_N, BLOCK_K, dtype)
+    out = fp8_block_mm_triton(*args, upcast=upcast).float()
+    twin = fp8_block_mm_torch(*args).float()
+    assert not out.isnan().any()
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out, twin, rtol=tolerance, atol=tolerance)
+    exact = x @ (weight.float() * expand_scales(weight_scale, n, k, BLOCK_N, BLOCK_K)).T  # fp8's rounding away
+    assert (twin.cpu() - exact).abs().max() < 0.1 * exact.abs().max()
+
+
+def test_per_group_quantization_is_per_row_quantization_of_each_group() -> None:
+    """Each group of inputs is a row of ``quantize_per_row``; a short last group is padded with zeros, which move
+    no largest magnitude."""
+    x = torch.randn(3, 150, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_per_group(x, 64)
+    assert q.shape == (3, 150) and scale.shape == (3, 3)
+    for g, start in enumerate(range(0, 150, 64)):
+        q_row, scale_row = quantize_per_row(x[:, start : start + 64])
+        assert torch.equal(scale[:, g : g + 1], scale_row)
+        assert torch.equal(q[:, start : start + 64].view(torch.uint8), q_row.view(torch.uint8))
+
+
+def test_config_reads_transformers_own_settings() -> None:
+    from transformers import FineGrainedFP8Config
+
+    config = FP8BlockConfig.from_hf(FineGrainedFP8Config(weight_block_size=[128, 128]))
+    assert (config.block_n, config.block_k) == (128, 128)
+
+
+def test_a_layer_compiles_with_its_quantization_in_the_graph() -> None:
+    """In a compiled region the quantization is torch ops before one opaque product (so inductor can fuse it into
+    what produced the input), and the output is the eager layer's."""
+    from paged_backend.worker.compile import RegionalCompile
+    from paged_backend.worker.fp8_activations import quantizes_block_fp8
+
+    model = _model()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    layers = model.model.layers
+    x = torch.randn(1, 5, 128)
+    positions = torch.arange(5)[None]
+    embeddings = model.model.rotary_emb(x, positions)
+    with torch.no_grad():
+        expected = layers[0](x, position_embeddings=embeddings, attention_mask=None)
+        with RegionalCompile(layers, backend):
+            got = layers[0](x, position_embeddings=embeddings, attention_mask=None)
+    assert graphs and all(quantizes_block_fp8(gm) for gm in graphs)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
