@@ -9,7 +9,8 @@ shows), a checkpoint or a .gguf file, also without EOS. Workloads:
 Backends: paged (this library; paged_sync without async scheduling, paged_loop stepped by its engine loop's thread
 as the server steps it, paged_fp8kv with an fp8 KV cache, paged_fp8
 with fp8 weights: ``quantization="fp8"`` on the model saved to a file, paged_fp8_fp8kv the same with an fp8 KV
-cache, paged_invariant with
+cache, paged_fp8block the saved model quantized in blocks of 128 x 128 by transformers' ``FineGrainedFP8Config``,
+paged_invariant with
 ``batch_invariant=True``), hf_patched (``model.generate`` after
 ``paged_backend.patch``, called like hf),
 hf (``model.generate``, batches of 64, left padded), hf_cb (``generate_batch``, transformers' continuous
@@ -172,6 +173,20 @@ def timed(fn) -> tuple[Any, float]:
 # ---------------------------------------------------------------------------------------------------- backends
 class PrefixCacheHitError(RuntimeError):
     """A timed run reused KV of an earlier run: its figure would not be the workload's."""
+
+
+def save_block_fp8(checkpoint: str, out: str) -> None:
+    """The saved model quantized by transformers' own ``FineGrainedFP8Config`` in blocks of 128 x 128 (the
+    layout of Qwen3-FP8 and DeepSeek-V3 checkpoints), written to ``out``."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    config = FineGrainedFP8Config(weight_block_size=[128, 128], modules_to_not_convert=["lm_head"])
+    quantized = AutoModelForCausalLM.from_pretrained(
+        checkpoint, quantization_config=config, dtype=torch.bfloat16, device_map="cuda"
+    )
+    quantized.save_pretrained(out)
+    del quantized
+    release_engine("transformers' fp8 quantizer")
 
 
 def run_paged(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
@@ -459,6 +474,7 @@ COLORS = {
     "paged_fp8kv": "#1a5",
     "paged_fp8": "#073",
     "paged_fp8_fp8kv": "#0a6",
+    "paged_fp8block": "#084",
     "paged_invariant": "#396",
     "paged_spec": "#4b8",
     "hf_patched": "#8c8",
@@ -523,6 +539,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "engine loop, as the server and the integrations step it), paged_fp8kv (kv_cache_dtype='fp8'), "
         "paged_fp8 (quantization='fp8': the model saved and loaded, its linears' weights fp8), "
         "paged_fp8_fp8kv (the same with kv_cache_dtype='fp8'), "
+        "paged_fp8block (the saved model quantized by transformers' FineGrainedFP8Config, blocks of 128 x 128), "
         "paged_invariant (batch_invariant=True; also checks a request alone and in a batch of 64), "
         "paged_spec (speculative_config: prompt lookup, k=4), "
         "hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
@@ -556,7 +573,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     backends = args.backends.split(",")
     known_backends = {
         *("paged", "paged_sync", "paged_loop", "paged_fp8kv", "paged_fp8", "paged_fp8_fp8kv", "paged_invariant"),
-        "paged_spec",
+        *("paged_spec", "paged_fp8block"),
         *("hf_patched", "hf", "hf_cb", "hf_static"),
     }
     unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - known_backends
@@ -685,15 +702,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         release_engine("fp8-cache engine")
         results["w1_fp8kv"] = results.get("w1", {}).get("paged_fp8kv")
     fp8_weights = {"paged_fp8": {}, "paged_fp8_fp8kv": {"kv_cache_dtype": "fp8"}}  # the second as deployments run
-    if set(fp8_weights) & set(backends):  # quantization="fp8" quantizes a loaded checkpoint: the model via a file
+    if set(fp8_weights) & set(backends) or "paged_fp8block" in backends:  # quantized checkpoints: the model via a file
         with tempfile.TemporaryDirectory() as checkpoint:
             model.save_pretrained(checkpoint)
-            for name, extra in fp8_weights.items():
-                if name not in backends:
-                    continue
-                fp8_args = {**base_args, **extra, "quantization": "fp8", "skip_tokenizer_init": True}
+            engines = [
+                (name, {**base_args, **extra, "quantization": "fp8", "skip_tokenizer_init": True}, checkpoint)
+                for name, extra in fp8_weights.items()
+                if name in backends
+            ]
+            if "paged_fp8block" in backends:
+                blocks = str(Path(checkpoint) / "fp8_block")
                 try:
-                    measure_engine(name, fp8_args, checkpoint)
+                    save_block_fp8(checkpoint, blocks)
+                    engines.append(("paged_fp8block", {**base_args, "skip_tokenizer_init": True}, blocks))
+                except Exception as exc:  # noqa: BLE001 - reported; the remaining backends still run
+                    logger.exception("transformers' block-wise fp8 quantization failed")
+                    results.setdefault("errors", {})["paged_fp8block"] = f"{type(exc).__name__}: {exc}"
+            for name, engine_args, folder in engines:
+                try:
+                    measure_engine(name, engine_args, folder)
                 except Exception as exc:  # noqa: BLE001 - reported; the remaining backends still run
                     logger.exception("%s failed", name)
                     results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
