@@ -158,20 +158,20 @@ def block_quantized(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor,
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 128), (5, 96, 200), (40, 130, 64), (70, 33, 96)])
 @pytest.mark.parametrize("upcast", [False, True])
 def test_block_kernel_equals_its_twin(m: int, n: int, k: int, upcast: bool) -> None:
-    """Ragged rows, outputs and inputs (partial blocks at every edge), fp8 dots and fp16 ones; NaN-poisoned
-    outputs would show any element left unwritten (the kernel allocates its own, so a wrong mask shows as
-    garbage against the twin)."""
+    """Ragged rows, outputs and inputs (partial blocks at every edge), fp8 dots and fp16 ones, K whole or split
+    into parts the last program of a tile adds (an element left unwritten shows as garbage against the twin)."""
     gen = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=gen)
     q, scale = quantize_per_group(x, BLOCK_K)
     weight, weight_scale = block_quantized(n, k, gen)
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     args = (q.to(DEVICE), scale.to(DEVICE), weight.to(DEVICE), weight_scale.to(DEVICE), BLOCK_N, BLOCK_K, dtype)
-    out = fp8_block_mm_triton(*args, upcast=upcast).float()
     twin = fp8_block_mm_torch(*args).float()
-    assert not out.isnan().any()
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(out, twin, rtol=tolerance, atol=tolerance)
+    for launch in (None, (16, 32, 1), (32, 64, 2), (16, 64, 3)):  # the default's, one part, K split (unevenly)
+        out = fp8_block_mm_triton(*args, upcast=upcast, launch=launch).float()
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, twin, rtol=tolerance, atol=tolerance)
     exact = x @ (weight.float() * expand_scales(weight_scale, n, k, BLOCK_N, BLOCK_K)).T  # fp8's rounding away
     assert (twin.cpu() - exact).abs().max() < 0.1 * exact.abs().max()
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged_backend.kernels import tl, triton
+from paged_backend.kernels import num_sms, tl, triton
+from paged_backend.kernels.arrival import arrival_counters, split_k_parts
 from paged_backend.kernels.fp8_quant import quantize_per_row, quantize_per_row_triton
 
 
@@ -50,6 +51,7 @@ def fp8_block_mm_torch(
 
 
 if triton is not None:
+    from paged_backend.kernels.arrival import add_parts, last_to_arrive
 
     @triton.jit(do_not_specialize=["M"])
     def _fp8_block_mm_kernel(
@@ -58,20 +60,24 @@ if triton is not None:
         b_ptr,  # [N, K] fp8, rows contiguous
         b_scale_ptr,  # [ceil(N / BLOCK_SIZE_N), K_GROUPS] float32
         out_ptr,  # [M, N]
+        partial_ptr,  # [SPLIT_K, M, N] fp32 when K is split (programs along axis 2)
+        counters_ptr,  # [tiles] int32 zeros (``kernels/arrival.py``)
         M,
         N,
         K,
         stride_a,
         stride_b,
         K_GROUPS,
+        k_per_split,  # a multiple of BLOCK_SIZE_K
         BLOCK_SIZE_N: tl.constexpr,  # the weight's scale blocks
         BLOCK_SIZE_K: tl.constexpr,
         BLOCK_M: tl.constexpr,  # the program's tile
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,  # divides BLOCK_SIZE_K: one scale per step
         UPCAST: tl.constexpr,  # no fp8 matrix units: the dot in fp16, which holds every e4m3 value exactly
+        SPLIT: tl.constexpr,  # K split: fp32 parts, the last program of a tile adds them
     ):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -79,18 +85,27 @@ if triton is not None:
         a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a
         b_cols = b_ptr + offs_n.to(tl.int64)[None, :] * stride_b
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        for start in range(k_start, k_end, BLOCK_K):
             k = start + offs_k
-            a = tl.load(a_rows + k[None, :], mask=mask_m[:, None] & (k[None, :] < K), other=0.0)  # [BM, BK]
-            b = tl.load(b_cols + k[:, None], mask=(k[:, None] < K) & mask_n[None, :], other=0.0)  # [BK, BN]
+            a = tl.load(a_rows + k[None, :], mask=mask_m[:, None] & (k[None, :] < k_end), other=0.0)  # [BM, BK]
+            b = tl.load(b_cols + k[:, None], mask=(k[:, None] < k_end) & mask_n[None, :], other=0.0)  # [BK, BN]
             group = start // BLOCK_SIZE_K
             a_scale = tl.load(a_scale_ptr + offs_m * K_GROUPS + group, mask=mask_m, other=0.0)
             b_scale = tl.load(b_scale_ptr + (offs_n // BLOCK_SIZE_N) * K_GROUPS + group, mask=mask_n, other=0.0)
             if UPCAST:
                 a, b = a.to(tl.float16), b.to(tl.float16)
             acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
         out = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        if SPLIT:
+            tl.store(partial_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+            if last_to_arrive(counters_ptr + pid_m * tl.num_programs(1) + pid_n, tl.num_programs(2)):
+                acc = add_parts(partial_ptr, offs_m, offs_n, mask, M, N, tl.num_programs(2), BLOCK_M, BLOCK_N)
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def step_k(block_k: int) -> int:
@@ -103,6 +118,17 @@ def step_k(block_k: int) -> int:
     return step
 
 
+def launch_shape(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, SPLIT_K) for ``m`` rows: a decode step reads each weight once, so few rows take narrow
+    tiles and K split in whole scale blocks until a few programs run per SM (the last program of a tile adds the
+    parts); more rows take wider tiles, split only where tiles are few."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 64 else 128
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    programs = (4 if m <= 64 else 1) * sms
+    return block_m, block_n, split_k_parts(tiles, k, block_k, programs)
+
+
 def fp8_block_mm_triton(
     q: torch.Tensor,
     q_scale: torch.Tensor,
@@ -112,35 +138,43 @@ def fp8_block_mm_triton(
     block_k: int,
     out_dtype: torch.dtype,
     upcast: bool = False,
+    launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """The kernel (``upcast``: the dots in fp16, for devices without fp8 matrix units and the interpreter's
-    tests); arguments as the twin's."""
+    """The kernel (``upcast``: the dots in fp16, for devices without fp8 matrix units; ``launch``: BLOCK_M,
+    BLOCK_N and SPLIT_K, by default ``launch_shape``'s); other arguments as the twin's."""
     (m, k), n = q.shape, weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0:
         return out
     q, weight = q.contiguous(), weight.contiguous()
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n_tile = 64 if m <= 64 else 128
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n_tile))
+    sms = num_sms(q.device) if q.is_cuda else 132
+    block_m, block_n_tile, split_k = launch if launch is not None else launch_shape(m, n, k, block_k, sms)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # whole scale blocks
+    split_k = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n_tile), split_k)
+    partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=q.device)
     _fp8_block_mm_kernel[grid](
         q,
         q_scale.contiguous(),
         weight,
         weight_scale.contiguous(),
         out,
+        partial,
+        arrival_counters(q.device, grid[0] * grid[1]),
         m,
         n,
         k,
         q.stride(0),
         weight.stride(0),
         q_scale.shape[1],
+        k_per_split,
         BLOCK_SIZE_N=block_n,
         BLOCK_SIZE_K=block_k,
         BLOCK_M=block_m,
         BLOCK_N=block_n_tile,
         BLOCK_K=step_k(block_k),
         UPCAST=upcast,
+        SPLIT=split_k > 1,
         num_warps=4,
         num_stages=3,
     )
