@@ -176,6 +176,19 @@ def test_block_kernel_equals_its_twin(m: int, n: int, k: int, upcast: bool) -> N
     assert (twin.cpu() - exact).abs().max() < 0.1 * exact.abs().max()
 
 
+def test_one_scale_per_row_is_a_block_of_all_inputs_and_splits_anywhere() -> None:
+    """Per-channel weights and per-token activations (FP8Linear's scales) are blocks of 1 x K: one activation
+    group, so K splits at any step, not only at a block's edge."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 384, generator=gen), torch.randn(40, 384, generator=gen) * 0.1
+    (q, scale), (weight, weight_scale) = quantize_per_row(x), quantize_per_row(w)
+    args = (q.to(DEVICE), scale.to(DEVICE), weight.to(DEVICE), weight_scale.to(DEVICE), 1, 384, torch.float32)
+    twin = fp8_block_mm_torch(*args)
+    torch.testing.assert_close(twin.cpu(), (q.float() * scale) @ (weight.float() * weight_scale).T)
+    for launch in ((16, 32, 3), (16, 64, 1)):  # 3 parts of 128 inputs
+        torch.testing.assert_close(fp8_block_mm_triton(*args, launch=launch), twin, rtol=1e-5, atol=1e-5)
+
+
 def test_per_group_quantization_is_per_row_quantization_of_each_group() -> None:
     """Each group of inputs is a row of ``quantize_per_row``; a short last group is padded with zeros, which move
     no largest magnitude."""

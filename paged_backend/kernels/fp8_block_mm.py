@@ -118,15 +118,15 @@ def step_k(block_k: int) -> int:
     return step
 
 
-def launch_shape(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, SPLIT_K) for ``m`` rows: a decode step reads each weight once, so few rows take narrow
-    tiles and K split in whole scale blocks until a few programs run per SM (the last program of a tile adds the
-    parts); more rows take wider tiles, split only where tiles are few."""
+def launch_shape(m: int, n: int, k: int, granule: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, SPLIT_K) for ``m`` rows, K split in parts of ``granule`` inputs or more: a decode step
+    reads each weight once, so few rows take narrow tiles and K split until a few programs run per SM (the last
+    program of a tile adds the parts); more rows take wider tiles, split only where tiles are few."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     programs = (4 if m <= 64 else 1) * sms
-    return block_m, block_n, split_k_parts(tiles, k, block_k, programs)
+    return block_m, block_n, split_k_parts(tiles, k, granule, programs)
 
 
 def fp8_block_mm_triton(
@@ -148,8 +148,9 @@ def fp8_block_mm_triton(
         return out
     q, weight = q.contiguous(), weight.contiguous()
     sms = num_sms(q.device) if q.is_cuda else 132
-    block_m, block_n_tile, split_k = launch if launch is not None else launch_shape(m, n, k, block_k, sms)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k  # whole scale blocks
+    granule = block_k if q_scale.shape[1] > 1 else step_k(block_k)  # a part's K: whole scale blocks, if several
+    block_m, block_n_tile, split_k = launch if launch is not None else launch_shape(m, n, k, granule, sms)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), granule) * granule
     split_k = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n_tile), split_k)
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=q.device)
