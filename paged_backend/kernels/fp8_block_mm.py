@@ -120,12 +120,12 @@ def step_k(block_k: int) -> int:
 
 def launch_shape(m: int, n: int, k: int, granule: int, sms: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, SPLIT_K) for ``m`` rows, K split in parts of ``granule`` inputs or more: a decode step
-    reads each weight once, so few rows take narrow tiles and K split until a few programs run per SM (the last
-    program of a tile adds the parts); more rows take wider tiles, split only where tiles are few."""
+    reads each weight once, so K is split until about two programs run per SM (the last program of a tile adds
+    the parts); more rows, split only where tiles are few (docs/benchmarks.md, "Block-wise FP8 on the GPU")."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if m <= 64 else 128
+    block_n = 64
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    programs = (4 if m <= 64 else 1) * sms
+    programs = (2 if m <= 64 else 1) * sms
     return block_m, block_n, split_k_parts(tiles, k, granule, programs)
 
 
