@@ -45,6 +45,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from throughput import add_plot_arguments, replotted  # noqa: E402
 
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo_checkpoint import default_cache_dir  # noqa: E402
@@ -248,8 +251,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--plot", type=Path, default=None, help="a bar chart of the results (needs matplotlib)")
+    add_plot_arguments(parser, "a bar chart of the results (needs matplotlib)")
     args = parser.parse_args(argv)
+    if (loaded := replotted(parser, args, plot)) is not None:
+        return loaded
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     results = run(args)
     for workload in WORKLOADS:

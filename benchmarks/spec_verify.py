@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from throughput import MODEL_CONFIG, random_normal, versions, write_json  # noqa: E402
+from throughput import MODEL_CONFIG, add_plot_arguments, random_normal, replotted, versions, write_json  # noqa: E402
 
 import paged_backend.core.spec_decode as spec_decode  # noqa: E402
 from paged_backend import LLM, SamplingParams  # noqa: E402
@@ -196,6 +196,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Median tokens per second a backend, and over each bar its ratio to the engine without speculation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["results"]
+    engine = rows["engine"]["median_tok_per_s"]
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    bars = ax.bar(range(len(rows)), [row["median_tok_per_s"] for row in rows.values()], color="#2a7")
+    ax.bar_label(bars, labels=[f"{row['median_tok_per_s'] / engine:.2f}x" for row in rows.values()], fontsize=7)
+    ax.set_xticks(range(len(rows)), list(rows), rotation=20, ha="right", fontsize=7)
+    ax.set_ylabel("tokens/s, one stream")
+    ax.set_title(f"verifying steps, {results['shape']} shape, {results['machine']}, commit {results['commit']}",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -203,7 +223,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--json", type=Path, default=None)
+    add_plot_arguments(parser, "a bar chart of the backends' tokens per second")
     args = parser.parse_args(argv)
+    if (loaded := replotted(parser, args, plot)) is not None:
+        return loaded
     if not torch.cuda.is_available():
         raise SystemExit("this measures the GPU's verifying steps: it needs a GPU")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -215,6 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:22s} {row['median_tok_per_s']:8.1f} tok/s  {row['median_tok_per_s'] / engine:5.2f}x engine  "
               f"accepted length {row.get('mean_accepted_length')}{derived}")  # fmt: skip
     write_json(args.json, results)
+    if args.plot is not None:
+        plot(results, args.plot)
     return results
 
 

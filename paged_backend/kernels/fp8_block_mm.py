@@ -119,11 +119,12 @@ def step_k(block_k: int) -> int:
 
 
 def launch_shape(m: int, n: int, k: int, granule: int, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, SPLIT_K) for ``m`` rows, K split in parts of ``granule`` inputs or more: a decode step
-    reads each weight once, so K is split until about two programs run per SM (the last program of a tile adds
-    the parts); more rows, split only where tiles are few (docs/benchmarks.md, "Block-wise FP8 on the GPU")."""
+    """(BLOCK_M, BLOCK_N, SPLIT_K) for ``m`` rows, K split in parts of ``granule`` inputs or more: up to 64 rows
+    (decode of a few sequences, which reads each weight once) narrow tiles and K split until about two programs
+    run per SM (the last program of a tile adds the parts); more rows, wider tiles, split only where tiles are
+    few. W1 and W2 of the 8B shape under either choice are in docs/benchmarks.md ("block-wise FP8 on the GPU")."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
+    block_n = 64 if m <= 64 else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     programs = (2 if m <= 64 else 1) * sms
     return block_m, block_n, split_k_parts(tiles, k, granule, programs)
