@@ -26,7 +26,7 @@ from paged_backend.kernels.fp8_block_mm import (
 from paged_backend.kernels.fp8_quant import FP8, quantize_per_row
 from paged_backend.model_loader.fp8_block import load_fp8_block_model
 from paged_backend.model_loader.hf import load_hf_config
-from paged_backend.quantization.fp8_block import FP8BlockConfig, FP8BlockLinear
+from paged_backend.quantization.fp8_block import FP8BlockConfig, FP8BlockLinear, quantized_fp8_block_linear
 from tests.conftest import hf_greedy, ragged_prompts
 from tests.test_producer_checkpoints import greedy_outputs, reference_model
 from tests.test_tp_plan import tp_logits
@@ -208,26 +208,71 @@ def test_config_reads_transformers_own_settings() -> None:
     assert (config.block_n, config.block_k) == (128, 128)
 
 
-def test_a_layer_compiles_with_its_quantization_in_the_graph() -> None:
-    """In a compiled region the quantization is torch ops before one opaque product (so inductor can fuse it into
-    what produced the input), and the output is the eager layer's."""
+def _compiled(layers: nn.ModuleList, run) -> tuple[object, list[torch.fx.GraphModule], int]:
+    """``run()`` under the regional compile with the sibling packing first, as the engine compiles (a backend that
+    keeps the rewritten graphs and runs them as they are): its output, the graphs, the fused groups."""
     from paged_backend.worker.compile import RegionalCompile
-    from paged_backend.worker.fp8_activations import quantizes_block_fp8
+    from paged_backend.worker.fuse_linears import PackingBackend
 
-    model = _model()
     graphs: list[torch.fx.GraphModule] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
         graphs.append(gm)
         return gm.forward
 
+    with torch.no_grad():
+        packer = PackingBackend(list(layers))
+        with RegionalCompile(layers, packer):
+            run()
+        packer.finish()
+        regions = RegionalCompile(layers, backend)
+        with regions:
+            out = run()
+    return out, graphs, regions.num_fused_groups
+
+
+def test_a_compiled_layer_fuses_siblings_and_quantizes_in_the_graph() -> None:
+    """Compiled, q/k/v and gate/up (whole blocks of outputs each) run as one product each, their weights and scales
+    packed back to back; each product's input quantized by torch ops before one opaque ``fp8_block_mm`` (so inductor
+    can fuse the quantization into what produced the input); the output is the eager layer's."""
+    model = _model()
     layers = model.model.layers
     x = torch.randn(1, 5, 128)
-    positions = torch.arange(5)[None]
-    embeddings = model.model.rotary_emb(x, positions)
+    embeddings = model.model.rotary_emb(x, torch.arange(5)[None])
     with torch.no_grad():
         expected = layers[0](x, position_embeddings=embeddings, attention_mask=None)
-        with RegionalCompile(layers, backend):
-            got = layers[0](x, position_embeddings=embeddings, attention_mask=None)
-    assert graphs and all(quantizes_block_fp8(gm) for gm in graphs)
+    got, graphs, fused = _compiled(layers, lambda: layers[0](x, position_embeddings=embeddings, attention_mask=None))
+    assert fused == 2
+    products = [n for gm in graphs for n in gm.graph.nodes if n.target is quantized_fp8_block_linear]
+    assert len(products) == 4  # q/k/v, o, gate/up, down
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+class Siblings(nn.Module):
+    """q/k/v as block-wise FP8 layers of 64, ``kv`` and ``kv`` outputs (blocks of 32 outputs) on one input."""
+
+    def __init__(self, kv: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(kv)
+        layers = []
+        for n in (64, kv, kv):
+            layer = FP8BlockLinear(128, n, False, FP8BlockConfig(BLOCK_N, BLOCK_K), "cpu")
+            layer.weight, layer.weight_scale_inv = block_quantized(n, 128, gen)
+            layers.append(layer)
+        self.q, self.k, self.v = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x) * 2, self.v(x).relu()], dim=-1)
+
+
+@pytest.mark.parametrize(("kv", "fused"), [(32, 1), (48, 0)])
+def test_siblings_fuse_only_where_each_ends_on_a_block(kv: int, fused: int) -> None:
+    """k's 48 outputs end mid-block: packed behind them, v's scales would not line up with its rows, so the three
+    stay separate calls (and still equal the eager layers)."""
+    layers = nn.ModuleList([Siblings(kv) for _ in range(2)])
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        expected = layers[0](x)
+    got, _, groups = _compiled(layers, lambda: layers[0](x))
+    assert groups == fused
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

@@ -65,12 +65,36 @@ def fp8_block_linear(
     block_n: int,
     block_k: int,
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """``x`` quantized per token and ``block_k`` inputs, times the weight: the kernel on a GPU (its dots in fp8
-    where the device has fp8 units, in fp16 elsewhere), the twin on other devices."""
-    compiling = torch.compiler.is_compiling()
-    q, scale = quantize_per_group(x, block_k, kernel=x.is_cuda and triton is not None and not compiling)
-    mm = fp8_block_mm_op if compiling else fp8_block_mm
-    return mm(q, scale, weight, weight_scale_inv, block_n, block_k, x.dtype)
+    """``x`` quantized per token and ``block_k`` inputs (by one kernel on a GPU), times the weight: the product's
+    kernel on a GPU (its dots in fp8 where the device has fp8 units, in fp16 elsewhere), the twin elsewhere."""
+    q, scale = quantize_per_group(x, block_k, kernel=x.is_cuda and triton is not None)
+    return fp8_block_mm(q, scale, weight, weight_scale_inv, block_n, block_k, x.dtype)
+
+
+def quantized_fp8_block_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_n: int, block_k: int
+) -> torch.Tensor:
+    """``fp8_block_linear`` written for a compiled graph: the quantization in torch ops, which inductor fuses into
+    what produced ``x``, then one opaque ``fp8_block_mm`` (worker/fp8_activations.py puts it in place of
+    ``fp8_block_linear_op``, after sibling layers' calls were fused into one)."""
+    q, scale = quantize_per_group(x, block_k)
+    return fp8_block_mm_op(q, scale, weight, weight_scale_inv, block_n, block_k, x.dtype)
+
+
+# One op in compiled graphs, so that sibling layers' calls fuse into one (worker/fuse_linears.py: q/k/v's weights and
+# their scales back to back, where each sibling's outputs are whole blocks).
+@torch.library.custom_op("paged_backend::fp8_block_linear", mutates_args=())
+def fp8_block_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_n: int, block_k: int
+) -> torch.Tensor:
+    return fp8_block_linear(x, weight, weight_scale_inv, block_n, block_k)
+
+
+@fp8_block_linear_op.register_fake
+def _(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_n: int, block_k: int
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def fp8_block_mm(
@@ -88,8 +112,6 @@ def fp8_block_mm(
     return fp8_block_mm_torch(q, q_scale, weight, weight_scale_inv, block_n, block_k, out_dtype)
 
 
-# Opaque in compiled graphs: the quantization before it stays torch ops, which inductor fuses into the kernel
-# that produced the activation (RMSNorm's, SiLU·mul's).
 @torch.library.custom_op("paged_backend::fp8_block_mm", mutates_args=())
 def fp8_block_mm_op(
     q: torch.Tensor,
@@ -151,7 +173,8 @@ class FP8BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features)
-        y = fp8_block_linear(flat, self.weight, self.weight_scale_inv, self.block_n, self.block_k)
+        linear = fp8_block_linear_op if torch.compiler.is_compiling() else fp8_block_linear
+        y = linear(flat, self.weight, self.weight_scale_inv, self.block_n, self.block_k)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)

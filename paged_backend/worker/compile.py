@@ -26,7 +26,7 @@ import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from paged_backend.config import EngineConfig
-from paged_backend.worker.fp8_activations import divides_as_eager, quantize_fp8_activations, quantizes_block_fp8
+from paged_backend.worker.fp8_activations import divides_as_eager, quantize_fp8_activations
 from paged_backend.worker.fuse_linears import PackingBackend, fuse_sibling_linears
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class RegionalCompile:
                 self.num_fused_groups += fuse_sibling_linears(gm, self.layers)
                 quantized = quantize_fp8_activations(gm)
                 self.num_fp8_quantized += quantized
-                if quantized or quantizes_block_fp8(gm):  # the graph's quantization divides as the kernels do
+                if quantized:  # the graph's quantization divides as the FP8 op's kernel does
                     with divides_as_eager():
                         return compiler(gm, example_inputs)
             return compiler(gm, example_inputs)

@@ -13,6 +13,9 @@ once the graph compiles ``with divides_as_eager()``: inductor otherwise lowers a
 approximate division, where eager CUDA and ``kernels/fp8_quant.py`` round it, and a scale one bit off moves
 values across fp8's rounding boundaries.
 
+Block-wise FP8 layers (``paged_backend.fp8_block_linear``) always quantize their input, per token and block of
+inputs: each call becomes ``quantized_fp8_block_linear`` (torch ops, then the opaque ``fp8_block_mm``).
+
 Left as they are: weight-only layers, and per-token calls on rows the fp8 GEMV takes (``GEMV_ROWS``: it
 multiplies unquantized activations). With dynamic shapes dynamo specializes a size of 1, so a decode graph of
 one row keeps its GEMV and a graph whose rows are a symbol (two or more) is rewritten.
@@ -25,9 +28,10 @@ import contextlib
 from torch import fx
 
 from paged_backend.quantization.fp8 import GEMV_ROWS, quantized_fp8_linear
+from paged_backend.quantization.fp8_block import quantized_fp8_block_linear
 
 FP8_LINEAR = "paged_backend.fp8_linear.default"
-FP8_BLOCK_MM = "paged_backend.fp8_block_mm.default"  # quantization/fp8_block.py: its layers quantize in torch ops
+FP8_BLOCK_LINEAR = "paged_backend.fp8_block_linear.default"  # quantization/fp8_block.py: always quantizes
 
 
 def _quantizes(node: fx.Node) -> bool:
@@ -44,22 +48,22 @@ def _quantizes(node: fx.Node) -> bool:
 
 def quantize_fp8_activations(gm: fx.GraphModule) -> int:
     """Rewrite ``gm`` in place: each ``fp8_linear`` call that quantizes its input becomes
-    ``quantized_fp8_linear`` with the same arguments. Returns how many calls were rewritten."""
+    ``quantized_fp8_linear`` with the same arguments, each ``fp8_block_linear`` call ``quantized_fp8_block_linear``.
+    Returns how many calls were rewritten."""
     rewritten = 0
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and str(node.target) == FP8_LINEAR and not node.kwargs and _quantizes(node):
+        if node.op != "call_function" or node.kwargs:
+            continue
+        if str(node.target) == FP8_LINEAR and _quantizes(node):
             node.target = quantized_fp8_linear
+            rewritten += 1
+        elif str(node.target) == FP8_BLOCK_LINEAR:
+            node.target = quantized_fp8_block_linear
             rewritten += 1
     if rewritten:
         gm.graph.lint()
         gm.recompile()
     return rewritten
-
-
-def quantizes_block_fp8(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` holds a block-wise FP8 layer's product, whose activations are quantized by torch ops before
-    it (in every graph, like a rewritten call's)."""
-    return any(node.op == "call_function" and str(node.target) == FP8_BLOCK_MM for node in gm.graph.nodes)
 
 
 def divides_as_eager() -> contextlib.AbstractContextManager[object]:

@@ -13,7 +13,8 @@ columns: 16 tiles of 64 for 132 SMs) and each paying its own launch and tail. vL
    from the first weight (its storage runs on into the others), and split the result back:
    ``fuse_sibling_linears``.
 
-AWQ and FP8 layers' calls (one op of ours each) are fused the same way, their buffers packed along the output.
+AWQ and FP8 layers' calls (one op of ours each, block-wise FP8's included) are fused the same way, their buffers
+packed along the output.
 Weights must not be replaced after packing (CUDA graphs already assume that); a group found unpacked in any
 layer is left as separate calls.
 """
@@ -147,16 +148,20 @@ def pack(tensors: list[torch.Tensor], dim: int = 0) -> None:
 
 class QuantizedOp(NamedTuple):
     """An op of ours over one layer's buffers: their names in the call's order, the dimension their outputs run
-    along, and which of them gives each sibling's output width (its size along ``dim``; AWQ: the scales')."""
+    along, which of them gives each sibling's output width (its size along ``dim``; AWQ: the scales'), and where
+    the call names how many outputs one row of a buffer covers (block-wise FP8's scales: ``block_n``), which every
+    sibling's width but the last must be a multiple of (else the packed scales would not line up)."""
 
     tensors: tuple[str, ...]
     dim: int
     width_from: int
+    block_arg: int | None = None
 
 
 QUANTIZED_OPS = {
     "paged_backend.awq_gemm.default": QuantizedOp(("qweight", "qzeros", "scales"), dim=1, width_from=2),
     "paged_backend.fp8_linear.default": QuantizedOp(("weight", "weight_scale"), dim=0, width_from=0),
+    "paged_backend.fp8_block_linear.default": QuantizedOp(("weight", "weight_scale_inv"), 0, 0, block_arg=3),
 }
 
 
@@ -205,6 +210,11 @@ def find_quantized_groups(gm: fx.GraphModule, layer: nn.Module) -> list[Quantize
         siblings = _quantized_siblings(layer, modules, op)
         if any(len({_but_along(t, op.dim) for t in tensors}) != 1 for tensors in siblings):
             continue
+        if op.block_arg is not None:
+            block = members[0][0].args[op.block_arg]
+            widths = [t.shape[op.dim] for t in siblings[op.width_from]]
+            if not isinstance(block, int) or any(w % block for w in widths[:-1]):
+                continue
         groups.append(QuantizedGroup([n for n, _, _ in members], modules, op))
     return groups
 
