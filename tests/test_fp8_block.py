@@ -144,6 +144,26 @@ def test_tensor_parallel_ranks_cut_whole_blocks_with_their_scales() -> None:
         shard_model(_model(), 0, 4, None)
 
 
+def test_a_rank_loads_the_checkpoint_cut_on_blocks_and_dummy_weights_are_refused() -> None:
+    """What a tensor-parallel worker loads: the checkpoint read whole on the CPU and cut (as ``shard_model`` cuts
+    the loaded model); ``load_format="dummy"`` makes no fp8 weights, for one rank as for one process."""
+    from paged_backend.model_loader.sharded import load_shard
+    from paged_backend.model_loader.tp_plan import shard_model
+
+    config = EngineConfig.from_kwargs(model=str(FOLDER), tensor_parallel_size=2, dtype="float32")
+    shard = load_shard(config, str(FOLDER), 1, torch.device("cpu"), all_reduce=None)
+    expected = _model()
+    shard_model(expected, 1, 2, None)
+    got = dict(shard.named_buffers()) | dict(shard.named_parameters())
+    for name, tensor in (dict(expected.named_buffers()) | dict(expected.named_parameters())).items():
+        assert torch.equal(got[name].view(torch.uint8) if got[name].dtype == FP8 else got[name],
+                           tensor.view(torch.uint8) if tensor.dtype == FP8 else tensor), name  # fmt: skip
+    assert shard.model.layers[0].self_attn.o_proj.weight_scale_inv.shape == (4, 1)  # 64 of 128 inputs: one block
+    dummy = EngineConfig.from_kwargs(model=str(FOLDER), tensor_parallel_size=2, load_format="dummy")
+    with pytest.raises(ValueError, match="load_format='dummy' does not make fp8 weights"):
+        load_shard(dummy, str(FOLDER), 0, torch.device("cpu"), all_reduce=None)
+
+
 def block_quantized(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A random [n, k] weight in fp8 with a scale per BLOCK_N × BLOCK_K block (ragged at the edges)."""
     w = torch.randn(n, k, generator=gen) * 0.1
