@@ -9,7 +9,9 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
 - ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernel);
 - ``fp8_gemm_fast_accum``: ``fp8_gemm`` with ``use_fast_accum=True`` (Hopper's faster, less exact fp8
   accumulation, which vLLM's fp8 GEMMs use), with its largest difference from bf16 beside it;
-- ``gemlite_fp8``: GemLite's fp8 layer (``A8W8_fp8_dynamic``) on the same weights, where ``gemlite`` imports.
+- ``gemlite_fp8``: GemLite's fp8 layer (``A8W8_fp8_dynamic``) on the same weights, where ``gemlite`` imports;
+- ``fp8_block``: block-wise FP8 (``quant_method: "fp8"``, 128 x 128 weight blocks, activations per token and 128
+  inputs) as ``FP8BlockLinear`` runs it eagerly: the quantization kernel, then ``kernels/fp8_block_mm.py``.
 
 With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first.
 
@@ -33,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton  # noqa: E402
 from paged_backend.kernels.fp8_quant import quantize_per_row_triton  # noqa: E402
-from paged_backend.quantization.fp8 import fp8_linear, quantize_per_row  # noqa: E402
+from paged_backend.kernels.fp8_block_mm import quantize_per_group  # noqa: E402
+from paged_backend.quantization.fp8 import FP8, fp8_linear, quantize_per_row  # noqa: E402
+from paged_backend.quantization.fp8_block import fp8_block_linear  # noqa: E402
 
 logger = logging.getLogger("fp8_linear")
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
@@ -60,6 +64,15 @@ def per_call_us(fn: Callable[..., torch.Tensor], weights: list[tuple[torch.Tenso
     import triton.testing
 
     return triton.testing.do_bench_cudagraph(lambda: [fn(*w) for w in weights], rep=50) * 1e3 / len(weights)
+
+
+def block_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] (multiples of ``block``) in fp8 with one scale per ``block`` x ``block`` tile, as transformers'
+    ``FineGrainedFP8Config`` writes checkpoints."""
+    n, k = w.shape
+    scale = quantize_per_group(w.float(), block)[1].view(n // block, block, k // block).amax(1)  # [N/b, K/b]
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return (w.float() / full).clamp(-448, 448).to(FP8), scale
 
 
 def gemlite_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -89,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         q_w, s_w = quantize_per_row(w)
         s_w = s_w[:, 0]
-        dense, quantized = copies_of(w), copies_of(q_w, s_w)
+        dense, quantized, blocks = copies_of(w), copies_of(q_w, s_w), copies_of(*block_quantize(w))
         for rows in args.rows:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             err = (fp8_linear(x, q_w, s_w, True).float() - F.linear(x, w).float()).abs().max().item()
@@ -102,6 +115,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 "fp8_gemm_fast_accum": per_call_us(lambda q, s, x=x: scaled_mm(x, q, s, True, True), quantized),
                 "fast_accum_max_err_vs_bf16": fast_err,
                 "max_err_vs_bf16": err,
+                "fp8_block": per_call_us(lambda q, s, x=x: fp8_block_linear(x, q, s, 128, 128), blocks),
+                "fp8_block_max_err_vs_bf16": (
+                    fp8_block_linear(x, *blocks[0], 128, 128).float() - F.linear(x, w).float()
+                ).abs().max().item(),
             }
             gemlite = gemlite_fp8(q_w, s_w)
             if gemlite is not None:
