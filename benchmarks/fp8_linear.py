@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from paged_backend.kernels.fp8_block_mm import quantize_per_group  # noqa: E402
 from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton  # noqa: E402
 from paged_backend.kernels.fp8_quant import quantize_per_row_triton  # noqa: E402
-from paged_backend.kernels.fp8_block_mm import quantize_per_group  # noqa: E402
 from paged_backend.quantization.fp8 import FP8, fp8_linear, quantize_per_row  # noqa: E402
 from paged_backend.quantization.fp8_block import fp8_block_linear  # noqa: E402
 
@@ -118,7 +118,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 "fp8_block": per_call_us(lambda q, s, x=x: fp8_block_linear(x, q, s, 128, 128), blocks),
                 "fp8_block_max_err_vs_bf16": (
                     fp8_block_linear(x, *blocks[0], 128, 128).float() - F.linear(x, w).float()
-                ).abs().max().item(),
+                )
+                .abs()
+                .max()
+                .item(),
             }
             gemlite = gemlite_fp8(q_w, s_w)
             if gemlite is not None:
