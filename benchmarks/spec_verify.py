@@ -17,8 +17,9 @@ untimed warm-up on its own prompt. Backends:
 - ``engine_spec_none_k<k>``: k proposals a step that are never taken, the engine's pausing as it is: what
   speculation costs where it does not pay;
 - ``engine_verify_k<k>``: the same proposals with pausing off, so that every step after the prefill verifies
-  k of them: the time of a verifying step, and from it what every proposal taken would give, (k + 1) tokens a
-  step (a check on the replay above, which ``decisive`` weights keep on the model's path);
+  k of them and takes none: each verifying step is then followed by a chained step queued on the guess that it
+  takes all (``core/spec_chain.py``), which is dropped, so its time a step is a verifying step's and a dropped
+  one's (``all_taken_tok_per_s``, that time times k + 1, is no check on the replay above since the chain);
 - ``hf``: ``model.generate`` (dynamic cache).
 
 Besides tokens per second: the mean accepted length (tokens a verifying step yields) and the wall time of a
