@@ -33,8 +33,8 @@ class ModelConfig:
     tokenizer: str | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"
-    # "awq" / "gptq" / "compressed-tensors": the checkpoint's own (found in its config when None); "fp8": quantized
-    # at load
+    # "awq" / "gptq" / "compressed-tensors" / "fp8": the checkpoint's own (found in its config when None); "fp8" on an
+    # unquantized checkpoint: quantized at load
     quantization: str | None = None
     max_model_len: int | None = None
     seed: int = 0

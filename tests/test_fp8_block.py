@@ -6,8 +6,12 @@ ranks cut on whole blocks; settings we do not run fail naming them."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,10 +105,11 @@ def _changed(tmp_path: Path, change) -> str:
     ("change", "message"),
     [
         (lambda qc: qc.update(activation_scheme="static"), "activation_scheme='static'"),
+        (lambda qc: qc.update(activation_scheme="Static"), "activation_scheme='Static'"),
         (lambda qc: qc.update(scale_fmt="ue8m0"), "scale_fmt='ue8m0'"),
         (lambda qc: qc.update(fmt="e5m2"), "fmt='e5m2'"),
         (lambda qc: qc.pop("weight_block_size"), "weight_block_size=None .*per-tensor"),
-        (lambda qc: qc.update(weight_block_size=[32, 40]), "block_k 40 must be a multiple of 16"),
+        (lambda qc: qc.update(weight_block_size=[32, 48]), "block_k 48 must be a multiple of 32"),
         (lambda qc: qc.update(weight_block_size=[32, 128]), "weight_scale_inv has shape"),  # unlike the tensors
     ],
 )
@@ -113,11 +118,56 @@ def test_settings_we_do_not_run_fail_at_load_naming_them(change, message: str, t
         LLM(_changed(tmp_path, change), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
 
 
+def test_scales_of_a_module_that_is_no_linear_fail_naming_it(tokenizer, tmp_path) -> None:
+    """A mixture-of-experts checkpoint's experts (fused into one module in transformers) or any tensor naming no
+    linear layer of the model: refused with the tensor's name, not an AttributeError."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "experts"
+    shutil.copytree(FOLDER, folder)
+    stored = load_file(folder / "model.safetensors")
+    key = "model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"
+    save_file(stored | {key: torch.ones(8, 2)}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{key} names no module of LlamaForCausalLM.*mixture-of-experts"):
+        LLM(str(folder), tokenizer=tokenizer, num_kv_blocks=64, device="cpu")
+
+
 def test_the_quantization_named_must_be_the_checkpoints(tokenizer) -> None:
     with pytest.raises(ValueError, match="quantization='awq' does not match .* quant_method='fp8'"):
         LLM(str(FOLDER), tokenizer=tokenizer, quantization="awq", num_kv_blocks=64, device="cpu")
     with pytest.raises(ValueError, match="load_format='dummy' does not make fp8 weights"):
         LLM(str(FOLDER), tokenizer=tokenizer, load_format="dummy", num_kv_blocks=64, device="cpu")
+
+
+@pytest.mark.parametrize("name", ["fp8_block_32x64", "fp8_dynamic"])  # block-wise; per channel (FP8Linear)
+def test_adapters_add_their_delta_to_fp8_layers(name: str, tokenizer, tmp_path) -> None:
+    """A LoRA adapter on FP8 layers adds B·A of the layer's unquantized input to its output: greedy output equals
+    HF generate on the dequantized model (inputs through fp8 as the format runs) with the PEFT adapter beside it,
+    unmerged (merged, its delta would go through fp8 too); the adapter changes the output."""
+    peft = pytest.importorskip("peft")
+    from paged_backend import LoRARequest, SamplingParams
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False, lora_dropout=0.0
+    )
+    folder = FOLDER.parent / name
+    base = reference() if folder == FOLDER else reference_model(folder, fp8_inputs=True)
+    adapted = peft.get_peft_model(base, config)
+    with torch.no_grad():  # larger than PEFT's own random init, so the adapter changes greedy outputs
+        for name, param in adapted.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.3)
+    adapted.save_pretrained(tmp_path / "adapter")
+    llm = LLM(str(folder), tokenizer=tokenizer, dtype="float32", enable_lora=True, max_lora_rank=8, block_size=4,
+              num_kv_blocks=128, device="cpu")  # fmt: skip
+    prompts = ragged_prompts(3, seed=41)
+    request = LoRARequest("fp8", 1, str(tmp_path / "adapter"))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10),
+                           lora_request=[request] * len(prompts), use_tqdm=False)  # fmt: skip
+    ours = [list(o.outputs[0].token_ids) for o in outputs]
+    assert ours == [hf_greedy(adapted.eval(), p, 10) for p in prompts]
+    assert ours != greedy_outputs(llm, prompts, 10)
 
 
 def _model() -> nn.Module:
@@ -194,6 +244,52 @@ def test_block_kernel_equals_its_twin(m: int, n: int, k: int, upcast: bool) -> N
         torch.testing.assert_close(out, twin, rtol=tolerance, atol=tolerance)
     exact = x @ (weight.float() * expand_scales(weight_scale, n, k, BLOCK_N, BLOCK_K)).T  # fp8's rounding away
     assert (twin.cpu() - exact).abs().max() < 0.1 * exact.abs().max()
+
+
+COMPILE_FOR = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from paged_backend.kernels.fp8_block_mm import _fp8_block_mm_kernel as fn
+
+results = {}
+for case in sys.argv[1:]:
+    cc, upcast = int(case.split(",")[0]), case.endswith(",1")
+    operand = "*u8" if upcast else "*fp8e4nv"
+    signature = dict(zip(fn.arg_names, [operand, "*fp32", operand, "*fp32", "*bf16", "*fp32", "*i32"] + ["i32"] * 7))
+    constexprs = dict(BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, UPCAST=upcast)
+    constexprs["SPLIT"] = True
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    try:
+        triton.compile(source, target=GPUTarget("cuda", cc, 32))
+        results[case] = "ok"
+    except Exception as exc:
+        results[case] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+print(json.dumps(results))
+"""
+COMPILE_CASES = [(90, False, True), (80, True, True), (80, False, False)]
+
+
+@functools.cache
+def compiled_for_targets() -> dict[str, str]:
+    """Each case of ``COMPILE_CASES`` compiled in one process without Triton's interpreter: "ok" or the error."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cases = [f"{cc},{int(upcast)}" for cc, upcast, _ in COMPILE_CASES]
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR, *cases], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(("cc", "upcast", "compiles"), COMPILE_CASES)
+def test_the_kernel_compiles_for_gpus_with_and_without_fp8_units(cc: int, upcast: bool, compiles: bool) -> None:
+    """Compiled (not interpreted) for an H100 (sm_90) with fp8 operands, and for an A100 (sm_80), where Triton has
+    no fp8 type, with the operands' bytes decoded in the kernel; fp8 operands there fail to compile (what the
+    bytes avoid)."""
+    result = compiled_for_targets()[f"{cc},{int(upcast)}"]
+    assert (result == "ok") == compiles, result
 
 
 def test_one_scale_per_row_is_a_block_of_all_inputs_and_splits_anywhere() -> None:

@@ -53,11 +53,18 @@ def fp8_block_mm_torch(
 if triton is not None:
     from paged_backend.kernels.arrival import add_parts, last_to_arrive
 
+    @triton.jit
+    def _e4m3_as_fp16(bits):
+        """float8_e4m3fn values (their bytes, uint8) as float16 times 2^-8: sign, exponent and mantissa moved into
+        fp16's fields (the exponents' biases differ by 8; e4m3's subnormals land on fp16 normals), exact."""
+        bits = bits.to(tl.uint16)
+        return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
     @triton.jit(do_not_specialize=["M"])
     def _fp8_block_mm_kernel(
-        a_ptr,  # [M, K] fp8, rows contiguous
+        a_ptr,  # [M, K] fp8 (UPCAST: its bytes, uint8), rows contiguous
         a_scale_ptr,  # [M, K_GROUPS] float32
-        b_ptr,  # [N, K] fp8, rows contiguous
+        b_ptr,  # [N, K] fp8 (UPCAST: its bytes), rows contiguous
         b_scale_ptr,  # [ceil(N / BLOCK_SIZE_N), K_GROUPS] float32
         out_ptr,  # [M, N]
         partial_ptr,  # [SPLIT_K, M, N] fp32 when K is split (programs along axis 2)
@@ -74,7 +81,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,  # the program's tile
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,  # divides BLOCK_SIZE_K: one scale per step
-        UPCAST: tl.constexpr,  # no fp8 matrix units: the dot in fp16, which holds every e4m3 value exactly
+        UPCAST: tl.constexpr,  # no fp8 units (Triton has no fp8 type there): bytes decoded to fp16, an fp16 dot
         SPLIT: tl.constexpr,  # K split: fp32 parts, the last program of a tile adds them
     ):
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -94,8 +101,9 @@ if triton is not None:
             group = start // BLOCK_SIZE_K
             a_scale = tl.load(a_scale_ptr + offs_m * K_GROUPS + group, mask=mask_m, other=0.0)
             b_scale = tl.load(b_scale_ptr + (offs_n // BLOCK_SIZE_N) * K_GROUPS + group, mask=mask_n, other=0.0)
-            if UPCAST:
-                a, b = a.to(tl.float16), b.to(tl.float16)
+            if UPCAST:  # each operand 2^-8 of its value: the product's 2^16 goes with the scales
+                a, b = _e4m3_as_fp16(a), _e4m3_as_fp16(b)
+                a_scale = a_scale * 65536.0
             acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         out = out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -109,12 +117,13 @@ if triton is not None:
 
 
 def step_k(block_k: int) -> int:
-    """The kernel's step along K: the largest power of two up to 128 that divides ``block_k`` (a dot needs 16)."""
+    """The kernel's step along K: the largest power of two up to 128 that divides ``block_k`` (Triton's fp8 dot
+    needs 32)."""
     step = 128
     while block_k % step:
         step //= 2
-    if step < 16:
-        raise ValueError(f"fp8 block-wise weights: block_k {block_k} must be a multiple of 16")
+    if step < 32:
+        raise ValueError(f"fp8 block-wise weights: block_k {block_k} must be a multiple of 32")
     return step
 
 
@@ -141,8 +150,9 @@ def fp8_block_mm_triton(
     upcast: bool = False,
     launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """The kernel (``upcast``: the dots in fp16, for devices without fp8 matrix units; ``launch``: BLOCK_M,
-    BLOCK_N and SPLIT_K, by default ``launch_shape``'s); other arguments as the twin's."""
+    """The kernel (``upcast``: the fp8 operands read as bytes and the dots in fp16, for devices without fp8
+    units; ``launch``: BLOCK_M, BLOCK_N and SPLIT_K, by default ``launch_shape``'s); other arguments as the
+    twin's."""
     (m, k), n = q.shape, weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0:
@@ -155,6 +165,9 @@ def fp8_block_mm_triton(
     split_k = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n_tile), split_k)
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=q.device)
+    counters = arrival_counters(q.device, grid[0] * grid[1] if split_k > 1 else 0)  # unread when K is whole
+    if upcast:
+        q, weight = q.view(torch.uint8), weight.view(torch.uint8)
     _fp8_block_mm_kernel[grid](
         q,
         q_scale.contiguous(),
@@ -162,7 +175,7 @@ def fp8_block_mm_triton(
         weight_scale.contiguous(),
         out,
         partial,
-        arrival_counters(q.device, grid[0] * grid[1]),
+        counters,
         m,
         n,
         k,

@@ -43,8 +43,11 @@ _LORA_A, _LORA_B = "paged_lora_a", "paged_lora_b"  # buffer names on each LoRA-a
 
 def _in_out(module: nn.Module) -> tuple[int, int] | None:
     from paged_backend.quantization.awq import AWQLinear
+    from paged_backend.quantization.fp8 import FP8Linear
+    from paged_backend.quantization.fp8_block import FP8BlockLinear
 
-    if isinstance(module, (nn.Linear, AWQLinear)):  # the delta needs the input and the output, not the weight
+    # the delta needs the layer's input and output, not its weight: quantized layers take adapters too
+    if isinstance(module, (nn.Linear, AWQLinear, FP8Linear, FP8BlockLinear)):
         return module.in_features, module.out_features
     if type(module).__name__ == "Conv1D":  # GPT-2: weight [in, out]
         fan_in, fan_out = module_tensor(module, "weight").shape

@@ -59,8 +59,8 @@ def load_model(
     if quantization is not None and getattr(hf_config, "quantization_config", None) is not None:
         if dummy:
             raise ValueError(
-                f"load_format='dummy' does not make {quantization} weights: quantize a model with "
-                "paged_backend.quantization.awq_quantize.quantize, or llm-compressor"
+                f"load_format='dummy' does not make {quantization} weights (the checkpoint's format): load the "
+                "checkpoint itself, or quantize a model (paged_backend.quantization.awq_quantize, llm-compressor)"
             )
         load_device = torch.device("cpu") if keep_on_cpu else device
         loaders = {

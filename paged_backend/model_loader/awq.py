@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -43,6 +43,31 @@ def replace_linears(model: nn.Module, awq: AWQConfig) -> list[str]:
             raise ValueError(f"{name}: {exc}") from exc
         setattr(parent, child, quantized)
     return names
+
+
+def replace_quantized(
+    model: nn.Module, names: set[str], make: Callable[[nn.Linear], nn.Module], part: str, fmt: str
+) -> None:
+    """Swap each named linear, whose quantized ``part`` the checkpoint holds, for ``make(linear)`` (an empty
+    quantized layer on the meta device). A name that is no linear of the model fails naming it: ``fmt`` checkpoints
+    of mixture-of-experts models (experts fused into one module in transformers) are not read."""
+    for name in sorted(names):
+        parent_name, _, child = name.rpartition(".")
+        try:
+            linear: nn.Module | None = model.get_submodule(name)
+        except AttributeError:
+            linear = None
+        if not isinstance(linear, nn.Linear):
+            found = "no module" if linear is None else f"a {type(linear).__name__}"
+            raise ValueError(
+                f"{fmt} checkpoint: {name}.{part} names {found} of {type(model).__name__}, not a linear layer "
+                "(mixture-of-experts experts are not read)"
+            )
+        try:
+            layer = make(linear)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
 
 
 def _targets(model: nn.Module) -> tuple[dict[str, tuple[nn.Module, str]], set[str]]:

@@ -13,7 +13,12 @@ import logging
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from paged_backend.model_loader.awq import checkpoint_tensors, load_quantized_weights, resolve_checkpoint_folder
+from paged_backend.model_loader.awq import (
+    checkpoint_tensors,
+    load_quantized_weights,
+    replace_quantized,
+    resolve_checkpoint_folder,
+)
 from paged_backend.model_loader.dummy import meta_model
 from paged_backend.model_loader.gptq import quantized_modules
 from paged_backend.model_structure import set_module_attribute
@@ -35,13 +40,11 @@ def load_fp8_block_model(
     quantized = quantized_modules(folder, "weight_scale_inv")
     if not quantized:
         raise ValueError(f"fp8 checkpoint {name}: no tensor named *.weight_scale_inv, so no quantized linear")
-    for module_name in sorted(quantized):
-        parent_name, _, child = module_name.rpartition(".")
-        linear = model.get_submodule(module_name)
-        if not isinstance(linear, torch.nn.Linear):
-            raise ValueError(f"fp8 checkpoint: {module_name} has a weight_scale_inv but is a {type(linear).__name__}")
-        layer = FP8BlockLinear(linear.in_features, linear.out_features, linear.bias is not None, block, "meta")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+
+    def make(linear: torch.nn.Linear) -> FP8BlockLinear:
+        return FP8BlockLinear(linear.in_features, linear.out_features, linear.bias is not None, block, "meta")
+
+    replace_quantized(model, quantized, make, "weight_scale_inv", "fp8")
     load_quantized_weights(model, checkpoint_tensors(folder), dtype, device)
     set_module_attribute(model, "fp8_block_config", block)
     logger.info("block-wise FP8: %d linears, blocks of %d x %d", len(quantized), block.block_n, block.block_k)

@@ -13,7 +13,12 @@ from collections.abc import Iterable, Iterator
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from paged_backend.model_loader.awq import checkpoint_tensors, load_quantized_weights, resolve_checkpoint_folder
+from paged_backend.model_loader.awq import (
+    checkpoint_tensors,
+    load_quantized_weights,
+    replace_quantized,
+    resolve_checkpoint_folder,
+)
 from paged_backend.model_loader.dummy import meta_model
 from paged_backend.model_loader.hf import checkpoint_files
 from paged_backend.model_structure import set_module_attribute
@@ -60,24 +65,14 @@ def load_gptq_model(
     model = meta_model(plain, dtype, trust_remote_code)
     folder = resolve_checkpoint_folder(name)
     quantized = quantized_modules(folder)
-    biasless = {m for m in quantized if getattr(model.get_submodule(m), "bias", None) is None}
-    for module_name in sorted(quantized):
-        parent_name, _, child = module_name.rpartition(".")
-        linear = model.get_submodule(module_name)
-        if not isinstance(linear, torch.nn.Linear):
-            raise ValueError(f"GPTQ checkpoint: {module_name} has a qweight but is a {type(linear).__name__}")
-        try:
-            layer = AWQLinear(
-                linear.in_features,
-                linear.out_features,
-                gptq.group_size_of(linear),
-                linear.bias is not None,
-                device="meta",
-                input_order=gptq.desc_act,
-            )
-        except ValueError as exc:
-            raise ValueError(f"{module_name}: {exc}") from exc
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+
+    def make(linear: torch.nn.Linear) -> AWQLinear:
+        bias = linear.bias is not None
+        group_size = gptq.group_size_of(linear)
+        return AWQLinear(linear.in_features, linear.out_features, group_size, bias, "meta", gptq.desc_act)
+
+    replace_quantized(model, quantized, make, "qweight", "GPTQ")
+    biasless = {m for m in quantized if model.get_submodule(m).bias is None}
     tensors = without_zero_biases(checkpoint_tensors(folder), biasless)
     load_quantized_weights(model, gptq.convert(tensors, quantized), dtype, device)
     set_module_attribute(model, "gptq_config", gptq)

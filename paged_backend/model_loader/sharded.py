@@ -50,8 +50,8 @@ def load_shard(
     world_size = config.parallel_config.tensor_parallel_size
     hf_config = load_hf_config(config, name)
     dummy = config.model_config.load_format == "dummy"
-    quantization = checkpoint_quantization(config, hf_config, name)
     if dummy and getattr(hf_config, "quantization_config", None) is not None:
+        quantization = checkpoint_quantization(config, hf_config, name)
         raise ValueError(f"load_format='dummy' does not make {quantization} weights (the checkpoint's format)")
     files = None if dummy else _sliceable_files(config, hf_config, name)
     model = meta_model(hf_config, checkpoint_dtype(config, hf_config, device), config.model_config.trust_remote_code)

@@ -37,7 +37,7 @@ class FP8BlockConfig:
         method = qc.get("quant_method", "")
         if str(getattr(method, "value", method)).lower() != "fp8":  # transformers' configs hold an enum
             raise _unsupported("quant_method", method, "'fp8'")
-        if qc.get("activation_scheme", "dynamic") != "dynamic":
+        if str(qc.get("activation_scheme", "dynamic")).lower() != "dynamic":
             raise _unsupported("activation_scheme", qc.get("activation_scheme"), "'dynamic'")
         if qc.get("fmt", "e4m3") != "e4m3":
             raise _unsupported("fmt", qc.get("fmt"), "'e4m3'")
@@ -65,9 +65,10 @@ def fp8_block_linear(
     block_n: int,
     block_k: int,
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """``x`` quantized per token and ``block_k`` inputs (by one kernel on a GPU), times the weight: the product's
-    kernel on a GPU (its dots in fp8 where the device has fp8 units, in fp16 elsewhere), the twin elsewhere."""
-    q, scale = quantize_per_group(x, block_k, kernel=x.is_cuda and triton is not None)
+    """``x`` quantized per token and ``block_k`` inputs (by one kernel on a GPU with fp8 units), times the weight:
+    the product's kernel on a GPU (its dots in fp8 where the device has fp8 units; elsewhere, where Triton has no
+    fp8 type, the bytes decoded to fp16 in the kernel), the twin on other devices."""
+    q, scale = quantize_per_group(x, block_k, kernel=x.is_cuda and triton is not None and has_fp8_matmul(x.device))
     return fp8_block_mm(q, scale, weight, weight_scale_inv, block_n, block_k, x.dtype)
 
 

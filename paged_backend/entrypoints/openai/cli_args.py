@@ -46,7 +46,7 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--kv-cache-dtype", str, "auto (the model's dtype), fp8 or fp8_e4m3 (float8_e4m3fn: twice the tokens)"),
     ("--tensor-parallel-size", int, "GPUs to shard the model over (default 1)"),
     ("--dtype", str, "auto, float32, float16, bfloat16 (default auto)"),
-    ("--quantization", str, "awq, gptq or compressed-tensors (the checkpoint's, found by itself), fp8 (at load)"),
+    ("--quantization", str, "awq, gptq, compressed-tensors, fp8 (the checkpoint's, found by itself; fp8 also at load)"),
     ("--max-loras", int, "LoRA adapters in one batch (default 4)"),
     ("--max-lora-rank", int, "largest LoRA rank (default 16)"),
     ("--seed", int, "seed of unseeded sampling (default 0)"),
