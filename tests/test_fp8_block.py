@@ -33,7 +33,7 @@ from paged_backend.model_loader.hf import load_hf_config
 from paged_backend.quantization.fp8_block import FP8BlockConfig, FP8BlockLinear, quantized_fp8_block_linear
 from tests.conftest import hf_greedy, ragged_prompts
 from tests.test_producer_checkpoints import greedy_outputs, reference_model
-from tests.test_tp_plan import tp_logits
+from tests.test_tp_plan import assert_ranks_reproduce
 
 FOLDER = Path(__file__).parent / "data" / "quantized" / "fp8_block_32x64"
 BLOCK_N, BLOCK_K = 32, 64  # the fixture's weight_block_size
@@ -183,13 +183,7 @@ def test_tensor_parallel_ranks_cut_whole_blocks_with_their_scales() -> None:
     o_proj's 128 inputs into 32, half a block: refused by name."""
     from paged_backend.model_loader.tp_plan import shard_model
 
-    model = _model()
-    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        full = model(ids).logits
-    for logits in tp_logits(model, 2, ids):
-        assert logits is not None
-        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+    assert_ranks_reproduce(_model(), 2, torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(2)))
     with pytest.raises(ValueError, match=r"o_proj: block-wise FP8 has one scale per 64 inputs; this rank's 0:32"):
         shard_model(_model(), 0, 4, None)
 

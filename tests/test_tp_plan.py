@@ -53,6 +53,15 @@ def tp_logits(model, world: int, ids: torch.Tensor) -> list[torch.Tensor]:
     return results
 
 
+def assert_ranks_reproduce(model, world: int, ids: torch.Tensor) -> None:
+    """Every one of ``world`` ranks (threads summing their rowwise partial outputs) gives the full model's logits."""
+    with torch.no_grad():
+        full = model(ids).logits
+    for rank, logits in enumerate(tp_logits(model, world, ids)):
+        assert logits is not None, f"rank {rank} did not finish"
+        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("arch", "world"),
     [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen3", 2), ("mistral", 2)],  # llama/4, qwen3/2: KV replicated
@@ -60,12 +69,7 @@ def tp_logits(model, world: int, ids: torch.Tensor) -> list[torch.Tensor]:
 def test_sharded_ranks_reproduce_the_full_model(arch: str, world: int) -> None:
     model = build_tiny_model(arch, vocab_size=512)
     model.config._attn_implementation = "eager"
-    ids = torch.randint(3, 512, (2, 11), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        full = model(ids).logits
-    for rank, logits in enumerate(tp_logits(model, world, ids)):
-        assert logits is not None, f"rank {rank} did not finish"
-        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+    assert_ranks_reproduce(model, world, torch.randint(3, 512, (2, 11), generator=torch.Generator().manual_seed(0)))
 
 
 def test_fp8_layers_are_cut_with_their_scales() -> None:
@@ -79,12 +83,7 @@ def test_fp8_layers_are_cut_with_their_scales() -> None:
         if isinstance(module, FP8Linear):
             module.dynamic_activations = False
     assert "model.layers.0.mlp.down_proj" in tp_plan(model)
-    ids = torch.randint(3, 512, (2, 11), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = model(ids).logits
-    for logits in tp_logits(model, 2, ids):
-        assert logits is not None
-        torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+    assert_ranks_reproduce(model, 2, torch.randint(3, 512, (2, 11), generator=torch.Generator().manual_seed(1)))
 
 
 def test_a_gptq_layer_in_activation_order_is_not_cut_along_its_inputs() -> None:

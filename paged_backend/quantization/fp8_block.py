@@ -84,11 +84,7 @@ def quantized_fp8_block_linear(
 
 # One op in compiled graphs, so that sibling layers' calls fuse into one (worker/fuse_linears.py: q/k/v's weights and
 # their scales back to back, where each sibling's outputs are whole blocks).
-@torch.library.custom_op("paged_backend::fp8_block_linear", mutates_args=())
-def fp8_block_linear_op(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_n: int, block_k: int
-) -> torch.Tensor:
-    return fp8_block_linear(x, weight, weight_scale_inv, block_n, block_k)
+fp8_block_linear_op = torch.library.custom_op("paged_backend::fp8_block_linear", mutates_args=())(fp8_block_linear)
 
 
 @fp8_block_linear_op.register_fake
@@ -113,17 +109,7 @@ def fp8_block_mm(
     return fp8_block_mm_torch(q, q_scale, weight, weight_scale_inv, block_n, block_k, out_dtype)
 
 
-@torch.library.custom_op("paged_backend::fp8_block_mm", mutates_args=())
-def fp8_block_mm_op(
-    q: torch.Tensor,
-    q_scale: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale_inv: torch.Tensor,
-    block_n: int,
-    block_k: int,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    return fp8_block_mm(q, q_scale, weight, weight_scale_inv, block_n, block_k, out_dtype)
+fp8_block_mm_op = torch.library.custom_op("paged_backend::fp8_block_mm", mutates_args=())(fp8_block_mm)
 
 
 @fp8_block_mm_op.register_fake
