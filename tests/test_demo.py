@@ -41,6 +41,22 @@ def test_demo_compares_hf_and_the_engine_on_one_batch(tmp_path, monkeypatch) -> 
     assert result["verdict"].startswith("the engine is")
 
 
+def test_the_compile_workers_start_before_hfs_side_runs(tmp_path, monkeypatch) -> None:
+    """Inductor's compile workers take seconds to start: the demo starts them (for the engine's settings and device:
+    on a CPU they stay off) before HF's side runs, so they are ready when the engine compiles."""
+    from paged_backend.entrypoints import demo
+
+    order: list[str] = []
+    monkeypatch.setattr(demo, "start_compile_workers", lambda config, device: order.append(f"workers {device.type}"))
+    run_hf = demo.run_hf
+    monkeypatch.setattr(demo, "run_hf", lambda *a, **k: (order.append("hf"), run_hf(*a, **k))[1])
+    run_demo(num_prompts=2, max_tokens=3, cache_dir=tmp_path, block_size=4, repetitions=1, embedded=True)
+    assert order == ["workers cpu", "hf"]
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'block_sizes'"):  # before HF's side runs
+        run_demo(num_prompts=2, max_tokens=3, cache_dir=tmp_path, block_sizes=4, repetitions=1, embedded=True)
+    assert order == ["workers cpu", "hf"]
+
+
 def test_warm_up_and_repetitions_share_no_prefix_block(tokenizer) -> None:
     """The engine's prefix cache must not serve a timed repetition from the warm-up or an earlier repetition:
     each batch's prompts start with their own tag, so prompt i's first block differs from batch to batch."""

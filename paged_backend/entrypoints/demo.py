@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from paged_backend.config import EngineConfig
 from paged_backend.demo_checkpoint import CORPUS, default_cache_dir, demo_checkpoint
 from paged_backend.entrypoints.demo_model import NUM_QUESTIONS, cpu_threads, demo_model, question
+from paged_backend.worker.compile import start_compile_workers
 
 logger = logging.getLogger(__name__)
 
@@ -292,15 +294,18 @@ def run_demo(
         timed = [demo_prompts(num_prompts, repetition_tag(r)) for r in range(repetitions)]
     # a checkpoint on a GPU in bf16; on a CPU in fp32, where greedy outputs must agree exactly
     dtype = torch.bfloat16 if device == "cuda" and real else torch.float32
+    # The engine is sized to the batch it runs: on a GPU every batch size up to max_num_seqs gets a CUDA graph at
+    # start (1, 2, 4, 8, then every 16), and those past the demo's batch would be captured for nothing.
+    engine_args = {"max_num_seqs": num_prompts, "dtype": str(dtype).removeprefix("torch."), **engine_args}
+    # Inductor's compile workers (processes that import torch: seconds) start while HF runs, ready for the engine's
+    # compile; the settings are checked here too, before HF's side runs.
+    start_compile_workers(EngineConfig.from_kwargs(path, **engine_args), torch.device(device))
     logger.info("loading %s in %s on %s for HF generate", path, dtype, device)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_model = hf_model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps to(): self unbound
     hf = run_hf(hf_model, tokenizer, warmup, timed, max_tokens, batch_size or num_prompts, ignore_eos=not chat)
     del hf_model
-    # The engine is sized to the batch it runs: on a GPU every batch size up to max_num_seqs gets a CUDA graph at
-    # start (1, 2, 4, 8, then every 16), and those past the demo's batch would be captured for nothing.
-    engine_args = {"max_num_seqs": num_prompts, **engine_args}
-    llm = LLM(path, dtype=str(dtype).removeprefix("torch."), **engine_args)
+    llm = LLM(path, **engine_args)
     block_size = llm.llm_engine.stats()["block_size"]
     try:
         paged = run_paged(llm, warmup, timed, max_tokens, ignore_eos=not chat)
