@@ -54,6 +54,8 @@ def test_the_compile_workers_start_before_hfs_side_runs(tmp_path, monkeypatch) -
     assert order == ["workers cpu", "hf"]
     with pytest.raises(TypeError, match="unexpected keyword argument.*'block_sizes'"):  # before HF's side runs
         run_demo(num_prompts=2, max_tokens=3, cache_dir=tmp_path, block_sizes=4, repetitions=1, embedded=True)
+    with pytest.raises(ValueError, match="dtype is the demo's own"):  # HF's and the engine's: one choice
+        run_demo(num_prompts=2, max_tokens=3, cache_dir=tmp_path, dtype="float16", repetitions=1, embedded=True)
     assert order == ["workers cpu", "hf"]
 
 

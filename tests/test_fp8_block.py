@@ -155,8 +155,8 @@ def test_adapters_add_their_delta_to_fp8_layers(name: str, tokenizer, tmp_path) 
     base = reference() if folder == FOLDER else reference_model(folder, fp8_inputs=True)
     adapted = peft.get_peft_model(base, config)
     with torch.no_grad():  # larger than PEFT's own random init, so the adapter changes greedy outputs
-        for name, param in adapted.named_parameters():
-            if "lora_" in name:
+        for parameter_name, param in adapted.named_parameters():
+            if "lora_" in parameter_name:
                 param.normal_(0.0, 0.3)
     adapted.save_pretrained(tmp_path / "adapter")
     llm = LLM(str(folder), tokenizer=tokenizer, dtype="float32", enable_lora=True, max_lora_rank=8, block_size=4,
@@ -206,6 +206,9 @@ def test_a_rank_loads_the_checkpoint_cut_on_blocks_and_dummy_weights_are_refused
     dummy = EngineConfig.from_kwargs(model=str(FOLDER), tensor_parallel_size=2, load_format="dummy")
     with pytest.raises(ValueError, match="load_format='dummy' does not make fp8 weights"):
         load_shard(dummy, str(FOLDER), 0, torch.device("cpu"), all_reduce=None)
+    asked = EngineConfig.from_kwargs(model=str(FOLDER), tensor_parallel_size=2, quantization="awq")
+    with pytest.raises(ValueError, match="quantization='awq' does not match"):  # as one process refuses it
+        load_shard(asked, str(FOLDER), 0, torch.device("cpu"), all_reduce=None)
 
 
 def block_quantized(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,11 +252,11 @@ from paged_backend.kernels.fp8_block_mm import _fp8_block_mm_kernel as fn
 
 results = {}
 for case in sys.argv[1:]:
-    cc, upcast = int(case.split(",")[0]), case.endswith(",1")
+    cc, upcast, split = (int(part) for part in case.split(","))
     operand = "*u8" if upcast else "*fp8e4nv"
     signature = dict(zip(fn.arg_names, [operand, "*fp32", operand, "*fp32", "*bf16", "*fp32", "*i32"] + ["i32"] * 7))
     constexprs = dict(BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, UPCAST=upcast)
-    constexprs["SPLIT"] = True
+    constexprs["SPLIT"] = bool(split)
     signature |= dict.fromkeys(constexprs, "constexpr")
     source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     try:
@@ -263,27 +266,45 @@ for case in sys.argv[1:]:
         results[case] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 print(json.dumps(results))
 """
-COMPILE_CASES = [(90, False, True), (80, True, True), (80, False, False)]
+COMPILE_CASES = [(90, False, True, True), (80, True, True, True), (80, True, False, True), (80, False, True, False)]
 
 
 @functools.cache
 def compiled_for_targets() -> dict[str, str]:
     """Each case of ``COMPILE_CASES`` compiled in one process without Triton's interpreter: "ok" or the error."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cases = [f"{cc},{int(upcast)}" for cc, upcast, _ in COMPILE_CASES]
+    cases = [f"{cc},{int(upcast)},{int(split)}" for cc, upcast, split, _ in COMPILE_CASES]
     done = subprocess.run(
         [sys.executable, "-c", COMPILE_FOR, *cases], env=env, capture_output=True, text=True, timeout=300, check=True
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(("cc", "upcast", "compiles"), COMPILE_CASES)
-def test_the_kernel_compiles_for_gpus_with_and_without_fp8_units(cc: int, upcast: bool, compiles: bool) -> None:
+@pytest.mark.parametrize(("cc", "upcast", "split", "compiles"), COMPILE_CASES)
+def test_the_kernel_compiles_for_gpus_with_and_without_fp8_units(
+    cc: int, upcast: bool, split: bool, compiles: bool
+) -> None:
     """Compiled (not interpreted) for an H100 (sm_90) with fp8 operands, and for an A100 (sm_80), where Triton has
     no fp8 type, with the operands' bytes decoded in the kernel; fp8 operands there fail to compile (what the
     bytes avoid)."""
-    result = compiled_for_targets()[f"{cc},{int(upcast)}"]
+    result = compiled_for_targets()[f"{cc},{int(upcast)},{int(split)}"]
     assert (result == "ok") == compiles, result
+
+
+@pytest.mark.parametrize("upcast", [False, True])
+def test_every_fp8_value_reaches_the_product_exactly(upcast: bool) -> None:
+    """Each of float8_e4m3fn's 254 values (all but its two NaNs: ±0, subnormals, ±448) as a weight, times one
+    activation of 1: the output is the value itself, through fp8 dots and through the bytes decoded to fp16."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8)
+    values = values[~values.float().isnan()]  # [254]
+    weight = torch.zeros(len(values), 32, dtype=FP8)
+    weight[:, 0] = values
+    q = torch.zeros(1, 32, dtype=FP8)
+    q[0, 0] = 1.0
+    ones = torch.ones(-(-len(values) // 32), 1)
+    out = fp8_block_mm_triton(q.to(DEVICE), torch.ones(1, 1, device=DEVICE), weight.to(DEVICE), ones.to(DEVICE),
+                              32, 32, torch.float32, upcast=upcast)  # fmt: skip
+    assert torch.equal(out[0].cpu(), values.float())
 
 
 def test_one_scale_per_row_is_a_block_of_all_inputs_and_splits_anywhere() -> None:

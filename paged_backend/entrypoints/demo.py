@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from paged_backend.config import EngineConfig
 from paged_backend.demo_checkpoint import CORPUS, default_cache_dir, demo_checkpoint
 from paged_backend.entrypoints.demo_model import NUM_QUESTIONS, cpu_threads, demo_model, question
+from paged_backend.model_loader.hf import resolve_device
 from paged_backend.worker.compile import start_compile_workers
 
 logger = logging.getLogger(__name__)
@@ -271,6 +272,11 @@ def run_demo(
         raise ValueError(f"threads must be >= 1 or None (chosen from the free cores), got {threads}")
     if embedded and model is not None:
         raise ValueError("embedded runs the built-in random-weight model: give either it or model, not both")
+    if "dtype" in engine_args:
+        raise ValueError(
+            "dtype is the demo's own (bfloat16 on a GPU; float32 on a CPU, where greedy outputs must agree "
+            "exactly), the same for HF and the engine: leave it out"
+        )
     cache_dir = cache_dir or default_cache_dir()
     path, real = (str(demo_checkpoint(cache_dir)), False) if embedded else demo_model(model, cache_dir)
     if real and model is None and (repetitions + 1) * num_prompts > NUM_QUESTIONS:
@@ -299,7 +305,8 @@ def run_demo(
     engine_args = {"max_num_seqs": num_prompts, "dtype": str(dtype).removeprefix("torch."), **engine_args}
     # Inductor's compile workers (processes that import torch: seconds) start while HF runs, ready for the engine's
     # compile; the settings are checked here too, before HF's side runs.
-    start_compile_workers(EngineConfig.from_kwargs(path, **engine_args), torch.device(device))
+    config = EngineConfig.from_kwargs(path, **engine_args)
+    start_compile_workers(config, resolve_device(config, None))
     logger.info("loading %s in %s on %s for HF generate", path, dtype, device)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_model = hf_model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps to(): self unbound

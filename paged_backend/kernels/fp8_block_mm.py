@@ -56,9 +56,10 @@ if triton is not None:
     @triton.jit
     def _e4m3_as_fp16(bits):
         """float8_e4m3fn values (their bytes, uint8) as float16 times 2^-8: sign, exponent and mantissa moved into
-        fp16's fields (the exponents' biases differ by 8; e4m3's subnormals land on fp16 normals), exact."""
+        fp16's fields (the exponents' biases differ by 8; e4m3's subnormals land on fp16 subnormals), exact."""
         bits = bits.to(tl.uint16)
-        return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        fp16_bits = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.uint16)  # 16 bits whatever Triton promotes
+        return fp16_bits.to(tl.float16, bitcast=True)
 
     @triton.jit(do_not_specialize=["M"])
     def _fp8_block_mm_kernel(

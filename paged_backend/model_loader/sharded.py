@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from paged_backend.config import EngineConfig
 from paged_backend.model_loader import load_model
@@ -50,10 +50,10 @@ def load_shard(
     world_size = config.parallel_config.tensor_parallel_size
     hf_config = load_hf_config(config, name)
     dummy = config.model_config.load_format == "dummy"
+    quantization = checkpoint_quantization(config, hf_config, name)  # the asked and the checkpoint's must agree
     if dummy and getattr(hf_config, "quantization_config", None) is not None:
-        quantization = checkpoint_quantization(config, hf_config, name)
         raise ValueError(f"load_format='dummy' does not make {quantization} weights (the checkpoint's format)")
-    files = None if dummy else _sliceable_files(config, hf_config, name)
+    files = None if dummy else _sliceable_files(config, name, quantization)
     model = meta_model(hf_config, checkpoint_dtype(config, hf_config, device), config.model_config.trust_remote_code)
     if not dummy and (files is None or not _covers(model, files)):  # read whole on the CPU, cut there
         if files is not None:
@@ -77,12 +77,12 @@ def load_shard(
     return model
 
 
-def _sliceable_files(config: EngineConfig, hf_config: PretrainedConfig, name: str) -> list[str] | None:
+def _sliceable_files(config: EngineConfig, name: str, quantization: str | None) -> list[str] | None:
     """The safetensors files of a local, unquantized checkpoint folder; None where the whole model must load
-    (a hub id, another format such as GGUF, AWQ's packed tensors)."""
+    (a hub id, another format such as GGUF, a quantized checkpoint's packed tensors)."""
     if config.model_config.gguf_file is not None or not os.path.isdir(name):
         return None
-    if checkpoint_quantization(config, hf_config, name) is not None:
+    if quantization is not None:
         return None
     try:
         return checkpoint_files(name)
