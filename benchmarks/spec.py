@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import logging
 import platform
 import re
@@ -47,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from throughput import add_plot_arguments, replotted  # noqa: E402
+from throughput import add_plot_arguments, replotted, write_json  # noqa: E402
 
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo_checkpoint import default_cache_dir  # noqa: E402
@@ -169,6 +168,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for workload in WORKLOADS:
             timed(answer, [prompts[workload][-1]], device)
     results: dict[str, Any] = {}
+    output = {
+        "command": " ".join(sys.argv),
+        "model": path,
+        "device": device,
+        "machine": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "commit": args.commit or git_commit(),
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+        "settings": {
+            "k": args.k,
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+            "repetitions": args.repetitions,
+        },  # fmt: skip
+        "backends": backends,
+        "workloads": results,
+    }
     for workload in WORKLOADS:
         rows: dict[str, Any] = {name: {"tok_per_s": [], "tokens": []} for name in backends}
         accepted_lengths = []
@@ -191,23 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows["speedup_spec_over_engine"] = [s / e for s, e in zip(rows["engine_spec"]["tok_per_s"],
                                                                    rows["engine"]["tok_per_s"])]  # fmt: skip
         results[workload] = rows
-    return {
-        "command": " ".join(sys.argv),
-        "model": path,
-        "device": device,
-        "machine": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-        "commit": args.commit or git_commit(),
-        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
-        "settings": {
-            "k": args.k,
-            "prompts": args.prompts,
-            "max_tokens": args.max_tokens,
-            "repetitions": args.repetitions,
-        },  # fmt: skip
-        "backends": backends,
-        "workloads": results,
-    }
+        write_json(args.json, output)  # each workload as it ends: a run cut short keeps what it measured
+    return output
 
 
 def git_commit() -> str | None:
@@ -262,9 +263,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(workload, {name: round(row[name]["median_tok_per_s"], 1) for name in results["backends"]},
               "accepted length", [round(x, 2) for x in row["engine_spec"]["mean_accepted_length"]],
               "speed-up", [round(x, 2) for x in row["speedup_spec_over_engine"]])  # fmt: skip
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(results, args.plot)
