@@ -6,7 +6,8 @@ ceil(K / block_k)] in float32 (the weight is ``weight * scale`` block by block, 
 quantized at run time per token and per ``block_k`` inputs, as those models were trained and as transformers and
 vLLM run them; the product is ``kernels/fp8_block_mm.py``. Which linears are quantized is read from the checkpoint
 itself (those with a ``weight_scale_inv``): producers leave some in the model's dtype (the output embedding, the
-``modules_to_not_convert``, shapes their blocks do not tile).
+``modules_to_not_convert``, shapes their blocks do not tile). Dense models only: the experts of a mixture of
+experts (one fused module in transformers) are not read, and such a checkpoint fails at load naming the tensor.
 """
 
 from __future__ import annotations
