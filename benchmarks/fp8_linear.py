@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged_backend.kernels.fp8_block_mm import quantize_per_group  # noqa: E402
+from paged_backend.kernels.fp8_block_mm import quantize_per_block  # noqa: E402
 from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton  # noqa: E402
 from paged_backend.kernels.fp8_quant import quantize_per_row_triton  # noqa: E402
-from paged_backend.quantization.fp8 import FP8, fp8_linear, quantize_per_row  # noqa: E402
+from paged_backend.quantization.fp8 import fp8_linear, quantize_per_row  # noqa: E402
 from paged_backend.quantization.fp8_block import fp8_block_linear  # noqa: E402
 
 logger = logging.getLogger("fp8_linear")
@@ -66,15 +66,6 @@ def per_call_us(fn: Callable[..., torch.Tensor], weights: list[tuple[torch.Tenso
     return triton.testing.do_bench_cudagraph(lambda: [fn(*w) for w in weights], rep=50) * 1e3 / len(weights)
 
 
-def block_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` [N, K] (multiples of ``block``) in fp8 with one scale per ``block`` x ``block`` tile, as transformers'
-    ``FineGrainedFP8Config`` writes checkpoints."""
-    n, k = w.shape
-    scale = quantize_per_group(w.float(), block)[1].view(n // block, block, k // block).amax(1)  # [N/b, K/b]
-    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
-    return (w.float() / full).clamp(-448, 448).to(FP8), scale
-
-
 def gemlite_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """GemLite's own fp8 layer (``A8W8_fp8_dynamic``: activations quantized per token, then its Triton GEMM or
     GEMV by row count) over the same fp8 weights and scales, where the optional ``gemlite`` imports; else None."""
@@ -102,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         q_w, s_w = quantize_per_row(w)
         s_w = s_w[:, 0]
-        dense, quantized, blocks = copies_of(w), copies_of(q_w, s_w), copies_of(*block_quantize(w))
+        dense, quantized, blocks = copies_of(w), copies_of(q_w, s_w), copies_of(*quantize_per_block(w, 128, 128))
         for rows in args.rows:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             err = (fp8_linear(x, q_w, s_w, True).float() - F.linear(x, w).float()).abs().max().item()

@@ -25,6 +25,7 @@ from paged_backend.kernels.fp8_block_mm import (
     expand_scales,
     fp8_block_mm_torch,
     fp8_block_mm_triton,
+    quantize_per_block,
     quantize_per_group,
 )
 from paged_backend.kernels.fp8_quant import FP8, quantize_per_row
@@ -213,13 +214,7 @@ def test_a_rank_loads_the_checkpoint_cut_on_blocks_and_dummy_weights_are_refused
 
 def block_quantized(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A random [n, k] weight in fp8 with a scale per BLOCK_N × BLOCK_K block (ragged at the edges)."""
-    w = torch.randn(n, k, generator=gen) * 0.1
-    rows, cols = -(-n // BLOCK_N), -(-k // BLOCK_K)
-    padded = torch.zeros(rows * BLOCK_N, cols * BLOCK_K)
-    padded[:n, :k] = w
-    amax = padded.unflatten(0, (rows, BLOCK_N)).unflatten(-1, (cols, BLOCK_K)).abs().amax(dim=(1, 3))
-    scale = amax / FP8_MAX
-    return (w / expand_scales(scale, n, k, BLOCK_N, BLOCK_K)).to(FP8), scale
+    return quantize_per_block(torch.randn(n, k, generator=gen) * 0.1, BLOCK_N, BLOCK_K)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 128), (5, 96, 200), (40, 130, 64), (70, 33, 96)])

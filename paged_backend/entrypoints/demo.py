@@ -272,11 +272,8 @@ def run_demo(
         raise ValueError(f"threads must be >= 1 or None (chosen from the free cores), got {threads}")
     if embedded and model is not None:
         raise ValueError("embedded runs the built-in random-weight model: give either it or model, not both")
-    if "dtype" in engine_args:
-        raise ValueError(
-            "dtype is the demo's own (bfloat16 on a GPU; float32 on a CPU, where greedy outputs must agree "
-            "exactly), the same for HF and the engine: leave it out"
-        )
+    if "dtype" in engine_args:  # HF and the engine run one: on a CPU fp32, where greedy outputs must agree exactly
+        raise ValueError("dtype is the demo's own (bfloat16 on a GPU, float32 on a CPU) for both sides: leave it out")
     cache_dir = cache_dir or default_cache_dir()
     path, real = (str(demo_checkpoint(cache_dir)), False) if embedded else demo_model(model, cache_dir)
     if real and model is None and (repetitions + 1) * num_prompts > NUM_QUESTIONS:
@@ -303,8 +300,7 @@ def run_demo(
     # The engine is sized to the batch it runs: on a GPU every batch size up to max_num_seqs gets a CUDA graph at
     # start (1, 2, 4, 8, then every 16), and those past the demo's batch would be captured for nothing.
     engine_args = {"max_num_seqs": num_prompts, "dtype": str(dtype).removeprefix("torch."), **engine_args}
-    # Inductor's compile workers (processes that import torch: seconds) start while HF runs, ready for the engine's
-    # compile; the settings are checked here too, before HF's side runs.
+    # Inductor's compile workers (processes importing torch: seconds) start while HF runs; the settings are checked
     config = EngineConfig.from_kwargs(path, **engine_args)
     start_compile_workers(config, resolve_device(config, None))
     logger.info("loading %s in %s on %s for HF generate", path, dtype, device)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from paged_backend.kernels import num_sms, tl, triton
 from paged_backend.kernels.arrival import arrival_counters, split_k_parts
-from paged_backend.kernels.fp8_quant import quantize_per_row, quantize_per_row_triton
+from paged_backend.kernels.fp8_quant import FP8, FP8_MAX, MIN_SCALE, quantize_per_row, quantize_per_row_triton
 
 
 def quantize_per_group(x: torch.Tensor, group: int, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,6 +27,18 @@ def quantize_per_group(x: torch.Tensor, group: int, kernel: bool = False) -> tup
     quantize = quantize_per_row_triton if kernel and padded is x else quantize_per_row
     q, scale = quantize(padded.reshape(m * groups, group))
     return q.reshape(m, groups * group)[:, :k], scale.reshape(m, groups)
+
+
+def quantize_per_block(w: torch.Tensor, block_n: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] as fp8 with one float32 scale per ``block_n`` x ``block_k`` tile ([ceil(N / block_n),
+    ceil(K / block_k)]; the edges' tiles may be short), each tile's largest magnitude mapped to fp8's largest: the
+    layout transformers' ``FineGrainedFP8Config`` writes."""
+    n, k = w.shape
+    rows, cols = -(-n // block_n), -(-k // block_k)
+    padded = F.pad(w.float(), (0, cols * block_k - k, 0, rows * block_n - n))
+    amax = padded.unflatten(0, (rows, block_n)).unflatten(-1, (cols, block_k)).abs().amax(dim=(1, 3))
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
+    return (w.float() / expand_scales(scale, n, k, block_n, block_k)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 def expand_scales(scale: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> torch.Tensor:
