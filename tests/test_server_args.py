@@ -164,18 +164,22 @@ def test_speculative_config_flag_is_json_checked_before_the_model_loads(capsys) 
         assert said in capsys.readouterr().err
 
 
-def test_the_server_steps_384_tokens_unless_told(monkeypatch) -> None:
-    """The server's own token budget (a step is a gap in every stream); a flag still sets it."""
-    from paged_backend.entrypoints.openai.launch import SERVER_MAX_NUM_BATCHED_TOKENS, load
+def test_the_server_steps_384_tokens_in_rounds_of_4_unless_told(monkeypatch) -> None:
+    """The server's own token budget (a step is a gap in every stream) and decode steps a round (an arrival
+    waits for the round in flight); a flag still sets each."""
+    from paged_backend.entrypoints.openai.launch import SERVER_MAX_NUM_BATCHED_TOKENS, SERVER_NUM_SCHEDULER_STEPS, load
 
     built: list[dict] = []
     monkeypatch.setattr("paged_backend.entrypoints.llm.LLM", lambda model, **kwargs: built.append(kwargs))
     load(*parse_args(["--model", "M", "--seed", "1"]))
     load(*parse_args(["--model", "M", "--max-num-batched-tokens", "2048"]))
     load(*parse_args(["--model", "M", "--max-num-seqs", "1024"]))  # each running sequence can still decode
+    load(*parse_args(["--model", "M", "--num-scheduler-steps", "8"]))
+    steps = {"num_scheduler_steps": SERVER_NUM_SCHEDULER_STEPS}
     assert built == [
-        {"max_num_batched_tokens": SERVER_MAX_NUM_BATCHED_TOKENS, "seed": 1},
-        {"max_num_batched_tokens": 2048},
-        {"max_num_batched_tokens": 1024, "max_num_seqs": 1024},
+        {"max_num_batched_tokens": SERVER_MAX_NUM_BATCHED_TOKENS, **steps, "seed": 1},
+        {"max_num_batched_tokens": 2048, **steps},
+        {"max_num_batched_tokens": 1024, **steps, "max_num_seqs": 1024},
+        {"max_num_batched_tokens": SERVER_MAX_NUM_BATCHED_TOKENS, "num_scheduler_steps": 8},
     ]
-    assert SERVER_MAX_NUM_BATCHED_TOKENS == 384
+    assert (SERVER_MAX_NUM_BATCHED_TOKENS, SERVER_NUM_SCHEDULER_STEPS) == (384, 4)

@@ -99,6 +99,34 @@ def test_a_lone_stream_chains_and_drops_a_stale_step_unread(tokenizer) -> None:
     assert_idle(llm)
 
 
+def test_no_chain_after_a_row_took_fewer_than_all(tokenizer, monkeypatch) -> None:
+    """The step after a verifying step is chained only while every row took all its proposals in its last
+    verifying step read; a row that missed gets its next step planned once its tokens are known."""
+    import paged_backend.core.scheduler as scheduler_module
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()[:2]
+    llm = spec_llm(model, tokenizer, async_scheduling=True)
+    llm.llm_engine.scheduler.drafter.proposer = position_truth(model, prompts)
+    asked: list[tuple[bool, bool]] = []  # (every row took all, chained)
+    continuation = scheduler_module.verify_continuation
+
+    def recorded(scheduler, in_flight):
+        took_all = all(seq.spec_took_all for seq in in_flight.seqs)
+        out = continuation(scheduler, in_flight)
+        asked.append((took_all, out is not None))
+        return out
+
+    monkeypatch.setattr(scheduler_module, "verify_continuation", recorded)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40)
+    assert (False, True) not in asked, asked
+    assert (True, True) in asked and (False, False) in asked, asked  # both cases met
+    assert_idle(llm)
+
+
 def test_chained_steps_through_the_verify_graphs_give_hf_greedy(tokenizer) -> None:
     """The first token of each row goes into the graph's static inputs (every q_len-th token): graphs replaced by
     re-running the forward on the static buffers, so this runs on CPU."""

@@ -160,6 +160,7 @@ class DraftPlanner:
         """A verified row: the engine's and the sample's counts, and the sample judged."""
         seq.num_draft_tokens += proposed
         seq.num_accepted_tokens += accepted
+        seq.spec_took_all = accepted == proposed
         judge(seq, accepted)
         self.num_drafts += 1
         self.num_draft_tokens += proposed

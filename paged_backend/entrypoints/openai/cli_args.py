@@ -29,7 +29,7 @@ DEFAULT_MAX_REQUEST_BODY_MB = 32.0
 DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20  # about 50 MB of JSON
 
 # (flag, type, help): each flag's name with underscores is its LLM keyword; defaults are the engine's own, but the
-# server's token budget (launch.SERVER_MAX_NUM_BATCHED_TOKENS).
+# server's token budget and decode steps a round (launch.SERVER_MAX_NUM_BATCHED_TOKENS, SERVER_NUM_SCHEDULER_STEPS).
 _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--block-size", int, "tokens per KV block (default 16)"),
     ("--swap-space", float, "GiB of pinned CPU memory for swapped-out blocks (default 4)"),
@@ -52,7 +52,7 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--seed", int, "seed of unseeded sampling (default 0)"),
     ("--long-prefill-token-threshold", int, "prompt tokens of one request per step, 0: no cap (default 0)"),
     ("--logprobs-mode", str, "raw_logprobs (the model's, default) or processed_logprobs (the sampled distribution's)"),
-    ("--num-scheduler-steps", int, "greedy decode steps per scheduling round (default 8)"),
+    ("--num-scheduler-steps", int, "greedy decode steps per scheduling round (default 4 here, 8 in LLM)"),
     ("--preemption-mode", str, "swap or recompute (default: swap on a GPU with swap space)"),
     ("--device", str, "auto, cpu, cuda or cuda:N (default auto)"),
     ("--load-format", str, "auto (the checkpoint) or dummy (random weights from config.json, for benchmarks)"),
