@@ -73,7 +73,7 @@ class LLMEngine:
         spec = self.executor.kv_cache_spec(self.config)
         profile = functools.partial(self.executor.profile_num_gpu_blocks, self.config)
         num_blocks = num_gpu_blocks(self.config, spec, self.device, profile)
-        num_swap_blocks = num_cpu_blocks(self.config, spec, self.device)
+        num_swap_blocks = num_cpu_blocks(self.config, spec, self.device, num_blocks)
         self.executor.initialize_cache(self.config, num_blocks, num_swap_blocks)
         self.scheduler = make_scheduler(self.config, num_blocks, num_swap_blocks)
         self.asleep = False  # sleep(): no KV cache until wake_up()

@@ -21,7 +21,7 @@ def num_gpu_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device
     and take seconds doing it). Raises when one sequence of ``max_model_len`` would not fit."""
     cache = config.cache_config
     block_size = cache.block_size
-    cap = config.scheduler_config.max_num_seqs * math.ceil(config.max_model_len / block_size)
+    cap = full_length_blocks(config)
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     elif device.type == "cuda":
@@ -48,15 +48,25 @@ def num_gpu_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device
     return num_blocks
 
 
-def num_cpu_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
-    """CPU blocks of swap space, or 0 when preemption recomputes. By default a GPU swaps (swap_space > 0); on a
-    CPU device swapping would copy from CPU memory to CPU memory, so it is used only when asked for."""
+def num_cpu_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, num_gpu_blocks: int) -> int:
+    """CPU blocks of swap space, or 0 when preemption recomputes. By default a GPU swaps (swap_space > 0), unless
+    its ``num_gpu_blocks`` hold ``max_num_seqs`` sequences of ``max_model_len``: the running sequences cannot
+    run out of blocks then, and gigabytes of pinned memory would be allocated (and freed at exit) for nothing.
+    On a CPU device swapping would copy from CPU memory to CPU memory, so it is used only when asked for."""
     mode = config.scheduler_config.preemption_mode
     if mode is None:
         mode = "swap" if device.type == "cuda" and config.cache_config.swap_space > 0 else "recompute"
+        if mode == "swap" and num_gpu_blocks >= full_length_blocks(config):
+            logger.info("swap space: none (the KV cache holds max_num_seqs sequences of max_model_len)")
+            return 0
     if mode == "recompute":
         return 0
     block_bytes = spec.bytes_per_block(config.block_size)
     num_blocks = int(config.cache_config.swap_space * 2**30) // block_bytes
     logger.info("swap space: %d CPU blocks (%.2f GiB)", num_blocks, num_blocks * block_bytes / 2**30)
     return num_blocks
+
+
+def full_length_blocks(config: EngineConfig) -> int:
+    """Blocks for ``max_num_seqs`` sequences of ``max_model_len``: all the running sequences can ever hold."""
+    return config.scheduler_config.max_num_seqs * math.ceil(config.max_model_len / config.cache_config.block_size)
