@@ -8,7 +8,8 @@ from transformers import AutoTokenizer
 
 from paged_backend import LLM
 from paged_backend.entrypoints.cli import main
-from paged_backend.entrypoints.demo import WARMUP_TAG, SideResult, demo_prompts, repetition_tag, run_demo, verdict
+from paged_backend.entrypoints.demo import WARMUP_TAG, demo_prompts, repetition_tag, run_demo
+from paged_backend.entrypoints.demo_report import SideResult, verdict
 
 
 def test_demo_compares_hf_and_the_engine_on_one_batch(tmp_path, monkeypatch) -> None:

@@ -17,9 +17,7 @@ leaves free (``demo_model.cpu_threads``) and printed.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from tqdm.auto import tqdm
 from paged_backend.config import EngineConfig
 from paged_backend.demo_checkpoint import CORPUS, default_cache_dir, demo_checkpoint
 from paged_backend.entrypoints.demo_model import NUM_QUESTIONS, cpu_threads, demo_model, question
+from paged_backend.entrypoints.demo_report import DemoRun, SideResult, log_report
 from paged_backend.model_loader.hf import resolve_device
 from paged_backend.worker.compile import start_compile_workers
 
@@ -63,36 +62,6 @@ def demo_prompts(num_prompts: int, tag: str = "") -> list[str]:
         + " ".join(CORPUS[(i + j) % len(CORPUS)] for j in range(1 + i % 3))[: 24 + 37 * (i % 7)]
         for i in range(num_prompts)
     ]
-
-
-@dataclass(frozen=True)
-class SideResult:
-    """One side of the table, over every timed repetition."""
-
-    seconds: list[float]  # each repetition's wall time
-    tokens: list[int]  # each repetition's new tokens (up to and with EOS, where the model's EOS ends rows)
-    kv_slots: int  # token slots of KV cache held at the peak of any repetition (HF: rows x the padded length)
-    kv_waste: float  # share of those slots holding no token
-    preemptions: int | None  # over all repetitions; None: the side has no such notion
-    outputs: list[list[int]]  # every repetition's rows, one repetition after another
-
-    @property
-    def median_seconds(self) -> float:
-        return statistics.median(self.seconds)
-
-    @property
-    def rates(self) -> list[float]:
-        return [n / max(s, 1e-9) for n, s in zip(self.tokens, self.seconds)]
-
-    @property
-    def tokens_per_s(self) -> float:
-        """The median repetition's throughput."""
-        return statistics.median(self.rates)
-
-    @property
-    def tokens_per_s_range(self) -> tuple[float, float]:
-        """(slowest, fastest) repetition's throughput."""
-        return min(self.rates), max(self.rates)
 
 
 def cut_at_eos(row: list[int], eos: set[int]) -> list[int]:
@@ -211,41 +180,6 @@ def run_paged(
     return SideResult(seconds, tokens, peak_blocks * block_size, peak_waste, preemptions, outputs)
 
 
-def verdict(hf: SideResult, paged: SideResult, device: str, embedded_model: bool) -> str:
-    """One plain sentence on which side is faster, and why where the engine is not clearly so (its slowest run
-    behind HF's fastest: the difference is within what the runs vary)."""
-    slowest = paged.tokens_per_s_range[0]
-    hf_fastest = hf.tokens_per_s_range[1]
-    if slowest > hf_fastest:
-        return "the engine is faster: its slowest run beats HF's fastest"
-    if paged.tokens_per_s >= hf.tokens_per_s:
-        lead = "the engine is not clearly faster here (ahead at the median, not in every run)"
-    else:
-        lead = "the engine is not faster here"
-    if device == "cpu" and embedded_model:
-        why = (
-            "the model is tiny and runs on a CPU: each step's Python bookkeeping (scheduling, block tables, "
-            "sampling) costs as much as the model's forward, so batching has little to win; the engine's gain "
-            "shows on a GPU and with real models"
-        )
-    elif device == "cpu":
-        why = (
-            "on a CPU both sides run the same matrix products on the same rows, and the engine adds its step's "
-            "Python bookkeeping; its gain shows on a GPU"
-        )
-    elif embedded_model:
-        why = (
-            "the demo model is tiny: each step's Python bookkeeping costs as much as its forward; the engine's "
-            "gain shows with real models (--model PATH)"
-        )
-    else:
-        why = (
-            "with few, short requests both sides are bound by per-step overhead; the engine gains with more "
-            "prompts (--num-prompts) and longer outputs (--max-tokens)"
-        )
-    return f"{lead}, because {why}"
-
-
 def run_demo(
     model: str | None = None,
     num_prompts: int = 32,
@@ -262,18 +196,7 @@ def run_demo(
 
     from paged_backend import LLM
 
-    if num_prompts < 1 or max_tokens < 1:
-        raise ValueError(f"num_prompts and max_tokens must be >= 1, got {num_prompts} and {max_tokens}")
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1 or None (all prompts in one batch), got {batch_size}")
-    if repetitions < 1:
-        raise ValueError(f"repetitions must be >= 1, got {repetitions}")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads must be >= 1 or None (chosen from the free cores), got {threads}")
-    if embedded and model is not None:
-        raise ValueError("embedded runs the built-in random-weight model: give either it or model, not both")
-    if "dtype" in engine_args:  # HF and the engine run one: on a CPU fp32, where greedy outputs must agree exactly
-        raise ValueError("dtype is the demo's own (bfloat16 on a GPU, float32 on a CPU) for both sides: leave it out")
+    _check_arguments(model, num_prompts, max_tokens, batch_size, repetitions, embedded, threads, engine_args)
     cache_dir = cache_dir or default_cache_dir()
     path, real = (str(demo_checkpoint(cache_dir)), False) if embedded else demo_model(model, cache_dir)
     if real and model is None and (repetitions + 1) * num_prompts > NUM_QUESTIONS:
@@ -288,13 +211,7 @@ def run_demo(
         logger.info("CPU threads: %d (%s)", num_threads, why)
     tokenizer = AutoTokenizer.from_pretrained(path)
     chat = real and model is None
-    if chat:
-        warmup = chat_prompts(tokenizer, num_prompts, 0)[1]
-        asked = [chat_prompts(tokenizer, num_prompts, r + 1) for r in range(repetitions)]
-        timed = [prompts for _, prompts in asked]
-    else:
-        warmup = demo_prompts(num_prompts, WARMUP_TAG)
-        timed = [demo_prompts(num_prompts, repetition_tag(r)) for r in range(repetitions)]
+    warmup, questions, timed = _prompts(tokenizer, chat, num_prompts, repetitions)
     # a checkpoint on a GPU in bf16; on a CPU in fp32, where greedy outputs must agree exactly
     dtype = torch.bfloat16 if device == "cuda" and real else torch.float32
     # The engine is sized to the batch it runs: on a GPU every batch size up to max_num_seqs gets a CUDA graph at
@@ -314,30 +231,9 @@ def run_demo(
         paged = run_paged(llm, warmup, timed, max_tokens, ignore_eos=not chat)
     finally:
         llm.llm_engine.shutdown()
-    same = sum(a == b for a, b in zip(hf.outputs, paged.outputs))
-    agree = sum(
-        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        for a, b in zip(hf.outputs, paged.outputs)
-    )
-    speedup = paged.tokens_per_s / hf.tokens_per_s
-    worst, best = (
-        paged.tokens_per_s_range[0] / hf.tokens_per_s_range[1],
-        paged.tokens_per_s_range[1] / hf.tokens_per_s_range[0],
-    )
-    conclusion = verdict(hf, paged, device, embedded_model=not real)
-    if chat:
-        for q, row in list(zip(asked[0][0], paged.outputs))[:ANSWERS_SHOWN]:
-            answer = " ".join(str(tokenizer.decode(row, skip_special_tokens=True)).split())
-            logger.info("Q: %s\nA: %s", q, answer if len(answer) <= 240 else answer[:240] + " ...")
-    log_table(path, num_prompts, max_tokens, dtype, device, repetitions, chat, block_size, hf, paged)
-    logger.info(
-        "speed-up %.2fx, median against median (%.2fx to %.2fx pairing the slowest and fastest runs); greedy "
-        "outputs identical: %d/%d rows (%.0f%% of tokens before a row's first difference)",
-        speedup, worst, best, same, len(hf.outputs), 100 * agree / max(sum(map(len, hf.outputs)), 1),
-    )  # fmt: skip
-    logger.info("%s", conclusion)
-    if real:
-        logger.info("serve this model (OpenAI-compatible, needs the [server] extra): paged-backend serve %s", path)
+    answers = [(q, str(tokenizer.decode(row, skip_special_tokens=True))) for q, row in zip(questions, paged.outputs)]
+    run = DemoRun(path, real, chat, num_prompts, max_tokens, dtype, device, repetitions, block_size)
+    same, speedup, conclusion = log_report(run, hf, paged, answers[:ANSWERS_SHOWN])
     return {
         "model": path,
         "real": real,
@@ -351,48 +247,37 @@ def run_demo(
     }
 
 
-def log_table(
-    path: str,
+def _check_arguments(
+    model: str | None,
     num_prompts: int,
     max_tokens: int,
-    dtype: torch.dtype,
-    device: str,
+    batch_size: int | None,
     repetitions: int,
-    chat: bool,
-    block_size: int,
-    hf: SideResult,
-    paged: SideResult,
+    embedded: bool,
+    threads: int | None,
+    engine_args: dict[str, Any],
 ) -> None:
-    rows = [
-        ("output tokens/s (median)", f"{hf.tokens_per_s:,.0f}", f"{paged.tokens_per_s:,.0f}"),
-        (f"  slowest-fastest of {repetitions}", _span(hf.tokens_per_s_range), _span(paged.tokens_per_s_range)),
-        ("seconds (median)", f"{hf.median_seconds:.2f}", f"{paged.median_seconds:.2f}"),
-        (
-            "new tokens a run (median)",
-            f"{statistics.median(hf.tokens):,.0f}",
-            f"{statistics.median(paged.tokens):,.0f}",
-        ),
-        (
-            f"KV blocks of {block_size} held (peak)",
-            f"{-(-hf.kv_slots // block_size):,}",
-            f"{paged.kv_slots // block_size:,}",
-        ),
-        ("KV slots holding no token", f"{hf.kv_waste:.0%}", f"{paged.kv_waste:.0%}"),
-        ("preemptions", "n/a", str(paged.preemptions)),
-    ]
-    ending = (
-        f"up to {max_tokens} new tokens each (until the end of the answer)"
-        if chat
-        else (f"{max_tokens} new tokens each")
-    )
-    logger.info(
-        "%s: %d prompts, %s, greedy, %s on %s; each side warmed up on other prompts, then timed %d times",
-        path, num_prompts, ending, dtype, device, repetitions,
-    )  # fmt: skip
-    logger.info("%-28s %14s %14s", "", "HF generate", "paged-backend")
-    for name, left, right in rows:
-        logger.info("%-28s %14s %14s", name, left, right)
+    if num_prompts < 1 or max_tokens < 1:
+        raise ValueError(f"num_prompts and max_tokens must be >= 1, got {num_prompts} and {max_tokens}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 or None (all prompts in one batch), got {batch_size}")
+    if repetitions < 1:
+        raise ValueError(f"repetitions must be >= 1, got {repetitions}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1 or None (chosen from the free cores), got {threads}")
+    if embedded and model is not None:
+        raise ValueError("embedded runs the built-in random-weight model: give either it or model, not both")
+    if "dtype" in engine_args:  # HF and the engine run one: on a CPU fp32, where greedy outputs must agree exactly
+        raise ValueError("dtype is the demo's own (bfloat16 on a GPU, float32 on a CPU) for both sides: leave it out")
 
 
-def _span(low_high: tuple[float, float]) -> str:
-    return f"{low_high[0]:,.0f}-{low_high[1]:,.0f}"
+def _prompts(
+    tokenizer: Any, chat: bool, num_prompts: int, repetitions: int
+) -> tuple[list[str], list[str], list[list[str]]]:
+    """(the warm-up's prompts, the first timed batch's questions (none for the random model), each timed batch's
+    prompts): chat questions through the chat template, or the random model's tagged text."""
+    if not chat:
+        timed = [demo_prompts(num_prompts, repetition_tag(r)) for r in range(repetitions)]
+        return demo_prompts(num_prompts, WARMUP_TAG), [], timed
+    asked = [chat_prompts(tokenizer, num_prompts, r + 1) for r in range(repetitions)]
+    return chat_prompts(tokenizer, num_prompts, 0)[1], asked[0][0], [prompts for _, prompts in asked]
