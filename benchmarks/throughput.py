@@ -529,7 +529,15 @@ def release_engine(what: str) -> None:
         logger.info("%s released: %.1f GiB still allocated", what, torch.cuda.memory_allocated() / 2**30)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+PAGED_BACKENDS = {
+    *("paged", "paged_sync", "paged_loop", "paged_fp8kv", "paged_fp8", "paged_fp8_fp8kv", "paged_invariant"),
+    *("paged_spec", "paged_fp8block"),
+}
+HF_BACKENDS = {"hf_patched", "hf", "hf_cb", "hf_static"}
+FP8_WEIGHTS = {"paged_fp8": {}, "paged_fp8_fp8kv": {"kv_cache_dtype": "fp8"}}  # the second as deployments run
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="w1,w2,ttft", help="comma list of w1, w2, ttft")
     parser.add_argument(
@@ -566,38 +574,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     add_plot_arguments(parser, "a bar chart")
-    args = parser.parse_args(argv)
-    if (loaded := replotted(parser, args, plot)) is not None:
-        return loaded
-    workloads = args.workload.split(",")
-    backends = args.backends.split(",")
-    known_backends = {
-        *("paged", "paged_sync", "paged_loop", "paged_fp8kv", "paged_fp8", "paged_fp8_fp8kv", "paged_invariant"),
-        *("paged_spec", "paged_fp8block"),
-        *("hf_patched", "hf", "hf_cb", "hf_static"),
-    }
-    unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - known_backends
-    if unknown:
-        parser.error(f"unknown workload or backend: {sorted(unknown)}")
+    return parser
 
-    model = build_model(args.num_layers) if args.model is None else trained_model(args.model)
-    vocab = model.config.vocab_size
-    results: dict[str, Any] = {"model": args.model or "Llama-3-8B shape, random normal(0, 0.02) bf16"}
-    results.update(run_header(argv))
 
-    def save() -> None:
-        write_json(args.json, results)
+Runner = Callable[[list[list[int]], int], tuple[list[list[int]], float]]
 
-    prompts_for = {"w1": w1_prompts(vocab, args.num_prompts), "w2": [one_prompt(vocab, 128, seed=1)]}
 
-    def fresh_prompts(workload: str, repetition: int) -> list[list[int]]:
+class Bench:
+    """One invocation's model, prompts and results; each backend's figures go into ``results`` (written after
+    each) as it is measured."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str] | None) -> None:
+        self.args = args
+        self.workloads, self.backends = args.workload.split(","), args.backends.split(",")
+        self.model = build_model(args.num_layers) if args.model is None else trained_model(args.model)
+        self.vocab = self.model.config.vocab_size
+        self.results: dict[str, Any] = {"model": args.model or "Llama-3-8B shape, random normal(0, 0.02) bf16"}
+        self.results.update(run_header(argv))
+        self.prompts_for = {"w1": w1_prompts(self.vocab, args.num_prompts), "w2": [one_prompt(self.vocab, 128, 1)]}
+        # The paged engines' shared arguments; each backend adds its own.
+        self.base_args: dict[str, Any] = {"enforce_eager": args.enforce_eager}
+        if args.num_scheduler_steps is not None:
+            self.base_args["num_scheduler_steps"] = args.num_scheduler_steps
+
+    def save(self) -> None:
+        write_json(self.args.json, self.results)
+
+    def fresh_prompts(self, workload: str, repetition: int) -> list[list[int]]:
         """A repetition's own prompts, drawn like the workload's (seeds 100+: no warm-up or other run uses them)."""
         if workload == "w1":
-            return w1_prompts(vocab, args.num_prompts, seed=100 + repetition)
-        return [one_prompt(vocab, 128, seed=100 + repetition)]
+            return w1_prompts(self.vocab, self.args.num_prompts, seed=100 + repetition)
+        return [one_prompt(self.vocab, 128, seed=100 + repetition)]
 
-    def measure(workload: str, backend: str, run) -> None:
-        prompts = prompts_for[workload]
+    def error(self, key: str, exc: BaseException) -> None:
+        self.results.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"
+
+    def measure(self, workload: str, backend: str, run: Runner) -> None:
+        """``backend``'s figure on ``workload``: an untimed warm-up, then ``--repeats`` timed runs, the median."""
+        args, results, vocab = self.args, self.results, self.vocab
+        prompts = self.prompts_for[workload]
         if backend == "hf_static":
             _, warm = timed(lambda: run(prompts, args.max_tokens))  # first call compiles
             results["hf_static_first_call_s"] = warm
@@ -608,13 +623,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = []
         for repetition in range(args.repeats):
             # Each repetition's prompts are new to the engine (no prefix-cache hits on a previous repetition's).
-            prompts = prompts_for[workload] if repetition == 0 else fresh_prompts(workload, repetition)
+            prompts = self.prompts_for[workload] if repetition == 0 else self.fresh_prompts(workload, repetition)
             try:
                 outputs, seconds = run(prompts, args.max_tokens)
             except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
                 logger.exception("%s on %s failed", backend, workload)
                 results.setdefault(workload, {})[backend] = None
-                results.setdefault("errors", {})[f"{workload}/{backend}"] = f"{type(exc).__name__}: {exc}"
+                self.error(f"{workload}/{backend}", exc)
                 return
             runs.append(tokens_per_second(outputs, seconds))
             logger.info(
@@ -622,34 +637,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         results.setdefault(workload, {})[backend] = statistics.median(runs)
         results[workload][f"{backend}_runs"] = runs
-        save()
+        self.save()
 
-    def measure_engine(backend: str, engine_args: dict[str, Any], checkpoint: str | None = None) -> None:
-        """One engine's figures (W1, W2; TTFT, breakdown and profile for the default one), on ``model`` or on
-        the checkpoint saved from it. The caller releases it after: the next engine and HF need the memory its
-        KV cache held."""
+    def measure_engine(self, backend: str, engine_args: dict[str, Any], checkpoint: str | None = None) -> None:
+        """One engine's figures (W1, W2; TTFT, breakdown and profile for the default one), on the model or on
+        the checkpoint saved from it, then the engine shut down; the caller releases its memory after (the next
+        engine and HF need what its KV cache held)."""
+        results = self.results
         results.setdefault("engine_args", {})[backend] = engine_args
-        llm, startup = timed(lambda: LLM(checkpoint or model, **engine_args))
+        llm, startup = timed(lambda: LLM(checkpoint or self.model, **engine_args))
         results.setdefault("engine_start_s", {})[backend] = startup
         logger.info("%s engine ready in %.1f s", backend, startup)
         if backend == "paged_loop":  # generate then runs on the engine loop's thread, as the server's requests do
             llm.start_engine_loop()
-        if not args.skip_check:
+        self.check(backend, llm)
+        for workload in ("w1", "w2"):
+            if workload in self.workloads:
+                self.measure(workload, backend, lambda prompts, max_tokens: run_paged(llm, prompts, max_tokens))
+        self.diagnose(backend, llm)
+        self.save()
+        if backend == "paged_loop":
+            llm.shutdown()  # the loop's thread holds the engine
+        else:
+            llm.llm_engine.shutdown()
+
+    def check(self, backend: str, llm: LLM) -> None:
+        """Greedy agreement with HF (unless ``--skip-check``) and, with paged_invariant asked for, batch
+        invariance."""
+        results = self.results
+        if not self.args.skip_check:
             try:
-                results.setdefault("agreement", {})[backend] = check_agreement(llm, model, vocab)
+                results.setdefault("agreement", {})[backend] = check_agreement(llm, self.model, self.vocab)
                 logger.info("%s agreement with HF generate: %s", backend, results["agreement"][backend])
             except torch.OutOfMemoryError as exc:  # HF's forward beside the engine's KV cache: reported, not fatal
                 logger.exception("%s agreement check ran out of memory", backend)
-                results.setdefault("errors", {})[f"agreement/{backend}"] = f"{type(exc).__name__}: {exc}"
+                self.error(f"agreement/{backend}", exc)
                 torch.cuda.empty_cache()
-        if "paged_invariant" in backends and backend in ("paged", "paged_invariant"):
-            results.setdefault("batch_invariance", {})[backend] = check_invariance(llm, vocab, args.max_tokens)
+        if "paged_invariant" in self.backends and backend in ("paged", "paged_invariant"):
+            results.setdefault("batch_invariance", {})[backend] = check_invariance(
+                llm, self.vocab, self.args.max_tokens
+            )
             logger.info("%s alone vs in a batch of 64: %s", backend, results["batch_invariance"][backend])
-        for workload in ("w1", "w2"):
-            if workload in workloads:
-                measure(workload, backend, lambda prompts, max_tokens: run_paged(llm, prompts, max_tokens))
-        if backend == "paged" and "ttft" in workloads:
-            results["ttft_1024_ms"] = measure_ttft(llm, model, vocab)
+
+    def diagnose(self, backend: str, llm: LLM) -> None:
+        """TTFT, ``--breakdown``, ``--profile`` and ``--profile-w2`` where asked for."""
+        args, results, vocab = self.args, self.results, self.vocab
+        if backend == "paged" and "ttft" in self.workloads:
+            results["ttft_1024_ms"] = measure_ttft(llm, self.model, vocab)
             logger.info("ttft: %s", results["ttft_1024_ms"])
         if args.breakdown and backend in ("paged", "paged_sync"):
             breakdown = results.setdefault("breakdown", {})[backend] = {
@@ -670,87 +704,100 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 llm, [one_prompt(vocab, 128, seed=9)], args.max_tokens
             )
             logger.info("%s W2 kernels per step: %s", backend, results["w2_profile"][backend])
-        save()
-        if backend == "paged_loop":
-            llm.shutdown()  # the loop's thread holds the engine
-        else:
-            llm.llm_engine.shutdown()
 
-    # The paged engines first, then each is released: its KV cache takes most of the GPU, which HF needs back.
-    base_args: dict[str, Any] = {"enforce_eager": args.enforce_eager}
-    if args.num_scheduler_steps is not None:
-        base_args["num_scheduler_steps"] = args.num_scheduler_steps
-    if "paged" in backends:
-        measure_engine("paged", base_args)
-        release_engine("paged engine")  # its last reference went with measure_engine's frame
-    if "paged_sync" in backends:
-        measure_engine("paged_sync", {**base_args, "async_scheduling": False})
-        release_engine("synchronous engine")
-    if "paged_loop" in backends:
-        measure_engine("paged_loop", base_args)
-        release_engine("engine behind its loop")
-    if "paged_invariant" in backends:
-        measure_engine("paged_invariant", {**base_args, "batch_invariant": True})
-        release_engine("batch-invariant engine")
-    if "paged_spec" in backends:  # prompt lookup, k = 4: on W1 it must switch itself off (at least 0.97x paged)
-        measure_engine(
-            "paged_spec", {**base_args, "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}
-        )
-        release_engine("speculating engine")
-    if "paged_fp8kv" in backends:
-        measure_engine("paged_fp8kv", {**base_args, "kv_cache_dtype": "fp8"})
-        release_engine("fp8-cache engine")
-        results["w1_fp8kv"] = results.get("w1", {}).get("paged_fp8kv")
-    fp8_weights = {"paged_fp8": {}, "paged_fp8_fp8kv": {"kv_cache_dtype": "fp8"}}  # the second as deployments run
-    if set(fp8_weights) & set(backends) or "paged_fp8block" in backends:  # quantized checkpoints: the model via a file
+    def paged_engines(self) -> None:
+        """The paged engines on the model in memory, each released before the next."""
+        base = self.base_args
+        engines = {
+            "paged": (base, "paged engine"),
+            "paged_sync": ({**base, "async_scheduling": False}, "synchronous engine"),
+            "paged_loop": (base, "engine behind its loop"),
+            "paged_invariant": ({**base, "batch_invariant": True}, "batch-invariant engine"),
+            # prompt lookup, k = 4: on W1 it must switch itself off (at least 0.97x paged)
+            "paged_spec": (
+                {**base, "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
+                "speculating engine",
+            ),
+            "paged_fp8kv": ({**base, "kv_cache_dtype": "fp8"}, "fp8-cache engine"),
+        }
+        for backend, (engine_args, what) in engines.items():
+            if backend in self.backends:
+                self.measure_engine(backend, engine_args)
+                release_engine(what)  # its last reference went with measure_engine's frame
+        if "paged_fp8kv" in self.backends:
+            self.results["w1_fp8kv"] = self.results.get("w1", {}).get("paged_fp8kv")
+
+    def quantized_engines(self) -> None:
+        """The fp8-weight engines, each on a checkpoint saved from the model (as users load them)."""
+        if not (set(FP8_WEIGHTS) | {"paged_fp8block"}) & set(self.backends):
+            return
         with tempfile.TemporaryDirectory() as checkpoint:
-            model.save_pretrained(checkpoint)
+            self.model.save_pretrained(checkpoint)
+            online = {"quantization": "fp8", "skip_tokenizer_init": True}
             engines = [
-                (name, {**base_args, **extra, "quantization": "fp8", "skip_tokenizer_init": True}, checkpoint)
-                for name, extra in fp8_weights.items()
-                if name in backends
+                (name, {**self.base_args, **extra, **online}, checkpoint)
+                for name, extra in FP8_WEIGHTS.items()
+                if name in self.backends
             ]
-            if "paged_fp8block" in backends:
+            if "paged_fp8block" in self.backends:
                 blocks = str(Path(checkpoint) / "fp8_block")
                 try:
                     save_block_fp8(checkpoint, blocks)
-                    engines.append(("paged_fp8block", {**base_args, "skip_tokenizer_init": True}, blocks))
+                    engines.append(("paged_fp8block", {**self.base_args, "skip_tokenizer_init": True}, blocks))
                 except Exception as exc:  # noqa: BLE001 - reported; the remaining backends still run
                     logger.exception("transformers' block-wise fp8 quantization failed")
-                    results.setdefault("errors", {})["paged_fp8block"] = f"{type(exc).__name__}: {exc}"
+                    self.error("paged_fp8block", exc)
             for name, engine_args, folder in engines:
                 try:
-                    measure_engine(name, engine_args, folder)
+                    self.measure_engine(name, engine_args, folder)
                 except Exception as exc:  # noqa: BLE001 - reported; the remaining backends still run
                     logger.exception("%s failed", name)
-                    results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+                    self.error(name, exc)
                 release_engine("fp8-weight engine")
 
-    # HF's generate, patched onto the engine (paged_backend.patch), called as HF code calls it: batches of 64.
-    if "hf_patched" in backends:
-        handle = patch(model)
-        for workload in ("w1", "w2"):
-            if workload in workloads:
-                measure(workload, "hf_patched", lambda prompts, max_tokens: run_hf(model, prompts, max_tokens))
-        unpatch(model)
-        handle.llm = None
-        release_engine("patched generate's engine")
+    def hf_backends(self) -> None:
+        """HF's generate patched onto the engine (called as HF code calls it: batches of 64), then HF's own."""
+        model = self.model
+        if "hf_patched" in self.backends:
+            handle = patch(model)
+            for workload in ("w1", "w2"):
+                if workload in self.workloads:
+                    self.measure(workload, "hf_patched", lambda prompts, max_tokens: run_hf(model, prompts, max_tokens))
+            unpatch(model)
+            handle.llm = None
+            release_engine("patched generate's engine")
+        runners: dict[str, Runner] = {
+            "hf": lambda prompts, max_tokens: run_hf(model, prompts, max_tokens),
+            "hf_cb": lambda prompts, max_tokens: run_hf_cb(model, prompts, max_tokens),
+            "hf_static": lambda prompts, max_tokens: run_hf(model, prompts, max_tokens, static=True),
+        }
+        for backend in [b for b in self.backends if b in runners]:
+            for workload in ("w1", "w2"):
+                if workload in self.workloads and not (backend == "hf_static" and workload == "w1"):  # W2 only
+                    self.measure(workload, backend, runners[backend])
 
-    runners = {
-        "hf": lambda prompts, max_tokens: run_hf(model, prompts, max_tokens),
-        "hf_cb": lambda prompts, max_tokens: run_hf_cb(model, prompts, max_tokens),
-        "hf_static": lambda prompts, max_tokens: run_hf(model, prompts, max_tokens, static=True),
-    }
-    for backend in [b for b in backends if not b.startswith("paged") and b != "hf_patched"]:
-        for workload in ("w1", "w2"):
-            if workload in workloads and not (backend == "hf_static" and workload == "w1"):  # W2 only
-                measure(workload, backend, runners[backend])
-    save()
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if (loaded := replotted(parser, args, plot)) is not None:
+        return loaded
+    unknown = set(args.workload.split(",")) - {"w1", "w2", "ttft"} | set(args.backends.split(",")) - (
+        PAGED_BACKENDS | HF_BACKENDS
+    )
+    if unknown:
+        parser.error(f"unknown workload or backend: {sorted(unknown)}")
+    bench = Bench(args, argv)
+    # The paged engines first, then each is released: its KV cache takes most of the GPU, which HF needs back.
+    bench.paged_engines()
+    bench.quantized_engines()
+    bench.hf_backends()
+    bench.save()
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
-        plot(results, args.plot)
-    logger.info("%s", json.dumps(results, indent=2))
-    return results
+        plot(bench.results, args.plot)
+    logger.info("%s", json.dumps(bench.results, indent=2))
+    return bench.results
 
 
 if __name__ == "__main__":
