@@ -1,17 +1,13 @@
 """Block-wise FP8 (``quant_method: "fp8"`` with ``weight_block_size``: DeepSeek-V3's and Qwen3-FP8's format) on a
 checkpoint transformers' own quantizer made (``tests/data/quantized/make_fp8_block_fixtures.py``): the engine's
 greedy output equals HF ``generate`` on the weights transformers dequantizes from it, with each linear's input
-rounded through fp8 per token and block of inputs as the format runs; the kernel equals its twin; tensor-parallel
-ranks cut on whole blocks; settings we do not run fail naming them."""
+rounded through fp8 per token and block of inputs as the format runs; tensor-parallel ranks cut on whole blocks;
+settings we do not run fail naming them. The product's kernel against its twin: ``test_fp8_block_mm.py``."""
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,12 +19,9 @@ from paged_backend import LLM
 from paged_backend.config import EngineConfig
 from paged_backend.kernels.fp8_block_mm import (
     expand_scales,
-    fp8_block_mm_torch,
-    fp8_block_mm_triton,
     quantize_per_block,
-    quantize_per_group,
 )
-from paged_backend.kernels.fp8_quant import FP8, quantize_per_row
+from paged_backend.kernels.fp8_quant import FP8
 from paged_backend.model_loader.fp8_block import load_fp8_block_model
 from paged_backend.model_loader.hf import load_hf_config
 from paged_backend.quantization.fp8_block import FP8BlockConfig, FP8BlockLinear, quantized_fp8_block_linear
@@ -215,116 +208,6 @@ def test_a_rank_loads_the_checkpoint_cut_on_blocks_and_dummy_weights_are_refused
 def block_quantized(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A random [n, k] weight in fp8 with a scale per BLOCK_N × BLOCK_K block (ragged at the edges)."""
     return quantize_per_block(torch.randn(n, k, generator=gen) * 0.1, BLOCK_N, BLOCK_K)
-
-
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 128), (5, 96, 200), (40, 130, 64), (70, 33, 96)])
-@pytest.mark.parametrize("upcast", [False, True])
-def test_block_kernel_equals_its_twin(m: int, n: int, k: int, upcast: bool) -> None:
-    """Ragged rows, outputs and inputs (partial blocks at every edge), fp8 dots and fp16 ones, K whole or split
-    into parts the last program of a tile adds (an element left unwritten shows as garbage against the twin)."""
-    gen = torch.Generator().manual_seed(m * n + k)
-    x = torch.randn(m, k, generator=gen)
-    q, scale = quantize_per_group(x, BLOCK_K)
-    weight, weight_scale = block_quantized(n, k, gen)
-    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-    args = (q.to(DEVICE), scale.to(DEVICE), weight.to(DEVICE), weight_scale.to(DEVICE), BLOCK_N, BLOCK_K, dtype)
-    twin = fp8_block_mm_torch(*args).float()
-    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    for launch in (None, (16, 32, 1), (32, 64, 2), (16, 64, 3)):  # the default's, one part, K split (unevenly)
-        out = fp8_block_mm_triton(*args, upcast=upcast, launch=launch).float()
-        assert not out.isnan().any()
-        torch.testing.assert_close(out, twin, rtol=tolerance, atol=tolerance)
-    exact = x @ (weight.float() * expand_scales(weight_scale, n, k, BLOCK_N, BLOCK_K)).T  # fp8's rounding away
-    assert (twin.cpu() - exact).abs().max() < 0.1 * exact.abs().max()
-
-
-COMPILE_FOR = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from paged_backend.kernels.fp8_block_mm import _fp8_block_mm_kernel as fn
-
-results = {}
-for case in sys.argv[1:]:
-    cc, upcast, split = (int(part) for part in case.split(","))
-    operand = "*u8" if upcast else "*fp8e4nv"
-    signature = dict(zip(fn.arg_names, [operand, "*fp32", operand, "*fp32", "*bf16", "*fp32", "*i32"] + ["i32"] * 7))
-    constexprs = dict(BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, UPCAST=upcast)
-    constexprs["SPLIT"] = bool(split)
-    signature |= dict.fromkeys(constexprs, "constexpr")
-    source = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    try:
-        triton.compile(source, target=GPUTarget("cuda", cc, 32))
-        results[case] = "ok"
-    except Exception as exc:
-        results[case] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-print(json.dumps(results))
-"""
-COMPILE_CASES = [(90, False, True, True), (80, True, True, True), (80, True, False, True), (80, False, True, False)]
-
-
-@functools.cache
-def compiled_for_targets() -> dict[str, str]:
-    """Each case of ``COMPILE_CASES`` compiled in one process without Triton's interpreter: "ok" or the error."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cases = [f"{cc},{int(upcast)},{int(split)}" for cc, upcast, split, _ in COMPILE_CASES]
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE_FOR, *cases], env=env, capture_output=True, text=True, timeout=300, check=True
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize(("cc", "upcast", "split", "compiles"), COMPILE_CASES)
-def test_the_kernel_compiles_for_gpus_with_and_without_fp8_units(
-    cc: int, upcast: bool, split: bool, compiles: bool
-) -> None:
-    """Compiled (not interpreted) for an H100 (sm_90) with fp8 operands, and for an A100 (sm_80), where Triton has
-    no fp8 type, with the operands' bytes decoded in the kernel; fp8 operands there fail to compile (what the
-    bytes avoid)."""
-    result = compiled_for_targets()[f"{cc},{int(upcast)},{int(split)}"]
-    assert (result == "ok") == compiles, result
-
-
-@pytest.mark.parametrize("upcast", [False, True])
-def test_every_fp8_value_reaches_the_product_exactly(upcast: bool) -> None:
-    """Each of float8_e4m3fn's 254 values (all but its two NaNs: ±0, subnormals, ±448) as a weight, times one
-    activation of 1: the output is the value itself, through fp8 dots and through the bytes decoded to fp16."""
-    values = torch.arange(256, dtype=torch.uint8).view(FP8)
-    values = values[~values.float().isnan()]  # [254]
-    weight = torch.zeros(len(values), 32, dtype=FP8)
-    weight[:, 0] = values
-    q = torch.zeros(1, 32, dtype=FP8)
-    q[0, 0] = 1.0
-    ones = torch.ones(-(-len(values) // 32), 1)
-    out = fp8_block_mm_triton(q.to(DEVICE), torch.ones(1, 1, device=DEVICE), weight.to(DEVICE), ones.to(DEVICE),
-                              32, 32, torch.float32, upcast=upcast)  # fmt: skip
-    assert torch.equal(out[0].cpu(), values.float())
-
-
-def test_one_scale_per_row_is_a_block_of_all_inputs_and_splits_anywhere() -> None:
-    """Per-channel weights and per-token activations (FP8Linear's scales) are blocks of 1 x K: one activation
-    group, so K splits at any step, not only at a block's edge."""
-    gen = torch.Generator().manual_seed(3)
-    x, w = torch.randn(9, 384, generator=gen), torch.randn(40, 384, generator=gen) * 0.1
-    (q, scale), (weight, weight_scale) = quantize_per_row(x), quantize_per_row(w)
-    args = (q.to(DEVICE), scale.to(DEVICE), weight.to(DEVICE), weight_scale.to(DEVICE), 1, 384, torch.float32)
-    twin = fp8_block_mm_torch(*args)
-    torch.testing.assert_close(twin.cpu(), (q.float() * scale) @ (weight.float() * weight_scale).T)
-    for launch in ((16, 32, 3), (16, 64, 1)):  # 3 parts of 128 inputs
-        torch.testing.assert_close(fp8_block_mm_triton(*args, launch=launch), twin, rtol=1e-5, atol=1e-5)
-
-
-def test_per_group_quantization_is_per_row_quantization_of_each_group() -> None:
-    """Each group of inputs is a row of ``quantize_per_row``; a short last group is padded with zeros, which move
-    no largest magnitude."""
-    x = torch.randn(3, 150, generator=torch.Generator().manual_seed(0))
-    q, scale = quantize_per_group(x, 64)
-    assert q.shape == (3, 150) and scale.shape == (3, 3)
-    for g, start in enumerate(range(0, 150, 64)):
-        q_row, scale_row = quantize_per_row(x[:, start : start + 64])
-        assert torch.equal(scale[:, g : g + 1], scale_row)
-        assert torch.equal(q[:, start : start + 64].view(torch.uint8), q_row.view(torch.uint8))
 
 
 def test_config_reads_transformers_own_settings() -> None:
