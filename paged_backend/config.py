@@ -121,7 +121,8 @@ class SchedulerConfig:
     # batches where every sequence decodes greedily without penalties or logprobs.
     num_scheduler_steps: int = 8
     # What preemption does with a request's KV: "swap" copies its blocks to swap_space (pinned CPU memory) and
-    # back; "recompute" drops them and prefills again. None: swap on a GPU when swap_space > 0, else recompute.
+    # back; "recompute" drops them and prefills again. None: swap on a GPU when swap_space > 0 and the KV cache
+    # is smaller than max_num_seqs sequences of max_model_len (one that size never preempts), else recompute.
     preemption_mode: str | None = None
     # vLLM's: above 0, a request's prompt goes in chunks of at most this many tokens a step, so that a long prompt
     # arriving beside running decodes lengthens each of their steps by at most this much (inter-token latency)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paged_backend.kernels.fp8_block_mm import (
-    Launch,
+    BlockLaunch,
     expand_scales,
     fp8_block_mm_torch,
     fp8_block_mm_triton,
@@ -39,7 +39,7 @@ def test_block_kernel_equals_its_twin(m: int, n: int, k: int, upcast: bool) -> N
     twin = fp8_block_mm_torch(*args).float()
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     # the default's, one part, K split (unevenly), and warps and stages of a launch's own
-    for launch in (None, (16, 32, 1), (32, 64, 2), (16, 64, 3), Launch(64, 32, 2, num_warps=8, num_stages=2)):
+    for launch in (None, (16, 32, 1), (32, 64, 2), (16, 64, 3), BlockLaunch(64, 32, 2, num_warps=8, num_stages=2)):
         out = fp8_block_mm_triton(*args, upcast=upcast, launch=launch).float()
         assert not out.isnan().any()
         torch.testing.assert_close(out, twin, rtol=tolerance, atol=tolerance)

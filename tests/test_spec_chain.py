@@ -127,6 +127,52 @@ def test_no_chain_after_a_row_took_fewer_than_all(tokenizer, monkeypatch) -> Non
     assert_idle(llm)
 
 
+class MissOnceThenSilent:
+    """A test double for prompt lookup: the first prompt's row is proposed a wrong token once, then nothing; the
+    second's gets its true continuation every step."""
+
+    def __init__(self, truths: list[list[int]], prompt_lens: list[int], k: int = 4) -> None:
+        self.truths, self.prompt_lens, self.k, self.missed = truths, prompt_lens, k, False
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
+        k = self.k if max_tokens is None else min(self.k, max_tokens)
+        (first, second), start = self.truths, len(token_ids)
+        if token_ids[: self.prompt_lens[0]] == first[: self.prompt_lens[0]]:
+            if self.missed:
+                return []
+            self.missed = True
+            return [(first[start] + 1) % 500 + 3]
+        return second[start : start + k]
+
+
+def test_a_row_without_proposals_does_not_stop_the_chain(tokenizer, monkeypatch) -> None:
+    """Only rows proposed for in the step in flight can be stale in its successor: a row that once took fewer
+    and now gets no proposals does not keep the others from chaining."""
+    import paged_backend.core.scheduler as scheduler_module
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()[:2]
+    llm = spec_llm(model, tokenizer, async_scheduling=True)
+    truths = [p + hf_greedy(model, p, 60) for p in prompts]
+    llm.llm_engine.scheduler.drafter.proposer = MissOnceThenSilent(truths, [len(p) for p in prompts])
+    chained_past_a_miss: list[bool] = []
+    continuation = scheduler_module.verify_continuation
+
+    def recorded(scheduler, in_flight):
+        out = continuation(scheduler, in_flight)
+        if not all(seq.spec_took_all for seq in in_flight.seqs):
+            chained_past_a_miss.append(out is not None)
+        return out
+
+    monkeypatch.setattr(scheduler_module, "verify_continuation", recorded)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40)
+    assert any(chained_past_a_miss), chained_past_a_miss
+    assert_idle(llm)
+
+
 def test_chained_steps_through_the_verify_graphs_give_hf_greedy(tokenizer) -> None:
     """The first token of each row goes into the graph's static inputs (every q_len-th token): graphs replaced by
     re-running the forward on the static buffers, so this runs on CPU."""

@@ -11,9 +11,10 @@ step is read, a row that took fewer proposals is stale in the successor: its pos
 skipped when the successor is read (``stale_rows``), its KV past the sequence's length written over later. A
 successor with every row stale is dropped unread. Only greedy rows without logprobs, penalties or grammars are
 chained (``multi_step.can_run_ahead``): the device's greedy token is then the one the sampler takes. A batch is
-chained only while each of its rows took all its proposals in its last verifying step read: text that is not
-being copied (open chat) misses often and in runs, and a successor queued there is mostly work thrown away
-(docs/benchmarks.md has the three workloads either way).
+chained only while each row proposed for in the step in flight took all its proposals in its last verifying step
+read (a row without proposals cannot be stale in the successor): text that is not being copied (open chat) misses
+often and in runs, and a successor queued there is mostly work thrown away (docs/benchmarks.md has the three
+workloads either way).
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def verify_continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> Sch
         return None
     if any(seq.status is not SequenceStatus.RUNNING or not can_run_ahead(seq, False) for seq in seqs):
         return None
-    if not all(seq.spec_took_all for seq in seqs):
-        return None  # a row that just took fewer than all likely misses again: its successor would be wasted
     proposed = batch.draft_token_ids
+    if not all(seq.spec_took_all for seq, drafts in zip(seqs, proposed) if drafts):
+        return None  # a row that just took fewer than all likely misses again: its successor would be wasted
     if any(n != 1 + len(d) for n, d in zip(batch.num_scheduled_tokens, proposed)):
         return None  # a row that is no single token and its proposals (a prompt's chunk)
     rows: list[list[int]] = []

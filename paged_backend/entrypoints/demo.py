@@ -231,9 +231,10 @@ def run_demo(
         paged = run_paged(llm, warmup, timed, max_tokens, ignore_eos=not chat)
     finally:
         llm.llm_engine.shutdown()
-    answers = [(q, str(tokenizer.decode(row, skip_special_tokens=True))) for q, row in zip(questions, paged.outputs)]
+    shown = list(zip(questions, paged.outputs))[:ANSWERS_SHOWN]
+    answers = [(q, str(tokenizer.decode(row, skip_special_tokens=True))) for q, row in shown]
     run = DemoRun(path, real, chat, num_prompts, max_tokens, dtype, device, repetitions, block_size)
-    same, speedup, conclusion = log_report(run, hf, paged, answers[:ANSWERS_SHOWN])
+    same, speedup, conclusion = log_report(run, hf, paged, answers)
     return {
         "model": path,
         "real": real,

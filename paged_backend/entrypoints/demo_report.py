@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -142,7 +142,7 @@ def step_k(block_k: int) -> int:
     return step
 
 
-class Launch(NamedTuple):
+class BlockLaunch(NamedTuple):
     """The product's launch: a program's tile, how many ways K is split, Triton's warps and pipeline stages a
     program (a plain 3-tuple of the first three takes the defaults)."""
 
@@ -153,7 +153,7 @@ class Launch(NamedTuple):
     num_stages: int = 3
 
 
-def launch_shape(m: int, n: int, k: int, granule: int, sms: int) -> Launch:
+def launch_shape(m: int, n: int, k: int, granule: int, sms: int) -> BlockLaunch:
     """The launch for ``m`` rows, K split in parts of ``granule`` inputs or more: up to 64 rows
     (decode of a few sequences, which reads each weight once) narrow tiles and K split until about two programs
     run per SM (the last program of a tile adds the parts); more rows, wider tiles, split only where tiles are
@@ -162,7 +162,7 @@ def launch_shape(m: int, n: int, k: int, granule: int, sms: int) -> Launch:
     block_n = 64 if m <= 64 else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     programs = (2 if m <= 64 else 1) * sms
-    return Launch(block_m, block_n, split_k_parts(tiles, k, granule, programs))
+    return BlockLaunch(block_m, block_n, split_k_parts(tiles, k, granule, programs))
 
 
 def fp8_block_mm_triton(
@@ -174,10 +174,10 @@ def fp8_block_mm_triton(
     block_k: int,
     out_dtype: torch.dtype,
     upcast: bool = False,
-    launch: Launch | tuple[int, ...] | None = None,
+    launch: BlockLaunch | tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """The kernel (``upcast``: the fp8 operands read as bytes and the dots in fp16, for devices without fp8
-    units; ``launch``: a ``Launch`` or its first three, by default ``launch_shape``'s); other arguments as the
+    units; ``launch``: a ``BlockLaunch`` or its first three, by default ``launch_shape``'s); other arguments as the
     twin's."""
     (m, k), n = q.shape, weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
@@ -187,7 +187,7 @@ def fp8_block_mm_triton(
     sms = num_sms(q.device) if q.is_cuda else 132
     granule = block_k if q_scale.shape[1] > 1 else step_k(block_k)  # a part's K: whole scale blocks, if several
     block_m, block_n_tile, split_k, num_warps, num_stages = (
-        Launch(*launch) if launch is not None else launch_shape(m, n, k, granule, sms)
+        BlockLaunch(*launch) if launch is not None else launch_shape(m, n, k, granule, sms)
     )
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), granule) * granule
     split_k = triton.cdiv(k, k_per_split)

@@ -32,7 +32,7 @@ DEFAULT_MAX_LOGPROB_ENTRIES = 1 << 20  # about 50 MB of JSON
 # server's token budget and decode steps a round (launch.SERVER_MAX_NUM_BATCHED_TOKENS, SERVER_NUM_SCHEDULER_STEPS).
 _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--block-size", int, "tokens per KV block (default 16)"),
-    ("--swap-space", float, "GiB of pinned CPU memory for swapped-out blocks (default 4)"),
+    ("--swap-space", float, "GiB of pinned CPU memory for swapped-out blocks (default 4, 0 where none can preempt)"),
     ("--max-num-seqs", int, "sequences per step (default 256)"),
     ("--max-num-batched-tokens", int, "tokens per step (default 384 or --max-num-seqs in the server; LLM's is 8192)"),
     ("--max-model-len", int, "context limit (default: the model's)"),
@@ -53,7 +53,7 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--long-prefill-token-threshold", int, "prompt tokens of one request per step, 0: no cap (default 0)"),
     ("--logprobs-mode", str, "raw_logprobs (the model's, default) or processed_logprobs (the sampled distribution's)"),
     ("--num-scheduler-steps", int, "greedy decode steps per scheduling round (default 4 here, 8 in LLM)"),
-    ("--preemption-mode", str, "swap or recompute (default: swap on a GPU with swap space)"),
+    ("--preemption-mode", str, "swap or recompute (default: swap on a GPU with swap space, where it can preempt)"),
     ("--device", str, "auto, cpu, cuda or cuda:N (default auto)"),
     ("--load-format", str, "auto (the checkpoint) or dummy (random weights from config.json, for benchmarks)"),
 ]
