@@ -580,13 +580,18 @@ def make_parser() -> argparse.ArgumentParser:
 Runner = Callable[[list[list[int]], int], tuple[list[list[int]], float]]
 
 
+def names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(the workloads, the backends) asked for."""
+    return args.workload.split(","), args.backends.split(",")
+
+
 class Bench:
     """One invocation's model, prompts and results; each backend's figures go into ``results`` (written after
     each) as it is measured."""
 
     def __init__(self, args: argparse.Namespace, argv: list[str] | None) -> None:
         self.args = args
-        self.workloads, self.backends = args.workload.split(","), args.backends.split(",")
+        self.workloads, self.backends = names(args)
         self.model = build_model(args.num_layers) if args.model is None else trained_model(args.model)
         self.vocab = self.model.config.vocab_size
         self.results: dict[str, Any] = {"model": args.model or "Llama-3-8B shape, random normal(0, 0.02) bf16"}
@@ -782,9 +787,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if (loaded := replotted(parser, args, plot)) is not None:
         return loaded
-    unknown = set(args.workload.split(",")) - {"w1", "w2", "ttft"} | set(args.backends.split(",")) - (
-        PAGED_BACKENDS | HF_BACKENDS
-    )
+    workloads, backends = names(args)
+    unknown = set(workloads) - {"w1", "w2", "ttft"} | set(backends) - (PAGED_BACKENDS | HF_BACKENDS)
     if unknown:
         parser.error(f"unknown workload or backend: {sorted(unknown)}")
     bench = Bench(args, argv)
