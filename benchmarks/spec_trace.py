@@ -148,6 +148,7 @@ def main() -> None:
         "(spec_decode.SHADOW_MIN_TAKEN) instead of the engine's",
     )
     parser.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
+    parser.add_argument("--lookup-max", type=int, default=None, help="prompt_lookup_max (default: the engine's)")
     parser.add_argument("--json", type=Path, default=None)
     add_plot_arguments(parser, "a bar chart of the modeled speed-ups")
     args = parser.parse_args()
@@ -168,6 +169,8 @@ def main() -> None:
     speculative = {"method": "ngram", "num_speculative_tokens": args.k}
     if args.lookup_min is not None:
         speculative["prompt_lookup_min"] = args.lookup_min
+    if args.lookup_max is not None:
+        speculative["prompt_lookup_max"] = args.lookup_max
     llm = LLM(path, dtype="bfloat16" if device == "cuda" else "float32", max_model_len=2048,
               speculative_config=speculative)  # fmt: skip
     pools = spec.pools(args.prompts)
@@ -181,6 +184,7 @@ def main() -> None:
             "min_taken_per_step": spec_decode.MIN_TAKEN_PER_STEP,
             "shadow_min_taken": spec_decode.SHADOW_MIN_TAKEN,
             "prompt_lookup_min": llm.llm_engine.config.speculative_config.prompt_lookup_min,  # type: ignore[union-attr]
+            "prompt_lookup_max": llm.llm_engine.config.speculative_config.prompt_lookup_max,  # type: ignore[union-attr]
         },
         "workloads": {},
     }
