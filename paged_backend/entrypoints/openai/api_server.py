@@ -230,9 +230,6 @@ class OpenAIServer:
 def build_app(llm: LLM | DataParallelLLM, args: ServerArgs) -> FastAPI:
     """The app over one ``LLM``, or over ``DataParallelLLM``'s replicas (``--data-parallel-size``)."""
     server = OpenAIServer(llm, args)
-    serving_completion, serving_chat = OpenAIServingCompletion(server), OpenAIServingChat(server)
-    serving_responses, serving_messages = OpenAIServingResponses(serving_chat), AnthropicServingMessages(serving_chat)
-    serving_tokenization = OpenAIServingTokenization(server, server.served.vocab_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -257,6 +254,13 @@ def build_app(llm: LLM | DataParallelLLM, args: ServerArgs) -> FastAPI:
     app.add_middleware(AnthropicErrors)  # outermost: every error of /v1/messages in Anthropic's shape
     limits = openapi.ModelLimits(server.served.vocab_size, server.max_model_len, server.served.max_num_seqs)
     openapi.install_openapi(app, limits, secured=args.api_key is not None)
+    _add_state_routes(app, server, args)
+    _add_generation_routes(app, server)
+    return app
+
+
+def _add_state_routes(app: FastAPI, server: OpenAIServer, args: ServerArgs) -> None:
+    """/health, /metrics and the model list."""
 
     @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
     async def health() -> JSONResponse:
@@ -297,6 +301,13 @@ def build_app(llm: LLM | DataParallelLLM, args: ServerArgs) -> FastAPI:
         server.check(model_id)
         name = args.model_name if model_id == args.model else model_id
         return next(card for card in model_cards() if card["id"] == name)
+
+
+def _add_generation_routes(app: FastAPI, server: OpenAIServer) -> None:
+    """The APIs that run the model: completions, chat, responses, Anthropic's messages, (de)tokenization."""
+    serving_completion, serving_chat = OpenAIServingCompletion(server), OpenAIServingChat(server)
+    serving_responses, serving_messages = OpenAIServingResponses(serving_chat), AnthropicServingMessages(serving_chat)
+    serving_tokenization = OpenAIServingTokenization(server, server.served.vocab_size)
 
     @app.post("/v1/completions", response_model=None, responses=openapi.streamed(CompletionResponse, CompletionChunk))
     @with_cancellation
@@ -351,8 +362,6 @@ def build_app(llm: LLM | DataParallelLLM, args: ServerArgs) -> FastAPI:
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         warn_ignored(body)
         return await serving_tokenization.detokenize(body)
-
-    return app
 
 
 _MAX_NAMED, _MAX_NAME = 16, 64  # unknown fields a warning names, and the characters of each
