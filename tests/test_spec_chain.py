@@ -99,22 +99,19 @@ def test_a_lone_stream_chains_and_drops_a_stale_step_unread(tokenizer) -> None:
     assert_idle(llm)
 
 
-def test_no_chain_after_a_row_took_fewer_than_all(tokenizer, monkeypatch) -> None:
-    """The step after a verifying step is chained only while every row took all its proposals in its last
-    verifying step read; a row that missed gets its next step planned once its tokens are known."""
+def chain_decisions(llm, model, prompts: list[list[int]], monkeypatch) -> list[tuple[bool, bool, bool]]:
+    """Each ``verify_continuation`` call's (every row proposed for in the step in flight took all in its last
+    verifying step, every row did, chained) over greedy requests of ``prompts``, whose outputs must be HF's."""
     import paged_backend.core.scheduler as scheduler_module
 
-    model = tiny_model("llama")
-    prompts = repetitive_prompts()[:2]
-    llm = spec_llm(model, tokenizer, async_scheduling=True)
-    llm.llm_engine.scheduler.drafter.proposer = position_truth(model, prompts)
-    asked: list[tuple[bool, bool]] = []  # (every row took all, chained)
+    asked: list[tuple[bool, bool, bool]] = []
     continuation = scheduler_module.verify_continuation
 
     def recorded(scheduler, in_flight):
-        took_all = all(seq.spec_took_all for seq in in_flight.seqs)
+        proposed = in_flight.batch.draft_token_ids or []
+        took_all = [seq.spec_took_all for seq in in_flight.seqs]
         out = continuation(scheduler, in_flight)
-        asked.append((took_all, out is not None))
+        asked.append((all(t for t, d in zip(took_all, proposed) if d), all(took_all), out is not None))
         return out
 
     monkeypatch.setattr(scheduler_module, "verify_continuation", recorded)
@@ -122,9 +119,21 @@ def test_no_chain_after_a_row_took_fewer_than_all(tokenizer, monkeypatch) -> Non
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40)
-    assert (False, True) not in asked, asked
-    assert (True, True) in asked and (False, False) in asked, asked  # both cases met
     assert_idle(llm)
+    return asked
+
+
+def test_no_chain_after_a_row_took_fewer_than_all(tokenizer, monkeypatch) -> None:
+    """The step after a verifying step is chained only while every row proposed for took all its proposals in
+    its last verifying step read; a row that missed gets its next step planned once its tokens are known."""
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()[:2]
+    llm = spec_llm(model, tokenizer, async_scheduling=True)
+    llm.llm_engine.scheduler.drafter.proposer = position_truth(model, prompts)
+    asked = chain_decisions(llm, model, prompts, monkeypatch)
+    assert not any(chained for took_all, _, chained in asked if not took_all), asked
+    chained = {(took_all, chained) for took_all, _, chained in asked}
+    assert (True, True) in chained and (False, False) in chained, asked  # both cases met
 
 
 class MissOnceThenSilent:
@@ -148,29 +157,13 @@ class MissOnceThenSilent:
 def test_a_row_without_proposals_does_not_stop_the_chain(tokenizer, monkeypatch) -> None:
     """Only rows proposed for in the step in flight can be stale in its successor: a row that once took fewer
     and now gets no proposals does not keep the others from chaining."""
-    import paged_backend.core.scheduler as scheduler_module
-
     model = tiny_model("llama")
     prompts = repetitive_prompts()[:2]
     llm = spec_llm(model, tokenizer, async_scheduling=True)
     truths = [p + hf_greedy(model, p, 60) for p in prompts]
     llm.llm_engine.scheduler.drafter.proposer = MissOnceThenSilent(truths, [len(p) for p in prompts])
-    chained_past_a_miss: list[bool] = []
-    continuation = scheduler_module.verify_continuation
-
-    def recorded(scheduler, in_flight):
-        out = continuation(scheduler, in_flight)
-        if not all(seq.spec_took_all for seq in in_flight.seqs):
-            chained_past_a_miss.append(out is not None)
-        return out
-
-    monkeypatch.setattr(scheduler_module, "verify_continuation", recorded)
-    params = SamplingParams(temperature=0, max_tokens=40)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40)
-    assert any(chained_past_a_miss), chained_past_a_miss
-    assert_idle(llm)
+    asked = chain_decisions(llm, model, prompts, monkeypatch)
+    assert any(chained for _, every_row, chained in asked if not every_row), asked
 
 
 def test_chained_steps_through_the_verify_graphs_give_hf_greedy(tokenizer) -> None:
