@@ -149,6 +149,12 @@ def main() -> None:
     )
     parser.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     parser.add_argument("--lookup-max", type=int, default=None, help="prompt_lookup_max (default: the engine's)")
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="queue steps ahead as on a GPU (chained verifying steps, rounds queued ahead), where the tokens each "
+        "kind of step makes can differ from a CPU's default",
+    )
     parser.add_argument("--json", type=Path, default=None)
     add_plot_arguments(parser, "a bar chart of the modeled speed-ups")
     args = parser.parse_args()
@@ -172,7 +178,7 @@ def main() -> None:
     if args.lookup_max is not None:
         speculative["prompt_lookup_max"] = args.lookup_max
     llm = LLM(path, dtype="bfloat16" if device == "cuda" else "float32", max_model_len=2048,
-              speculative_config=speculative)  # fmt: skip
+              speculative_config=speculative, async_scheduling=args.async_scheduling or None)  # fmt: skip
     pools = spec.pools(args.prompts)
     results: dict[str, Any] = {
         "command": " ".join(["python", "benchmarks/spec_trace.py", *sys.argv[1:]]),
@@ -185,6 +191,7 @@ def main() -> None:
             "shadow_min_taken": spec_decode.SHADOW_MIN_TAKEN,
             "prompt_lookup_min": llm.llm_engine.config.speculative_config.prompt_lookup_min,  # type: ignore[union-attr]
             "prompt_lookup_max": llm.llm_engine.config.speculative_config.prompt_lookup_max,  # type: ignore[union-attr]
+            "async_scheduling": llm.llm_engine.async_scheduling,
         },
         "workloads": {},
     }
