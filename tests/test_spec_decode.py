@@ -42,21 +42,23 @@ def test_prompt_lookup_proposes_what_followed_the_last_occurrence_of_the_longest
 
 def test_prompt_lookup_equals_a_plain_search_on_random_ids() -> None:
     """The proposer's one-pass search against the definition, written out: the longest suffix first, its last
-    earlier occurrence."""
+    earlier occurrence; ``last_match`` is that suffix's length (0 when nothing is proposed)."""
 
-    def plain(ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    def plain(ids: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
         for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
             for end in range(len(ids) - 2, n - 2, -1):
                 if ids[end - n + 1 : end + 1] == ids[len(ids) - n :]:
-                    return ids[end + 1 : end + 1 + k]
-        return []
+                    return ids[end + 1 : end + 1 + k], n
+        return [], 0
 
     rng = random.Random(0)
     for _ in range(3000):
         ids = [rng.randrange(rng.choice([2, 3, 20])) for _ in range(rng.randrange(40))]
         min_n = rng.randrange(1, 4)
         max_n, k = rng.randrange(min_n, 6), rng.randrange(1, 6)
-        assert NgramProposer(min_n, max_n, k).propose(ids) == plain(ids, min_n, max_n, k), (ids, min_n, max_n, k)
+        proposer = NgramProposer(min_n, max_n, k)
+        proposals = proposer.propose(ids)
+        assert (proposals, proposer.last_match) == plain(ids, min_n, max_n, k), (ids, min_n, max_n, k)
 
 
 def test_prompt_lookup_keeps_each_sequence_as_an_array_that_grows_with_it() -> None:
@@ -324,6 +326,24 @@ def test_a_paused_sample_whose_text_starts_copying_is_proposed_for_again() -> No
     assert wandering.spec_paused_until == 10**6 and wandering.spec_shadow[0] == len(wandering.token_ids)
 
 
+def test_a_shadow_guess_holds_the_next_round_only_where_its_lookup_matched_several_tokens() -> None:
+    """A paused sample's guess from a match of SHADOW_HOLD_MATCH tokens or more (text that copies) makes async
+    scheduling wait for the round in flight before queuing the next (its tokens decide the guess); a one-token
+    match (frequent in open chat, seldom taken) does not hold rounds back, nor does a sample with no guess."""
+    from paged_backend.config import SpeculativeConfig
+    from paged_backend.core.spec_decode import SHADOW_HOLD_MATCH, DraftPlanner
+
+    planner = DraftPlanner(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), max_model_len=1000)
+    request = Request("r", None, [5, 6], SamplingParams())
+    held = {}
+    for tokens in ([10, 11, 12, 13, 14, 20, 10, 11], [10, 11, 12, 13, 14, 20, 30, 10], [10, 11, 12, 13, 14, 40]):
+        seq = Sequence(0, 0, request, list(tokens), 2, arrival=0)
+        seq.spec_paused_until = 10**6
+        planner.watch(seq)
+        held[len(seq.spec_shadow[1]) and planner.proposer.last_match] = planner.holds_round(seq)
+    assert SHADOW_HOLD_MATCH == 2 and held == {2: True, 1: False, 0: False}, held
+
+
 class NoProposer:
     def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
         return []
@@ -352,6 +372,30 @@ def test_steps_without_proposals_run_as_rounds_queued_ahead_only_past_speculatio
     verified = [b for b in batches if b.draft_token_ids]
     assert bool(rounds) == (proposer != "oracle") and bool(verified) == (proposer != "none")  # oracle: every step
     assert bool(queued) == (proposer == "wrong"), proposer  # only a paused sample lets rounds follow rounds
+
+
+def test_no_round_is_queued_behind_one_whose_tokens_a_shadow_guess_awaits(tokenizer, monkeypatch) -> None:
+    """Paused samples (wrong proposals) get rounds queued ahead, unless a shadow guess holds them
+    (``DraftPlanner.holds_round``); greedy output stays HF's either way."""
+    from paged_backend.core.spec_decode import DraftPlanner
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts()[:2]
+    queued = {}
+    for holds in (False, True):
+        monkeypatch.setattr(DraftPlanner, "holds_round", lambda self, seq, holds=holds: holds)
+        llm = spec_llm(model, tokenizer, async_scheduling=True)
+        llm.llm_engine.scheduler.drafter.proposer = WrongProposer()
+        executor, batches = llm.llm_engine.executor, []
+        execute = executor.execute_model_async
+        executor.execute_model_async = lambda out, execute=execute, batches=batches: (
+            batches.append(out.batch) or execute(out)
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)  # fmt: skip
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 48)[:48] for p in prompts]
+        queued[holds] = sum(b.num_steps is not None and b.prev_rows is not None for b in batches)
+    assert queued[False] > 0 and queued[True] == 0, queued
 
 
 def test_no_proposals_while_the_batch_is_large(tokenizer) -> None:

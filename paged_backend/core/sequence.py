@@ -93,6 +93,7 @@ class Sequence:
     spec_paused_until: int = 0
     spec_pause: int = 0
     spec_shadow: tuple[int, list[int]] = field(default_factory=lambda: (0, []))
+    spec_shadow_holds: bool = False  # its shadow guess matched SHADOW_HOLD_MATCH tokens: rounds wait for its check
     spec_took_all: bool = True  # its last verifying step took every proposal: core/spec_chain.py chains only then
 
     @property

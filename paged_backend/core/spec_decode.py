@@ -72,6 +72,11 @@ MIN_TAKEN_PER_STEP = 1.0
 PAUSE_TOKENS = 32
 MAX_PAUSE_TOKENS = 512
 SHADOW_MIN_TAKEN = 2
+# Under async scheduling the round after the one in flight is queued before that round's tokens are read, so a
+# shadow guess learns a round late that it would have been taken. A guess whose lookup matched SHADOW_HOLD_MATCH
+# tokens or more (text that copies: code, quoted passages) holds the next round until its tokens are read; a
+# one-token match (open chat makes many, seldom taken) does not.
+SHADOW_HOLD_MATCH = 2
 
 
 class DraftPlanner:
@@ -146,9 +151,16 @@ class DraftPlanner:
                 return  # right so far, not all seen yet
             if taken >= SHADOW_MIN_TAKEN:
                 seq.spec_paused_until = seq.spec_pause = 0
-                seq.spec_shadow = (0, [])
+                seq.spec_shadow, seq.spec_shadow_holds = (0, []), False
                 return
         seq.spec_shadow = (len(seq.token_ids), self.proposer.propose(seq.token_ids, self.k, seq_id=seq.seq_id))
+        matched = self.proposer.last_match if isinstance(self.proposer, NgramProposer) else 0
+        seq.spec_shadow_holds = matched >= SHADOW_HOLD_MATCH
+
+    def holds_round(self, seq: Sequence) -> bool:
+        """Whether the round after the one in flight waits for that round's tokens for ``seq``: a paused sample
+        whose shadow guess those tokens decide (see SHADOW_HOLD_MATCH)."""
+        return self.watches and seq.spec_shadow_holds and bool(seq.spec_shadow[1])
 
     def forget(self, seq: Sequence) -> None:
         """The sample ended: a proposer with state per sequence drops its own."""
@@ -182,7 +194,7 @@ def judge(seq: Sequence, taken: int) -> None:
         if total < MIN_TAKEN_PER_STEP * steps:
             seq.spec_pause = min(MAX_PAUSE_TOKENS, 2 * seq.spec_pause) if seq.spec_pause else PAUSE_TOKENS
             seq.spec_paused_until = len(seq.token_ids) + seq.spec_pause
-            seq.spec_shadow = (0, [])
+            seq.spec_shadow, seq.spec_shadow_holds = (0, []), False
         else:
             seq.spec_pause = 0
         steps = total = 0

@@ -18,6 +18,7 @@ class NgramProposer:
         # a sequence's ids as an array, grown by the tokens it took since its last lookup: converting thousands
         # of Python ints at every step would be most of the lookup's host time
         self.arrays: dict[int, tuple[np.ndarray, int]] = {}  # seq id -> (its ids' array, how many it holds)
+        self.last_match = 0  # how many tokens the last lookup's suffix matched (0: it proposed nothing)
 
     def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int | None = None) -> list[int]:
         """Up to ``min(k, max_tokens)`` tokens that followed the last earlier occurrence of the longest suffix
@@ -27,6 +28,7 @@ class NgramProposer:
         One pass over the ids finds where the last token occurred before; only those places are compared
         further back (a step's lookup runs on the host between forwards, over thousands of ids)."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)
+        self.last_match = 0
         if k <= 0 or len(token_ids) < self.min_n + 1:
             return []
         return self._search(self._array(token_ids, seq_id), k)
@@ -36,6 +38,7 @@ class NgramProposer:
         step's guesses, core/spec_chain.py): the sequence's kept array serves ``token_ids`` and is not grown by
         them."""
         k = min(self.k, max_tokens)
+        self.last_match = 0
         if k <= 0 or len(token_ids) + len(ahead) < self.min_n + 1:
             return []
         return self._search(np.concatenate([self._array(token_ids, seq_id), np.asarray(ahead, dtype=np.int64)]), k)
@@ -55,7 +58,9 @@ class NgramProposer:
         if not ends.size or matched.max() < self.min_n:
             return []
         start = int(ends[np.flatnonzero(matched == matched.max())[-1]]) + 1
-        return [int(t) for t in ids[start : start + k]]
+        proposals = [int(t) for t in ids[start : start + k]]
+        self.last_match = int(matched.max()) if proposals else 0
+        return proposals
 
     def _array(self, token_ids: list[int], seq_id: int | None) -> np.ndarray:
         """``token_ids`` as int64: the sequence's array with its new tokens written on (doubled as it fills)."""
