@@ -328,10 +328,11 @@ def test_a_paused_sample_whose_text_starts_copying_is_proposed_for_again() -> No
 
 def test_a_shadow_guess_holds_the_next_round_only_where_its_lookup_matched_several_tokens() -> None:
     """A paused sample's guess from a match of SHADOW_HOLD_MATCH tokens or more (text that copies) makes async
-    scheduling wait for the round in flight before queuing the next (its tokens decide the guess); a one-token
-    match (frequent in open chat, seldom taken) does not hold rounds back, nor does a sample with no guess."""
+    scheduling wait for the round in flight before queuing the next (its tokens decide the guess), in batches of
+    up to SHADOW_HOLD_MAX_ROWS; a one-token match (frequent in open chat, seldom taken) does not hold rounds
+    back, nor does a sample with no guess."""
     from paged_backend.config import SpeculativeConfig
-    from paged_backend.core.spec_decode import SHADOW_HOLD_MATCH, DraftPlanner
+    from paged_backend.core.spec_decode import SHADOW_HOLD_MATCH, SHADOW_HOLD_MAX_ROWS, DraftPlanner
 
     planner = DraftPlanner(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), max_model_len=1000)
     request = Request("r", None, [5, 6], SamplingParams())
@@ -340,7 +341,9 @@ def test_a_shadow_guess_holds_the_next_round_only_where_its_lookup_matched_sever
         seq = Sequence(0, 0, request, list(tokens), 2, arrival=0)
         seq.spec_paused_until = 10**6
         planner.watch(seq)
-        held[len(seq.spec_shadow[1]) and planner.proposer.last_match] = planner.holds_round(seq)
+        held[len(seq.spec_shadow[1]) and planner.proposer.last_match] = planner.holds_round([seq])
+        if planner.holds_round([seq]):
+            assert not planner.holds_round([seq] * (SHADOW_HOLD_MAX_ROWS + 1))  # a batch is not stalled for it
     assert SHADOW_HOLD_MATCH == 2 and held == {2: True, 1: False, 0: False}, held
 
 
@@ -383,7 +386,7 @@ def test_no_round_is_queued_behind_one_whose_tokens_a_shadow_guess_awaits(tokeni
     prompts = repetitive_prompts()[:2]
     queued = {}
     for holds in (False, True):
-        monkeypatch.setattr(DraftPlanner, "holds_round", lambda self, seq, holds=holds: holds)
+        monkeypatch.setattr(DraftPlanner, "holds_round", lambda self, seqs, holds=holds: holds)
         llm = spec_llm(model, tokenizer, async_scheduling=True)
         llm.llm_engine.scheduler.drafter.proposer = WrongProposer()
         executor, batches = llm.llm_engine.executor, []

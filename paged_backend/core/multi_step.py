@@ -132,7 +132,7 @@ def continuation(scheduler: Scheduler, in_flight: SchedulerOutput, read: int = 0
     if drafter is not None and drafter.active(len(live)):
         if any(drafter.speculates(in_flight.seqs[row], num_steps[row]) for row in live):
             return None  # a sample is proposed for after that round: its proposals need the round's tokens
-        if any(drafter.holds_round(in_flight.seqs[row]) for row in live):
+        if drafter.holds_round([in_flight.seqs[row] for row in live]):
             return None  # a paused sample's guess is checked against that round's tokens: taken, it resumes
     bm = scheduler.block_manager
     plan = plan_continuation(

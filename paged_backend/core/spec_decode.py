@@ -75,8 +75,10 @@ SHADOW_MIN_TAKEN = 2
 # Under async scheduling the round after the one in flight is queued before that round's tokens are read, so a
 # shadow guess learns a round late that it would have been taken. A guess whose lookup matched SHADOW_HOLD_MATCH
 # tokens or more (text that copies: code, quoted passages) holds the next round until its tokens are read; a
-# one-token match (open chat makes many, seldom taken) does not.
+# one-token match (open chat makes many, seldom taken) does not. A held round stalls every row while one sample
+# gains, so rounds are held only in batches of up to SHADOW_HOLD_MAX_ROWS rows.
 SHADOW_HOLD_MATCH = 2
+SHADOW_HOLD_MAX_ROWS = 4
 
 
 class DraftPlanner:
@@ -157,10 +159,12 @@ class DraftPlanner:
         matched = self.proposer.last_match if isinstance(self.proposer, NgramProposer) else 0
         seq.spec_shadow_holds = matched >= SHADOW_HOLD_MATCH
 
-    def holds_round(self, seq: Sequence) -> bool:
-        """Whether the round after the one in flight waits for that round's tokens for ``seq``: a paused sample
-        whose shadow guess those tokens decide (see SHADOW_HOLD_MATCH)."""
-        return self.watches and seq.spec_shadow_holds and bool(seq.spec_shadow[1])
+    def holds_round(self, seqs: list[Sequence]) -> bool:
+        """Whether the round after the one in flight (over ``seqs``) waits for that round's tokens: a paused
+        sample's shadow guess is decided by them (see SHADOW_HOLD_MATCH)."""
+        if not self.watches or len(seqs) > SHADOW_HOLD_MAX_ROWS:
+            return False
+        return any(seq.spec_shadow_holds and seq.spec_shadow[1] for seq in seqs)
 
     def forget(self, seq: Sequence) -> None:
         """The sample ended: a proposer with state per sequence drops its own."""
