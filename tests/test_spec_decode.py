@@ -57,6 +57,7 @@ def test_prompt_lookup_equals_a_plain_search_on_random_ids() -> None:
         min_n = rng.randrange(1, 4)
         max_n, k = rng.randrange(min_n, 6), rng.randrange(1, 6)
         proposer = NgramProposer(min_n, max_n, k)
+        proposer.last_match = 7  # a lookup that finds nothing must not leave an earlier one's
         proposals = proposer.propose(ids)
         assert (proposals, proposer.last_match) == plain(ids, min_n, max_n, k), (ids, min_n, max_n, k)
 
@@ -344,6 +345,8 @@ def test_a_shadow_guess_holds_the_next_round_only_where_its_lookup_matched_sever
         held[len(seq.spec_shadow[1]) and planner.proposer.last_match] = planner.holds_round([seq])
         if planner.holds_round([seq]):
             assert not planner.holds_round([seq] * (SHADOW_HOLD_MAX_ROWS + 1))  # a batch is not stalled for it
+            seq.spec_paused_until = len(seq.token_ids)  # the pause ran out: its guess decides nothing now
+            assert not planner.holds_round([seq])
     assert SHADOW_HOLD_MATCH == 2 and held == {2: True, 1: False, 0: False}, held
 
 

@@ -119,7 +119,8 @@ def continuation(scheduler: Scheduler, in_flight: SchedulerOutput, read: int = 0
     ``prev_rows``), planned as if none stops there (``plan_continuation``). None when the next step must be a
     normal one: a request is swapped out or must run alone, a waiting request could take a place (the batch is
     not full, or a row ends in the round in flight), the batch would change, or a row needs what only a normal
-    step does (a sample speculative decoding proposes for next, among them)."""
+    step does (a sample speculative decoding proposes for next, among them, or whose pause a guess may end:
+    ``DraftPlanner.holds_round``)."""
     num_steps = in_flight.batch.num_steps
     if num_steps is None or scheduler.swapped or scheduler.run_alone:
         return None

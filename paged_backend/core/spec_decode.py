@@ -10,8 +10,9 @@ rejected proposals lies past ``num_computed_tokens`` in the sequence's own block
 Proposals stop where they do not pay: in a step where ``disable_by_batch_size`` sequences or more run, and for a
 sample whose proposals seldom pay (``judge``): it is paused for a number of tokens. A step without proposals may
 be a multi-step round (core/multi_step.py), the cheapest way to decode a token where nothing is proposed; async
-scheduling queues the next round only when no sample of the round would be proposed for after it, and a
-verifying step's successor on the guess that every proposal is taken (core/spec_chain.py). Not proposed
+scheduling queues the next round only when no sample of the round would be proposed for after it nor, in a
+small batch, a paused sample's guess awaits its tokens (``holds_round``), and a verifying step's successor on the
+guess that every proposal is taken (core/spec_chain.py). Not proposed
 for either: requests that keep logits (one row per step), which decode a token a step in the same batch. Each
 sample of a request with several (``n``, ``best_of``) is proposed for on its own; a sample under a grammar only
 the tokens its grammar allows, up to the first it does not.
@@ -164,7 +165,8 @@ class DraftPlanner:
         sample's shadow guess is decided by them (see SHADOW_HOLD_MATCH)."""
         if not self.watches or len(seqs) > SHADOW_HOLD_MAX_ROWS:
             return False
-        return any(seq.spec_shadow_holds and seq.spec_shadow[1] for seq in seqs)
+        paused = [seq for seq in seqs if len(seq.token_ids) < seq.spec_paused_until]  # a pause's guess only
+        return any(seq.spec_shadow_holds and seq.spec_shadow[1] for seq in paused)
 
     def forget(self, seq: Sequence) -> None:
         """The sample ended: a proposer with state per sequence drops its own."""
