@@ -11,7 +11,7 @@ the config alone (``dummy.py``), or any other checkpoint through transformers (`
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from paged_backend.config import EngineConfig
 from paged_backend.model_loader.awq import load_awq_model
@@ -56,12 +56,9 @@ def load_model(
     dummy = config.model_config.load_format == "dummy"
     trust = config.model_config.trust_remote_code
     quantization = checkpoint_quantization(config, hf_config, model)
+    if dummy:
+        refuse_dummy_quantized(hf_config, quantization)
     if quantization is not None and getattr(hf_config, "quantization_config", None) is not None:
-        if dummy:
-            raise ValueError(
-                f"load_format='dummy' does not make {quantization} weights (the checkpoint's format): load the "
-                "checkpoint itself, or quantize a model (paged_backend.quantization.awq_quantize, llm-compressor)"
-            )
         load_device = torch.device("cpu") if keep_on_cpu else device
         loaders = {
             "awq": load_awq_model,
@@ -78,3 +75,14 @@ def load_model(
     if quantization == "fp8":  # an unquantized checkpoint, quantized once loaded
         quantize_fp8(loaded)
     return loaded, device
+
+
+def refuse_dummy_quantized(hf_config: PretrainedConfig, quantization: str | None) -> None:
+    """``load_format="dummy"`` makes random weights of the model's dtype from its config, not a checkpoint's
+    quantized format: a config that carries one is refused (an unquantized one with ``quantization="fp8"`` is
+    quantized as usual)."""
+    if getattr(hf_config, "quantization_config", None) is not None:
+        raise ValueError(
+            f"load_format='dummy' does not make {quantization} weights (the checkpoint's format): load the "
+            "checkpoint itself, or quantize a model (paged_backend.quantization.awq_quantize, llm-compressor)"
+        )

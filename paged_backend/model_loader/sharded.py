@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from paged_backend.config import EngineConfig
-from paged_backend.model_loader import load_model
+from paged_backend.model_loader import load_model, refuse_dummy_quantized
 from paged_backend.model_loader.dummy import materialize, meta_model
 from paged_backend.model_loader.hf import checkpoint_dtype, checkpoint_files, checkpoint_quantization, load_hf_config
 from paged_backend.model_loader.tp_plan import (
@@ -51,8 +51,8 @@ def load_shard(
     hf_config = load_hf_config(config, name)
     dummy = config.model_config.load_format == "dummy"
     quantization = checkpoint_quantization(config, hf_config, name)  # the asked and the checkpoint's must agree
-    if dummy and getattr(hf_config, "quantization_config", None) is not None:
-        raise ValueError(f"load_format='dummy' does not make {quantization} weights (the checkpoint's format)")
+    if dummy:
+        refuse_dummy_quantized(hf_config, quantization)
     files = None if dummy else _sliceable_files(config, name, quantization)
     model = meta_model(hf_config, checkpoint_dtype(config, hf_config, device), config.model_config.trust_remote_code)
     if not dummy and (files is None or not _covers(model, files)):  # read whole on the CPU, cut there
