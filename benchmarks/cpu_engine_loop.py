@@ -39,15 +39,16 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(64)] for _ in range(count)]
 
 
-def measure(mode: str, workload: str, repeats: int) -> list[float]:
-    """Output tokens per second of each repetition, in this process."""
+def measure(mode: str, workload: str, repeats: int, model: str) -> list[float]:
+    """Output tokens per second of each repetition, in this process (``model``: a checkpoint folder, or "" for
+    the demo checkpoint)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from paged_backend import LLM, SamplingParams
     from paged_backend.demo_checkpoint import default_cache_dir, demo_checkpoint
 
-    path = str(demo_checkpoint(default_cache_dir()))
+    path = model or str(demo_checkpoint(default_cache_dir()))
     count, new = WORKLOADS[workload]
     if mode == "hf":
         model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -82,9 +83,9 @@ def measure(mode: str, workload: str, repeats: int) -> list[float]:
     return rates
 
 
-def run_tree(tree: str, mode: str, workload: str, repeats: int) -> list[float]:
+def run_tree(tree: str, mode: str, workload: str, repeats: int, model: str) -> list[float]:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE.parent}"}
-    command = [sys.executable, __file__, "--inner", mode, workload, str(repeats)]
+    command = [sys.executable, __file__, "--inner", mode, workload, str(repeats), model]
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
     return [float(x) for x in out.split()[-1].split(",")]
 
@@ -107,7 +108,8 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.errorbar(i, values[i], yerr=spread, color="black", capsize=3)
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
         ax.set_title(f"{workload}: output tok/s (median, min-max)")
-    fig.suptitle(f"CPU, {result['cpus']} cores: engine stepped directly vs by the engine-loop thread")
+    model = Path(result["model"]).name
+    fig.suptitle(f"CPU, {result['cpus']} cores, {model}: the engine stepped directly or by its loop, HF generate")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -119,11 +121,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="where to write the result (required)")
     parser.add_argument("--plot", default=None)
-    parser.add_argument("--inner", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="", help="a checkpoint folder (default: the demo's random-weight Llama)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="which of the ways to run")
+    parser.add_argument("--inner", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inner:
-        mode, workload, repeats = args.inner
-        print(",".join(f"{r:.3f}" for r in measure(mode, workload, int(repeats))))
+        mode, workload, repeats, model = args.inner
+        print(",".join(f"{r:.3f}" for r in measure(mode, workload, int(repeats), model)))
         return
     if args.json is None:
         parser.error("--json is required")
@@ -133,7 +137,7 @@ def main() -> None:
     for workload in WORKLOADS:
         runs[workload] = {}
         for label, tree in trees.items():
-            for mode in MODES:
+            for mode in args.modes:
                 if mode == "hf" and label != next(iter(trees)):
                     continue  # HF's figure does not depend on our tree
                 if mode == "served" and not (Path(tree) / "paged_backend/engine/engine_loop.py").read_text().count(
@@ -141,13 +145,14 @@ def main() -> None:
                 ):
                     continue  # a tree from before the served path existed
                 key = "hf generate" if mode == "hf" else f"{label} {mode}"
-                runs[workload][key] = run_tree(tree, mode, workload, args.repeats)
+                runs[workload][key] = run_tree(tree, mode, workload, args.repeats, args.model)
                 logger.info("%s %s: %s tok/s", workload, key, [round(r, 1) for r in runs[workload][key]])
     result = {
         "command": " ".join(sys.argv),
         "cpus": len(os.sched_getaffinity(0)),
         "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(),
+        "model": args.model or "the demo checkpoint",
         "trees": trees,
         "commits": dict(item.split("=", 1) for item in args.commits),
         "workloads": {k: {"prompts": c, "prompt_tokens": 64, "new_tokens": n} for k, (c, n) in WORKLOADS.items()},
