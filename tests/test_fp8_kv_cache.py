@@ -18,9 +18,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.kernels import tl, triton
+from paged_backend.kernels.attention_twin import paged_attention_torch
 from paged_backend.kernels.cache_write import write_kv_cache_torch, write_kv_cache_triton
 from paged_backend.kernels.fp8_quant import FP8_MAX
-from paged_backend.kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from paged_backend.kernels.paged_attention import paged_attention_triton
 from tests.conftest import assert_idle, hf_greedy, ragged_prompts
 from tests.fixtures.fp8_kv import FP8, Scales, fp8_kv_model
 from tests.fixtures.tiny_models import build_tiny_model

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from paged_backend.kernels.arrival import arrival_counters
+from paged_backend.kernels.attention_twin import paged_attention_torch
 from paged_backend.kernels.cache_write import write_kv_cache_torch, write_kv_cache_triton
 from paged_backend.kernels.paged_attention import (
     MAX_SPLITS,
     _paged_attention_kernel,
     choose_num_splits,
-    paged_attention_torch,
     paged_attention_triton,
 )
 

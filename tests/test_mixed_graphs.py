@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from paged_backend.kernels.attention_twin import paged_attention_torch
+from paged_backend.kernels.paged_attention import paged_attention_triton
 from paged_backend.worker.mixed_graphs import MIXED_MAX_TOKENS, MIXED_STEP, MixedGraphRunner, mixed_capture_sizes
 from paged_backend.worker.step_inputs import StepInputs
 from tests.conftest import assert_greedy_like_hf, assert_idle, hf_greedy, ragged_prompts, replay_in_python, tiny_model

@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels import triton
+from paged_backend.kernels.attention_twin import TwinGroup, paged_attention_torch, twin_plan
 from paged_backend.kernels.cache_write import write_kv_cache_torch, write_kv_cache_triton
-from paged_backend.kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from paged_backend.kernels.paged_attention import paged_attention_triton
 
 
 def write_kv_cache(
@@ -40,11 +41,19 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
     batch_invariant: bool = False,  # the Triton kernel's fixed-order configuration (the twin is not invariant)
+    twin_plans: dict[int | None, list[TwinGroup]] | None = None,  # the twin's plans of this step, by window
 ) -> torch.Tensor:  # [T, H, D]
     args = (query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sliding_window, softcap)
     if query.is_cuda and triton is not None:
         return paged_attention_triton(*args, k_scale=k_scale, v_scale=v_scale, batch_invariant=batch_invariant)
-    return paged_attention_torch(*args, k_scale=k_scale, v_scale=v_scale)
+    plan = None
+    if twin_plans is not None:  # made by the step's first layer with this window, used by the others
+        plan = twin_plans.get(sliding_window)
+        if plan is None:
+            plan = twin_plans[sliding_window] = twin_plan(
+                block_tables, cu_seqlens_q, context_lens, k_cache.shape[1], sliding_window
+            )
+    return paged_attention_torch(*args, k_scale=k_scale, v_scale=v_scale, plan=plan)
 
 
 @torch.library.custom_op("paged_backend::write_kv_cache", mutates_args=("k_cache", "v_cache"))

@@ -4,109 +4,15 @@ Query ``j`` of a sequence with ``q_len`` new tokens and ``ctx_len`` tokens in th
 sits at absolute position ``ctx_len - q_len + j`` and sees keys at positions ``<=`` that (causal), and with a
 sliding window ``w`` only keys at positions ``> pos - w`` (transformers' convention). An fp8 cache holds keys
 and values divided by a scale per KV head (``k_scale``, ``v_scale``); they are multiplied back as they are read.
+The torch twin is kernels/attention_twin.py.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from paged_backend.kernels import num_sms, tl, triton
 from paged_backend.kernels.arrival import arrival_counters
-
-
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``cache``'s rows at ``slots`` ([G, C] into its ``[NB * BS]`` token rows): ``[G, C, Hkv, D]``, by
-    ``index_select``, which on a CPU copies whole rows several times faster than advanced indexing."""
-    flat = cache.flatten(0, 1)
-    return flat.index_select(0, slots.flatten()).view(*slots.shape, *flat.shape[1:])
-
-
-def _attend_group(
-    query: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
-    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
-    block_tables: torch.Tensor,  # [G, max_blocks]
-    q_starts: torch.Tensor,  # [G]
-    q_lens: torch.Tensor,  # [G]
-    context_lens: torch.Tensor,  # [G]
-    max_q: int,
-    max_ctx: int,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-) -> torch.Tensor:  # [G, max_q, H, D] (rows past q_len are garbage)
-    device = query.device
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    groups, num_heads, head_dim = block_tables.shape[0], query.shape[1], query.shape[2]
-    per_kv = num_heads // num_kv_heads  # query heads sharing a KV head (h = kv * per_kv + r)
-    kv_pos = torch.arange(max_ctx, device=device)  # [C]
-    slots = block_tables[:, kv_pos // block_size].long() * block_size + kv_pos % block_size  # [G, C]
-    keys = _gather(k_cache, slots).float().transpose(1, 2)  # [G, Hkv, C, D]
-    values = _gather(v_cache, slots).float().transpose(1, 2)  # [G, Hkv, C, D]
-    if k_scale is not None and v_scale is not None:
-        keys, values = keys * k_scale[:, None, None], values * v_scale[:, None, None]
-    q_idx = torch.arange(max_q, device=device)  # [Q]
-    token_idx = (q_starts[:, None] + q_idx[None, :]).clamp(max=query.shape[0] - 1)  # [G, Q]
-    queries = query[token_idx].float().view(groups, max_q, num_kv_heads, per_kv, head_dim)  # [G, Q, Hkv, R, D]
-    # one matmul per KV head over all the query heads that share it: [G, Hkv, R * Q, D]
-    queries = queries.permute(0, 2, 3, 1, 4).reshape(groups, num_kv_heads, per_kv * max_q, head_dim)
-    q_pos = (context_lens - q_lens)[:, None] + q_idx[None, :]  # [G, Q]
-    allowed = kv_pos[None, None, :] <= q_pos[:, :, None]  # [G, Q, C]
-    if sliding_window is not None:
-        allowed &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    # [G, 1, R * Q, C]: row r * Q + q of a KV head's rows is query q of head kv * per_kv + r
-    rows = per_kv * max_q
-    allowed = allowed[:, None, None].expand(groups, 1, per_kv, max_q, max_ctx).reshape(groups, 1, rows, max_ctx)
-    if softcap is None:  # [G, Hkv, R * Q, D]; torch's fused kernel keeps no score tensor (the CPU engine's path)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale)
-    else:
-        scores = torch.tanh(queries @ keys.transpose(-1, -2) * scale / softcap) * softcap
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
-        out = probs @ values
-    out = out.view(groups, num_kv_heads, per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [G, Q, Hkv, R, D]
-    return out.reshape(groups, max_q, num_heads, head_dim)
-
-
-def paged_attention_torch(
-    query: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
-    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
-    context_lens: torch.Tensor,  # [B] int32, cached + new tokens
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
-    v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
-) -> torch.Tensor:  # [T, H, D]
-    """Reference twin, in fp32. Decodes are batched together; each prefill is computed on its own so the
-    padded score tensor stays ``[1, H, q_len, ctx_len]`` instead of growing with the batch."""
-    out = torch.empty_like(query)
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [B]
-    q_lens_list = q_lens.tolist()
-    ctx_list = context_lens.tolist()
-    starts = cu_seqlens_q.tolist()
-    decodes = [i for i, n in enumerate(q_lens_list) if n == 1]
-    groups = ([decodes] if decodes else []) + [[i] for i, n in enumerate(q_lens_list) if n > 1]
-    for group in groups:
-        idx = torch.tensor(group, device=query.device)
-        max_q = max(q_lens_list[i] for i in group)
-        max_ctx = max(ctx_list[i] for i in group)
-        result = _attend_group(
-            query, k_cache, v_cache, block_tables[idx], cu_seqlens_q[idx].long(), q_lens[idx].long(),
-            context_lens[idx].long(), max_q, max_ctx, scale, sliding_window, softcap, k_scale, v_scale,
-        )  # [G, Q, H, D]  # fmt: skip
-        if max_q == 1:
-            out[cu_seqlens_q[idx].long()] = result[:, 0].to(out.dtype)
-        else:  # a single prefill
-            start, n = starts[group[0]], q_lens_list[group[0]]
-            out[start : start + n] = result[0, :n].to(out.dtype)
-    return out
-
 
 # ---------------------------------------------------------------------------------------------------- Triton
 # One kernel serves prefill, mixed and decode batches. A program owns a tile of BLOCK_Q query tokens of one
@@ -329,7 +235,7 @@ def paged_attention_triton(
     v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
     batch_invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, D]
-    """Triton twin of :func:`paged_attention_torch`; no host synchronisation, grid fixed by (T, B).
+    """Triton twin of ``attention_twin.paged_attention_torch``; no host synchronisation, grid fixed by (T, B).
     ``num_splits`` (slices of the context, decode only) defaults to :func:`choose_num_splits`, which splits only on
     a GPU that the batch leaves idle; a given number splits anywhere.
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
+from paged_backend.kernels.attention_twin import TwinGroup
 from paged_backend.kernels.ops import paged_attention, paged_attention_op, write_kv_cache, write_kv_cache_op
 from paged_backend.worker.batch_invariant import exact_attention
 from paged_backend.worker.invariant_modules import outside_the_mode
@@ -43,6 +44,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, new-token offsets per sequence
     context_lens: torch.Tensor  # [B] int64, cached + new tokens per sequence
     exact: bool = False  # batch_invariant: each query's sums in one fixed order (worker/batch_invariant.py)
+    # The torch twin's plan of this step by sliding window (kernels/attention_twin.py), made by its first layer;
+    # None: made in every layer (metadata whose tensors are rewritten in place between steps: CUDA graphs')
+    twin_plans: dict[int | None, list[TwinGroup]] | None = None
 
 
 def paged_attention_forward(
@@ -109,7 +113,9 @@ def paged_attention_forward(
             if attn_metadata.exact and not q.is_cuda:  # the torch twin pads each group's contexts: not invariant
                 out = exact_attention(*args, k_scale, v_scale)
             else:
-                out = paged_attention(*args, k_scale, v_scale, batch_invariant=attn_metadata.exact)
+                out = paged_attention(
+                    *args, k_scale, v_scale, batch_invariant=attn_metadata.exact, twin_plans=attn_metadata.twin_plans
+                )
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 

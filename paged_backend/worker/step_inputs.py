@@ -55,6 +55,7 @@ class StepInputs:
             cu_seqlens_q=to(self.cu_seqlens_q),
             context_lens=to(self.context_lens),
             exact=exact,
+            twin_plans={} if device.type == "cpu" else None,  # a step's own tensors: its plan holds for every layer
         )
         return DeviceInputs(to(self.input_ids), to(self.positions), metadata, to(self.logits_indices))
 
