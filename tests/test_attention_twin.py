@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.kernels import ops
+from paged_backend.kernels import attention_twin, ops
 from paged_backend.kernels.attention_twin import paged_attention_torch, twin_plan
 from tests.fixtures.tiny_models import build_tiny_model
 from tests.test_kernels import make_batch
@@ -52,6 +52,9 @@ def test_the_twin_equals_attention_written_out(sliding_window: int | None, softc
     plan = twin_plan(batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], 16, sliding_window)
     reused = paged_attention_torch(**batch, scale=scale, sliding_window=sliding_window, softcap=softcap, plan=plan)
     assert torch.equal(reused, out)
+    other = twin_plan(batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], 16, 2)  # a given plan
+    with_other = paged_attention_torch(**batch, scale=scale, sliding_window=sliding_window, softcap=softcap, plan=other)
+    assert not torch.allclose(with_other, out)  # is the one used, whatever the window argument says
 
 
 def test_the_cpu_engine_plans_once_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,6 +72,7 @@ def test_the_cpu_engine_plans_once_a_step(monkeypatch: pytest.MonkeyPatch) -> No
         return attend(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ops, "twin_plan", counted_plan)
+    monkeypatch.setattr(attention_twin, "twin_plan", counted_plan)  # a plan the twin would make itself counts too
     monkeypatch.setattr("paged_backend.worker.attention.paged_attention", seen_attention)
     model = build_tiny_model("llama", num_hidden_layers=3)
     llm = LLM(model, block_size=4, num_kv_blocks=64, max_model_len=64)
