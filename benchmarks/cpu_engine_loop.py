@@ -1,7 +1,8 @@
 """The engine on CPU stepped from the caller's thread (``direct``: ``LLM.generate``) against the same engine
 stepped by the engine-loop thread, built on the caller's thread (``loop``: ``patch()`` and the framework adapters
 on a model the caller loaded) or on a thread that has ended (``served``: as the server builds it), beside HF
-``generate``.
+``generate``, on the demo's random-weight Llama or a checkpoint folder (``--model``); ``--modes`` picks the ways to
+run (``direct hf`` compares trees of the engine itself).
 
 Each (tree, mode) runs in a fresh process: OpenMP teams live for a thread's life, so a process that ever ran the
 loop is no longer a clean "direct" process. Every repetition draws new prompts (nothing for the prefix cache),
@@ -39,16 +40,16 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(64)] for _ in range(count)]
 
 
-def measure(mode: str, workload: str, repeats: int, model: str) -> list[float]:
-    """Output tokens per second of each repetition, in this process (``model``: a checkpoint folder, or "" for
-    the demo checkpoint)."""
+def measure(mode: str, workload: str, repeats: int, checkpoint: str) -> list[float]:
+    """Output tokens per second of each repetition, in this process (``checkpoint``: a folder, or "" for the demo
+    checkpoint)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from paged_backend import LLM, SamplingParams
     from paged_backend.demo_checkpoint import default_cache_dir, demo_checkpoint
 
-    path = model or str(demo_checkpoint(default_cache_dir()))
+    path = checkpoint or str(demo_checkpoint(default_cache_dir()))
     count, new = WORKLOADS[workload]
     if mode == "hf":
         model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -83,9 +84,9 @@ def measure(mode: str, workload: str, repeats: int, model: str) -> list[float]:
     return rates
 
 
-def run_tree(tree: str, mode: str, workload: str, repeats: int, model: str) -> list[float]:
+def run_tree(tree: str, mode: str, workload: str, repeats: int, checkpoint: str) -> list[float]:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE.parent}"}
-    command = [sys.executable, __file__, "--inner", mode, workload, str(repeats), model]
+    command = [sys.executable, __file__, "--inner", mode, workload, str(repeats), checkpoint]
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
     return [float(x) for x in out.split()[-1].split(",")]
 
@@ -108,7 +109,7 @@ def plot(result: dict[str, Any], path: str) -> None:
             ax.errorbar(i, values[i], yerr=spread, color="black", capsize=3)
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
         ax.set_title(f"{workload}: output tok/s (median, min-max)")
-    model = Path(result["model"]).name
+    model = Path(result.get("model", "the demo checkpoint")).name  # results from before --model name none
     fig.suptitle(f"CPU, {result['cpus']} cores, {model}: the engine stepped directly or by its loop, HF generate")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -126,8 +127,8 @@ def main() -> None:
     parser.add_argument("--inner", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inner:
-        mode, workload, repeats, model = args.inner
-        print(",".join(f"{r:.3f}" for r in measure(mode, workload, int(repeats), model)))
+        mode, workload, repeats, checkpoint = args.inner
+        print(",".join(f"{r:.3f}" for r in measure(mode, workload, int(repeats), checkpoint)))
         return
     if args.json is None:
         parser.error("--json is required")
