@@ -549,9 +549,10 @@ def make_parser() -> argparse.ArgumentParser:
         "paged_fp8_fp8kv (the same with kv_cache_dtype='fp8'), "
         "paged_fp8block (the saved model quantized by transformers' FineGrainedFP8Config, blocks of 128 x 128), "
         "paged_invariant (batch_invariant=True; also checks a request alone and in a batch of 64), "
-        "paged_spec (speculative_config: prompt lookup, k=4), "
+        "paged_spec (speculative_config: prompt lookup, k=--spec-k), "
         "hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
     )
+    parser.add_argument("--spec-k", type=int, default=4, help="paged_spec's num_speculative_tokens")
     parser.add_argument("--num-prompts", type=int, default=256, help="W1 prompts (the workload: 256)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (the workload: 256)")
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers for a quick try (the model: 32)")
@@ -718,9 +719,9 @@ class Bench:
             "paged_sync": ({**base, "async_scheduling": False}, "synchronous engine"),
             "paged_loop": (base, "engine behind its loop"),
             "paged_invariant": ({**base, "batch_invariant": True}, "batch-invariant engine"),
-            # prompt lookup, k = 4: on W1 it must switch itself off (at least 0.97x paged)
+            # prompt lookup: on W1 it must switch itself off (at least 0.97x paged)
             "paged_spec": (
-                {**base, "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
+                {**base, "speculative_config": {"method": "ngram", "num_speculative_tokens": self.args.spec_k}},
                 "speculating engine",
             ),
             "paged_fp8kv": ({**base, "kv_cache_dtype": "fp8"}, "fp8-cache engine"),
