@@ -19,9 +19,11 @@ from paged_backend.kernels.fp8_block_mm import (
     expand_scales,
     fp8_block_mm_torch,
     fp8_block_mm_triton,
+    quantize_per_block,
     quantize_per_group,
 )
 from paged_backend.kernels.fp8_quant import FP8, quantize_per_row
+from paged_backend.quantization.fp8_block import CUBLAS_MIN_ROWS, fp8_block_mm, fp8_block_mm_cublas, uses_cublas
 from tests.test_fp8_block import BLOCK_K, BLOCK_N, DEVICE, block_quantized
 
 
@@ -134,3 +136,28 @@ def test_per_group_quantization_is_per_row_quantization_of_each_group() -> None:
         q_row, scale_row = quantize_per_row(x[:, start : start + 64])
         assert torch.equal(scale[:, g : g + 1], scale_row)
         assert torch.equal(q[:, start : start + 64].view(torch.uint8), q_row.view(torch.uint8))
+
+
+def _cublas_serves() -> bool:
+    return torch.cuda.is_available() and uses_cublas(
+        torch.empty(CUBLAS_MIN_ROWS, 128, device="cuda"), torch.empty(128, 128, device="cuda"), 128, 128
+    )
+
+
+@pytest.mark.skipif(
+    not _cublas_serves(),
+    reason="cuBLAS's block-scaled fp8 product needs a Hopper GPU and torch's scaled_mm",
+)
+@pytest.mark.parametrize("m", [CUBLAS_MIN_ROWS - 1, CUBLAS_MIN_ROWS, 130, 257])
+def test_cublas_block_product_equals_the_twin_from_its_row_count_on(m: int) -> None:
+    """Rows not a multiple of 4 and K blocks not a multiple of 4 (640 inputs: 5 blocks) are padded for cuBLAS and
+    sliced off; below ``CUBLAS_MIN_ROWS`` the kernel answers (bit for bit), from there on cuBLAS does."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 384, 640
+    q, scale = quantize_per_group(torch.randn(m, k, generator=gen), 128)
+    weight, weight_scale = quantize_per_block(torch.randn(n, k, generator=gen) * 0.1, 128, 128)
+    args = (q.cuda(), scale.cuda(), weight.cuda(), weight_scale.cuda(), 128, 128, torch.bfloat16)
+    out = fp8_block_mm(*args)
+    torch.testing.assert_close(out.float(), fp8_block_mm_torch(*args).float(), rtol=2e-2, atol=2e-2)
+    by = fp8_block_mm_cublas(*args[:4], torch.bfloat16) if m >= CUBLAS_MIN_ROWS else fp8_block_mm_triton(*args)
+    assert torch.equal(out, by)

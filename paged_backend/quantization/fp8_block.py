@@ -4,10 +4,11 @@ Qwen3's ``-FP8`` releases and transformers' ``FineGrainedFP8Config``.
 Each quantized linear stores ``weight`` [N, K] in float8_e4m3fn and ``weight_scale_inv`` [ceil(N / block_n),
 ceil(K / block_k)] in float32 (the weight is ``weight * scale`` block by block, despite the name). Activations are
 quantized at run time per token and per ``block_k`` inputs, as those models were trained and as transformers and
-vLLM run them; the product is ``kernels/fp8_block_mm.py``. Which linears are quantized is read from the checkpoint
-itself (those with a ``weight_scale_inv``): producers leave some in the model's dtype (the output embedding, the
-``modules_to_not_convert``, shapes their blocks do not tile). Dense models only: the experts of a mixture of
-experts (one fused module in transformers) are not read, and such a checkpoint fails at load naming the tensor.
+vLLM run them; the product is ``kernels/fp8_block_mm.py`` (cuBLAS's block-scaled GEMM for many rows on Hopper).
+Which linears are quantized is read from the checkpoint itself (those with a ``weight_scale_inv``): producers leave
+some in the model's dtype (the output embedding, the ``modules_to_not_convert``, shapes their blocks do not tile).
+Dense models only: the experts of a mixture of experts (one fused module in transformers) are not read, and such a
+checkpoint fails at load naming the tensor.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paged_backend.kernels import triton
@@ -104,10 +106,48 @@ def fp8_block_mm(
     block_k: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
+    if uses_cublas(q, weight, block_n, block_k):
+        return fp8_block_mm_cublas(q, q_scale, weight, weight_scale_inv, out_dtype)
     if q.is_cuda and triton is not None:
         upcast = not has_fp8_matmul(q.device)
         return fp8_block_mm_triton(q, q_scale, weight, weight_scale_inv, block_n, block_k, out_dtype, upcast)
     return fp8_block_mm_torch(q, q_scale, weight, weight_scale_inv, block_n, block_k, out_dtype)
+
+
+CUBLAS_MIN_ROWS = 65  # from here on cuBLAS's block-scaled product beats the kernel (docs/benchmarks.md)
+
+
+def uses_cublas(q: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int) -> bool:
+    """Whether cuBLAS's block-scaled fp8 product (DeepSeek's recipe: 1 x 128 activation scales, 128 x 128 weight
+    scales) takes ``q``: on Hopper through torch's ``scaled_mm`` (torch 2.10 and later, CUDA 12.9 and later), for
+    enough rows that its tiles fill the GPU; fewer rows read each weight once, which the kernel's split K does
+    faster."""
+    return (
+        q.is_cuda
+        and q.shape[0] >= CUBLAS_MIN_ROWS
+        and (block_n, block_k) == (128, 128)
+        and q.shape[1] % 128 == 0
+        and weight.shape[0] % 128 == 0
+        and hasattr(F, "scaled_mm")
+        and torch.cuda.get_device_capability(q.device) == (9, 0)
+    )
+
+
+def fp8_block_mm_cublas(
+    q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``fp8_block_mm`` in cuBLAS's layouts: the activation scales column-major with the rows a multiple of 4, the
+    weight's scales with their K blocks a multiple of 4 (rows and blocks added are scaled by 1 and sliced off)."""
+    m = q.shape[0]
+    pad_m, pad_k = -m % 4, -weight_scale_inv.shape[1] % 4
+    if pad_m:
+        q = F.pad(q.view(torch.uint8), (0, 0, 0, pad_m)).view(FP8)
+        q_scale = F.pad(q_scale, (0, 0, 0, pad_m), value=1.0)
+    weight_scale = F.pad(weight_scale_inv, (0, pad_k), value=1.0) if pad_k else weight_scale_inv
+    a_scale, b_scale = q_scale.t().contiguous().t(), weight_scale.t()
+    recipe = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
+    out = F.scaled_mm(q, weight.t(), a_scale, recipe[0], b_scale, recipe[1], output_dtype=out_dtype)
+    return out[:m]
 
 
 fp8_block_mm_op = torch.library.custom_op("paged_backend::fp8_block_mm", mutates_args=())(fp8_block_mm)
