@@ -11,7 +11,10 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
   accumulation, which vLLM's fp8 GEMMs use), with its largest difference from bf16 beside it;
 - ``gemlite_fp8``: GemLite's fp8 layer (``A8W8_fp8_dynamic``) on the same weights, where ``gemlite`` imports;
 - ``fp8_block``: block-wise FP8 (``quant_method: "fp8"``, 128 x 128 weight blocks, activations per token and 128
-  inputs) as ``FP8BlockLinear`` runs it eagerly: the quantization kernel, then ``kernels/fp8_block_mm.py``.
+  inputs) as ``FP8BlockLinear`` runs it eagerly: the quantization kernel, then the product (``kernels/fp8_block_mm.py``
+  below ``CUBLAS_MIN_ROWS`` rows, cuBLAS's block-scaled GEMM from there on, on Hopper);
+- ``fp8_block_kernel``, ``fp8_block_cublas``: the same with either product at every row count (cuBLAS's on Hopper
+  with torch's ``scaled_mm`` only), which places ``CUBLAS_MIN_ROWS``.
 
 With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first.
 
@@ -33,11 +36,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged_backend.kernels.fp8_block_mm import quantize_per_block  # noqa: E402
+from paged_backend.kernels.fp8_block_mm import fp8_block_mm_triton, quantize_per_block, quantize_per_group  # noqa: E402
 from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton  # noqa: E402
 from paged_backend.kernels.fp8_quant import quantize_per_row_triton  # noqa: E402
 from paged_backend.quantization.fp8 import fp8_linear, quantize_per_row  # noqa: E402
-from paged_backend.quantization.fp8_block import fp8_block_linear  # noqa: E402
+from paged_backend.quantization.fp8_block import fp8_block_linear, fp8_block_mm_cublas, uses_cublas  # noqa: E402
 
 logger = logging.getLogger("fp8_linear")
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (in, out)
@@ -51,6 +54,14 @@ def scaled_mm(
     return torch._scaled_mm(
         q, weight.T, scale_a=scale, scale_b=weight_scale[None, :], out_dtype=x.dtype, use_fast_accum=fast_accum
     )
+
+
+def block_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cublas: bool) -> torch.Tensor:
+    """``fp8_block_linear`` with the product named, whatever the row count."""
+    q, q_scale = quantize_per_group(x, 128, kernel=True)
+    if cublas:
+        return fp8_block_mm_cublas(q, q_scale, weight, scale, x.dtype)
+    return fp8_block_mm_triton(q, q_scale, weight, scale, 128, 128, x.dtype)
 
 
 def copies_of(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
@@ -114,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 .max()
                 .item(),
             }
+            row["fp8_block_kernel"] = per_call_us(lambda q, s, x=x: block_product(x, q, s, False), blocks)
+            if uses_cublas(x.new_empty(256, k), blocks[0][0], 128, 128):  # Hopper, torch's scaled_mm
+                row["fp8_block_cublas"] = per_call_us(lambda q, s, x=x: block_product(x, q, s, True), blocks)
             gemlite = gemlite_fp8(q_w, s_w)
             if gemlite is not None:
                 gemlite_layers = [gemlite_fp8(q, s) for q, s in quantized]

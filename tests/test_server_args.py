@@ -164,7 +164,7 @@ def test_speculative_config_flag_is_json_checked_before_the_model_loads(capsys) 
         assert said in capsys.readouterr().err
 
 
-def test_the_server_steps_384_tokens_in_rounds_of_4_unless_told(monkeypatch) -> None:
+def test_the_server_steps_384_tokens_in_rounds_of_2_unless_told(monkeypatch) -> None:
     """The server's own token budget (a step is a gap in every stream) and decode steps a round (an arrival
     waits for the round in flight); a flag still sets each."""
     from paged_backend.entrypoints.openai.launch import SERVER_MAX_NUM_BATCHED_TOKENS, SERVER_NUM_SCHEDULER_STEPS, load
@@ -182,4 +182,4 @@ def test_the_server_steps_384_tokens_in_rounds_of_4_unless_told(monkeypatch) -> 
         {"max_num_batched_tokens": 1024, **steps, "max_num_seqs": 1024},
         {"max_num_batched_tokens": SERVER_MAX_NUM_BATCHED_TOKENS, "num_scheduler_steps": 8},
     ]
-    assert (SERVER_MAX_NUM_BATCHED_TOKENS, SERVER_NUM_SCHEDULER_STEPS) == (384, 4)
+    assert (SERVER_MAX_NUM_BATCHED_TOKENS, SERVER_NUM_SCHEDULER_STEPS) == (384, 2)

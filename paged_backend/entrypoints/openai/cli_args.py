@@ -52,7 +52,7 @@ _ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--seed", int, "seed of unseeded sampling (default 0)"),
     ("--long-prefill-token-threshold", int, "prompt tokens of one request per step, 0: no cap (default 0)"),
     ("--logprobs-mode", str, "raw_logprobs (the model's, default) or processed_logprobs (the sampled distribution's)"),
-    ("--num-scheduler-steps", int, "greedy decode steps per scheduling round (default 4 here, 8 in LLM)"),
+    ("--num-scheduler-steps", int, "greedy decode steps per scheduling round (default 2 here, 8 in LLM)"),
     ("--preemption-mode", str, "swap or recompute (default: swap on a GPU with swap space, where it can preempt)"),
     ("--device", str, "auto, cpu, cuda or cuda:N (default auto)"),
     ("--load-format", str, "auto (the checkpoint) or dummy (random weights from config.json, for benchmarks)"),
