@@ -23,7 +23,7 @@ from paged_backend.kernels.fp8_block_mm import (
     quantize_per_group,
 )
 from paged_backend.kernels.fp8_quant import FP8, quantize_per_row
-from paged_backend.quantization.fp8_block import CUBLAS_MIN_ROWS, fp8_block_mm, fp8_block_mm_cublas, uses_cublas
+from paged_backend.quantization.fp8_block import CUBLAS_MIN_ROWS, fp8_block_mm_cublas, uses_cublas
 from tests.test_fp8_block import BLOCK_K, BLOCK_N, DEVICE, block_quantized
 
 
@@ -144,20 +144,52 @@ def _cublas_serves() -> bool:
     )
 
 
-@pytest.mark.skipif(
-    not _cublas_serves(),
-    reason="cuBLAS's block-scaled fp8 product needs a Hopper GPU and torch's scaled_mm",
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "scaled_mm"), reason="torch's scaled_mm is torch 2.10's")
+@pytest.mark.parametrize(("m", "n", "k"), [(65, 384, 640), (128, 128, 512), (130, 6144, 4096), (257, 4096, 14336)])
+def test_cublas_layouts_pass_torchs_own_checks(m: int, n: int, k: int) -> None:
+    """On the meta device (no GPU needed) torch checks the block-scaled recipe's shapes and strides as it does
+    before calling cuBLAS: the activation scales column-major with rows a multiple of 4, the weight's K blocks a
+    multiple of 4. A layout off in either is refused there."""
+    meta = {"device": "meta"}
+    q, q_scale = torch.empty(m, k, dtype=FP8, **meta), torch.empty(m, k // 128, **meta)
+    weight, weight_scale = torch.empty(n, k, dtype=FP8, **meta), torch.empty(n // 128, k // 128, **meta)
+    out = fp8_block_mm_cublas(q, q_scale, weight, weight_scale, torch.bfloat16)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="blockwise"):  # the activation scales row-major, as quantized
+        rows = m - m % 4
+        F = torch.nn.functional
+        F.scaled_mm(q[:rows], weight.t(), q_scale[:rows], F.ScalingType.BlockWise1x128,
+                    weight_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "dtype"),
+    [
+        (CUBLAS_MIN_ROWS - 1, 640, torch.bfloat16),
+        (CUBLAS_MIN_ROWS, 640, torch.bfloat16),  # rows and K blocks (5) padded
+        (128, 512, torch.bfloat16),  # neither padded
+        (130, 512, torch.float16),  # rows padded
+        (256, 640, torch.float16),  # K blocks padded
+    ],
 )
-@pytest.mark.parametrize("m", [CUBLAS_MIN_ROWS - 1, CUBLAS_MIN_ROWS, 130, 257])
-def test_cublas_block_product_equals_the_twin_from_its_row_count_on(m: int) -> None:
-    """Rows not a multiple of 4 and K blocks not a multiple of 4 (640 inputs: 5 blocks) are padded for cuBLAS and
-    sliced off; below ``CUBLAS_MIN_ROWS`` the kernel answers (bit for bit), from there on cuBLAS does."""
-    gen = torch.Generator().manual_seed(m)
-    n, k = 384, 640
+def test_cublas_block_product_equals_the_twin_from_its_row_count_on(
+    m: int, k: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below ``CUBLAS_MIN_ROWS`` rows the kernel answers, from there on cuBLAS does, its rows and K blocks padded
+    to multiples of 4 where they are not and sliced off, in either 16-bit output dtype."""
+    if not _cublas_serves():
+        pytest.skip("cuBLAS's block-scaled fp8 product needs a Hopper GPU, torch's scaled_mm and CUDA 12.9")
+    from paged_backend.quantization import fp8_block
+
+    calls: list[str] = []
+    for name in ("fp8_block_mm_cublas", "fp8_block_mm_triton"):
+        real = getattr(fp8_block, name)
+        monkeypatch.setattr(fp8_block, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    gen = torch.Generator().manual_seed(m + k)
     q, scale = quantize_per_group(torch.randn(m, k, generator=gen), 128)
-    weight, weight_scale = quantize_per_block(torch.randn(n, k, generator=gen) * 0.1, 128, 128)
-    args = (q.cuda(), scale.cuda(), weight.cuda(), weight_scale.cuda(), 128, 128, torch.bfloat16)
-    out = fp8_block_mm(*args)
+    weight, weight_scale = quantize_per_block(torch.randn(384, k, generator=gen) * 0.1, 128, 128)
+    args = (q.cuda(), scale.cuda(), weight.cuda(), weight_scale.cuda(), 128, 128, dtype)
+    out = fp8_block.fp8_block_mm(*args)
+    assert calls == ["fp8_block_mm_cublas" if m >= CUBLAS_MIN_ROWS else "fp8_block_mm_triton"]
+    assert out.shape == (m, 384) and out.dtype == dtype
     torch.testing.assert_close(out.float(), fp8_block_mm_torch(*args).float(), rtol=2e-2, atol=2e-2)
-    by = fp8_block_mm_cublas(*args[:4], torch.bfloat16) if m >= CUBLAS_MIN_ROWS else fp8_block_mm_triton(*args)
-    assert torch.equal(out, by)

@@ -13,6 +13,7 @@ checkpoint fails at load naming the tensor.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,8 +70,7 @@ def fp8_block_linear(
     block_k: int,
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x`` quantized per token and ``block_k`` inputs (by one kernel on a GPU with fp8 units), times the weight:
-    the product's kernel on a GPU (its dots in fp8 where the device has fp8 units; elsewhere, where Triton has no
-    fp8 type, the bytes decoded to fp16 in the kernel), the twin on other devices."""
+    ``fp8_block_mm``'s product (cuBLAS's or the kernel's on a GPU, the twin elsewhere)."""
     q, scale = quantize_per_group(x, block_k, kernel=x.is_cuda and triton is not None and has_fp8_matmul(x.device))
     return fp8_block_mm(q, scale, weight, weight_scale_inv, block_n, block_k, x.dtype)
 
@@ -106,6 +106,9 @@ def fp8_block_mm(
     block_k: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
+    """The product of quantized activations and the weight: cuBLAS's where ``uses_cublas``; else on a GPU the
+    kernel (its dots in fp8 where the device has fp8 units; elsewhere, where Triton has no fp8 type, the bytes
+    decoded to fp16 in the kernel); the twin on other devices."""
     if uses_cublas(q, weight, block_n, block_k):
         return fp8_block_mm_cublas(q, q_scale, weight, weight_scale_inv, out_dtype)
     if q.is_cuda and triton is not None:
@@ -114,23 +117,31 @@ def fp8_block_mm(
     return fp8_block_mm_torch(q, q_scale, weight, weight_scale_inv, block_n, block_k, out_dtype)
 
 
-CUBLAS_MIN_ROWS = 65  # from here on cuBLAS's block-scaled product beats the kernel (docs/benchmarks.md)
+# Rows from which cuBLAS's block-scaled product runs: with it at every row count W2 (one row) fell from 1.41x bf16
+# to 1.09x while W1 was the same (docs/benchmarks.md, "NVIDIA H100, 2026-12-07, 04:00 UTC"); where between 1 and 256
+# rows the two products cross, benchmarks/fp8_linear.py's columns fp8_block_kernel and fp8_block_cublas tell.
+CUBLAS_MIN_ROWS = 65
 
 
 def uses_cublas(q: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int) -> bool:
     """Whether cuBLAS's block-scaled fp8 product (DeepSeek's recipe: 1 x 128 activation scales, 128 x 128 weight
-    scales) takes ``q``: on Hopper through torch's ``scaled_mm`` (torch 2.10 and later, CUDA 12.9 and later), for
-    enough rows that its tiles fill the GPU; fewer rows read each weight once, which the kernel's split K does
-    faster."""
+    scales) takes ``q``: on Hopper through torch's ``scaled_mm`` (torch 2.10 and later built with CUDA 12.9 and
+    later: torch refuses the recipe below), for enough rows that its tiles fill the GPU; fewer rows read each
+    weight once, which the kernel's split K does faster."""
     return (
         q.is_cuda
         and q.shape[0] >= CUBLAS_MIN_ROWS
         and (block_n, block_k) == (128, 128)
         and q.shape[1] % 128 == 0
         and weight.shape[0] % 128 == 0
-        and hasattr(F, "scaled_mm")
-        and torch.cuda.get_device_capability(q.device) == (9, 0)
+        and _hopper_scaled_mm(q.device.index if q.device.index is not None else torch.cuda.current_device())
     )
+
+
+@functools.cache
+def _hopper_scaled_mm(index: int) -> bool:
+    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    return hasattr(F, "scaled_mm") and cuda >= (12, 9) and torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def fp8_block_mm_cublas(
@@ -143,8 +154,8 @@ def fp8_block_mm_cublas(
     if pad_m:
         q = F.pad(q.view(torch.uint8), (0, 0, 0, pad_m)).view(FP8)
         q_scale = F.pad(q_scale, (0, 0, 0, pad_m), value=1.0)
-    weight_scale = F.pad(weight_scale_inv, (0, pad_k), value=1.0) if pad_k else weight_scale_inv
-    a_scale, b_scale = q_scale.t().contiguous().t(), weight_scale.t()
+    weight_scale = F.pad(weight_scale_inv, (0, pad_k), value=1.0) if pad_k else weight_scale_inv.contiguous()
+    a_scale, b_scale, weight = q_scale.t().contiguous().t(), weight_scale.t(), weight.contiguous()
     recipe = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
     out = F.scaled_mm(q, weight.t(), a_scale, recipe[0], b_scale, recipe[1], output_dtype=out_dtype)
     return out[:m]

@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 # "NVIDIA H100, 2026-12-06, 16:30 UTC".
 SERVER_MAX_NUM_BATCHED_TOKENS = 384
 # A request that arrives during a multi-step round waits for its end: rounds of 2 decode steps instead of LLM's 8
-# gave lower TTFT at 4 and at 16 req/s with the same ITL and throughput (rounds of 4 against 8, then 2 against 4:
-# docs/benchmarks.md, sections "NVIDIA H100, 2026-12-06, 23:10 UTC" and "NVIDIA H100, 2026-12-07, 04:00 UTC").
+# gave a lower TTFT p50 at 4 and at 16 req/s and a p99 lower or equal, with the same ITL and throughput (rounds of 4
+# against 8, then 2 against 4: docs/benchmarks.md, "NVIDIA H100, 2026-12-06, 23:10 UTC" and "..., 2026-12-07, 04:00
+# UTC").
 SERVER_NUM_SCHEDULER_STEPS = 2
 
 
