@@ -573,6 +573,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile-w2", action="store_true", help="each paged engine's GPU kernels per step of a W2-shaped run"
     )
+    parser.add_argument(
+        "--profile-w1",
+        action="store_true",
+        help="each paged engine's GPU kernels over a W1-shaped run of 64 prompts (per new token of a prompt)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write results here")
     add_plot_arguments(parser, "a bar chart")
     return parser
@@ -686,7 +691,7 @@ class Bench:
             logger.info("%s alone vs in a batch of 64: %s", backend, results["batch_invariance"][backend])
 
     def diagnose(self, backend: str, llm: LLM) -> None:
-        """TTFT, ``--breakdown``, ``--profile`` and ``--profile-w2`` where asked for."""
+        """TTFT, ``--breakdown``, ``--profile``, ``--profile-w2`` and ``--profile-w1`` where asked for."""
         args, results, vocab = self.args, self.results, self.vocab
         if backend == "paged" and "ttft" in self.workloads:
             results["ttft_1024_ms"] = measure_ttft(llm, self.model, vocab)
@@ -710,6 +715,11 @@ class Bench:
                 llm, [one_prompt(vocab, 128, seed=9)], args.max_tokens
             )
             logger.info("%s W2 kernels per step: %s", backend, results["w2_profile"][backend])
+        if args.profile_w1:  # prompts of their own, as W2's above
+            results.setdefault("w1_profile", {})[backend] = profile_kernels(
+                llm, w1_prompts(vocab, 64, seed=11), args.max_tokens, top=40
+            )
+            logger.info("%s W1 kernels per step: %s", backend, results["w1_profile"][backend])
 
     def paged_engines(self) -> None:
         """The paged engines on the model in memory, each released before the next."""
