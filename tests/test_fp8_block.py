@@ -24,7 +24,12 @@ from paged_backend.kernels.fp8_block_mm import (
 from paged_backend.kernels.fp8_quant import FP8
 from paged_backend.model_loader.fp8_block import load_fp8_block_model
 from paged_backend.model_loader.hf import load_hf_config
-from paged_backend.quantization.fp8_block import FP8BlockConfig, FP8BlockLinear, quantized_fp8_block_linear
+from paged_backend.quantization.fp8_block import (
+    FP8BlockConfig,
+    FP8BlockLinear,
+    fp8_block_linear,
+    quantized_fp8_block_linear,
+)
 from tests.conftest import hf_greedy, ragged_prompts
 from tests.test_producer_checkpoints import greedy_outputs, reference_model
 from tests.test_tp_plan import assert_ranks_reproduce
@@ -255,6 +260,24 @@ def test_a_compiled_layer_fuses_siblings_and_quantizes_in_the_graph() -> None:
     products = [n for gm in graphs for n in gm.graph.nodes if n.target is quantized_fp8_block_linear]
     assert len(products) == 4  # q/k/v, o, gate/up, down
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_quantization_pads_rows_to_fours_without_a_graph_per_count() -> None:
+    """The compiled product pads its rows to a multiple of 4 (cuBLAS's) before quantizing and slices them off: one
+    graph serves every row count of two or more (no guard on the count's remainder, no recompile in the middle of
+    serving), and each count's rows are the eager layer's."""
+    import torch._dynamo
+
+    gen = torch.Generator().manual_seed(0)
+    weight, scale = block_quantized(96, 256, gen)
+    compiled = torch.compile(quantized_fp8_block_linear, dynamic=True, fullgraph=True)
+    torch._dynamo.reset()
+    for i, m in enumerate([2, 3, 5, 8, 65, 130]):
+        x = torch.randn(m, 256, generator=gen)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(x, weight, scale, BLOCK_N, BLOCK_K)
+        assert got.shape == (m, 96)
+        torch.testing.assert_close(got, fp8_block_linear(x, weight, scale, BLOCK_N, BLOCK_K), rtol=1e-6, atol=1e-6)
 
 
 class Siblings(nn.Module):
