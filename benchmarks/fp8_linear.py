@@ -16,7 +16,11 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
 - ``fp8_block_kernel``, ``fp8_block_cublas``: the same with either product at every row count (cuBLAS's on Hopper
   with torch's ``scaled_mm`` only), which places ``CUBLAS_MIN_ROWS``.
 
-With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first.
+- ``bf16_gemv`` (up to 4 rows): the same GEMV kernel over the bf16 weights, no scale (``gemv_triton``), against
+  ``bf16``'s cuBLAS.
+
+With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first
+(``gemv_*`` over fp8 weights, ``gemv16_*`` over bf16 ones).
 
     python benchmarks/fp8_linear.py --rows 1 2 4 256 --sweep --json fp8_linear.json
 """
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paged_backend.kernels.fp8_block_mm import fp8_block_mm_triton, quantize_per_block, quantize_per_group  # noqa: E402
-from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton  # noqa: E402
+from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton, gemv_triton  # noqa: E402
 from paged_backend.kernels.fp8_quant import quantize_per_row_triton  # noqa: E402
 from paged_backend.quantization.fp8 import fp8_linear, quantize_per_row  # noqa: E402
 from paged_backend.quantization.fp8_block import fp8_block_linear, fp8_block_mm_cublas, uses_cublas  # noqa: E402
@@ -133,13 +137,20 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 gemlite_layers = [gemlite_fp8(q, s) for q, s in quantized]
                 row["gemlite_fp8"] = per_call_us(lambda layer, x=x: layer(x), [(f,) for f in gemlite_layers])
                 row["gemlite_max_err_vs_bf16"] = (gemlite(x).float() - F.linear(x, w).float()).abs().max().item()
+            if rows <= GEMV_MAX_M:
+                row["bf16_gemv"] = per_call_us(lambda w, x=x: gemv_triton(x, w), dense)
+                row["bf16_gemv_max_err_vs_bf16"] = (
+                    (gemv_triton(x, w).float() - F.linear(x, w).float()).abs().max().item()
+                )
             if args.sweep and rows <= GEMV_MAX_M:
                 for launch in itertools.product((1, 2, 4, 8), (1, 2, 4), (32, 64, 128)):
                     gemv = lambda q, s, x=x, launch=launch: fp8_gemv_triton(x, q, s, launch)  # noqa: E731
                     row["gemv_{}x{}x{}".format(*launch)] = per_call_us(gemv, quantized)
+                    gemv16 = lambda w, x=x, launch=launch: gemv_triton(x, w, launch=launch)  # noqa: E731
+                    row["gemv16_{}x{}x{}".format(*launch)] = per_call_us(gemv16, dense)
             results[f"{name}_{rows}"] = row
-            best = sorted((v, key) for key, v in row.items() if key.startswith("gemv_"))[:3]
-            fixed = {key: round(v, 2) for key, v in row.items() if not key.startswith("gemv_")}
+            best = {p: sorted((v, k) for k, v in row.items() if k.startswith(p))[:3] for p in ("gemv_", "gemv16_")}
+            fixed = {key: round(v, 2) for key, v in row.items() if not key.startswith("gemv")}
             logger.info("%s, %d rows, µs: %s; best GEMV launches %s", name, rows, json.dumps(fixed), best)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))

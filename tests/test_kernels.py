@@ -381,3 +381,23 @@ def test_fp8_gemv_equals_its_twin(rows: int, k: int, n: int) -> None:
     assert not arrival_counters(DEVICE).any()
     with pytest.raises(ValueError, match=f"GEMV_MAX_M={GEMV_MAX_M}"):
         fp8_gemv_triton(torch.cat([x] * 5), weight, weight_scale)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("k", "n"), [(256, 48), (3072, 40)])
+def test_gemv_over_16_bit_weights_equals_its_twin(rows: int, k: int, n: int) -> None:
+    """The same GEMV over 16-bit weights without a scale (a bf16 projection at one row): rows of a packed buffer,
+    the default launch and one split over K, against the twin's ``x @ W.T`` in float32."""
+    from paged_backend.kernels.fp8_gemv import fp8_gemv_torch, gemv_triton
+
+    gen = torch.Generator().manual_seed(k + n + rows)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE)
+    for dtype in (torch.float16, torch.bfloat16):
+        packed = (torch.randn(n + 16, k, generator=gen) * 0.02).to(DEVICE, dtype)
+        weight = packed[8 : 8 + n]
+        expected = fp8_gemv_torch(x.to(dtype).float(), weight, None)
+        for launch in (None, (2, 3, 32)):
+            got = gemv_triton(x.to(dtype), weight, launch=launch)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    assert not arrival_counters(DEVICE).any()

@@ -7,6 +7,9 @@ the fp8 GEMM's) and each program streams a few rows of weights along K against o
 weight row a thread, the program's threads side by side along K, all its rows loaded before any is used. Small
 programs, many of them, keep the most loads in flight. K is split over programs where there are few and K is long
 (the last program of each tile adds the parts, ``kernels/arrival.py``).
+
+The same kernel reads 16-bit weights without a scale (``gemv_triton(x, weight)``): a bf16 projection at one row is
+as bound by the weight read, and ``benchmarks/fp8_linear.py`` (column ``bf16_gemv``) times it against cuBLAS's.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ MAX_PROGRAMS_PER_SM = 64
 
 def fp8_gemv_torch(
     x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K] fp8
-    weight_scale: torch.Tensor,  # [N] float32
+    weight: torch.Tensor,  # [N, K] fp8 (or 16-bit, without a scale)
+    weight_scale: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """Reference twin: ``x @ (W * s).T`` in float32."""
-    return (x.float() @ (weight.float() * weight_scale[:, None]).T).to(x.dtype)
+    """Reference twin: ``x @ (W * s).T`` (``x @ W.T`` without a scale) in float32."""
+    dequantized = weight.float() if weight_scale is None else weight.float() * weight_scale[:, None]
+    return (x.float() @ dequantized.T).to(x.dtype)
 
 
 if triton is not None:
@@ -43,8 +47,8 @@ if triton is not None:
     @triton.jit
     def fp8_gemv_kernel(
         x_ptr,  # [M, K]
-        w_ptr,  # [N, K] fp8, rows ``stride_w`` apart
-        scale_ptr,  # [N] float32
+        w_ptr,  # [N, K] fp8 (or 16-bit), rows ``stride_w`` apart
+        scale_ptr,  # [N] float32 (HAS_SCALE only)
         out_ptr,  # [M, N] in x's dtype
         partial_ptr,  # [SPLIT_K, M, N] fp32 when K is split (programs along axis 2)
         counters_ptr,  # [M * tiles] int32 zeros (``kernels/arrival.py``)
@@ -57,6 +61,7 @@ if triton is not None:
         LANES: tl.constexpr,  # threads side by side along K
         VEC: tl.constexpr,
         SPLIT: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
     ):
         """One row of x (program axis 0) against ``BLOCK_N`` weight rows. Tensors are ``[BN, LANES, VEC]`` from
         the pointers on, x's too (its row read again for each weight row, from L1): both loads then get one
@@ -81,8 +86,9 @@ if triton is not None:
             acc += tl.sum(x * w, axis=2)
             w_ptrs += LANES * VEC
             x_ptrs += LANES * VEC
-        scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-        y = (tl.sum(acc, axis=1) * scale)[None, :]  # [1, BN]
+        y = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+        if HAS_SCALE:
+            y *= tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
         offs_m = row + tl.arange(0, 1)
         mask = (offs_m < M)[:, None] & mask_n[None, :]
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -111,11 +117,21 @@ def fp8_gemv_triton(
     """``fp8_gemv_torch`` in one kernel. ``launch`` is (BLOCK_N, SPLIT_K, LANES), by default ``default_launch``'s;
     a SPLIT_K of 0 splits K while fewer than 8 programs would run per SM and each part keeps 8 steps or more (a
     long K on a narrow projection: none on the 8B shape's)."""
+    return gemv_triton(x, weight, weight_scale, launch)
+
+
+def gemv_triton(
+    x: torch.Tensor,  # [M, K], M <= GEMV_MAX_M
+    weight: torch.Tensor,  # [N, K] fp8 or 16-bit, rows contiguous
+    weight_scale: torch.Tensor | None = None,  # [N] float32, or none (16-bit weights)
+    launch: tuple[int, int, int] | None = None,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """``fp8_gemv_triton`` over any weights the kernel reads: fp8 with their scales, or 16-bit ones without."""
     m, k = x.shape
     n = weight.shape[0]
-    if m > GEMV_MAX_M or weight.stride(1) != 1 or weight_scale.stride(0) != 1:
+    if m > GEMV_MAX_M or weight.stride(1) != 1 or (weight_scale is not None and weight_scale.stride(0) != 1):
         raise ValueError(
-            f"the fp8 GEMV takes up to GEMV_MAX_M={GEMV_MAX_M} rows and weights with contiguous rows, got {m} rows "
+            f"the GEMV takes up to GEMV_MAX_M={GEMV_MAX_M} rows and weights with contiguous rows, got {m} rows "
             f"and strides {weight.stride()}"
         )
     sms = num_sms(x.device) if x.is_cuda else 132
@@ -131,7 +147,8 @@ def fp8_gemv_triton(
     counters = arrival_counters(x.device, m * grid[1] if split_k > 1 else 0)
     if m:
         fp8_gemv_kernel[grid](
-            x.contiguous(), weight, weight_scale, out, partial, counters, m, n, k, k_per_split, weight.stride(0),
-            BLOCK_N=block_n, LANES=lanes, VEC=VEC, SPLIT=split_k > 1, num_warps=NUM_WARPS,
+            x.contiguous(), weight, weight if weight_scale is None else weight_scale, out, partial, counters, m, n, k,
+            k_per_split, weight.stride(0), BLOCK_N=block_n, LANES=lanes, VEC=VEC, SPLIT=split_k > 1,
+            HAS_SCALE=weight_scale is not None, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
