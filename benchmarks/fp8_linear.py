@@ -17,7 +17,7 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
   with torch's ``scaled_mm`` only), which places ``CUBLAS_MIN_ROWS``.
 
 - ``bf16_gemv`` (up to 4 rows): the same GEMV kernel over the bf16 weights, no scale (``gemv_triton``), against
-  ``bf16``'s cuBLAS.
+  ``bf16``'s cuBLAS, with its largest difference from it beside it (``bf16_gemv_max_err_vs_bf16``).
 
 With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first
 (``gemv_*`` over fp8 weights, ``gemv16_*`` over bf16 ones).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from paged_backend.quantization.fp8_block import (
     FP8BlockConfig,
     FP8BlockLinear,
     fp8_block_linear,
+    fp8_block_linear_op,
     quantized_fp8_block_linear,
 )
 from tests.conftest import hf_greedy, ragged_prompts
@@ -262,22 +264,44 @@ def test_a_compiled_layer_fuses_siblings_and_quantizes_in_the_graph() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_compiled_quantization_pads_rows_to_fours_without_a_graph_per_count() -> None:
-    """The compiled product pads its rows to a multiple of 4 (cuBLAS's) before quantizing and slices them off: one
-    graph serves every row count of two or more (no guard on the count's remainder, no recompile in the middle of
-    serving), and each count's rows are the eager layer's."""
+def test_compiled_quantization_pads_rows_to_fours_without_a_graph_per_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled product, by the engine's route (dynamo's graph of ``fp8_block_linear_op`` rewritten by
+    ``quantize_fp8_activations``, then inductor), pads its rows to a multiple of 4 (cuBLAS's) before quantizing
+    and slices them off: one graph serves every row count of two or more (no guard on the count's remainder, no
+    recompile in the middle of serving), the product receives whole groups of 4 rows, and each count's rows are
+    the eager layer's. A graph of one row (dynamo's own) reaches the product unpadded."""
     import torch._dynamo
+    from torch._inductor.compile_fx import compile_fx
+
+    from paged_backend.quantization import fp8_block
+    from paged_backend.worker.fp8_activations import quantize_fp8_activations
+
+    product_rows: list[int] = []
+    twin = fp8_block.fp8_block_mm_torch
+    monkeypatch.setattr(fp8_block, "fp8_block_mm_torch", lambda q, *a: product_rows.append(q.shape[0]) or twin(q, *a))
+
+    def rewriting_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+        assert quantize_fp8_activations(gm) == 1  # as the engine's backend does (worker/compile.py)
+        return compile_fx(gm, example_inputs)
 
     gen = torch.Generator().manual_seed(0)
     weight, scale = block_quantized(96, 256, gen)
-    compiled = torch.compile(quantized_fp8_block_linear, dynamic=True, fullgraph=True)
+    compiled = torch.compile(
+        lambda x: fp8_block_linear_op(x, weight, scale, BLOCK_N, BLOCK_K),  # positional, as FP8BlockLinear calls it
+        dynamic=True,
+        fullgraph=True,
+        backend=rewriting_backend,
+    )
     torch._dynamo.reset()
     for i, m in enumerate([2, 3, 5, 8, 65, 130]):
         x = torch.randn(m, 256, generator=gen)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            got = compiled(x, weight, scale, BLOCK_N, BLOCK_K)
-        assert got.shape == (m, 96)
+            got = compiled(x)
+        assert got.shape == (m, 96) and product_rows[-1] == m + (-m % 4)
         torch.testing.assert_close(got, fp8_block_linear(x, weight, scale, BLOCK_N, BLOCK_K), rtol=1e-6, atol=1e-6)
+    x = torch.randn(1, 256, generator=gen)
+    torch.testing.assert_close(compiled(x), fp8_block_linear(x, weight, scale, BLOCK_N, BLOCK_K))
+    assert product_rows[-2:] == [1, 1]  # compiled, then eager
 
 
 class Siblings(nn.Module):

@@ -129,6 +129,8 @@ def gemv_triton(
     """``fp8_gemv_triton`` over any weights the kernel reads: fp8 with their scales, or 16-bit ones without."""
     m, k = x.shape
     n = weight.shape[0]
+    if weight_scale is None and weight.element_size() != 2:
+        raise ValueError(f"the GEMV reads {weight.dtype} weights with their scale only: 16-bit weights go without one")
     if m > GEMV_MAX_M or weight.stride(1) != 1 or (weight_scale is not None and weight_scale.stride(0) != 1):
         raise ValueError(
             f"the GEMV takes up to GEMV_MAX_M={GEMV_MAX_M} rows and weights with contiguous rows, got {m} rows "

@@ -80,11 +80,15 @@ def quantized_fp8_block_linear(
 ) -> torch.Tensor:
     """``fp8_block_linear`` written for a compiled graph: the quantization in torch ops, which inductor fuses into
     what produced ``x``, then one opaque ``fp8_block_mm`` (worker/fp8_activations.py puts it in place of
-    ``fp8_block_linear_op``, after sibling layers' calls were fused into one). The rows are padded to a multiple
-    of 4 first, which cuBLAS's product takes (``fp8_block_mm_cublas``): the padding is then written by the
-    quantization's kernel, not copied again inside the product; the padded rows are zeros, sliced off."""
+    ``fp8_block_linear_op``, after sibling layers' calls were fused into one). Where cuBLAS's product may run (a
+    graph for any row count, or one of ``CUBLAS_MIN_ROWS`` rows or more) the rows are padded to a multiple of 4
+    first, as it takes them (``fp8_block_mm_cublas``): the padding is then written by the quantization's kernel,
+    not copied again inside the product; the padded rows are zeros, sliced off. A graph of fewer rows (dynamo
+    specializes one row) goes to the kernel unpadded."""
     m = x.shape[0]
-    q, scale = quantize_per_group(F.pad(x, (0, 0, 0, -m % 4)), block_k)
+    if isinstance(m, torch.SymInt) or m >= CUBLAS_MIN_ROWS:
+        x = F.pad(x, (0, 0, 0, -m % 4))
+    q, scale = quantize_per_group(x, block_k)
     return fp8_block_mm_op(q, scale, weight, weight_scale_inv, block_n, block_k, x.dtype)[:m]
 
 
