@@ -14,8 +14,7 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
   inputs) as ``FP8BlockLinear`` runs it eagerly: the quantization kernel, then the product (``kernels/fp8_block_mm.py``
   below ``CUBLAS_MIN_ROWS`` rows, cuBLAS's block-scaled GEMM from there on, on Hopper);
 - ``fp8_block_kernel``, ``fp8_block_cublas``: the same with either product at every row count (cuBLAS's on Hopper
-  with torch's ``scaled_mm`` only), which places ``CUBLAS_MIN_ROWS``.
-
+  with torch's ``scaled_mm`` only), which places ``CUBLAS_MIN_ROWS``;
 - ``bf16_gemv`` (up to 4 rows): the same GEMV kernel over the bf16 weights, no scale (``gemv_triton``), against
   ``bf16``'s cuBLAS, with its largest difference from it beside it (``bf16_gemv_max_err_vs_bf16``).
 
