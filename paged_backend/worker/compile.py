@@ -28,6 +28,7 @@ from torch import nn
 from paged_backend.config import EngineConfig
 from paged_backend.worker.fp8_activations import divides_as_eager, quantize_fp8_activations
 from paged_backend.worker.fuse_linears import PackingBackend, fuse_sibling_linears
+from paged_backend.worker.one_row_gemv import route_one_row_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +68,14 @@ class RegionalCompile:
         self.num_graphs = 0
         self.num_fused_groups = 0  # sibling projections run as one matrix product (fuse_linears.py)
         self.num_fp8_quantized = 0  # FP8 calls whose activation quantization joined the graph (fp8_activations.py)
+        self.num_gemv_routed = 0  # one-row projections routed to the GEMV (one_row_gemv.py)
         compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
 
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             self.num_graphs += 1
             if not isinstance(compiler, PackingBackend):  # the packer finds the groups in the graph as traced
                 self.num_fused_groups += fuse_sibling_linears(gm, self.layers)
+                self.num_gemv_routed += route_one_row_gemv(gm)
                 quantized = quantize_fp8_activations(gm)
                 self.num_fp8_quantized += quantized
                 if quantized:  # the graph's quantization divides as the FP8 op's kernel does

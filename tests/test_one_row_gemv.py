@@ -1,0 +1,155 @@
+"""One-row projections routed to the GEMV in the compiled decoder layer (worker/one_row_gemv.py). Dynamo-only
+backends on CPU (where the op runs ``F.linear``, so outputs stay the modules' bit for bit); the GEMV itself is
+checked against its twin in tests/test_kernels.py, and on a GPU below."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.worker import one_row_gemv
+from paged_backend.worker.compile import RegionalCompile
+from paged_backend.worker.cuda_graphs import CUDAGraphRunner
+from paged_backend.worker.fuse_linears import PackingBackend
+from paged_backend.worker.one_row_gemv import gemv_op, measured_on
+from tests.conftest import build_tiny_model, capturing_backend, ragged_prompts, replay_in_python
+
+GEMV = "paged_backend.gemv.default"
+
+
+class Block(nn.Module):
+    """q/k/v and gate/up siblings, o (as wide as its input), down (narrower), and a biased projection."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(16, n, bias=False, dtype=dtype) for n in (8, 4, 4))
+        self.o = nn.Linear(16, 16, bias=False, dtype=dtype)
+        self.gate, self.up = (nn.Linear(16, 24, bias=False, dtype=dtype) for _ in range(2))
+        self.down = nn.Linear(24, 16, bias=False, dtype=dtype)
+        self.biased = nn.Linear(16, 16, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.o(torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1))
+        h = h + self.down(F.silu(self.gate(h)) * self.up(h))
+        return self.biased(h)
+
+
+def routed(graphs: list) -> list[list[str]]:
+    """Per graph, the modules whose weights its GEMV calls read (from dynamo's placeholder names, e.g.
+    ``l_self_modules_o_parameters_weight_``: ``o``)."""
+    return [
+        sorted(
+            re.fullmatch(r"l_self_modules_(\w+)_parameters_weight_", node.args[1].name).group(1)  # type: ignore[union-attr]
+            for node in gm.graph.nodes
+            if str(node.target) == GEMV
+        )
+        for gm in graphs
+    ]
+
+
+def compile_and_run(blocks: list[Block], rows: int, dtype: torch.dtype) -> tuple[list, RegionalCompile, list]:
+    x = torch.randn(1, rows, 16, dtype=dtype)
+    packer = PackingBackend(blocks)
+    with torch.no_grad():
+        with RegionalCompile(nn.ModuleList(blocks), packer):
+            blocks[0](torch.randn(1, 5, 16, dtype=dtype))
+        packer.finish()
+        expected = [b(x) for b in blocks]
+        graphs: list = []
+        regions = RegionalCompile(nn.ModuleList(blocks), capturing_backend(graphs))
+        with regions:
+            got = [b(x) for b in blocks]
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want, rtol=0, atol=0)
+    return graphs, regions, got
+
+
+@pytest.fixture
+def any_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass's device check passes on this CPU (the op then runs ``F.linear``)."""
+    monkeypatch.setattr(one_row_gemv, "measured_on", lambda device: True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_row_graph_routes_projections_no_wider_than_their_input(any_device, dtype) -> None:
+    """In the one-row graph, o and down (no wider than their input, no bias) go to the GEMV; the fused q/k/v and
+    gate/up products, and the biased projection, stay ``linear``. Outputs stay the modules' bit for bit."""
+    torch.manual_seed(0)
+    blocks = [Block(dtype) for _ in range(2)]
+    graphs, regions, _ = compile_and_run(blocks, 1, dtype)
+    assert routed(graphs) == [["down", "o"]] and regions.num_gemv_routed == 2
+
+
+def test_graphs_of_several_rows_keep_linear(any_device) -> None:
+    torch.manual_seed(0)
+    graphs, regions, _ = compile_and_run([Block(torch.bfloat16) for _ in range(2)], 3, torch.bfloat16)
+    assert routed(graphs) == [[]] and regions.num_gemv_routed == 0
+
+
+def test_fp32_weights_are_not_routed(any_device) -> None:
+    torch.manual_seed(0)
+    graphs, regions, _ = compile_and_run([Block(torch.float32) for _ in range(2)], 1, torch.float32)
+    assert regions.num_gemv_routed == 0
+
+
+def test_nothing_is_routed_off_hopper() -> None:
+    """The device check as shipped: a CPU is not where the GEMV was measured."""
+    assert not measured_on(torch.device("cpu"))
+    torch.manual_seed(0)
+    _, regions, _ = compile_and_run([Block(torch.bfloat16) for _ in range(2)], 1, torch.bfloat16)
+    assert regions.num_gemv_routed == 0
+
+
+def test_op_keeps_leading_dimensions_and_equals_linear() -> None:
+    torch.manual_seed(0)
+    x, weight = torch.randn(1, 1, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
+    out = gemv_op(x, weight)
+    assert out.shape == (1, 1, 16)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMV runs on CUDA")
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 14336), (576, 1536), (100, 200)])
+def test_op_runs_the_gemv_on_the_gpu(n: int, k: int) -> None:
+    """On CUDA the op is the GEMV: within bf16 rounding of the fp32 product, as cuBLAS's."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, k, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    reference = (x.float() @ weight.float().T).to(torch.bfloat16)
+    out = gemv_op(x, weight)
+    torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=1e-2)
+    assert not torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_routes_its_one_row_decode_graph_without_changing_greedy_output(tokenizer, monkeypatch, arch) -> None:
+    """Through the engine's own compile and decode-graph runner (graphs replayed in Python, inside the compiled
+    layers as a GPU's were captured), on a bf16 model: a lone sequence's decode (bucket 1) compiles a graph that
+    routes o and down (the tiny models' are no wider than their input), the graph of several rows routes nothing,
+    and greedy output equals the same engine's without routing (on a CPU the op is ``F.linear``: bit for bit)."""
+    prompt = ragged_prompts(16)[3]
+    outputs, counts = [], []
+    for route in (False, True):
+        monkeypatch.setattr(one_row_gemv, "measured_on", lambda device, route=route: route)
+        model = build_tiny_model(arch).to(torch.bfloat16)  # its own: the session's tiny models stay fp32
+        llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_model_len=128, num_scheduler_steps=1)
+        runner = llm.llm_engine.executor.model_runner
+        graphs: list = []
+        runner.compile(capturing_backend(graphs))
+
+        def compiled_forward(*args, runner=runner):
+            with runner.regions:
+                return runner._model_forward(*args)
+
+        runner.graphs = CUDAGraphRunner(compiled_forward, 8, 8, torch.device("cpu"))
+        replay_in_python(runner.graphs)
+        params = SamplingParams(temperature=0, max_tokens=8)
+        outputs.append(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids)
+        counts.append([len(names) for names in routed(graphs)])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+    assert counts[0] == [0, 0] and counts[1] == [0, 2]  # the warm-up's graph (rows a symbol), then one row's
