@@ -21,7 +21,7 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
 With ``--sweep``, up to 4 rows also every GEMV launch (BLOCK_N, SPLIT_K, LANES) of a small grid, fastest first
 (``gemv_*`` over fp8 weights, ``gemv16_*`` over bf16 ones).
 
-    python benchmarks/fp8_linear.py --rows 1 2 4 256 --sweep --json fp8_linear.json
+    python benchmarks/fp8_linear.py --rows 1 2 4 256 --sweep --json fp8_linear.json --plot fp8_linear.png
 """
 
 from __future__ import annotations
@@ -33,11 +33,15 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import add_plot_arguments, replotted  # noqa: E402
 
 from paged_backend.kernels.fp8_block_mm import fp8_block_mm_triton, quantize_per_block, quantize_per_group  # noqa: E402
 from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv_triton, gemv_triton  # noqa: E402
@@ -95,13 +99,44 @@ def gemlite_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> Callable[[t
     return lambda x: layer(x)
 
 
+PLOTTED = ("bf16", "bf16_gemv", "fp8", "fp8_block_kernel", "fp8_block_cublas")
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """µs a call against rows, a panel a projection, a line a column of ``PLOTTED`` (those a run has)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SHAPES), figsize=(14, 3.6))
+    for ax, name in zip(axes, SHAPES):
+        rows = sorted(int(key.rsplit("_", 1)[1]) for key in results if key.rsplit("_", 1)[0] == name)
+        for column in PLOTTED:
+            points = [(r, results[f"{name}_{r}"][column]) for r in rows if column in results[f"{name}_{r}"]]
+            if points:
+                ax.plot(*zip(*points), marker="o", markersize=3, label=column)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("rows")
+    axes[0].set_ylabel("µs a call (CUDA graph, weights cold)")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 @torch.no_grad()
-def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 256])
     parser.add_argument("--sweep", action="store_true", help="also the GEMV's launches, up to 4 rows")
     parser.add_argument("--json", type=Path, default=None)
+    add_plot_arguments(parser, "µs a call against rows, a panel a projection")
     args = parser.parse_args(argv)
+    loaded = replotted(parser, args, plot)
+    if loaded is not None:
+        return loaded
     results: dict[str, dict[str, float]] = {}
     for name, (k, n) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -153,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             logger.info("%s, %d rows, µs: %s; best GEMV launches %s", name, rows, json.dumps(fixed), best)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
+    if args.plot is not None:
+        plot(results, args.plot)
     return results
 
 

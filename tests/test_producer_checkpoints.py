@@ -354,6 +354,37 @@ def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
     assert (lone - unquantized).abs().max() < (lone - quantized).abs().max()
 
 
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)), reason="needs fp8 matrix units"
+)
+@pytest.mark.parametrize(
+    ("m", "dtype", "runs"),
+    [
+        (2, torch.bfloat16, "kernel"),
+        (64, torch.float16, "kernel"),  # the kernel writes either 16-bit dtype
+        (65, torch.bfloat16, "_scaled_mm"),
+        (65, torch.float16, "twin"),  # torch._scaled_mm's row-wise scales write bfloat16 only
+    ],
+)
+def test_fp8_product_runs_the_kernel_up_to_its_rows(m: int, dtype: torch.dtype, runs: str, monkeypatch) -> None:
+    """Up to ``KERNEL_MAX_ROWS`` rows the split-K kernel (its scale blocks 1 x K) multiplies per-token and
+    per-channel scales, above them torch._scaled_mm: each equals the float32 twin within bf16 rounding."""
+    from paged_backend.kernels.fp8_quant import quantize_per_row_triton
+    from paged_backend.quantization import fp8
+
+    calls: list[str] = []
+    kernel, scaled_mm = fp8.fp8_block_mm_triton, torch._scaled_mm
+    monkeypatch.setattr(fp8, "fp8_block_mm_triton", lambda *a: calls.append("kernel") or kernel(*a))
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: calls.append("_scaled_mm") or scaled_mm(*a, **kw))
+    torch.manual_seed(m)
+    x = torch.randn(m, 4096, device="cuda", dtype=dtype)
+    weight, scale = fp8.quantize_per_row(torch.randn(1024, 4096, device="cuda") * 0.02)
+    out = fp8.fp8_scaled_mm(*quantize_per_row_triton(x), weight, scale[:, 0], dtype)
+    assert calls == ([] if runs == "twin" else [runs]) and out.dtype == dtype
+    twin = fp8.fp8_linear_torch(x, weight, scale[:, 0], True)
+    torch.testing.assert_close(out.float(), twin.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_our_awq_writer_matches_autoawqs_format(tokenizer, tmp_path) -> None:
     """What ``awq_quantize.quantize`` writes for the fixture's architecture has AutoAWQ's tensor names, packed
     dtypes and shapes, and its ``quantization_config`` (transformers reads AWQ checkpoints by these)."""
