@@ -42,22 +42,25 @@ def test_demo_compares_hf_and_the_engine_on_one_batch(tmp_path, monkeypatch) -> 
     assert result["verdict"].startswith("the engine is")
 
 
-def test_the_compile_workers_start_before_hfs_side_runs(tmp_path, monkeypatch) -> None:
-    """Inductor's compile workers take seconds to start: the demo starts them (for the engine's settings and device:
-    on a CPU they stay off) before HF's side runs, so they are ready when the engine compiles."""
+def test_hfs_side_runs_before_the_compile_workers_start(tmp_path, monkeypatch) -> None:
+    """HF's timed batches run alone: inductor's compile workers (a process a core, each importing torch) start with
+    the engine, after HF's side. The engine's settings are still checked before HF's side runs."""
+    from paged_backend.engine import engine_setup
     from paged_backend.entrypoints import demo
 
     order: list[str] = []
-    monkeypatch.setattr(demo, "start_compile_workers", lambda config, device: order.append(f"workers {device.type}"))
+    monkeypatch.setattr(
+        engine_setup, "start_compile_workers", lambda config, device: order.append(f"workers {device.type}")
+    )
     run_hf = demo.run_hf
     monkeypatch.setattr(demo, "run_hf", lambda *a, **k: (order.append("hf"), run_hf(*a, **k))[1])
     run_demo(num_prompts=2, max_tokens=3, cache_dir=tmp_path, block_size=4, repetitions=1, embedded=True)
-    assert order == ["workers cpu", "hf"]
+    assert order == ["hf", "workers cpu"]
     with pytest.raises(TypeError, match="unexpected keyword argument.*'block_sizes'"):  # before HF's side runs
         run_demo(num_prompts=2, max_tokens=3, cache_dir=tmp_path, block_sizes=4, repetitions=1, embedded=True)
     with pytest.raises(ValueError, match="dtype is the demo's own"):  # HF's and the engine's: one choice
         run_demo(num_prompts=2, max_tokens=3, cache_dir=tmp_path, dtype="float16", repetitions=1, embedded=True)
-    assert order == ["workers cpu", "hf"]
+    assert order == ["hf", "workers cpu"]
 
 
 def test_warm_up_and_repetitions_share_no_prefix_block(tokenizer) -> None:

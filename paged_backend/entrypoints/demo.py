@@ -28,8 +28,6 @@ from paged_backend.config import EngineConfig
 from paged_backend.demo_checkpoint import CORPUS, default_cache_dir, demo_checkpoint
 from paged_backend.entrypoints.demo_model import NUM_QUESTIONS, cpu_threads, demo_model, question
 from paged_backend.entrypoints.demo_report import DemoRun, SideResult, log_report
-from paged_backend.model_loader.hf import resolve_device
-from paged_backend.worker.compile import start_compile_workers
 
 logger = logging.getLogger(__name__)
 
@@ -217,9 +215,10 @@ def run_demo(
     # The engine is sized to the batch it runs: on a GPU every batch size up to max_num_seqs gets a CUDA graph at
     # start (1, 2, 4, 8, then every 16), and those past the demo's batch would be captured for nothing.
     engine_args = {"max_num_seqs": num_prompts, "dtype": str(dtype).removeprefix("torch."), **engine_args}
-    # Inductor's compile workers (processes importing torch: seconds) start while HF runs; the settings are checked
-    config = EngineConfig.from_kwargs(path, **engine_args)
-    start_compile_workers(config, resolve_device(config, None))
+    # The engine's settings are checked before HF's side runs. Its compile workers (inductor's processes, one a core,
+    # each importing torch) start with the engine, after HF's side: started before, they ran beside HF's timed
+    # batches, whose host-bound loop they slowed (docs/benchmarks.md, "what the demo imports").
+    EngineConfig.from_kwargs(path, **engine_args)
     logger.info("loading %s in %s on %s for HF generate", path, dtype, device)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_model = hf_model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps to(): self unbound
