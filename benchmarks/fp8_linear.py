@@ -4,8 +4,11 @@ L2 (as in the engine, where each layer's weights are read once a step), µs:
 
 - ``bf16``: ``F.linear`` in bf16;
 - ``fp8``: ``fp8_linear``, the engine's path: at one row the fp8 GEMV (``kernels/fp8_gemv.py``), above the
-  quantization kernel, then ``torch._scaled_mm``;
+  quantization kernel, then the product ``fp8_scaled_mm`` routes (the split-K kernel up to ``KERNEL_MAX_ROWS``
+  rows, ``torch._scaled_mm`` above);
 - ``fp8_gemm``: the quantization kernel, then ``torch._scaled_mm``, at every row count;
+- ``fp8_kernel``: the quantization kernel, then the split-K kernel with per-channel scales (blocks of 1 x K), at
+  every row count;
 - ``fp8_torch_quant``: torch's eight-kernel quantization, then ``torch._scaled_mm`` (the path before the kernel);
 - ``fp8_gemm_fast_accum``: ``fp8_gemm`` with ``use_fast_accum=True`` (Hopper's faster, less exact fp8
   accumulation, which vLLM's fp8 GEMMs use), with its largest difference from bf16 beside it;
@@ -63,6 +66,12 @@ def scaled_mm(
     )
 
 
+def channel_product(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """Per-channel FP8 through the split-K kernel (scale blocks of 1 x K), whatever the row count."""
+    q, scale = quantize_per_row_triton(x)
+    return fp8_block_mm_triton(q, scale, weight, weight_scale[:, None], 1, x.shape[1], x.dtype)
+
+
 def block_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, cublas: bool) -> torch.Tensor:
     """``fp8_block_linear`` with the product named, whatever the row count."""
     q, q_scale = quantize_per_group(x, 128, kernel=True)
@@ -99,7 +108,7 @@ def gemlite_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> Callable[[t
     return lambda x: layer(x)
 
 
-PLOTTED = ("bf16", "bf16_gemv", "fp8", "fp8_block_kernel", "fp8_block_cublas")
+PLOTTED = ("bf16", "bf16_gemv", "fp8", "fp8_gemm_fast_accum", "fp8_kernel", "fp8_block_kernel", "fp8_block_cublas")
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -163,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 .max()
                 .item(),
             }
+            row["fp8_kernel"] = per_call_us(lambda q, s, x=x: channel_product(x, q, s), quantized)
             row["fp8_block_kernel"] = per_call_us(lambda q, s, x=x: block_product(x, q, s, False), blocks)
             if uses_cublas(x.new_empty(256, k), blocks[0][0], 128, 128):  # Hopper, torch's scaled_mm
                 row["fp8_block_cublas"] = per_call_us(lambda q, s, x=x: block_product(x, q, s, True), blocks)

@@ -56,6 +56,7 @@ def test_hfs_side_runs_before_the_compile_workers_start(tmp_path, monkeypatch) -
     monkeypatch.setattr(demo, "run_hf", lambda *a, **k: (order.append("hf"), run_hf(*a, **k))[1])
     run_demo(num_prompts=2, max_tokens=3, cache_dir=tmp_path, block_size=4, repetitions=1, embedded=True)
     assert order == ["hf", "workers cpu"]
+    assert not hasattr(demo, "start_compile_workers")  # nor started by the demo itself (a no-op on this CPU)
     with pytest.raises(TypeError, match="unexpected keyword argument.*'block_sizes'"):  # before HF's side runs
         run_demo(num_prompts=2, max_tokens=3, cache_dir=tmp_path, block_sizes=4, repetitions=1, embedded=True)
     with pytest.raises(ValueError, match="dtype is the demo's own"):  # HF's and the engine's: one choice

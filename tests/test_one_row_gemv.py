@@ -1,6 +1,7 @@
 """One-row projections routed to the GEMV in the compiled decoder layer (worker/one_row_gemv.py). Dynamo-only
-backends on CPU (where the op runs ``F.linear``, so outputs stay the modules' bit for bit); the GEMV itself is
-checked against its twin in tests/test_kernels.py, and on a GPU below."""
+backends on CPU, where the op runs ``F.linear`` (outputs stay the modules' bit for bit): these check which calls
+are routed in which graphs, not the GEMV's arithmetic, which tests/test_kernels.py checks against its twin; on a
+Hopper GPU the op and an engine's whole path (inductor, the bucket-1 CUDA graph) run below."""
 
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def test_op_keeps_leading_dimensions_and_equals_linear() -> None:
     out = gemv_op(x, weight)
     assert out.shape == (1, 1, 16)
     torch.testing.assert_close(out, F.linear(x, weight), rtol=0, atol=0)
+    for shape in ((1, 1, 32), (1, 32), (0, 32)):  # torch's own checks of the op's registration and fake impl
+        torch.library.opcheck(gemv_op, (torch.randn(shape, dtype=torch.bfloat16), weight))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMV runs on CUDA")
@@ -124,6 +127,29 @@ def test_op_runs_the_gemv_on_the_gpu(n: int, k: int) -> None:
     out = gemv_op(x, weight)
     torch.testing.assert_close(out, reference, rtol=1.6e-2, atol=1e-2)
     assert not torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="routed on Hopper GPUs"
+)
+def test_a_gpu_engine_routes_a_lone_sequences_decode_and_decodes_like_without(tokenizer, monkeypatch) -> None:
+    """The whole path on a Hopper GPU: compile, inductor, the bucket-1 CUDA graph's capture and replay. A lone
+    sequence's greedy tokens equal those of the same engine with routing off, up to a near tie that the GEMV's
+    other order of sums may flip (a bf16 model: the first 8 tokens at least)."""
+    prompt = ragged_prompts(16)[3]
+    outputs, routed_calls = [], []
+    for route in (True, False):
+        if not route:
+            monkeypatch.setattr(one_row_gemv, "measured_on", lambda device: False)
+        model = build_tiny_model("llama").to(device="cuda", dtype=torch.bfloat16)
+        llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
+        params = SamplingParams(temperature=0, max_tokens=24)
+        outputs.append(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids)
+        regions = llm.llm_engine.executor.model_runner.regions
+        routed_calls.append(None if regions is None else regions.num_gemv_routed)
+        llm.shutdown()
+    assert routed_calls[0] is not None and routed_calls[0] >= 2 and routed_calls[1] == 0
+    assert outputs[0][:8] == outputs[1][:8] and len(outputs[0]) == 24
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -4,7 +4,7 @@ int4 per group (symmetric, and with zero points) and per channel, and FP8 with d
 AutoAWQ's GEMM checkpoint. The engine's greedy output equals HF ``generate`` on the producer's own dequantized
 weights (saved beside each checkpoint), with the activations rounded through fp8 per token for FP8; also vLLM's
 online ``quantization="fp8"``, and schemes we do not run failing at load with their name. The engines run on the
-CPU, HF's oracle's device, also on a GPU machine; there the fp8 GEMM is checked against its twin."""
+CPU, HF's oracle's device, also on a GPU machine; there the fp8 products are checked against their twin."""
 
 from __future__ import annotations
 
@@ -323,8 +323,8 @@ def test_quantization_argument_must_match_the_checkpoint(tokenizer) -> None:
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)), reason="needs fp8 matrix units"
 )
 def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
-    """torch._scaled_mm with per-token (or one static) and per-channel scales against the float32 twin, bf16
-    activations."""
+    """The fp8 products (the split-K kernel up to ``KERNEL_MAX_ROWS`` rows, torch._scaled_mm above) with per-token
+    (or one static) and per-channel scales against the float32 twin, bf16 activations."""
     from paged_backend.kernels.fp8_quant import quantize_per_row_triton
     from paged_backend.quantization.fp8 import fp8_linear, fp8_linear_torch, fp8_scaled_mm, quantize_per_row
 
@@ -337,13 +337,13 @@ def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
         twin = fp8_linear_torch(x, weight, scale[:, 0], True).float() + bias.float()
         torch.testing.assert_close(ours, twin, rtol=2e-2, atol=2e-2)
         static = x.abs().amax().float().reshape(1) / 300  # a static input scale: some values saturate
-        ours = fp8_linear(x, weight, scale[:, 0], False, static).float()  # at every row count: the fp8 GEMM
+        ours = fp8_linear(x, weight, scale[:, 0], False, static).float()  # at every row count: quantized
         twin = fp8_linear_torch(x, weight, scale[:, 0], False, static).float()
         torch.testing.assert_close(ours, twin, rtol=2e-2, atol=2e-2)
     layer = FP8Linear.from_linear(torch.nn.Linear(64, 32))  # quantized on the CPU (as TP ranks do), then moved
     x = torch.randn(8, 64, dtype=torch.bfloat16)  # more rows than the fp8 GEMV takes
     on_gpu = layer.cuda()(x.cuda()).cpu().float()
-    assert not torch.equal(on_gpu, layer.cpu()(x).float())  # the fp8 GEMM ran there, not the twin
+    assert not torch.equal(on_gpu, layer.cpu()(x).float())  # an fp8 product ran there, not the twin
     from paged_backend.kernels.fp8_gemv import fp8_gemv_torch
 
     layer = layer.cuda()  # one row: the fp8 GEMV, x unquantized (nearer that twin than the quantized one)

@@ -8,8 +8,8 @@ GEMV (``kernels/fp8_gemv.py``): bound by reading the weights, which it streams, 
 they are (a product of fp8 weights and unquantized activations, closer to the model than the fp8 GEMM's). More
 rows: the activation is quantized per token by one kernel (``kernels/fp8_quant.py``), then ``y = x @ W.T`` is a
 product of fp8 operands with the activation's per-token and the weight's per-channel scales: up to
-``KERNEL_MAX_ROWS`` rows our split-K kernel (``kernels/fp8_block_mm.py``, its scale blocks 1 x K), above them one
-``torch._scaled_mm`` (fast accumulation: the tensor cores' own sums); elsewhere its torch twin
+``KERNEL_MAX_ROWS`` rows our split-K kernel (``kernels/fp8_block_mm.py``, its scale blocks 1 x K; K a multiple of
+32), above them one ``torch._scaled_mm`` (fast accumulation: the tensor cores' own sums); elsewhere its torch twin
 (``fp8_linear_torch``) computes the same quantities in float32: the activation rounded through fp8 per token, the
 weight dequantized. Weight-only checkpoints (no activation scheme) run the twin above one row on every device, and
 so do models in float32, and float16 ones above ``KERNEL_MAX_ROWS`` rows (the fp8 GEMM's row-wise scales write
@@ -68,9 +68,10 @@ def _fp8_capable(index: int) -> bool:
 GEMV_ROWS = 1  # rows up to which the fp8 GEMV runs (docs/benchmarks.md, "FP8 weights")
 # Rows up to which the product of quantized activations runs the split-K fp8 kernel (kernels/fp8_block_mm.py with
 # one scale per row and per output channel: blocks of 1 x K) rather than torch._scaled_mm, whose tiles read the
-# weights far below the copy rate at a few rows: on an H200, 16 rows of the 8B shape's down projection took 49 µs
-# against the kernel's 23 and bf16's 33; from 96 rows on torch._scaled_mm is the faster (docs/benchmarks.md,
-# "FP8 products by row count").
+# weights far below the copy rate at a few rows. Placed from the same kernel over 128 x 128 blocks (the column
+# ``fp8_block_kernel`` of benchmarks/fp8_linear.py; on an H200, 16 rows of the 8B shape's down projection: 23 µs,
+# torch._scaled_mm 49, bf16 33; torch._scaled_mm the faster from 96 rows on; docs/benchmarks.md, "FP8 products
+# by row count"); the 1 x K blocks have a column of their own there (``fp8_kernel``).
 KERNEL_MAX_ROWS = 64
 
 
@@ -82,13 +83,15 @@ def fp8_scaled_mm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # [M, N]
     """The product of quantized activations and fp8 weights on the GPU's fp8 units: up to ``KERNEL_MAX_ROWS``
-    rows the split-K kernel (fp32 sums, 16-bit outputs), above them one ``torch._scaled_mm`` when the output is
-    bfloat16 (its row-wise scales write bfloat16); elsewhere the twin's float32 over the dequantized operands.
-    ``torch._scaled_mm`` with fast accumulation (the tensor cores' own accumulator, not promoted to fp32 every few
-    K tiles), as torchao's and fbgemm's row-wise FP8 inference run it: the error stays the fp8 operands' and the
-    GEMM is faster at a decode step's rows (both measured in docs/benchmarks.md, "FP8 linear calls")."""
-    (m, k), fp8_units = q.shape, q.is_cuda and has_fp8_matmul(q.device) and triton is not None
-    if fp8_units and m <= KERNEL_MAX_ROWS and k % 32 == 0 and out_dtype in (torch.bfloat16, torch.float16):
+    rows, K a multiple of 32 and a 16-bit output, the split-K kernel (fp32 sums); otherwise one
+    ``torch._scaled_mm`` when the output is bfloat16 (its row-wise scales write bfloat16); elsewhere the twin's
+    float32 over the dequantized operands. ``torch._scaled_mm`` with fast accumulation (the tensor cores' own
+    accumulator, not promoted to fp32 every few K tiles), as torchao's and fbgemm's row-wise FP8 inference run it:
+    the error stays the fp8 operands' and it is faster at 256 rows (both measured in docs/benchmarks.md, "FP8
+    linear calls")."""
+    (m, k), fp8_units = q.shape, q.is_cuda and has_fp8_matmul(q.device)
+    kernel_takes = m <= KERNEL_MAX_ROWS and k % 32 == 0 and out_dtype in (torch.bfloat16, torch.float16)
+    if fp8_units and triton is not None and kernel_takes:
         return fp8_block_mm_triton(q, scale, weight, weight_scale[:, None], 1, k, out_dtype)
     if fp8_units and out_dtype == torch.bfloat16:
         return torch._scaled_mm(

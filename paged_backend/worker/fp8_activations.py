@@ -8,7 +8,7 @@ quantization joins that kernel, which then writes fp8 rows and their scales rath
 kernel to read back. This pass replaces each such ``paged_backend.fp8_linear`` call of the dynamo graph (fused
 siblings included: ``fuse_linears.py`` runs first, so q/k/v quantize once) by ``quantized_fp8_linear``: the
 quantization in torch ops, then one opaque ``paged_backend.fp8_scaled_mm``. The arithmetic is the op's own (the
-same twins, the same ``torch._scaled_mm``): what moves is where the quantization runs. Its bits are the op's too
+same twins, the same fp8 products): what moves is where the quantization runs. Its bits are the op's too
 once the graph compiles ``with divides_as_eager()``: inductor otherwise lowers an fp32 ``/`` to Triton's
 approximate division, where eager CUDA and ``kernels/fp8_quant.py`` round it, and a scale one bit off moves
 values across fp8's rounding boundaries.

@@ -9,9 +9,13 @@ column ``bf16_gemv``; docs/benchmarks.md). So a ``linear`` call of the graph is 
 
 - its rows are the constant 1 (with dynamic shapes dynamo specializes a size of 1: the one-row decode graph is a
   graph of its own, and every other graph is left as it was);
-- its weight is a 16-bit parameter of the layer (fused siblings are wider than their input anyway), without a
-  bias, with at most as many outputs as inputs;
-- the weight lies on a GPU where this was measured (Hopper, compute capability 9.x).
+- its weight is a 16-bit parameter of the layer, of its input's dtype, without a bias, with at most as many
+  outputs as inputs (fused siblings read a view of a packed buffer, not a parameter, and stay cuBLAS's: q/k/v and
+  gate/up are wider than their input on the models measured);
+- the weight lies on a GPU of the kind where this was measured (Hopper, compute capability 9.x).
+
+The rule is by shape, not by name: other projections no wider than their input (a tensor-parallel rank's shard of
+down, a mixture of experts' router) are routed too, though only the 8B shape's o and down were timed.
 
 The GEMV adds in fp32 in another order than cuBLAS: its outputs differ from cuBLAS's by bf16 rounding, as
 another cuBLAS kernel's would. Batch-invariant engines never compile their layers, so they never meet this pass.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +33,7 @@ from torch import fx
 
 from paged_backend.kernels import triton
 from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, gemv_triton
-from paged_backend.worker.fuse_linears import _LINEARS, parameter_path
-
-GEMV_ROWS = 1  # rows up to which a projection is routed (a decode step of one sequence)
+from paged_backend.worker.fuse_linears import _linear_parts
 
 
 @torch.library.custom_op("paged_backend::gemv", mutates_args=())
@@ -39,7 +42,7 @@ def gemv_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     elsewhere."""
     rows = x.reshape(-1, x.shape[-1])
     if x.is_cuda and triton is not None and rows.shape[0] <= GEMV_MAX_M:
-        out = gemv_triton(rows.contiguous(), weight)
+        out = gemv_triton(rows, weight)
     else:
         out = F.linear(rows, weight)
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -56,22 +59,20 @@ def measured_on(device: torch.device) -> bool:
 
 
 def _routed(node: fx.Node, on_device: Callable[[torch.device], bool]) -> bool:
-    if node.op != "call_function" or node.target not in _LINEARS or node.kwargs:
+    parts = _linear_parts(node)
+    if parts is None or parts[2] is not None:  # not a linear on the layer's parameters, or with a bias
         return False
-    x, weight, bias = (*node.args, None)[:3]
-    if bias is not None or not isinstance(x, fx.Node) or not isinstance(weight, fx.Node):
-        return False
-    if parameter_path(weight) is None:
-        return False
-    x_value, w_value = x.meta.get("example_value"), weight.meta.get("example_value")
+    weight = cast(fx.Node, node.args[1])  # _linear_parts found it a placeholder of the layer's parameters
+    x_value, w_value = parts[0].meta.get("example_value"), weight.meta.get("example_value")
     if not isinstance(x_value, torch.Tensor) or not isinstance(w_value, torch.Tensor) or w_value.dim() != 2:
         return False
     leading = x_value.shape[:-1]
-    if not all(isinstance(size, int) for size in leading) or math.prod(leading) > GEMV_ROWS:
+    if not all(isinstance(size, int) for size in leading) or math.prod(leading) != 1:
         return False  # a symbolic row count: the graph serves two rows or more
     n, k = w_value.shape
     return (
         w_value.dtype in (torch.bfloat16, torch.float16)
+        and x_value.dtype == w_value.dtype
         and w_value.stride(1) == 1
         and n <= k
         and on_device(w_value.device)
