@@ -10,9 +10,9 @@ Backends: paged (this library; paged_sync without async scheduling, paged_loop s
 as the server steps it, paged_fp8kv with an fp8 KV cache, paged_fp8
 with fp8 weights: ``quantization="fp8"`` on the model saved to a file, paged_fp8_fp8kv the same with an fp8 KV
 cache, paged_fp8block the saved model quantized in blocks of 128 x 128 by transformers' ``FineGrainedFP8Config``,
-paged_invariant with
-``batch_invariant=True``), hf_patched (``model.generate`` after
-``paged_backend.patch``, called like hf),
+paged_invariant with ``batch_invariant=True``, paged_cublas_row with its one-row decode graph left to cuBLAS: the
+GEMV route of ``worker/one_row_gemv.py`` off in this process while that engine compiles), hf_patched
+(``model.generate`` after ``paged_backend.patch``, called like hf),
 hf (``model.generate``, batches of 64, left padded), hf_cb (``generate_batch``, transformers' continuous
 batching), hf_static (``generate`` with a static cache and torch.compile; w2 only).
 Every backend runs in this one process on identical prompts, after an untimed warm-up on other prompts (the
@@ -28,6 +28,7 @@ Before timing, greedy outputs of the paged engine are checked against HF ``gener
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -37,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -529,9 +530,23 @@ def release_engine(what: str) -> None:
         logger.info("%s released: %.1f GiB still allocated", what, torch.cuda.memory_allocated() / 2**30)
 
 
+@contextlib.contextmanager
+def one_row_gemv_off() -> Iterator[None]:
+    """``worker/one_row_gemv.py``'s route off while an engine compiles and runs: its one-row decode graph keeps
+    cuBLAS's products, as before the route (``paged_cublas_row``, beside ``paged``)."""
+    from paged_backend.worker import one_row_gemv
+
+    measured_on = one_row_gemv.measured_on
+    one_row_gemv.measured_on = lambda device: False
+    try:
+        yield
+    finally:
+        one_row_gemv.measured_on = measured_on
+
+
 PAGED_BACKENDS = {
     *("paged", "paged_sync", "paged_loop", "paged_fp8kv", "paged_fp8", "paged_fp8_fp8kv", "paged_invariant"),
-    *("paged_spec", "paged_fp8block"),
+    *("paged_spec", "paged_fp8block", "paged_cublas_row"),
 }
 HF_BACKENDS = {"hf_patched", "hf", "hf_cb", "hf_static"}
 FP8_WEIGHTS = {"paged_fp8": {}, "paged_fp8_fp8kv": {"kv_cache_dtype": "fp8"}}  # the second as deployments run
@@ -735,10 +750,12 @@ class Bench:
                 "speculating engine",
             ),
             "paged_fp8kv": ({**base, "kv_cache_dtype": "fp8"}, "fp8-cache engine"),
+            "paged_cublas_row": (base, "engine without the one-row GEMV"),
         }
         for backend, (engine_args, what) in engines.items():
             if backend in self.backends:
-                self.measure_engine(backend, engine_args)
+                with one_row_gemv_off() if backend == "paged_cublas_row" else contextlib.nullcontext():
+                    self.measure_engine(backend, engine_args)
                 release_engine(what)  # its last reference went with measure_engine's frame
         if "paged_fp8kv" in self.backends:
             self.results["w1_fp8kv"] = self.results.get("w1", {}).get("paged_fp8kv")
