@@ -113,9 +113,11 @@ def test_every_fp8_value_reaches_the_product_exactly(upcast: bool) -> None:
     assert torch.equal(out[0].cpu(), values.float())
 
 
-def test_one_scale_per_row_is_a_block_of_all_inputs_and_splits_anywhere() -> None:
-    """Per-channel weights and per-token activations (FP8Linear's scales) are blocks of 1 x K: one activation
-    group, so K splits at any step, not only at a block's edge."""
+@pytest.mark.parametrize("upcast", [False, True])
+def test_one_scale_per_row_is_a_block_of_all_inputs_and_splits_anywhere(upcast: bool) -> None:
+    """Per-channel weights and per-token activations (FP8Linear's scales, ``fp8_scaled_mm``'s kernel) are blocks of
+    1 x K: one activation group, so K splits at any step, not only at a block's edge; fp8 dots, or fp16 dots on
+    the bytes decoded in the kernel."""
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(9, 384, generator=gen), torch.randn(40, 384, generator=gen) * 0.1
     (q, scale), (weight, weight_scale) = quantize_per_row(x), quantize_per_row(w)
@@ -123,7 +125,7 @@ def test_one_scale_per_row_is_a_block_of_all_inputs_and_splits_anywhere() -> Non
     twin = fp8_block_mm_torch(*args)
     torch.testing.assert_close(twin.cpu(), (q.float() * scale) @ (weight.float() * weight_scale).T)
     for launch in ((16, 32, 3), (16, 64, 1)):  # 3 parts of 128 inputs
-        torch.testing.assert_close(fp8_block_mm_triton(*args, launch=launch), twin, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fp8_block_mm_triton(*args, upcast=upcast, launch=launch), twin, rtol=1e-5, atol=1e-5)
 
 
 def test_per_group_quantization_is_per_row_quantization_of_each_group() -> None:
