@@ -3,6 +3,7 @@ heads a KV head, heads of 128, 16-token blocks), a bf16 cache against an fp8 one
 here with the Triton wheel's own ``ptxas`` and ``nvdisasm``: no GPU needed. Prints registers, spills and the
 counts of the loads, shared-memory traffic, conversions and MMAs each compiles to: how the fp8 kernel was found to
 read its tiles from shared memory a byte at a time (``LDS.U8``) where the bf16 one uses ``ldmatrix`` (``LDSM``).
+The fp8 cache twice: its value cache as the engine stores it (transposed within each block) and token-major.
 
     python benchmarks/attention_sass.py --json attention_sass.json
     PYTHONPATH=/path/to/triton-3.6 python benchmarks/attention_sass.py   # as the GPU machine's Triton compiles it
@@ -40,9 +41,10 @@ STRIDES += ("stride_oh", "stride_ls", "stride_lt", "stride_ft", "stride_fh")
 SHOWN = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "F2FP", "HMMA")  # opcode prefixes printed
 
 
-def compile_kernel(fp8: bool, block_n: int, num_stages: int, num_warps: int) -> bytes:
+def compile_kernel(fp8: bool, block_n: int, num_stages: int, num_warps: int, transposed: bool = True) -> bytes:
     """The kernel's cubin for sm_90, specialized as a launch specializes it (pointers and strides divisible by 16).
-    An fp8 cache goes in as the launcher passes it: as it is, or as 16-bit words where the kernel takes ``CVT``."""
+    An fp8 cache goes in as the launcher passes it: as it is, or as 16-bit words where the kernel takes ``CVT``;
+    its value cache ``transposed`` as the engine stores it (kernels/cache_write.py) where the kernel takes ``VT``."""
     words = fp8 and "CVT" in inspect.signature(_paged_attention_kernel.fn).parameters
     cache = "*i16" if words else "*fp8e4nv" if fp8 else "*bf16"
     pointers = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "final_ptr": "*bf16", "counters_ptr": "*i32", "q_ptr": "*bf16"}
@@ -57,6 +59,8 @@ def compile_kernel(fp8: bool, block_n: int, num_stages: int, num_warps: int) -> 
     )  # fmt: skip
     if "CVT" in inspect.signature(_paged_attention_kernel.fn).parameters:
         constants["CVT"] = fp8
+    if "VT" in inspect.signature(_paged_attention_kernel.fn).parameters:
+        constants["VT"] = fp8 and transposed
     signature = pointers | scalars | dict.fromkeys(constants, "constexpr")
     names = list(signature)
     divisible = [*pointers, *(s for s in STRIDES if s not in ("stride_os", "stride_ls", "stride_lt"))]
@@ -99,10 +103,10 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     results: dict[str, Any] = {"triton": triton.__version__, "command": " ".join(["python", *sys.argv]), "caches": {}}
-    for fp8 in (False, True):
-        found = census(compile_kernel(fp8, args.block_n, args.stages, args.warps))
-        results["caches"]["fp8" if fp8 else "bf16"] = found
-        logger.info("Triton %s, %s cache: %s", triton.__version__, "fp8" if fp8 else "bf16", found)
+    for name, fp8, transposed in (("bf16", False, False), ("fp8", True, True), ("fp8_values_token_major", True, False)):
+        found = census(compile_kernel(fp8, args.block_n, args.stages, args.warps, transposed))
+        results["caches"][name] = found
+        logger.info("Triton %s, %s cache: %s", triton.__version__, name, found)
     write_json(args.json, results)
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_backend.kernels.arrival import arrival_counters
+from paged_backend.kernels.cache_write import new_kv_cache, values_transposed
 from paged_backend.kernels.paged_attention import (
     MAX_SPLITS,
     MIN_SPLIT_TOKENS,
@@ -111,7 +112,9 @@ def launch(
         target, lse = out, out
         strides = (0, out.stride(0), out.stride(1), 0, 0)
     fp16_dots = k_scale is not None and query.dtype == torch.bfloat16  # the caches then go in as 16-bit words
-    caches = (k_cache.view(torch.int16), v_cache.view(torch.int16)) if fp16_dots else (k_cache, v_cache)
+    transposed = values_transposed(v_cache)
+    values = v_cache.permute(0, 2, 3, 1) if transposed else v_cache
+    caches = (k_cache.view(torch.int16), values.view(torch.int16)) if fp16_dots else (k_cache, v_cache)
     _paged_attention_kernel[grid](
         target, lse, out, arrival_counters(query.device, grid[0] * grid[1]),
         query, *caches,
@@ -124,18 +127,24 @@ def launch(
         DIM_PAD=_next_pow2(head_dim), BLOCK_N=block_n or default_n, BLOCK_SIZE=k_cache.shape[1],
         SPLIT=num_splits > 1, SPLITS_PAD=MAX_SPLITS if num_splits > 1 else 1, MIN_SPLIT=min_split_tokens,
         USE_WINDOW=False, USE_SOFTCAP=False, IEEE=query.dtype == torch.float32, SCALED=k_scale is not None,
-        FP16_DOTS=fp16_dots, CVT=fp16_dots and query.is_cuda, MASK_ALL=False,
+        FP16_DOTS=fp16_dots, CVT=fp16_dots and query.is_cuda, MASK_ALL=False, VT=transposed,
         **tuning,
     )  # fmt: skip
     return out
 
 
 def decode_batch(
-    context_lens: list[int], fp8: bool = False, block_size: int = BLOCK_SIZE, scattered: bool = True
+    context_lens: list[int],
+    fp8: bool = False,
+    block_size: int = BLOCK_SIZE,
+    scattered: bool = True,
+    values_token_major: bool = False,
 ) -> dict:
-    """One decode step's attention inputs; ``fp8``: an fp8 cache (``kv_cache_dtype="fp8"``) with its scales. The
-    cache's blocks of ``block_size`` tokens lie in random order (a busy cache's), or with ``scattered=False`` each
-    sequence's one after the other (the same table lookups, contiguous reads)."""
+    """One decode step's attention inputs; ``fp8``: an fp8 cache (``kv_cache_dtype="fp8"``) with its scales, its
+    values stored as the engine stores them (transposed within each block: ``kernels/cache_write.py``) or, with
+    ``values_token_major``, as keys are. The cache's blocks of ``block_size`` tokens lie in random order (a busy
+    cache's), or with ``scattered=False`` each sequence's one after the other (the same table lookups, contiguous
+    reads)."""
     blocks = [-(-c // block_size) for c in context_lens]
     order = (
         torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
@@ -157,6 +166,8 @@ def decode_batch(
         cu_seqlens_q=torch.arange(len(blocks) + 1, dtype=torch.int32, device="cuda"),
         context_lens=torch.tensor(context_lens, device="cuda"),
     )
+    if fp8 and not values_token_major:
+        batch["v_cache"] = new_kv_cache(shape, cache_dtype, "cuda")[1].copy_(batch["v_cache"])
     if fp8:
         batch |= dict(
             k_scale=torch.full((KV_HEADS,), 0.5, device="cuda"), v_scale=torch.full((KV_HEADS,), 0.5, device="cuda")
@@ -165,20 +176,22 @@ def decode_batch(
 
 
 def attention_sweep(sweep: bool = True, layouts: list[tuple[int, bool]] | None = None) -> dict[str, Any]:
-    """Decode attention at W1's and W2's shapes, bf16 and fp8 caches, for each (block size, scattered) cache layout
-    of ``layouts`` (default: the engine's 16-token blocks in random order): the library's launch and, with
-    ``sweep``, the five fastest settings of the grid. Returns each case's figures."""
+    """Decode attention at W1's and W2's shapes, a bf16 cache and an fp8 one with its values stored either way
+    (``decode_batch``), for each (block size, scattered) cache layout of ``layouts`` (default: the engine's 16-token
+    blocks in random order): the library's launch and, with ``sweep``, the five fastest settings of the grid.
+    Returns each case's figures."""
     rng = random.Random(0)
     cases = {
         "w1 (256 seqs)": [rng.randint(64, 1024) + rng.randint(0, 256) for _ in range(256)],
         "w2 (1 seq, 256)": [256],
     }
     found: dict[str, Any] = {}
-    for (name, ctx), fp8, (block_size, scattered) in itertools.product(
-        cases.items(), (False, True), layouts or [(BLOCK_SIZE, True)]
+    caches = {"": (False, False), ", fp8 cache": (True, False), ", fp8 cache, values token-major": (True, True)}
+    for (name, ctx), (cache, (fp8, token_major)), (block_size, scattered) in itertools.product(
+        cases.items(), caches.items(), layouts or [(BLOCK_SIZE, True)]
     ):
-        batch = decode_batch(ctx, fp8, block_size, scattered)
-        name += (", fp8 cache" if fp8 else "") + f", blocks of {block_size}" + ("" if scattered else " in order")
+        batch = decode_batch(ctx, fp8, block_size, scattered, token_major)
+        name += cache + f", blocks of {block_size}" + ("" if scattered else " in order")
         gbytes = sum(ctx) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2) / 1e9
         rows = []
         settings_grid = itertools.product((64, 128, 256), (4, 8), (2, 3, 4, 5)) if sweep else []

@@ -19,7 +19,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from paged_backend import LLM, SamplingParams
 from paged_backend.kernels import tl, triton
 from paged_backend.kernels.attention_twin import paged_attention_torch
-from paged_backend.kernels.cache_write import write_kv_cache_torch, write_kv_cache_triton
+from paged_backend.kernels.cache_write import (
+    new_kv_cache,
+    values_transposed,
+    write_kv_cache_torch,
+    write_kv_cache_triton,
+)
 from paged_backend.kernels.fp8_quant import FP8_MAX
 from paged_backend.kernels.paged_attention import paged_attention_triton
 from tests.conftest import assert_idle, hf_greedy, ragged_prompts
@@ -77,6 +82,8 @@ def test_chunks_and_preemption_keep_the_fp8_values(tokenizer, engine_kwargs: dic
         assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 24), prompt
     if "num_kv_blocks" in engine_kwargs:
         assert llm.stats()["num_preemptions"] > 0
+    # the engine's fp8 value caches are stored transposed (kernels/cache_write.py): swapped, copied, read so
+    assert all(values_transposed(v) for _, v in llm.llm_engine.executor.model_runner.cache_engine.kv_caches)
     assert_idle(llm)
 
 
@@ -95,27 +102,42 @@ def test_kv_cache_dtype_is_checked() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ kernels
-def scaled_cache(batch: dict, num_kv_heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn a batch's caches into fp8 ones with per-head scales (large values saturate); returns the scales."""
+LAYOUTS = ["values-token-major", "values-transposed"]  # how the value cache is stored (kernels/cache_write.py)
+
+
+def scaled_cache(batch: dict, num_kv_heads: int, seed: int, layout: str = LAYOUTS[0]) -> tuple[torch.Tensor, ...]:
+    """Turn a batch's caches into fp8 ones with per-head scales (large values saturate), the value cache stored as
+    ``layout`` says; returns the scales."""
     gen = torch.Generator().manual_seed(seed)
     k_scale = (torch.rand(num_kv_heads, generator=gen) * 0.01 + 0.002).to(DEVICE)
     v_scale = (torch.rand(num_kv_heads, generator=gen) * 0.01 + 0.002).to(DEVICE)
     for name, scale in (("k_cache", k_scale), ("v_cache", v_scale)):
         values = batch[name].float() / scale[None, None, :, None]
         batch[name] = values.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    if layout == "values-transposed":
+        batch["v_cache"] = stored_transposed(batch["v_cache"])
     return k_scale, v_scale
 
 
+def stored_transposed(cache: torch.Tensor) -> torch.Tensor:
+    """``cache``'s values in a value cache of the engine's fp8 layout (the same indices, other strides)."""
+    out = new_kv_cache(cache.shape, FP8, cache.device)[1]
+    assert values_transposed(out) and not values_transposed(cache)
+    out.view(torch.uint8).copy_(cache.view(torch.uint8))
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_attention_kernel_on_an_fp8_cache(dtype: torch.dtype, num_splits: int) -> None:
+def test_attention_kernel_on_an_fp8_cache(dtype: torch.dtype, num_splits: int, layout: str) -> None:
     """Prefill, chunks and decodes (or, split, decodes alone) over fp8 caches with per-head scales: the kernel
     equals the twin, and the twin equals itself reading the dequantized cache with no scales."""
     if num_splits == 1:
         batch = make_batch([1, 33, 7, 1, 16], [40, 0, 9, 15, 16], 8, 2, 64, dtype, 16, seed=5)
     else:
         batch = make_batch([1, 1, 1], [700, 31, 3], 8, 2, 64, dtype, 16, seed=6)
-    k_scale, v_scale = scaled_cache(batch, 2, seed=num_splits)
+    k_scale, v_scale = scaled_cache(batch, 2, seed=num_splits, layout=layout)
     scale = batch["query"].shape[-1] ** -0.5
     args = (batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], scale)
     ref = paged_attention_torch(batch["query"].float(), batch["k_cache"], batch["v_cache"], *args,
@@ -129,14 +151,15 @@ def test_attention_kernel_on_an_fp8_cache(dtype: torch.dtype, num_splits: int) -
     assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("query_magnitude", [1.0, 6e4])
-def test_bf16_queries_over_an_fp8_cache(query_magnitude: float) -> None:
+def test_bf16_queries_over_an_fp8_cache(query_magnitude: float, layout: str) -> None:
     """bf16 queries over an fp8 cache run their dots in fp16 (the queries scaled by 2^-8): equal to the twin,
     also for queries past fp16's range (65504), which would overflow without the scaling. (fp16 dots also run in
     Triton's interpreter, where bf16 ones do not.)"""
     batch = make_batch([1, 33, 7, 1, 16], [300, 0, 9, 15, 130], 8, 2, 64, torch.float32, 16, seed=7)
     batch["query"] = (batch["query"] * query_magnitude / 2).to(torch.bfloat16)  # the largest ~1.2e5 at 6e4
-    k_scale, v_scale = scaled_cache(batch, 2, seed=3)
+    k_scale, v_scale = scaled_cache(batch, 2, seed=3, layout=layout)
     k_scale = k_scale / query_magnitude  # scores of the same size whatever the queries' magnitude
     scale = batch["query"].shape[-1] ** -0.5
     args = (batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], scale)
@@ -179,7 +202,8 @@ def test_fp8_words_become_fp16_values_exactly(cvt: bool) -> None:
     [(1, {}), (4, {}), (1, {"sliding_window": 24}), (1, {"softcap": 5.0}), (1, {"batch_invariant": True})],
     ids=["whole", "split", "window", "softcap", "invariant"],
 )
-def test_bf16_queries_over_an_fp8_cache_of_an_odd_head_size(num_splits: int, options: dict) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_queries_over_an_fp8_cache_of_an_odd_head_size(num_splits: int, options: dict, layout: str) -> None:
     """Heads of 80 (padded to 128 in the kernel: the padding's words masked), split and not, with a sliding window,
     a softcap and every tile masked (``batch_invariant``): bf16 queries over an fp8 cache equal the twin."""
     if num_splits == 1:
@@ -187,7 +211,7 @@ def test_bf16_queries_over_an_fp8_cache_of_an_odd_head_size(num_splits: int, opt
     else:
         batch = make_batch([1, 1], [400, 35], 4, 2, 80, torch.float32, 16, seed=12)
     batch["query"] = batch["query"].to(torch.bfloat16)
-    k_scale, v_scale = scaled_cache(batch, 2, seed=13)
+    k_scale, v_scale = scaled_cache(batch, 2, seed=13, layout=layout)
     scale = batch["query"].shape[-1] ** -0.5
     args = (batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], scale)
     twin_options = {k: v for k, v in options.items() if k != "batch_invariant"}
@@ -198,8 +222,36 @@ def test_bf16_queries_over_an_fp8_cache_of_an_odd_head_size(num_splits: int, opt
     assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32], ids=["words", "bytes"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_transposed_values_past_the_context_never_count(num_splits: int, query_dtype: torch.dtype) -> None:
+    """A transposed value cache is read two tokens a word and a whole tile at a time: where a context ends inside a
+    word (odd lengths, blocks of 2) or a tile, the kernel reads slots outside the context (another sequence's, or
+    never written) and lets their probability of 0 cancel them. Here every such slot holds fp8's largest value
+    (an fp8 cache holds no NaN: ``test_cache_write_to_fp8``), for bf16 queries (words of two) and fp32 ones (bytes):
+    the output equals the twin's over the same cache without them."""
+    batch = make_batch([1, 9, 1, 1], [40, 0, 10, 301], 4, 2, 64, torch.float32, 2, seed=21)
+    batch["query"] = batch["query"].to(query_dtype)
+    k_scale, v_scale = scaled_cache(batch, 2, seed=22)
+    scale = batch["query"].shape[-1] ** -0.5
+    args = (batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], scale)
+    ref = paged_attention_torch(batch["query"].float(), batch["k_cache"], batch["v_cache"], *args,
+                                k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    used = set()
+    for row, length in enumerate(batch["context_lens"].tolist()):
+        used |= {int(batch["block_tables"][row, t // 2]) * 2 + t % 2 for t in range(length)}
+    poison = torch.tensor([s not in used for s in range(batch["v_cache"].shape[0] * 2)], device=DEVICE)
+    assert poison.any()
+    v_cache = batch["v_cache"].view(torch.uint8).flatten(0, 1).clone()
+    v_cache[poison] = 0x7E  # 448
+    batch["v_cache"] = stored_transposed(v_cache.view(FP8).view(batch["k_cache"].shape))
+    out = paged_attention_triton(**batch, scale=scale, k_scale=k_scale, v_scale=v_scale, num_splits=num_splits)
+    assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[query_dtype]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cache_write_to_fp8(dtype: torch.dtype) -> None:
+def test_cache_write_to_fp8(dtype: torch.dtype, layout: str) -> None:
     """The kernel stores the bytes the twin stores: scaled per head, saturated at 448, padding slots skipped. On
     CPU the inputs are fp8 values times power-of-two scales (doubled, so the largest saturate): Triton's
     interpreter rounds to fp8 wrongly when rounding carries into the exponent (-7.84 becomes -4), which the
@@ -215,14 +267,21 @@ def test_cache_write_to_fp8(dtype: torch.dtype) -> None:
         if DEVICE.type == "cpu":  # exactly representable after scaling (doubled: the largest saturate)
             x = (x / scale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale[None, :, None] * 2
         rows.append(x.to(DEVICE, dtype))
+    rows[0][5, 1, 3] = rows[1][6, 0, 0] = float("nan")  # stored as 0, in keys and values
     scales = [scale.to(DEVICE), scale.to(DEVICE)]
-    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=FP8, device=DEVICE) for _ in range(4)]
+    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=FP8, device=DEVICE) for _ in range(5)]
+    if layout == "values-transposed":  # the twin and the kernel write transposed value caches; [4] stays token-major
+        caches[1], caches[3] = (stored_transposed(caches[i]) for i in (1, 3))
     write_kv_cache_torch(*rows, caches[0], caches[1], slots.to(DEVICE), *scales)
     write_kv_cache_triton(*rows, caches[2], caches[3], slots.to(DEVICE), *scales)
-    for twin, kernel in ((caches[0], caches[2]), (caches[1], caches[3])):
+    write_kv_cache_torch(*rows, caches[2].clone(), caches[4], slots.to(DEVICE), *scales)
+    for twin, kernel in ((caches[0], caches[2]), (caches[1], caches[3]), (caches[4], caches[3])):
         assert torch.equal(twin.view(torch.uint8), kernel.view(torch.uint8))
     assert caches[0].float().abs().max().item() == FP8_MAX  # saturated, not NaN
-    assert not caches[0].float().isnan().any()
+    assert not caches[0].float().isnan().any() and not caches[1].float().isnan().any()
+    for cache, token, head, dim in ((caches[0], 5, 1, 3), (caches[1], 6, 0, 0)):
+        slot = int(slots[token])
+        assert cache[slot // block_size, slot % block_size, head, dim].item() == 0.0
 
 
 def test_calculated_scales_come_from_the_first_step(tokenizer) -> None:

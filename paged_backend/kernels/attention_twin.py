@@ -59,9 +59,12 @@ def twin_plan(
     return plan
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``cache``'s rows at ``slots``: ``[G, C, Hkv, D]``, by ``index_select``, which on a CPU copies whole rows
-    several times faster than advanced indexing."""
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache``'s rows at ``slots`` (any shape): ``[*slots.shape, Hkv, D]``, by ``index_select``, which on a CPU
+    copies whole rows several times faster than advanced indexing; a value cache stored transposed
+    (kernels/cache_write.py) by its blocks and offsets."""
+    if not cache.is_contiguous():
+        return cache[slots // cache.shape[1], slots % cache.shape[1]]
     flat = cache.flatten(0, 1)
     return flat.index_select(0, slots.flatten()).view(*slots.shape, *flat.shape[1:])
 
@@ -79,8 +82,8 @@ def _attend_group(
     groups, max_q = group.token_idx.shape
     num_kv_heads, (num_heads, head_dim) = k_cache.shape[2], query.shape[1:]
     per_kv = num_heads // num_kv_heads  # query heads sharing a KV head (h = kv * per_kv + r)
-    keys = _gather(k_cache, group.slots).float().transpose(1, 2)  # [G, Hkv, C, D]
-    values = _gather(v_cache, group.slots).float().transpose(1, 2)  # [G, Hkv, C, D]
+    keys = gather_slots(k_cache, group.slots).float().transpose(1, 2)  # [G, Hkv, C, D]
+    values = gather_slots(v_cache, group.slots).float().transpose(1, 2)  # [G, Hkv, C, D]
     if k_scale is not None and v_scale is not None:
         keys, values = keys * k_scale[:, None, None], values * v_scale[:, None, None]
     queries = query[group.token_idx].float().view(groups, max_q, num_kv_heads, per_kv, head_dim)  # [G,Q,Hkv,R,D]

@@ -1,7 +1,15 @@
 """Cache write: store the new tokens' k/v into their paged slots (``slot = block_id * block_size + offset``).
 
 A negative slot means "padding, write nothing": CUDA-graph batches are padded up to their bucket size. An fp8
-cache stores ``k / k_scale`` (a scale per KV head), saturated to the format's largest value.
+cache stores ``k / k_scale`` (a scale per KV head), saturated to the format's largest value, and NaN as 0: the
+attention kernel reads an fp8 value tile whole, slots past a sequence's context included, and lets their
+probability of 0 cancel them, which a NaN would not (another request's NaN must not reach this one).
+
+Both caches are indexed ``[block, offset, head, dim]``. An fp8 value cache is stored ``[block, head, dim, offset]``
+under that shape (``new_kv_cache``): the attention kernel reads an fp8 cache as 16-bit words of two values and
+hands them to the tensor cores as they are, which take pairs along the product's reduction: the head dimension
+for q·kᵀ (the key cache's words), the tokens for p·v (the value words of this layout). Stored like keys, each
+converted value tile would pass through shared memory once more to be paired along the tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +24,27 @@ def quantize_kv_torch(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.
     """``x`` [T, Hkv, D] as the cache stores it: divided by its head's scale and saturated when scaled."""
     if scale is None:
         return x.to(dtype)
-    return (x.float() / scale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return (x.float() / scale[None, :, None]).nan_to_num(nan=0.0).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def new_kv_cache(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's (key, value) cache of ``shape`` ``[num_blocks, block_size, Hkv, D]``, zeros; an fp8 value cache
+    (blocks of two tokens or more) stored ``[num_blocks, Hkv, D, block_size]`` (``values_transposed``)."""
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    key = torch.zeros(shape, dtype=dtype, device=device)
+    if dtype != torch.float8_e4m3fn or block_size < 2:
+        return key, torch.zeros(shape, dtype=dtype, device=device)
+    strides = (num_kv_heads * head_dim * block_size, 1, head_dim * block_size, block_size)
+    return key, torch.empty_strided(shape, strides, dtype=dtype, device=device).zero_()
+
+
+def values_transposed(v_cache: torch.Tensor) -> bool:
+    """Whether ``v_cache`` (``[num_blocks, block_size, Hkv, D]``) is stored ``[num_blocks, Hkv, D, block_size]``."""
+    _, block_size, num_kv_heads, head_dim = v_cache.shape
+    expected = (num_kv_heads * head_dim * block_size, 1, head_dim * block_size, block_size)
+    return block_size > 1 and v_cache.stride() == expected
 
 
 def write_kv_cache_torch(
@@ -29,13 +57,17 @@ def write_kv_cache_torch(
     v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
 ) -> None:
     """Reference twin: an ``index_copy_`` over the flattened (block, offset) axis (of the bytes: CPU torch has
-    no ``index_copy_`` for fp8)."""
+    no ``index_copy_`` for fp8); a transposed value cache by indexing its blocks and offsets."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     for cache, new, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
-        rows = quantize_kv_torch(new, scale, cache.dtype)
-        cache.view(-1, *cache.shape[2:]).view(torch.uint8).index_copy_(0, slot_mapping, rows.view(torch.uint8))
+        rows = quantize_kv_torch(new, scale, cache.dtype).view(torch.uint8)
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).view(torch.uint8).index_copy_(0, slot_mapping, rows)
+        else:
+            block_size = cache.shape[1]
+            cache.view(torch.uint8)[slot_mapping // block_size, slot_mapping % block_size] = rows
 
 
 if triton is not None:
@@ -62,6 +94,7 @@ if triton is not None:
         DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         SCALED: tl.constexpr,  # an fp8 cache: divide by each head's scale, saturate
+        VT: tl.constexpr,  # the value cache stored [NB, Hkv, D, BS] (``values_transposed``)
     ):
         """One program per token: its [Hkv, D] k and v rows go to one cache slot."""
         token = tl.program_id(0)
@@ -76,21 +109,26 @@ if triton is not None:
         k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
         v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
         dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+        v_dst = dst
+        if VT:
+            v_dst = block * stride_cb + heads[:, None] * (HEAD_DIM * BLOCK_SIZE) + dims[None, :] * BLOCK_SIZE + offset
         if SCALED:
             k_scale = tl.load(k_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
             v_scale = tl.load(v_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
             # IEEE division (Triton's `/` is approximate), so the stored fp8 value is the twin's
-            k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale[:, None]), -448.0, 448.0)  # FP8_MAX
-            v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale[:, None]), -448.0, 448.0)
+            k = tl.div_rn(k.to(tl.float32), k_scale[:, None])
+            v = tl.div_rn(v.to(tl.float32), v_scale[:, None])
+            k = tl.clamp(tl.where(k == k, k, 0.0), -448.0, 448.0)  # NaN as 0; FP8_MAX
+            v = tl.clamp(tl.where(v == v, v, 0.0), -448.0, 448.0)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache_triton(
     key: torch.Tensor,  # [T, Hkv, D], last dim contiguous
     value: torch.Tensor,  # [T, Hkv, D], last dim contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous, or stored transposed (fp8)
     slot_mapping: torch.Tensor,  # [T] int64
     k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
@@ -122,4 +160,5 @@ def write_kv_cache_triton(
         DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
         SCALED=k_scale is not None,
+        VT=values_transposed(v_cache),
     )

@@ -34,6 +34,50 @@ if triton is not None:
         return tl.join(lo, hi)
 
     @triton.jit
+    def load_transposed_values(
+        v_cache_ptr,
+        table_ptr,
+        start_n,
+        kv_hi,
+        n_mask,  # [N]
+        blocks,  # [N] each key's block
+        v_head_offset,
+        stride_cb,
+        offs_d,
+        d_mask,
+        BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        MASKED: tl.constexpr,
+        BYTES: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        CVT: tl.constexpr,
+    ):
+        """A tile's values ``[N, D]`` from a value cache stored ``[NB, Hkv, D, BS]`` (strides in words when
+        ``BYTES``). ``BYTES``: ``[N/2, D]`` words, each two consecutive tokens' values of one dimension (a block holds
+        an even number of tokens), made ``[N/2, D, 2]`` fp16 values, then ``[N/2, 2, D]``: row ``2i + j`` is token
+        ``2i + j`` of the tile, the pairs already along the tokens, where p·v's operand wants them."""
+        if BYTES:
+            # pair i holds tokens 2i and 2i + 1: consecutive within a block (its words contiguous), the tile's
+            # first at a multiple of BLOCK_N, which the loads' vectorization needs to know
+            pairs = tl.multiple_of(start_n, BLOCK_N) // 2 + tl.arange(0, BLOCK_N // 2)
+            if MASKED:  # a pair past the range reads the range's last block
+                pair_blocks = tl.load(table_ptr + tl.minimum(pairs // (BLOCK_SIZE // 2), (kv_hi - 1) // BLOCK_SIZE))
+            else:
+                pair_blocks = tl.load(table_ptr + pairs // (BLOCK_SIZE // 2))
+            base = pair_blocks.to(tl.int64) * stride_cb + v_head_offset + pairs % (BLOCK_SIZE // 2)
+            # unmasked along the pairs, so that the loads stay vectorized and the values keep the conversion's
+            # layout up to the product: a token past the range (a pair's second, or block 0's where the table's
+            # load gave ``other``) is a finite value (an fp8 cache holds no NaN: kernels/cache_write.py) that its
+            # probability of 0 cancels
+            words = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :] * (BLOCK_SIZE // 2), mask=d_mask[None, :])
+            v = tl.reshape(tl.permute(e4m3_pairs_as_fp16(words, CVT), (0, 2, 1)), (BLOCK_N, DIM_PAD))
+        else:
+            base = blocks.to(tl.int64) * stride_cb + v_head_offset + (start_n + tl.arange(0, BLOCK_N)) % BLOCK_SIZE
+            v_mask = n_mask[:, None] & d_mask[None, :] if MASKED else d_mask[None, :]
+            v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :] * BLOCK_SIZE, mask=v_mask, other=0.0)
+        return v
+
+    @triton.jit
     def attend_tile(
         acc,
         m_i,
@@ -46,6 +90,7 @@ if triton is not None:
         start_n,
         kv_hi,
         head_offset,
+        v_head_offset,  # VT: the value cache's head offset (else ``head_offset``)
         stride_cb,
         stride_cs,
         qk_scale,
@@ -64,6 +109,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,  # BYTES only
         DIM_PAD: tl.constexpr,  # BYTES only
         CVT: tl.constexpr,  # BYTES: the GPU's conversion instruction (``e4m3_pairs_as_fp16``)
+        VT: tl.constexpr,  # the value cache stored [NB, Hkv, D, BS] (kernels/cache_write.py)
     ):
         """One key tile of the online softmax: ``(acc, m_i, l_i)`` updated, scores in the log2 domain.
 
@@ -113,7 +159,12 @@ if triton is not None:
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if BYTES:  # [N, D/2] words, then [N, D/2, 2] values
+        if VT:  # the value cache stored [NB, Hkv, D, BS]
+            v = load_transposed_values(
+                v_cache_ptr, table_ptr, start_n, kv_hi, n_mask, blocks, v_head_offset, stride_cb, offs_d, d_mask,
+                BLOCK_N, BLOCK_SIZE, MASKED, BYTES, DIM_PAD, CVT,
+            )  # fmt: skip
+        elif BYTES:  # [N, D/2] words, then [N, D/2, 2] values
             v_mask = n_mask[:, None] & p_mask[None, :] if MASKED else p_mask[None, :]
             words = tl.load(v_cache_ptr + slots[:, None] + offs_p[None, :], mask=v_mask, other=0)
             v = tl.reshape(e4m3_pairs_as_fp16(words, CVT), (BLOCK_N, DIM_PAD))

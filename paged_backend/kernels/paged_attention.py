@@ -13,6 +13,7 @@ import torch
 
 from paged_backend.kernels import num_sms, tl, triton
 from paged_backend.kernels.arrival import arrival_counters
+from paged_backend.kernels.cache_write import values_transposed
 
 # ---------------------------------------------------------------------------------------------------- Triton
 # One kernel serves prefill, mixed and decode batches. A program owns a tile of BLOCK_Q query tokens of one
@@ -90,6 +91,7 @@ if triton is not None:
         FP16_DOTS: tl.constexpr,  # SCALED with bf16 queries: the dots run in fp16
         MASK_ALL: tl.constexpr,  # every key tile masked: a row's arithmetic then never depends on its tile's rows
         CVT: tl.constexpr,  # FP16_DOTS: fp8 made fp16 by the GPU's conversion instruction
+        VT: tl.constexpr,  # the value cache stored [NB, Hkv, D, BS] (kernels/cache_write.py), block stride stride_cb
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         pid = tl.program_id(0)
@@ -135,6 +137,9 @@ if triton is not None:
             stride_cb = stride_cb // 2
             stride_cs = stride_cs // 2
             stride_ch = stride_ch // 2
+        v_head_offset = kv_head * stride_ch
+        if VT:
+            v_head_offset = kv_head * (HEAD_DIM * BLOCK_SIZE // (2 if FP16_DOTS else 1))
 
         # Keys this tile can see: [kv_lo, kv_hi). An empty range (tile past q_len) runs no iteration.
         kv_hi = prefix + tl.minimum(tile_start + BLOCK_Q, q_len)
@@ -162,14 +167,16 @@ if triton is not None:
         for start_n in range(kv_lo, full_hi, BLOCK_N):
             acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, start_n,
-                kv_hi, kv_head * stride_ch, stride_cb, stride_cs, qk_scale, softcap, sliding_window, offs_d, d_mask,
-                BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED, FP16_DOTS, HEAD_DIM, DIM_PAD, CVT,
+                kv_hi, kv_head * stride_ch, v_head_offset, stride_cb, stride_cs, qk_scale, softcap, sliding_window,
+                offs_d, d_mask, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED, FP16_DOTS, HEAD_DIM,
+                DIM_PAD, CVT, VT,
             )  # fmt: skip
         for start_n in range(full_hi, kv_hi, BLOCK_N):
             acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, start_n,
-                kv_hi, kv_head * stride_ch, stride_cb, stride_cs, qk_scale, softcap, sliding_window, offs_d, d_mask,
-                BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED, FP16_DOTS, HEAD_DIM, DIM_PAD, CVT,
+                kv_hi, kv_head * stride_ch, v_head_offset, stride_cb, stride_cs, qk_scale, softcap, sliding_window,
+                offs_d, d_mask, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED, FP16_DOTS, HEAD_DIM,
+                DIM_PAD, CVT, VT,
             )  # fmt: skip
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -222,7 +229,7 @@ def _tiles(decode: bool, g_pad: int, dim_pad: int) -> tuple[int, int, dict[str, 
 def paged_attention_triton(
     query: torch.Tensor,  # [T, H, D], last dim contiguous
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous
-    v_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous, or stored transposed (kernels/cache_write.py)
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32
     context_lens: torch.Tensor,  # [B] int32, cached + new tokens
@@ -264,7 +271,9 @@ def paged_attention_triton(
     # fp8 caches read by fp16 dots go in as 16-bit words, two values each (``attend_tile``), strides in words
     if fp16_dots and not (k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn):
         raise ValueError(f"scaled caches are float8_e4m3fn, got {k_cache.dtype} and {v_cache.dtype}")
-    caches = (k_cache.view(torch.int16), v_cache.view(torch.int16)) if fp16_dots else (k_cache, v_cache)
+    transposed = values_transposed(v_cache)
+    values = v_cache.permute(0, 2, 3, 1) if transposed else v_cache  # its storage's order, for the word view
+    caches = (k_cache.view(torch.int16), values.view(torch.int16)) if fp16_dots else (k_cache, v_cache)
     if batch_invariant:
         num_splits = 1
     elif num_splits is None:
@@ -330,6 +339,7 @@ def paged_attention_triton(
         FP16_DOTS=fp16_dots,
         CVT=fp16_dots and query.is_cuda,  # the interpreter (CPU tensors) runs no PTX
         MASK_ALL=batch_invariant,
+        VT=transposed,
         **tuning,
     )
     return out

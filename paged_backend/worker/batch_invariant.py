@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 
 from paged_backend.kernels import triton
+from paged_backend.kernels.attention_twin import gather_slots
 from paged_backend.kernels.rms_norm import rms_norm_triton
 from paged_backend.kernels.row_mean import row_mean_triton
 from paged_backend.worker.invariant_modules import hooks_made, outside_the_mode, run_outside_the_mode, same_code
@@ -287,8 +288,8 @@ def exact_attention(
             continue
         positions = torch.arange(context, device=query.device)
         slots = block_tables[row, positions // block_size].long() * block_size + positions % block_size
-        keys = k_cache.flatten(0, 1)[slots].float()  # [C, Hkv, D]
-        values = v_cache.flatten(0, 1)[slots].float()
+        keys = gather_slots(k_cache, slots).float()  # [C, Hkv, D]
+        values = gather_slots(v_cache, slots).float()
         if k_scale is not None and v_scale is not None:
             keys, values = keys * k_scale[:, None], values * v_scale[:, None]
         keys = keys.repeat_interleave(per_kv, dim=1).contiguous()  # [C, H, D]

@@ -1,6 +1,6 @@
-"""The paged KV cache tensors: per layer ``[num_blocks, block_size, Hkv, D]`` for k and for v, and the swap space
-in CPU memory with the same layout. An fp8 cache also has per layer a float32 scale per KV head for k and for v
-(the cache holds ``k / k_scale``)."""
+"""The paged KV cache tensors: per layer ``[num_blocks, block_size, Hkv, D]`` for k and for v (an fp8 value cache
+stored transposed under that shape: kernels/cache_write.py), and the swap space in CPU memory, indexed alike. An
+fp8 cache also has per layer a float32 scale per KV head for k and for v (the cache holds ``k / k_scale``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from paged_backend.kernels.cache_write import new_kv_cache
 from paged_backend.kernels.ops import write_kv_cache_op
 
 
@@ -96,13 +97,7 @@ class CacheEngine:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=spec.dtype, device=device),
-                torch.zeros(shape, dtype=spec.dtype, device=device),
-            )
-            for _ in range(spec.num_layers)
-        ]
+        self.kv_caches = [new_kv_cache(shape, spec.dtype, device) for _ in range(spec.num_layers)]
         ones = [torch.ones(spec.num_kv_heads, dtype=torch.float32, device=device) for _ in range(2 * spec.num_layers)]
         self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = (
             list(zip(ones[0::2], ones[1::2])) if spec.scaled else None
