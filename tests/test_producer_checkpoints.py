@@ -333,19 +333,22 @@ def test_fp8_gemm_on_the_gpu_equals_its_torch_twin() -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weight, scale = quantize_per_row(torch.randn(n, k, device="cuda") * 0.02)
         # torch._scaled_mm's fast accumulation (above KERNEL_MAX_ROWS) keeps fewer bits than the twin's float32:
-        # at down's K (14,336) it is off by up to 3% of the outputs' spread, so the absolute tolerance is a share of
-        # that spread (a wrong scale or row would be off by far more)
+        # single outputs are off by up to ~5% of the outputs' spread (H100, K 4,096 and 14,336), so the
+        # elementwise tolerance is a share of that spread, and the error's norm must stay within 1% of the
+        # outputs' (a wrong scale or row is off by far more)
         ours = fp8_scaled_mm(*quantize_per_row_triton(x), weight, scale[:, 0], x.dtype).float()
         twin = fp8_linear_torch(x, weight, scale[:, 0], True).float()
-        torch.testing.assert_close(ours, twin, rtol=2e-2, atol=max(2e-2, 0.04 * twin.std().item()))
+        assert (ours - twin).norm() < 1e-2 * twin.norm()
+        torch.testing.assert_close(ours, twin, rtol=2e-2, atol=max(2e-2, 0.1 * twin.std().item()))
         static = x.abs().amax().float().reshape(1) / 300  # a static input scale: some values saturate
         ours = fp8_linear(x, weight, scale[:, 0], False, static).float()  # at every row count: quantized
         twin = fp8_linear_torch(x, weight, scale[:, 0], False, static).float()
-        torch.testing.assert_close(ours, twin, rtol=2e-2, atol=max(2e-2, 0.04 * twin.std().item()))
+        assert (ours - twin).norm() < 1e-2 * twin.norm()
+        torch.testing.assert_close(ours, twin, rtol=2e-2, atol=max(2e-2, 0.1 * twin.std().item()))
     layer = FP8Linear.from_linear(torch.nn.Linear(64, 32))  # quantized on the CPU (as TP ranks do), then moved
     x = torch.randn(8, 64, dtype=torch.bfloat16)  # more rows than the fp8 GEMV takes
-    on_gpu = layer.cuda()(x.cuda()).cpu().float()
-    assert not torch.equal(on_gpu, layer.cpu()(x).float())  # an fp8 product ran there, not the twin
+    on_gpu = layer.cuda()(x.cuda()).cpu().float()  # the split-K kernel (which product runs where: the test below)
+    torch.testing.assert_close(on_gpu, layer.cpu()(x).float(), rtol=2e-2, atol=2e-2)
     from paged_backend.kernels.fp8_gemv import fp8_gemv_torch
 
     layer = layer.cuda()  # one row: the fp8 GEMV, x unquantized (nearer that twin than the quantized one)
