@@ -1,21 +1,22 @@
-"""A lone sequence's decode step: 16-bit projections no wider than their input run the GEMV, by a pass over the
-decoder layer's dynamo graph.
+"""A lone sequence's decode step: 16-bit projections at most twice as wide as their input run the GEMV, by a pass
+over the decoder layer's dynamo graph.
 
 A decode step of one sequence multiplies one row by every weight: bound by reading the weights. cuBLAS's one-row
-kernels read the 8B shape's o projection (4,096 x 4,096) and down projection (14,336 in, 4,096 out) below the
-copy rate, where the GEMV that streams fp8 weights (``kernels/fp8_gemv.py``, which reads 16-bit weights too) is
-faster; on the wider q/k/v and gate/up products cuBLAS is as fast or faster (``benchmarks/fp8_linear.py``,
-column ``bf16_gemv``; docs/benchmarks.md). So a ``linear`` call of the graph is routed to the GEMV when:
+kernels read the 8B shape's o projection (4,096 x 4,096), down projection (14,336 in, 4,096 out) and, on an H100,
+the fused q/k/v (6,144 out) below the copy rate, where the GEMV that streams fp8 weights (``kernels/fp8_gemv.py``,
+which reads 16-bit weights too) is faster; on the fused gate/up (28,672 out, seven times its input) cuBLAS is as
+fast or faster (``benchmarks/fp8_linear.py``, column ``bf16_gemv``; docs/benchmarks.md). So a ``linear`` call of the
+graph is routed to the GEMV when:
 
 - its rows are the constant 1 (with dynamic shapes dynamo specializes a size of 1: the one-row decode graph is a
   graph of its own, and every other graph is left as it was);
-- its weight is a 16-bit parameter of the layer, of its input's dtype, without a bias, with at most as many
-  outputs as inputs (fused siblings read a view of a packed buffer, not a parameter, and stay cuBLAS's: q/k/v and
-  gate/up are wider than their input on the models measured);
+- its weight is a 16-bit parameter of the layer, or the packed weight of fused siblings (worker/fuse_linears.py:
+  an ``as_strided`` view over the first sibling's parameter), of its input's dtype, without a bias, with at most
+  twice as many outputs as inputs;
 - the weight lies on a GPU of the kind where this was measured (Hopper, compute capability 9.x).
 
-The rule is by shape, not by name: other projections no wider than their input (a tensor-parallel rank's shard of
-down, a mixture of experts' router) are routed too, though only the 8B shape's o and down were timed.
+The rule is by shape, not by name: other projections within it (a tensor-parallel rank's shard of down, a mixture
+of experts' router) are routed too, though only the 8B shape's were timed.
 
 The GEMV adds in fp32 in another order than cuBLAS: its outputs differ from cuBLAS's by bf16 rounding, as
 another cuBLAS kernel's would. Batch-invariant engines never compile their layers, so they never meet this pass.
@@ -33,7 +34,7 @@ from torch import fx
 
 from paged_backend.kernels import triton
 from paged_backend.kernels.fp8_gemv import GEMV_MAX_M, gemv_triton
-from paged_backend.worker.fuse_linears import _linear_parts
+from paged_backend.worker.fuse_linears import _LINEARS, _linear_parts, parameter_path
 
 
 @torch.library.custom_op("paged_backend::gemv", mutates_args=())
@@ -58,23 +59,51 @@ def measured_on(device: torch.device) -> bool:
     return device.type == "cuda" and triton is not None and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def _routed(node: fx.Node, on_device: Callable[[torch.device], bool]) -> bool:
+MAX_WIDENING = 2  # outputs per input, at most: the fused q/k/v (1.5) is routed, gate/up (7) is not
+
+
+def _weight(node: fx.Node) -> tuple[fx.Node, torch.Tensor, tuple[int, int], bool] | None:
+    """(input, a tensor of the weight's dtype and device, the weight's (N, K), whether its rows are contiguous) of
+    a bias-free ``linear`` on a layer parameter or on fused siblings' packed weight, else None."""
     parts = _linear_parts(node)
-    if parts is None or parts[2] is not None:  # not a linear on the layer's parameters, or with a bias
+    if parts is not None:
+        if parts[2] is not None:  # a bias
+            return None
+        value = cast(fx.Node, node.args[1]).meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or value.dim() != 2:
+            return None
+        return parts[0], value, (value.shape[0], value.shape[1]), value.stride(1) == 1
+    if node.op != "call_function" or node.target not in _LINEARS or node.kwargs or len(node.args) != 3:
+        return None
+    x, packed, bias = node.args
+    if bias is not None or not isinstance(x, fx.Node) or not isinstance(packed, fx.Node):
+        return None
+    if packed.op != "call_function" or packed.target is not torch.as_strided or len(packed.args) != 3:
+        return None
+    first, size, stride = packed.args
+    value = first.meta.get("example_value") if isinstance(first, fx.Node) and parameter_path(first) else None
+    if not isinstance(value, torch.Tensor) or not isinstance(size, tuple) or len(size) != 2:
+        return None
+    n, k = int(cast(int, size[0])), int(cast(int, size[1]))
+    return x, value, (n, k), isinstance(stride, tuple) and stride == (k, 1)
+
+
+def _routed(node: fx.Node, on_device: Callable[[torch.device], bool]) -> bool:
+    found = _weight(node)
+    if found is None:
         return False
-    weight = cast(fx.Node, node.args[1])  # _linear_parts found it a placeholder of the layer's parameters
-    x_value, w_value = parts[0].meta.get("example_value"), weight.meta.get("example_value")
-    if not isinstance(x_value, torch.Tensor) or not isinstance(w_value, torch.Tensor) or w_value.dim() != 2:
+    x, w_value, (n, k), rows_contiguous = found
+    x_value = x.meta.get("example_value")
+    if not isinstance(x_value, torch.Tensor):
         return False
     leading = x_value.shape[:-1]
     if not all(isinstance(size, int) for size in leading) or math.prod(leading) != 1:
         return False  # a symbolic row count: the graph serves two rows or more
-    n, k = w_value.shape
     return (
         w_value.dtype in (torch.bfloat16, torch.float16)
         and x_value.dtype == w_value.dtype
-        and w_value.stride(1) == 1
-        and n <= k
+        and rows_contiguous
+        and n <= MAX_WIDENING * k
         and on_device(w_value.device)
     )
 
