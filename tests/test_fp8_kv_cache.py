@@ -87,6 +87,21 @@ def test_chunks_and_preemption_keep_the_fp8_values(tokenizer, engine_kwargs: dic
     assert_idle(llm)
 
 
+def test_sleep_and_wake_keep_the_transposed_values(tokenizer) -> None:
+    """Sleep gives the cache's memory back and wake allocates it again: the value caches keep their transposed
+    layout (their strides, not a contiguous copy), and greedy output equals the fp8 reference after waking."""
+    llm = LLM(build_tiny_model("llama"), tokenizer=tokenizer, kv_cache_dtype="fp8", block_size=4, max_model_len=64)
+    reference = fp8_kv_model("llama", {})
+    prompt = ragged_prompts(1, seed=4)[0]
+    expected = hf_greedy(reference, prompt, GREEDY.max_tokens)
+    assert llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    llm.sleep()
+    llm.wake_up()
+    caches = llm.llm_engine.executor.model_runner.cache_engine.kv_caches
+    assert all(values_transposed(v) and v.untyped_storage().nbytes() > 0 for _, v in caches)
+    assert llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
 def test_the_same_memory_holds_a_token_per_byte_of_element(tokenizer) -> None:
     """An fp8 cache in the memory of an fp32 one holds four times the tokens (twice a bf16 one's)."""
     sizes = {}

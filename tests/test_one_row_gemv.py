@@ -87,6 +87,33 @@ def test_one_row_graph_routes_projections_at_most_twice_as_wide_as_their_input(a
     assert routed(graphs) == [["down", "o", "q"]] and regions.num_gemv_routed == 3
 
 
+class BiasedSiblings(nn.Module):
+    """Qwen2's q/k/v: siblings with biases (fused with their biases, and not routed: the GEMV adds none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(16, n, dtype=torch.bfloat16) for n in (16, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+def test_fused_siblings_with_biases_keep_linear(any_device) -> None:
+    torch.manual_seed(0)
+    blocks = [BiasedSiblings() for _ in range(2)]
+    x = torch.randn(1, 1, 16, dtype=torch.bfloat16)
+    packer = PackingBackend(blocks)
+    with torch.no_grad():
+        with RegionalCompile(nn.ModuleList(blocks), packer):
+            blocks[0](torch.randn(1, 5, 16, dtype=torch.bfloat16))
+        packer.finish()
+        graphs: list = []
+        regions = RegionalCompile(nn.ModuleList(blocks), capturing_backend(graphs))
+        with regions:
+            blocks[0](x)
+    assert regions.num_fused_groups == 1 and regions.num_gemv_routed == 0
+
+
 def test_graphs_of_several_rows_keep_linear(any_device) -> None:
     torch.manual_seed(0)
     graphs, regions, _ = compile_and_run([Block(torch.bfloat16) for _ in range(2)], 3, torch.bfloat16)

@@ -1,9 +1,10 @@
 """Cache write: store the new tokens' k/v into their paged slots (``slot = block_id * block_size + offset``).
 
 A negative slot means "padding, write nothing": CUDA-graph batches are padded up to their bucket size. An fp8
-cache stores ``k / k_scale`` (a scale per KV head), saturated to the format's largest value, and NaN as 0: the
-attention kernel reads an fp8 value tile whole, slots past a sequence's context included, and lets their
-probability of 0 cancel them, which a NaN would not (another request's NaN must not reach this one).
+cache stores ``k / k_scale`` (a scale per KV head), saturated to the format's largest value, and NaN as 0 (keys
+too, for one rule): the attention kernel reads an fp8 value tile whole, slots past a sequence's context
+included, and lets their probability of 0 cancel them, which a NaN would not (another request's NaN must not
+reach this one).
 
 Both caches are indexed ``[block, offset, head, dim]``. An fp8 value cache is stored ``[block, head, dim, offset]``
 under that shape (``new_kv_cache``): the attention kernel reads an fp8 cache as 16-bit words of two values and
@@ -31,10 +32,10 @@ def new_kv_cache(
     shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's (key, value) cache of ``shape`` ``[num_blocks, block_size, Hkv, D]``, zeros; an fp8 value cache
-    (blocks of two tokens or more) stored ``[num_blocks, Hkv, D, block_size]`` (``values_transposed``)."""
+    (blocks of an even number of tokens) stored ``[num_blocks, Hkv, D, block_size]`` (``values_transposed``)."""
     num_blocks, block_size, num_kv_heads, head_dim = shape
     key = torch.zeros(shape, dtype=dtype, device=device)
-    if dtype != torch.float8_e4m3fn or block_size < 2:
+    if dtype != torch.float8_e4m3fn or block_size % 2:  # the kernel reads two tokens a word
         return key, torch.zeros(shape, dtype=dtype, device=device)
     strides = (num_kv_heads * head_dim * block_size, 1, head_dim * block_size, block_size)
     return key, torch.empty_strided(shape, strides, dtype=dtype, device=device).zero_()
@@ -44,7 +45,7 @@ def values_transposed(v_cache: torch.Tensor) -> bool:
     """Whether ``v_cache`` (``[num_blocks, block_size, Hkv, D]``) is stored ``[num_blocks, Hkv, D, block_size]``."""
     _, block_size, num_kv_heads, head_dim = v_cache.shape
     expected = (num_kv_heads * head_dim * block_size, 1, head_dim * block_size, block_size)
-    return block_size > 1 and v_cache.stride() == expected
+    return block_size % 2 == 0 and v_cache.stride() == expected
 
 
 def write_kv_cache_torch(

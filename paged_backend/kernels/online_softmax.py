@@ -57,19 +57,27 @@ if triton is not None:
         an even number of tokens), made ``[N/2, D, 2]`` fp16 values, then ``[N/2, 2, D]``: row ``2i + j`` is token
         ``2i + j`` of the tile, the pairs already along the tokens, where p·v's operand wants them."""
         if BYTES:
-            # pair i holds tokens 2i and 2i + 1: consecutive within a block (its words contiguous), the tile's
-            # first at a multiple of BLOCK_N, which the loads' vectorization needs to know
-            pairs = tl.multiple_of(start_n, BLOCK_N) // 2 + tl.arange(0, BLOCK_N // 2)
-            if MASKED:  # a pair past the range reads the range's last block
-                pair_blocks = tl.load(table_ptr + tl.minimum(pairs // (BLOCK_SIZE // 2), (kv_hi - 1) // BLOCK_SIZE))
+            # pair i holds tokens 2i and 2i + 1. A run of RUN pairs lies in one block, its words contiguous: the
+            # tile is loaded as [runs, D, RUN], so that the contiguity the loads' vectorization needs is the
+            # shape's own, then laid out [N/2, D]
+            RUN: tl.constexpr = BLOCK_SIZE // 2 if BLOCK_SIZE < BLOCK_N else BLOCK_N // 2
+            first = start_n // 2 + RUN * tl.arange(0, BLOCK_N // (2 * RUN))  # each run's first pair
+            if MASKED:  # a run past the range reads the range's last block
+                run_blocks = tl.load(table_ptr + tl.minimum(first // (BLOCK_SIZE // 2), (kv_hi - 1) // BLOCK_SIZE))
             else:
-                pair_blocks = tl.load(table_ptr + pairs // (BLOCK_SIZE // 2))
-            base = pair_blocks.to(tl.int64) * stride_cb + v_head_offset + pairs % (BLOCK_SIZE // 2)
+                run_blocks = tl.load(table_ptr + first // (BLOCK_SIZE // 2))
+            base = run_blocks.to(tl.int64) * stride_cb + v_head_offset + first % (BLOCK_SIZE // 2)
+            offs_r = tl.arange(0, RUN)
             # unmasked along the pairs, so that the loads stay vectorized and the values keep the conversion's
-            # layout up to the product: a token past the range (a pair's second, or block 0's where the table's
-            # load gave ``other``) is a finite value (an fp8 cache holds no NaN: kernels/cache_write.py) that its
+            # layout up to the product: a token past the range (a pair's second, or one of the range's last
+            # block) is a finite value (a scaled fp8 cache holds no NaN: kernels/cache_write.py) that its
             # probability of 0 cancels
-            words = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :] * (BLOCK_SIZE // 2), mask=d_mask[None, :])
+            words = tl.load(
+                v_cache_ptr + base[:, None, None] + offs_d[None, :, None] * (BLOCK_SIZE // 2) + offs_r[None, None, :],
+                mask=d_mask[None, :, None],
+                other=0,
+            )
+            words = tl.reshape(tl.permute(words, (0, 2, 1)), (BLOCK_N // 2, DIM_PAD))
             v = tl.reshape(tl.permute(e4m3_pairs_as_fp16(words, CVT), (0, 2, 1)), (BLOCK_N, DIM_PAD))
         else:
             base = blocks.to(tl.int64) * stride_cb + v_head_offset + (start_n + tl.arange(0, BLOCK_N)) % BLOCK_SIZE

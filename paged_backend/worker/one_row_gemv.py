@@ -78,14 +78,18 @@ def _weight(node: fx.Node) -> tuple[fx.Node, torch.Tensor, tuple[int, int], bool
     x, packed, bias = node.args
     if bias is not None or not isinstance(x, fx.Node) or not isinstance(packed, fx.Node):
         return None
-    if packed.op != "call_function" or packed.target is not torch.as_strided or len(packed.args) != 3:
+    if packed.op != "call_function" or packed.target is not torch.as_strided or packed.kwargs:
+        return None
+    if len(packed.args) != 3:  # no storage offset: the view starts at the first sibling's weight
         return None
     first, size, stride = packed.args
     value = first.meta.get("example_value") if isinstance(first, fx.Node) and parameter_path(first) else None
-    if not isinstance(value, torch.Tensor) or not isinstance(size, tuple) or len(size) != 2:
+    if not isinstance(value, torch.Tensor) or not isinstance(size, tuple) or not isinstance(stride, tuple):
         return None
-    n, k = int(cast(int, size[0])), int(cast(int, size[1]))
-    return x, value, (n, k), isinstance(stride, tuple) and stride == (k, 1)
+    if len(size) != 2 or not all(isinstance(d, int) for d in (*size, *stride)):  # e.g. symbolic sizes
+        return None
+    n, k = cast(int, size[0]), cast(int, size[1])
+    return x, value, (n, k), stride == (k, 1)
 
 
 def _routed(node: fx.Node, on_device: Callable[[torch.device], bool]) -> bool:
