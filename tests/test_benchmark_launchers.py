@@ -1,7 +1,7 @@
 """The benchmark scripts' own copies of the paged attention launch stay in step with the kernel: ``kernel_sweep``'s
 ``launch`` (every setting exposed) gives the library launcher's output, over a bf16-style and an fp8 cache, and
 ``attention_sass`` still compiles the kernel for sm_90: a kernel argument added without them breaks both, and
-otherwise only a GPU run would tell."""
+otherwise only a GPU run would tell. And every kernel still compiles for sm_90 with the installed Triton."""
 
 from __future__ import annotations
 
@@ -44,3 +44,18 @@ def test_attention_sass_still_compiles_the_kernel(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     caches = json.loads((tmp_path / "sass.json").read_text())["caches"]
     assert caches["bf16"]["registers"] > 0 and caches["fp8"]["instructions"] > 0
+
+
+def test_every_kernel_compiles_for_an_h100(tmp_path) -> None:
+    """Each kernel through its own launcher, compiled for sm_90 by the installed Triton (tests/kernels_for_sm90.py),
+    in a process of its own without the interpreter, and a cold cache (a cached kernel would not compile again)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.kernels_for_sm90"], cwd=root, env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0 and "ptxas" in done.stderr:
+        pytest.skip("this Triton wheel has no ptxas")
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) >= 25 and {name: r for name, r in results.items() if r != "ok"} == {}
