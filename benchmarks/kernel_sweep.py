@@ -175,7 +175,13 @@ def decode_batch(
     return batch
 
 
-def attention_sweep(sweep: bool = True, layouts: list[tuple[int, bool]] | None = None) -> dict[str, Any]:
+CACHES = {"bf16": ("", False, False), "fp8": (", fp8 cache", True, False)}  # name: (label, fp8, token-major)
+CACHES["fp8_token_major"] = (", fp8 cache, values token-major", True, True)
+
+
+def attention_sweep(
+    sweep: bool = True, layouts: list[tuple[int, bool]] | None = None, caches: list[str] | None = None
+) -> dict[str, Any]:
     """Decode attention at W1's and W2's shapes, a bf16 cache and an fp8 one with its values stored either way
     (``decode_batch``), for each (block size, scattered) cache layout of ``layouts`` (default: the engine's 16-token
     blocks in random order): the library's launch and, with ``sweep``, the five fastest settings of the grid.
@@ -186,9 +192,9 @@ def attention_sweep(sweep: bool = True, layouts: list[tuple[int, bool]] | None =
         "w2 (1 seq, 256)": [256],
     }
     found: dict[str, Any] = {}
-    caches = {"": (False, False), ", fp8 cache": (True, False), ", fp8 cache, values token-major": (True, True)}
-    for (name, ctx), (cache, (fp8, token_major)), (block_size, scattered) in itertools.product(
-        cases.items(), caches.items(), layouts or [(BLOCK_SIZE, True)]
+    kinds = [CACHES[name] for name in caches or CACHES]
+    for (name, ctx), (cache, fp8, token_major), (block_size, scattered) in itertools.product(
+        cases.items(), kinds, layouts or [(BLOCK_SIZE, True)]
     ):
         batch = decode_batch(ctx, fp8, block_size, scattered, token_major)
         name += cache + f", blocks of {block_size}" + ("" if scattered else " in order")
@@ -270,12 +276,18 @@ def main() -> None:
         "--layouts", nargs="+", default=[f"{BLOCK_SIZE}"],
         help="decode attention's cache layouts: a block size, with ':in-order' for sequences' blocks laid in order",
     )  # fmt: skip
+    parser.add_argument(
+        "--caches", default=",".join(CACHES), help=f"decode attention's caches, a comma list of {', '.join(CACHES)}"
+    )
     parser.add_argument("--json", type=Path, default=None, help="decode attention's figures")
     args = parser.parse_args()
     parts = args.parts.split(",")
     if "attention" in parts:
         layouts = [(int(entry.split(":")[0]), not entry.endswith(":in-order")) for entry in args.layouts]
-        found = attention_sweep(sweep=not args.defaults_only, layouts=layouts)
+        caches = args.caches.split(",")
+        if unknown := [name for name in caches if name not in CACHES]:
+            parser.error(f"--caches: {', '.join(unknown)} not among {', '.join(CACHES)}")
+        found = attention_sweep(sweep=not args.defaults_only, layouts=layouts, caches=caches)
         write_json(args.json, {**run_header(None), "attention": found})
     if "min_split" in parts:
         min_split_sweep()
