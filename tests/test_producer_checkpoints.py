@@ -322,8 +322,8 @@ def test_quantization_argument_must_match_the_checkpoint(tokenizer) -> None:
 def fast_accumulation_atol(rows: int, twin: torch.Tensor) -> float:
     """The absolute tolerance of an fp8 product of ``rows`` rows against its float32 twin: 0.02 where the split-K
     kernel adds in float32 (up to ``KERNEL_MAX_ROWS``), a tenth of the outputs' spread above, where
-    ``torch._scaled_mm``'s fast accumulation keeps fewer bits (single outputs off by up to ~5% of the spread on an
-    H100 at K 4,096 and 14,336)."""
+    ``torch._scaled_mm``'s fast accumulation keeps fewer bits (single outputs near 0 fell outside 0.02 at down's K
+    on an H100)."""
     from paged_backend.quantization.fp8 import KERNEL_MAX_ROWS
 
     return 2e-2 if rows <= KERNEL_MAX_ROWS else max(2e-2, 0.1 * twin.std().item())

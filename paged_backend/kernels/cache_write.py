@@ -33,19 +33,21 @@ def new_kv_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's (key, value) cache of ``shape`` ``[num_blocks, block_size, Hkv, D]``, zeros; an fp8 value cache
     (blocks of an even number of tokens) stored ``[num_blocks, Hkv, D, block_size]`` (``values_transposed``)."""
-    num_blocks, block_size, num_kv_heads, head_dim = shape
     key = torch.zeros(shape, dtype=dtype, device=device)
-    if dtype != torch.float8_e4m3fn or block_size % 2:  # the kernel reads two tokens a word
+    if dtype != torch.float8_e4m3fn or shape[1] % 2:  # the kernel reads two tokens a word
         return key, torch.zeros(shape, dtype=dtype, device=device)
-    strides = (num_kv_heads * head_dim * block_size, 1, head_dim * block_size, block_size)
-    return key, torch.empty_strided(shape, strides, dtype=dtype, device=device).zero_()
+    return key, torch.empty_strided(shape, _transposed_strides(shape), dtype=dtype, device=device).zero_()
+
+
+def _transposed_strides(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The strides of ``[num_blocks, block_size, Hkv, D]`` stored ``[num_blocks, Hkv, D, block_size]``."""
+    _, block_size, num_kv_heads, head_dim = shape
+    return (num_kv_heads * head_dim * block_size, 1, head_dim * block_size, block_size)
 
 
 def values_transposed(v_cache: torch.Tensor) -> bool:
     """Whether ``v_cache`` (``[num_blocks, block_size, Hkv, D]``) is stored ``[num_blocks, Hkv, D, block_size]``."""
-    _, block_size, num_kv_heads, head_dim = v_cache.shape
-    expected = (num_kv_heads * head_dim * block_size, 1, head_dim * block_size, block_size)
-    return block_size % 2 == 0 and v_cache.stride() == expected
+    return v_cache.shape[1] % 2 == 0 and v_cache.stride() == _transposed_strides(tuple(v_cache.shape))
 
 
 def write_kv_cache_torch(
