@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_backend.kernels.arrival import arrival_counters
+from paged_backend.kernels.attention_twin import paged_attention_torch
 from paged_backend.kernels.cache_write import new_kv_cache, values_transposed
 from paged_backend.kernels.paged_attention import (
     MAX_SPLITS,
@@ -92,9 +93,11 @@ def launch(
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
+    fp8_dots: bool = False,
 ) -> torch.Tensor:
     """``paged_attention_triton`` (no window, no softcap) with its launch settings given: the library's choice for
-    each one left None."""
+    each one left None. ``fp8_dots``: an fp8 cache read as fp8 by fp8 products (queries and probabilities quantized),
+    not as 16-bit words made fp16."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     g_pad = _next_pow2(num_heads // num_kv_heads)
@@ -111,7 +114,7 @@ def launch(
     else:
         target, lse = out, out
         strides = (0, out.stride(0), out.stride(1), 0, 0)
-    fp16_dots = k_scale is not None and query.dtype == torch.bfloat16  # the caches then go in as 16-bit words
+    fp16_dots = k_scale is not None and query.dtype == torch.bfloat16 and not fp8_dots  # as 16-bit words
     transposed = values_transposed(v_cache)
     values = v_cache.permute(0, 2, 3, 1) if transposed else v_cache
     caches = (k_cache.view(torch.int16), values.view(torch.int16)) if fp16_dots else (k_cache, v_cache)
@@ -128,7 +131,7 @@ def launch(
         SPLIT=num_splits > 1, SPLITS_PAD=MAX_SPLITS if num_splits > 1 else 1, MIN_SPLIT=min_split_tokens,
         USE_WINDOW=False, USE_SOFTCAP=False, IEEE=query.dtype == torch.float32, SCALED=k_scale is not None,
         FP16_DOTS=fp16_dots, CVT=fp16_dots and query.is_cuda, MASK_ALL=False, VT=transposed,
-        **tuning,
+        FP8_DOTS=fp8_dots, **tuning,
     )  # fmt: skip
     return out
 
@@ -175,8 +178,10 @@ def decode_batch(
     return batch
 
 
-CACHES = {"bf16": ("", False, False), "fp8": (", fp8 cache", True, False)}  # name: (label, fp8, token-major)
-CACHES["fp8_token_major"] = (", fp8 cache, values token-major", True, True)
+# name: (label, fp8, values token-major, fp8 products)
+CACHES = {"bf16": ("", False, False, False), "fp8": (", fp8 cache", True, False, False)}
+CACHES["fp8_token_major"] = (", fp8 cache, values token-major", True, True, False)
+CACHES["fp8_dots"] = (", fp8 cache, fp8 products", True, False, True)
 
 
 def attention_sweep(
@@ -193,10 +198,12 @@ def attention_sweep(
     }
     found: dict[str, Any] = {}
     kinds = [CACHES[name] for name in caches or CACHES]
-    for (name, ctx), (cache, fp8, token_major), (block_size, scattered) in itertools.product(
+    for (name, ctx), (cache, fp8, token_major, dots), (block_size, scattered) in itertools.product(
         cases.items(), kinds, layouts or [(BLOCK_SIZE, True)]
     ):
         batch = decode_batch(ctx, fp8, block_size, scattered, token_major)
+        if dots:  # 64 rows, the least Hopper's fp8 tensor-core product takes (else Triton converts to fp16)
+            batch |= {"fp8_dots": True, "rows": 64}
         name += cache + f", blocks of {block_size}" + ("" if scattered else " in order")
         gbytes = sum(ctx) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2) / 1e9
         rows = []
@@ -211,11 +218,27 @@ def attention_sweep(
             rows.append((ms, settings))
         rows.sort(key=lambda r: r[0])
         default = gpu_ms(lambda: launch(**batch, scale=0.088))  # noqa: B023
-        logger.info("%s: %.3f GB of KV; default %.3f ms (%.0f GB/s)", name, gbytes, default, gbytes / default * 1e3)
+        error = relative_error(batch)
+        logger.info(
+            "%s: %.3f GB of KV; default %.3f ms (%.0f GB/s), error %.2e", name, gbytes, default, gbytes / default * 1e3,
+            error,
+        )  # fmt: skip
         for ms, settings in rows[:5]:
             logger.info("   %.3f ms (%.0f GB/s) %s", ms, gbytes / ms * 1e3, settings)
-        found[name] = {"kv_gb": gbytes, "default_ms": default, "fastest": [{"ms": ms, **st} for ms, st in rows[:5]]}
+        found[name] = {"kv_gb": gbytes, "default_ms": default, "relative_error": error}
+        found[name]["fastest"] = [{"ms": ms, **st} for ms, st in rows[:5]]
     return found
+
+
+def relative_error(batch: dict) -> float:
+    """The library's launch against the fp32 twin over the same cache values: ``|out - ref| / |ref|`` (norms)."""
+    out = launch(**batch, scale=0.088).float()
+    inputs = {k: v for k, v in batch.items() if k not in ("fp8_dots", "rows")}
+    inputs["query"] = batch["query"].float()
+    for name in ("k_cache", "v_cache"):
+        inputs[name] = batch[name].float().contiguous()  # the same logical [NB, BS, Hkv, D], token-major
+    ref = paged_attention_torch(**inputs, scale=0.088)
+    return float((out - ref).norm() / ref.norm())
 
 
 def min_split_sweep() -> None:
