@@ -38,29 +38,14 @@ logger = logging.getLogger("benchmarks.attention_sass")
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 STRIDES = ("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bt", "stride_os", "stride_ot")
 STRIDES += ("stride_oh", "stride_ls", "stride_lt", "stride_ft", "stride_fh")
-SHOWN = (
-    "LDG",
-    "LDGSTS",
-    "LDS",
-    "LDSM",
-    "STS",
-    "F2FP",
-    "F2F",
-    "HMMA",
-    "HGMMA",
-    "QGMMA",
-    "WARPGROUP",
-    "PRMT",
-)  # opcode prefixes printed
+SHOWN = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "F2FP", "HMMA")  # opcode prefixes printed
 
 
-def compile_kernel(
-    fp8: bool, block_n: int, num_stages: int, num_warps: int, transposed: bool = True, fp8_dots: bool = False
-) -> bytes:
+def compile_kernel(fp8: bool, block_n: int, num_stages: int, num_warps: int, transposed: bool = True) -> bytes:
     """The kernel's cubin for sm_90, specialized as a launch specializes it (pointers and strides divisible by 16).
     An fp8 cache goes in as the launcher passes it: as it is, or as 16-bit words where the kernel takes ``CVT``;
     its value cache ``transposed`` as the engine stores it (kernels/cache_write.py) where the kernel takes ``VT``."""
-    words = fp8 and not fp8_dots and "CVT" in inspect.signature(_paged_attention_kernel.fn).parameters
+    words = fp8 and "CVT" in inspect.signature(_paged_attention_kernel.fn).parameters
     cache = "*i16" if words else "*fp8e4nv" if fp8 else "*bf16"
     pointers = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "final_ptr": "*bf16", "counters_ptr": "*i32", "q_ptr": "*bf16"}
     pointers |= {"k_cache_ptr": cache, "v_cache_ptr": cache, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
@@ -69,15 +54,13 @@ def compile_kernel(
     scalars |= dict.fromkeys(STRIDES, "i32")
     constants: dict[str, Any] = dict(
         QUERIES_PER_KV=4, G_PAD=4, BLOCK_Q=4, HEAD_DIM=128, DIM_PAD=128, BLOCK_N=block_n, BLOCK_SIZE=16, SPLIT=False,
-        SPLITS_PAD=1, MIN_SPLIT=64, USE_WINDOW=False, USE_SOFTCAP=False, IEEE=False, SCALED=fp8, FP16_DOTS=fp8 and not fp8_dots,
+        SPLITS_PAD=1, MIN_SPLIT=64, USE_WINDOW=False, USE_SOFTCAP=False, IEEE=False, SCALED=fp8, FP16_DOTS=fp8,
         MASK_ALL=False,
     )  # fmt: skip
     if "CVT" in inspect.signature(_paged_attention_kernel.fn).parameters:
-        constants["CVT"] = fp8 and not fp8_dots
+        constants["CVT"] = fp8
     if "VT" in inspect.signature(_paged_attention_kernel.fn).parameters:
         constants["VT"] = fp8 and transposed
-    if "FP8_DOTS" in inspect.signature(_paged_attention_kernel.fn).parameters:
-        constants["FP8_DOTS"] = fp8_dots
     signature = pointers | scalars | dict.fromkeys(constants, "constexpr")
     names = list(signature)
     divisible = [*pointers, *(s for s in STRIDES if s not in ("stride_os", "stride_ls", "stride_lt"))]
@@ -120,15 +103,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     results: dict[str, Any] = {"triton": triton.__version__, "command": " ".join(["python", *sys.argv]), "caches": {}}
-    variants = [
-        ("bf16", False, False, False),
-        ("fp8", True, True, False),
-        ("fp8_values_token_major", True, False, False),
-    ]
-    if "FP8_DOTS" in inspect.signature(_paged_attention_kernel.fn).parameters:
-        variants.append(("fp8_products", True, True, True))
-    for name, fp8, transposed, dots in variants:
-        found = census(compile_kernel(fp8, args.block_n, args.stages, args.warps, transposed, dots))
+    for name, fp8, transposed in (("bf16", False, False), ("fp8", True, True), ("fp8_values_token_major", True, False)):
+        found = census(compile_kernel(fp8, args.block_n, args.stages, args.warps, transposed))
         results["caches"][name] = found
         logger.info("Triton %s, %s cache: %s", triton.__version__, name, found)
     write_json(args.json, results)

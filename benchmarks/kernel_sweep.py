@@ -93,15 +93,14 @@ def launch(
     min_split_tokens: int = MIN_SPLIT_TOKENS,
     k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
-    fp8_dots: bool = False,
 ) -> torch.Tensor:
     """``paged_attention_triton`` (no window, no softcap) with its launch settings given: the library's choice for
-    each one left None. ``fp8_dots``: an fp8 cache read as fp8 by fp8 products (queries and probabilities quantized),
-    not as 16-bit words made fp16."""
+    each one left None."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = block_tables.shape[0], k_cache.shape[2]
     g_pad = _next_pow2(num_heads // num_kv_heads)
-    block_q, default_n, tuning = _tiles(num_tokens == num_seqs, g_pad, _next_pow2(head_dim))
+    fp16_dots = k_scale is not None and query.dtype == torch.bfloat16  # the caches then go in as 16-bit words
+    block_q, default_n, tuning = _tiles(num_tokens == num_seqs, g_pad, _next_pow2(head_dim), fp16_dots)
     block_q = max(1, rows // g_pad) if rows is not None else block_q
     tuning |= {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     num_splits = choose_num_splits(num_seqs, num_tokens, num_kv_heads, query.device)
@@ -114,7 +113,6 @@ def launch(
     else:
         target, lse = out, out
         strides = (0, out.stride(0), out.stride(1), 0, 0)
-    fp16_dots = k_scale is not None and query.dtype == torch.bfloat16 and not fp8_dots  # as 16-bit words
     transposed = values_transposed(v_cache)
     values = v_cache.permute(0, 2, 3, 1) if transposed else v_cache
     caches = (k_cache.view(torch.int16), values.view(torch.int16)) if fp16_dots else (k_cache, v_cache)
@@ -131,7 +129,7 @@ def launch(
         SPLIT=num_splits > 1, SPLITS_PAD=MAX_SPLITS if num_splits > 1 else 1, MIN_SPLIT=min_split_tokens,
         USE_WINDOW=False, USE_SOFTCAP=False, IEEE=query.dtype == torch.float32, SCALED=k_scale is not None,
         FP16_DOTS=fp16_dots, CVT=fp16_dots and query.is_cuda, MASK_ALL=False, VT=transposed,
-        FP8_DOTS=fp8_dots, **tuning,
+        **tuning,
     )  # fmt: skip
     return out
 
@@ -178,10 +176,8 @@ def decode_batch(
     return batch
 
 
-# name: (label, fp8, values token-major, fp8 products)
-CACHES = {"bf16": ("", False, False, False), "fp8": (", fp8 cache", True, False, False)}
-CACHES["fp8_token_major"] = (", fp8 cache, values token-major", True, True, False)
-CACHES["fp8_dots"] = (", fp8 cache, fp8 products", True, False, True)
+CACHES = {"bf16": ("", False, False), "fp8": (", fp8 cache", True, False)}  # name: (label, fp8, token-major)
+CACHES["fp8_token_major"] = (", fp8 cache, values token-major", True, True)
 
 
 def attention_sweep(
@@ -198,12 +194,10 @@ def attention_sweep(
     }
     found: dict[str, Any] = {}
     kinds = [CACHES[name] for name in caches or CACHES]
-    for (name, ctx), (cache, fp8, token_major, dots), (block_size, scattered) in itertools.product(
+    for (name, ctx), (cache, fp8, token_major), (block_size, scattered) in itertools.product(
         cases.items(), kinds, layouts or [(BLOCK_SIZE, True)]
     ):
         batch = decode_batch(ctx, fp8, block_size, scattered, token_major)
-        if dots:  # 64 rows, the least Hopper's fp8 tensor-core product takes (else Triton converts to fp16)
-            batch |= {"fp8_dots": True, "rows": 64}
         name += cache + f", blocks of {block_size}" + ("" if scattered else " in order")
         gbytes = sum(ctx) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2) / 1e9
         rows = []
@@ -233,7 +227,7 @@ def attention_sweep(
 def relative_error(batch: dict) -> float:
     """The library's launch against the fp32 twin over the same cache values: ``|out - ref| / |ref|`` (norms)."""
     out = launch(**batch, scale=0.088).float()
-    inputs = {k: v for k, v in batch.items() if k not in ("fp8_dots", "rows")}
+    inputs = dict(batch)
     inputs["query"] = batch["query"].float()
     for name in ("k_cache", "v_cache"):
         inputs[name] = batch[name].float().contiguous()  # the same logical [NB, BS, Hkv, D], token-major

@@ -79,21 +79,10 @@ if triton is not None:
             )
             words = tl.reshape(tl.permute(words, (0, 2, 1)), (BLOCK_N // 2, DIM_PAD))
             v = tl.reshape(tl.permute(e4m3_pairs_as_fp16(words, CVT), (0, 2, 1)), (BLOCK_N, DIM_PAD))
-        else:  # [runs, D, RUN]: runs of a block's tokens, as above, then [D, N] and its transpose
-            RUN_T: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
-            first = start_n + RUN_T * tl.arange(0, BLOCK_N // RUN_T)
-            if MASKED:
-                run_blocks = tl.load(table_ptr + tl.minimum(first // BLOCK_SIZE, (kv_hi - 1) // BLOCK_SIZE))
-            else:
-                run_blocks = tl.load(table_ptr + first // BLOCK_SIZE)
-            base = run_blocks.to(tl.int64) * stride_cb + v_head_offset + first % BLOCK_SIZE
-            offs_r = tl.arange(0, RUN_T)
-            v_t = tl.load(
-                v_cache_ptr + base[:, None, None] + offs_d[None, :, None] * BLOCK_SIZE + offs_r[None, None, :],
-                mask=d_mask[None, :, None],
-                other=0.0,
-            )
-            v = tl.trans(tl.reshape(tl.permute(v_t, (1, 0, 2)), (DIM_PAD, BLOCK_N)))
+        else:
+            base = blocks.to(tl.int64) * stride_cb + v_head_offset + (start_n + tl.arange(0, BLOCK_N)) % BLOCK_SIZE
+            v_mask = n_mask[:, None] & d_mask[None, :] if MASKED else d_mask[None, :]
+            v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :] * BLOCK_SIZE, mask=v_mask, other=0.0)
         return v
 
     @triton.jit
@@ -129,7 +118,6 @@ if triton is not None:
         DIM_PAD: tl.constexpr,  # BYTES only
         CVT: tl.constexpr,  # BYTES: the GPU's conversion instruction (``e4m3_pairs_as_fp16``)
         VT: tl.constexpr,  # the value cache stored [NB, Hkv, D, BS] (kernels/cache_write.py)
-        FP8: tl.constexpr,  # q is fp8 and the caches are read as fp8: p goes in as fp8 times 2^8
     ):
         """One key tile of the online softmax: ``(acc, m_i, l_i)`` updated, scores in the log2 domain.
 
@@ -196,9 +184,7 @@ if triton is not None:
             v = tl.load(v_cache_ptr + slots[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)  # [N, D]
         if SCALED and not BYTES:
             v = v.to(q.dtype)
-        if FP8:  # probabilities below 2^-14 keep e4m3's relative precision only times 2^8
-            acc = acc * alpha[:, None] + tl.dot((p * 256.0).to(v.dtype), v)
-        elif IEEE:
+        if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)

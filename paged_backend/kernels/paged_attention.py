@@ -92,7 +92,6 @@ if triton is not None:
         MASK_ALL: tl.constexpr,  # every key tile masked: a row's arithmetic then never depends on its tile's rows
         CVT: tl.constexpr,  # FP16_DOTS: fp8 made fp16 by the GPU's conversion instruction
         VT: tl.constexpr,  # the value cache stored [NB, Hkv, D, BS] (kernels/cache_write.py), block stride stride_cb
-        FP8_DOTS: tl.constexpr,  # SCALED: queries and probabilities quantized to fp8, both products in fp8
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         pid = tl.program_id(0)
@@ -138,12 +137,6 @@ if triton is not None:
             stride_cb = stride_cb // 2
             stride_cs = stride_cs // 2
             stride_ch = stride_ch // 2
-        if FP8_DOTS:  # each query row divided by its largest magnitude over 448 (e4m3's largest), folded back
-            q32 = q.to(tl.float32)
-            q_amax = tl.max(tl.abs(q32), 1)
-            q_row_scale = tl.where(q_amax > 0, q_amax / 448.0, 1.0)
-            q = (q32 / q_row_scale[:, None]).to(tl.float8e4nv)
-            qk_scale = qk_scale * q_row_scale[:, None]
         v_head_offset = kv_head * stride_ch
         if VT:
             v_head_offset = kv_head * (HEAD_DIM * BLOCK_SIZE // (2 if FP16_DOTS else 1))
@@ -176,21 +169,19 @@ if triton is not None:
                 acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, start_n,
                 kv_hi, kv_head * stride_ch, v_head_offset, stride_cb, stride_cs, qk_scale, softcap, sliding_window,
                 offs_d, d_mask, BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED, FP16_DOTS, HEAD_DIM,
-                DIM_PAD, CVT, VT, FP8_DOTS,
+                DIM_PAD, CVT, VT,
             )  # fmt: skip
         for start_n in range(full_hi, kv_hi, BLOCK_N):
             acc, m_i, l_i = attend_tile(
                 acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, start_n,
                 kv_hi, kv_head * stride_ch, v_head_offset, stride_cb, stride_cs, qk_scale, softcap, sliding_window,
                 offs_d, d_mask, BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, USE_SOFTCAP, IEEE, SCALED, FP16_DOTS, HEAD_DIM,
-                DIM_PAD, CVT, VT, FP8_DOTS,
+                DIM_PAD, CVT, VT,
             )  # fmt: skip
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if SCALED:
             out = out * tl.load(v_scale_ptr + kv_head)
-        if FP8_DOTS:
-            out = out * 0.00390625  # the probabilities went in times 2^8
         token = (q_start + q_tok).to(tl.int64)
         out_mask = row_valid[:, None] & d_mask[None, :]
         if SPLIT:
@@ -224,12 +215,16 @@ def choose_num_splits(num_seqs: int, num_tokens: int, num_kv_heads: int, device:
     return max(1, min(MAX_SPLITS, _next_pow2(-(-target // programs))))
 
 
-def _tiles(decode: bool, g_pad: int, dim_pad: int) -> tuple[int, int, dict[str, int]]:
+def _tiles(decode: bool, g_pad: int, dim_pad: int, fp8: bool = False) -> tuple[int, int, dict[str, int]]:
     """(BLOCK_Q, BLOCK_N, launch options). A tile holds BLOCK_Q tokens x ``g_pad`` grouped heads of queries.
     Decode has one query a sequence, so its tiles take the 16 rows ``tl.dot`` needs at least and long key tiles,
-    streaming the cache; prefill tiles hold 64 rows, each key tile reused by all of them. 256-wide heads take short
-    key tiles, so that K and V fit in shared memory. ``benchmarks/kernel_sweep.py`` times the alternatives."""
+    streaming the cache; prefill tiles hold 64 rows, each key tile reused by all of them. An fp8 cache's decode
+    tiles are shorter: converted in registers, a 64-key tile keeps fewer values live and two stages in flight
+    suffice (``kernel_sweep.py --caches fp8``). 256-wide heads take short key tiles, so that K and V fit in shared
+    memory. ``benchmarks/kernel_sweep.py`` times the alternatives."""
     rows, block_n, tuning = (16, 128, {"num_warps": 4, "num_stages": 3}) if decode else (64, 64, {"num_stages": 2})
+    if decode and fp8:
+        block_n, tuning = 64, {"num_warps": 4, "num_stages": 2}
     if dim_pad >= 256:
         block_n = 32
     return max(1, rows // g_pad), block_n, tuning
@@ -291,7 +286,7 @@ def paged_attention_triton(
         raise ValueError(f"num_splits must be between 1 and {MAX_SPLITS}, got {num_splits}")
     g_pad = _next_pow2(queries_per_kv)
     dim_pad = _next_pow2(head_dim)
-    block_q, block_n, tuning = _tiles(num_tokens == num_seqs or batch_invariant, g_pad, dim_pad)
+    block_q, block_n, tuning = _tiles(num_tokens == num_seqs or batch_invariant, g_pad, dim_pad, fp16_dots)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     if num_splits > 1:
         partial = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=query.device)
@@ -349,7 +344,6 @@ def paged_attention_triton(
         CVT=fp16_dots and query.is_cuda,  # the interpreter (CPU tensors) runs no PTX
         MASK_ALL=batch_invariant,
         VT=transposed,
-        FP8_DOTS=False,
         **tuning,
     )
     return out
