@@ -43,7 +43,7 @@ from paged_backend.kernels.paged_attention import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import run_header, write_json  # noqa: E402
+from throughput import add_plot_arguments, replotted, run_header, write_json  # noqa: E402
 
 logger = logging.getLogger("kernel_sweep")
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -283,6 +283,30 @@ def gemm_floor() -> None:
         )
 
 
+def plot_attention(results: dict[str, Any], path: Path) -> None:
+    """Decode attention's cases as bars: the library's launch and, where swept, the fastest setting (ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = results["attention"]
+    names = list(cases)
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.5))
+    at = range(len(names))
+    ax.barh([i + 0.2 for i in at], [cases[n]["default_ms"] for n in names], 0.4, label="the library's launch")
+    fastest = [cases[n]["fastest"][0]["ms"] if cases[n]["fastest"] else 0.0 for n in names]
+    if any(fastest):
+        ax.barh([i - 0.2 for i in at], fastest, 0.4, label="the sweep's fastest")
+    ax.set_yticks(list(at), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(f"decode attention, {results.get('machine', '')}, {results.get('date', '')}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="attention,min_split,prefill,gemm", help="comma list of the four parts")
@@ -297,7 +321,10 @@ def main() -> None:
         "--caches", default=",".join(CACHES), help=f"decode attention's caches, a comma list of {', '.join(CACHES)}"
     )
     parser.add_argument("--json", type=Path, default=None, help="decode attention's figures")
+    add_plot_arguments(parser, "decode attention's cases")
     args = parser.parse_args()
+    if replotted(parser, args, plot_attention) is not None:
+        return
     parts = args.parts.split(",")
     if "attention" in parts:
         layouts = [(int(entry.split(":")[0]), not entry.endswith(":in-order")) for entry in args.layouts]
@@ -305,7 +332,10 @@ def main() -> None:
         if unknown := [name for name in caches if name not in CACHES]:
             parser.error(f"--caches: {', '.join(unknown)} not among {', '.join(CACHES)}")
         found = attention_sweep(sweep=not args.defaults_only, layouts=layouts, caches=caches)
-        write_json(args.json, {**run_header(None), "attention": found})
+        results = {**run_header(None), "attention": found}
+        write_json(args.json, results)
+        if args.plot is not None:
+            plot_attention(results, args.plot)
     if "min_split" in parts:
         min_split_sweep()
     if "prefill" in parts:
