@@ -140,12 +140,15 @@ def decode_batch(
     block_size: int = BLOCK_SIZE,
     scattered: bool = True,
     values_token_major: bool = False,
+    head_major: bool = False,
 ) -> dict:
     """One decode step's attention inputs; ``fp8``: an fp8 cache (``kv_cache_dtype="fp8"``) with its scales, its
     values stored as the engine stores them (transposed within each block: ``kernels/cache_write.py``) or, with
     ``values_token_major``, as keys are. The cache's blocks of ``block_size`` tokens lie in random order (a busy
     cache's), or with ``scattered=False`` each sequence's one after the other (the same table lookups, contiguous
-    reads)."""
+    reads). ``head_major``: keys (and a bf16 cache's values) stored ``[blocks, Hkv, block_size, D]``, each block's
+    tokens of one head contiguous, under the same ``[blocks, block_size, Hkv, D]`` shape (the kernel takes the
+    cache's strides)."""
     blocks = [-(-c // block_size) for c in context_lens]
     order = (
         torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
@@ -159,10 +162,16 @@ def decode_batch(
         used += n
     shape = (sum(blocks), block_size, KV_HEADS, HEAD_DIM)
     cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+
+    def cache() -> torch.Tensor:
+        if head_major:
+            return torch.randn(shape[0], KV_HEADS, block_size, HEAD_DIM, device="cuda").permute(0, 2, 1, 3)
+        return torch.randn(shape, device="cuda")
+
     batch = dict(
         query=torch.randn(len(blocks), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
-        k_cache=torch.randn(shape, device="cuda").to(cache_dtype),
-        v_cache=torch.randn(shape, device="cuda").to(cache_dtype),
+        k_cache=cache().to(cache_dtype),
+        v_cache=cache().to(cache_dtype),
         block_tables=tables,
         cu_seqlens_q=torch.arange(len(blocks) + 1, dtype=torch.int32, device="cuda"),
         context_lens=torch.tensor(context_lens, device="cuda"),
@@ -176,8 +185,11 @@ def decode_batch(
     return batch
 
 
-CACHES = {"bf16": ("", False, False), "fp8": (", fp8 cache", True, False)}  # name: (label, fp8, token-major)
-CACHES["fp8_token_major"] = (", fp8 cache, values token-major", True, True)
+# name: (label, fp8, values token-major, keys head-major)
+CACHES = {"bf16": ("", False, False, False), "fp8": (", fp8 cache", True, False, False)}
+CACHES["fp8_token_major"] = (", fp8 cache, values token-major", True, True, False)
+CACHES["bf16_head_major"] = (", head-major", False, False, True)
+CACHES["fp8_head_major"] = (", fp8 cache, keys head-major", True, False, True)
 
 
 def attention_sweep(
@@ -194,10 +206,10 @@ def attention_sweep(
     }
     found: dict[str, Any] = {}
     kinds = [CACHES[name] for name in caches or CACHES]
-    for (name, ctx), (cache, fp8, token_major), (block_size, scattered) in itertools.product(
+    for (name, ctx), (cache, fp8, token_major, head_major), (block_size, scattered) in itertools.product(
         cases.items(), kinds, layouts or [(BLOCK_SIZE, True)]
     ):
-        batch = decode_batch(ctx, fp8, block_size, scattered, token_major)
+        batch = decode_batch(ctx, fp8, block_size, scattered, token_major, head_major)
         name += cache + f", blocks of {block_size}" + ("" if scattered else " in order")
         gbytes = sum(ctx) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2) / 1e9
         rows = []
