@@ -20,6 +20,7 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.kernels import tl, triton
 from paged_backend.kernels.attention_twin import paged_attention_torch
 from paged_backend.kernels.cache_write import (
+    head_major,
     new_kv_cache,
     values_transposed,
     write_kv_cache_torch,
@@ -117,7 +118,9 @@ def test_kv_cache_dtype_is_checked() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ kernels
-LAYOUTS = ["values-token-major", "values-transposed"]  # how the value cache is stored (kernels/cache_write.py)
+# how the caches are stored (kernels/cache_write.py): token-major, the values transposed, and as on a GPU (the
+# values transposed, the keys head-major)
+LAYOUTS = ["values-token-major", "values-transposed", "keys-head-major"]
 
 
 def scaled_cache(batch: dict, num_kv_heads: int, seed: int, layout: str = LAYOUTS[0]) -> tuple[torch.Tensor, ...]:
@@ -129,14 +132,24 @@ def scaled_cache(batch: dict, num_kv_heads: int, seed: int, layout: str = LAYOUT
     for name, scale in (("k_cache", k_scale), ("v_cache", v_scale)):
         values = batch[name].float() / scale[None, None, :, None]
         batch[name] = values.clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    if layout == "values-transposed":
+    if layout != "values-token-major":
         batch["v_cache"] = stored_transposed(batch["v_cache"])
+    if layout == "keys-head-major":
+        batch["k_cache"] = stored_head_major(batch["k_cache"])
     return k_scale, v_scale
+
+
+def stored_head_major(cache: torch.Tensor) -> torch.Tensor:
+    """``cache``'s values in a key cache stored head-major (the same indices, other strides)."""
+    out = new_kv_cache(cache.shape, cache.dtype, cache.device, head_major=True)[0]
+    assert head_major(out) and not head_major(cache)
+    out.view(torch.uint8).copy_(cache.view(torch.uint8))
+    return out
 
 
 def stored_transposed(cache: torch.Tensor) -> torch.Tensor:
     """``cache``'s values in a value cache of the engine's fp8 layout (the same indices, other strides)."""
-    out = new_kv_cache(cache.shape, FP8, cache.device)[1]
+    out = new_kv_cache(cache.shape, FP8, cache.device, head_major=False)[1]
     assert values_transposed(out) and not values_transposed(cache)
     out.view(torch.uint8).copy_(cache.view(torch.uint8))
     return out
@@ -285,8 +298,10 @@ def test_cache_write_to_fp8(dtype: torch.dtype, layout: str) -> None:
     rows[0][5, 1, 3] = rows[1][6, 0, 0] = float("nan")  # stored as 0, in keys and values
     scales = [scale.to(DEVICE), scale.to(DEVICE)]
     caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=FP8, device=DEVICE) for _ in range(5)]
-    if layout == "values-transposed":  # the twin and the kernel write transposed value caches; [4] stays token-major
+    if layout != "values-token-major":  # the twin and the kernel write transposed value caches; [4] token-major
         caches[1], caches[3] = (stored_transposed(caches[i]) for i in (1, 3))
+    if layout == "keys-head-major":  # and head-major key caches
+        caches[0], caches[2] = (stored_head_major(caches[i]) for i in (0, 2))
     write_kv_cache_torch(*rows, caches[0], caches[1], slots.to(DEVICE), *scales)
     write_kv_cache_triton(*rows, caches[2], caches[3], slots.to(DEVICE), *scales)
     write_kv_cache_torch(*rows, caches[2].clone(), caches[4], slots.to(DEVICE), *scales)

@@ -12,7 +12,13 @@ import torch
 
 from paged_backend.kernels.arrival import arrival_counters
 from paged_backend.kernels.attention_twin import paged_attention_torch
-from paged_backend.kernels.cache_write import write_kv_cache_torch, write_kv_cache_triton
+from paged_backend.kernels.cache_write import (
+    check_cache_strides,
+    head_major,
+    new_kv_cache,
+    write_kv_cache_torch,
+    write_kv_cache_triton,
+)
 from paged_backend.kernels.paged_attention import (
     MAX_SPLITS,
     _paged_attention_kernel,
@@ -154,10 +160,41 @@ def test_split_heuristic_on_gpu() -> None:
     assert choose_num_splits(4, 100, 8, cuda) == 1
 
 
+def stored_head_major(batch: dict) -> dict:
+    """``batch`` with its caches stored head-major, as a GPU's engine stores them (the same values)."""
+    k_cache, v_cache = new_kv_cache(tuple(batch["k_cache"].shape), batch["k_cache"].dtype, DEVICE, head_major=True)
+    assert head_major(k_cache) and head_major(v_cache) and not head_major(batch["k_cache"])
+    return batch | {"k_cache": k_cache.copy_(batch["k_cache"]), "v_cache": v_cache.copy_(batch["v_cache"])}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(2, 64), (3, 80), (8, 128)])
-def test_cache_write(dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> None:
-    """Scattered slots land where the twin puts them; slot -1 (padding) and untouched slots stay as they were."""
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_head_major_caches(dtype: torch.dtype, num_splits: int) -> None:
+    """Caches stored head-major (``[block, head, offset, dim]`` under the same shape): prefill, chunks and decodes,
+    or split decodes, read through the caches' strides, equal the twin."""
+    if num_splits == 1:
+        batch = make_batch([1, 33, 7, 1, 16, 70], [40, 0, 9, 15, 16, 50], 8, 2, 64, dtype, 16, seed=31)
+    else:
+        batch = make_batch([1, 1, 1], [700, 31, 3], 8, 2, 64, dtype, 16, seed=32)
+    check_attention(stored_head_major(batch), dtype, num_splits=num_splits)
+
+
+def test_caches_of_other_strides_are_refused() -> None:
+    """The kernels address a value cache by the key cache's strides: caches stored otherwise are refused."""
+    shape = (4, 16, 2, 64)
+    token_major = new_kv_cache(shape, torch.float32, DEVICE, head_major=False)
+    by_head = new_kv_cache(shape, torch.float32, DEVICE, head_major=True)
+    for k_cache, v_cache in (token_major, by_head):
+        check_cache_strides(k_cache, v_cache)
+    with pytest.raises(ValueError, match="value strides"):
+        check_cache_strides(token_major[0], by_head[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "by_head"), [(2, 64, False), (3, 80, True), (8, 128, False)])
+def test_cache_write(dtype: torch.dtype, num_kv_heads: int, head_dim: int, by_head: bool) -> None:
+    """Scattered slots land where the twin puts them; slot -1 (padding) and untouched slots stay as they were; in
+    caches stored head-major (``by_head``) as in token-major ones."""
     rng = random.Random(head_dim)
     num_blocks, block_size, num_tokens = 12, 16, 37
     slots = rng.sample(range(num_blocks * block_size), num_tokens)
@@ -169,6 +206,8 @@ def test_cache_write(dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> No
     value = torch.randn(1, num_kv_heads, num_tokens, head_dim, generator=gen).to(DEVICE, dtype)[0].transpose(0, 1)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = [torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+    if by_head:  # the kernel writes head-major caches; the twin token-major ones
+        caches[2:] = [c.fill_(float("nan")) for c in new_kv_cache(shape, dtype, DEVICE, head_major=True)]
     write_kv_cache_torch(key, value, caches[0], caches[1], slot_mapping)
     write_kv_cache_triton(key, value, caches[2], caches[3], slot_mapping)
     assert torch.equal(caches[0].isnan(), caches[2].isnan()) and torch.equal(caches[1].isnan(), caches[3].isnan())

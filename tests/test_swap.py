@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 
@@ -12,6 +13,8 @@ import torch
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.core.block_manager import BlockManager
+from paged_backend.kernels.cache_write import head_major, new_kv_cache
+from paged_backend.worker import cache_engine
 from tests.conftest import assert_idle, hf_greedy, ragged_prompts, tiny_model
 
 BS = 4
@@ -47,6 +50,29 @@ def test_swapped_requests_resume_exactly(tokenizer, arch: str, caching: bool) ->
     assert outputs["swap"] == outputs["recompute"]
     for prompt, out in zip(prompts, outputs["swap"]):
         assert out == hf_greedy(model, prompt, 12)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_head_major_caches_swap_and_resume_exactly(tokenizer, monkeypatch, kv_cache_dtype: str) -> None:
+    """The engine with its caches stored head-major, as on a GPU (here on the CPU, read by the twins): swapped
+    blocks come back where they were, and greedy output equals the token-major engine's (and, unquantized, HF's)."""
+    model = tiny_model("mistral")
+    prompts = ragged_prompts(BS)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outputs = {}
+    for layout in ("token-major", "head-major"):
+        if layout == "head-major":
+            monkeypatch.setattr(cache_engine, "new_kv_cache", functools.partial(new_kv_cache, head_major=True))
+        llm = tight_llm(model, tokenizer, "swap", caching=True, kv_cache_dtype=kv_cache_dtype)
+        caches = llm.llm_engine.executor.model_runner.cache_engine.kv_caches
+        assert all(head_major(k) == (layout == "head-major") for k, _ in caches)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs[layout] = [list(o.outputs[0].token_ids) for o in outs]
+        assert llm.stats()["num_swapped_out"] > 0
+        assert_idle(llm)
+    assert outputs["head-major"] == outputs["token-major"]
+    if kv_cache_dtype == "auto":
+        assert outputs["head-major"] == [hf_greedy(model, prompt, 12) for prompt in prompts]
 
 
 def test_forked_samples_swap_together(tokenizer) -> None:

@@ -6,11 +6,15 @@ too, for one rule): the attention kernel reads an fp8 value tile whole, slots pa
 included, and lets their probability of 0 cancel them, which a NaN would not (another request's NaN must not
 reach this one).
 
-Both caches are indexed ``[block, offset, head, dim]``. An fp8 value cache is stored ``[block, head, dim, offset]``
-under that shape (``new_kv_cache``): the attention kernel reads an fp8 cache as 16-bit words of two values and
-hands them to the tensor cores as they are, which take pairs along the product's reduction: the head dimension
-for q·kᵀ (the key cache's words), the tokens for p·v (the value words of this layout). Stored like keys, each
-converted value tile would pass through shared memory once more to be paired along the tokens.
+Both caches are indexed ``[block, offset, head, dim]``; what lies where in memory is the caches' strides, which
+every kernel takes (``new_kv_cache``). On a GPU the caches are stored head-major, ``[block, head, offset, dim]``:
+decode attention reads one KV head's tokens of a block, and head-major they are one contiguous run of
+``block_size * dim`` elements instead of ``block_size`` runs of ``dim`` (``benchmarks/kernel_sweep.py``'s
+head-major caches). An fp8 value cache is stored ``[block, head, dim, offset]``: the attention kernel reads an fp8
+cache as 16-bit words of two values and hands them to the tensor cores as they are, which take pairs along the
+product's reduction: the head dimension for q·kᵀ (the key cache's words), the tokens for p·v (the value words of
+this layout). Stored like keys, each converted value tile would pass through shared memory once more to be paired
+along the tokens. A CPU keeps both token-major, where the torch twin gathers whole ``[head, dim]`` rows.
 """
 
 from __future__ import annotations
@@ -29,14 +33,28 @@ def quantize_kv_torch(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.
 
 
 def new_kv_cache(
-    shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device | str
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    head_major: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's (key, value) cache of ``shape`` ``[num_blocks, block_size, Hkv, D]``, zeros; an fp8 value cache
-    (blocks of an even number of tokens) stored ``[num_blocks, Hkv, D, block_size]`` (``values_transposed``)."""
-    key = torch.zeros(shape, dtype=dtype, device=device)
-    if dtype != torch.float8_e4m3fn or shape[1] % 2:  # the kernel reads two tokens a word
-        return key, torch.zeros(shape, dtype=dtype, device=device)
-    return key, torch.empty_strided(shape, _transposed_strides(shape), dtype=dtype, device=device).zero_()
+    """A layer's (key, value) cache of ``shape`` ``[num_blocks, block_size, Hkv, D]``, zeros; stored
+    ``[num_blocks, Hkv, block_size, D]`` when ``head_major`` (default: on a GPU), and an fp8 value cache (blocks of
+    an even number of tokens) stored ``[num_blocks, Hkv, D, block_size]`` (``values_transposed``)."""
+    _, block_size, num_kv_heads, head_dim = shape
+    strides = (block_size * num_kv_heads * head_dim, num_kv_heads * head_dim, head_dim, 1)
+    if torch.device(device).type == "cuda" if head_major is None else head_major:
+        strides = _head_major_strides(shape)
+    key = torch.empty_strided(shape, strides, dtype=dtype, device=device).zero_()
+    if dtype == torch.float8_e4m3fn and shape[1] % 2 == 0:  # the kernel reads two tokens a word
+        strides = _transposed_strides(shape)
+    return key, torch.empty_strided(shape, strides, dtype=dtype, device=device).zero_()
+
+
+def _head_major_strides(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The strides of ``[num_blocks, block_size, Hkv, D]`` stored ``[num_blocks, Hkv, block_size, D]``."""
+    _, block_size, num_kv_heads, head_dim = shape
+    return (num_kv_heads * block_size * head_dim, head_dim, block_size * head_dim, 1)
 
 
 def _transposed_strides(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
@@ -48,6 +66,11 @@ def _transposed_strides(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
 def values_transposed(v_cache: torch.Tensor) -> bool:
     """Whether ``v_cache`` (``[num_blocks, block_size, Hkv, D]``) is stored ``[num_blocks, Hkv, D, block_size]``."""
     return v_cache.shape[1] % 2 == 0 and v_cache.stride() == _transposed_strides(tuple(v_cache.shape))
+
+
+def head_major(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` (``[num_blocks, block_size, Hkv, D]``) is stored ``[num_blocks, Hkv, block_size, D]``."""
+    return cache.stride() == _head_major_strides(tuple(cache.shape))
 
 
 def write_kv_cache_torch(
@@ -130,8 +153,8 @@ if triton is not None:
 def write_kv_cache_triton(
     key: torch.Tensor,  # [T, Hkv, D], last dim contiguous
     value: torch.Tensor,  # [T, Hkv, D], last dim contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous, or stored transposed (fp8)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], as new_kv_cache stores it
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], the key cache's strides or stored transposed (fp8)
     slot_mapping: torch.Tensor,  # [T] int64
     k_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
@@ -142,6 +165,7 @@ def write_kv_cache_triton(
         return
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
+    check_cache_strides(k_cache, v_cache)
     _write_kv_cache_kernel[(num_tokens,)](
         key,
         value,
@@ -165,3 +189,12 @@ def write_kv_cache_triton(
         SCALED=k_scale is not None,
         VT=values_transposed(v_cache),
     )
+
+
+def check_cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The kernels address a value cache by the key cache's strides, unless it is stored transposed."""
+    if k_cache.stride(-1) != 1 or not (values_transposed(v_cache) or v_cache.stride() == k_cache.stride()):
+        raise ValueError(
+            f"caches as new_kv_cache makes them: key strides {k_cache.stride()} (last 1), value strides "
+            f"{v_cache.stride()} (the same, or an fp8 value cache's transposed ones)"
+        )

@@ -13,7 +13,7 @@ import torch
 
 from paged_backend.kernels import num_sms, tl, triton
 from paged_backend.kernels.arrival import arrival_counters
-from paged_backend.kernels.cache_write import values_transposed
+from paged_backend.kernels.cache_write import check_cache_strides, values_transposed
 
 # ---------------------------------------------------------------------------------------------------- Triton
 # One kernel serves prefill, mixed and decode batches. A program owns a tile of BLOCK_Q query tokens of one
@@ -232,8 +232,8 @@ def _tiles(decode: bool, g_pad: int, dim_pad: int, fp8: bool = False) -> tuple[i
 
 def paged_attention_triton(
     query: torch.Tensor,  # [T, H, D], last dim contiguous
-    k_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous
-    v_cache: torch.Tensor,  # [NB, BS, Hkv, D] contiguous, or stored transposed (kernels/cache_write.py)
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D], stored as kernels/cache_write.new_kv_cache stores it
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D], with the key cache's strides or stored transposed
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32
     context_lens: torch.Tensor,  # [B] int32, cached + new tokens
@@ -275,6 +275,7 @@ def paged_attention_triton(
     # fp8 caches read by fp16 dots go in as 16-bit words, two values each (``attend_tile``), strides in words
     if fp16_dots and not (k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn):
         raise ValueError(f"scaled caches are float8_e4m3fn, got {k_cache.dtype} and {v_cache.dtype}")
+    check_cache_strides(k_cache, v_cache)
     transposed = values_transposed(v_cache)
     values = v_cache.permute(0, 2, 3, 1) if transposed else v_cache  # its storage's order, for the word view
     caches = (k_cache.view(torch.int16), values.view(torch.int16)) if fp16_dots else (k_cache, v_cache)
