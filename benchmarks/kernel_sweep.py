@@ -139,16 +139,12 @@ def decode_batch(
     fp8: bool = False,
     block_size: int = BLOCK_SIZE,
     scattered: bool = True,
-    values_token_major: bool = False,
-    head_major: bool = False,
+    layout: str = "engine",
 ) -> dict:
-    """One decode step's attention inputs; ``fp8``: an fp8 cache (``kv_cache_dtype="fp8"``) with its scales, its
-    values stored as the engine stores them (transposed within each block: ``kernels/cache_write.py``) or, with
-    ``values_token_major``, as keys are. The cache's blocks of ``block_size`` tokens lie in random order (a busy
-    cache's), or with ``scattered=False`` each sequence's one after the other (the same table lookups, contiguous
-    reads). ``head_major``: keys (and a bf16 cache's values) stored ``[blocks, Hkv, block_size, D]``, each block's
-    tokens of one head contiguous, under the same ``[blocks, block_size, Hkv, D]`` shape (the kernel takes the
-    cache's strides)."""
+    """One decode step's attention inputs; ``fp8``: an fp8 cache (``kv_cache_dtype="fp8"``) with its scales. The
+    caches are stored as ``layout`` says (``STORED_AS``). The cache's blocks of ``block_size`` tokens lie in random
+    order (a busy cache's), or with ``scattered=False`` each sequence's one after the other (the same table
+    lookups, contiguous reads)."""
     blocks = [-(-c // block_size) for c in context_lens]
     order = (
         torch.randperm(sum(blocks), device="cuda", dtype=torch.int32)
@@ -162,22 +158,17 @@ def decode_batch(
         used += n
     shape = (sum(blocks), block_size, KV_HEADS, HEAD_DIM)
     cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-
-    def cache() -> torch.Tensor:
-        if head_major:
-            return torch.randn(shape[0], KV_HEADS, block_size, HEAD_DIM, device="cuda").permute(0, 2, 1, 3)
-        return torch.randn(shape, device="cuda")
-
+    k_cache, v_cache = new_kv_cache(shape, cache_dtype, "cuda", head_major=layout == "engine")
+    if layout == "token-major":
+        v_cache = torch.empty(shape, dtype=cache_dtype, device="cuda")
     batch = dict(
         query=torch.randn(len(blocks), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
-        k_cache=cache().to(cache_dtype),
-        v_cache=cache().to(cache_dtype),
+        k_cache=k_cache.copy_(torch.randn(shape, device="cuda").to(cache_dtype)),
+        v_cache=v_cache.copy_(torch.randn(shape, device="cuda").to(cache_dtype)),
         block_tables=tables,
         cu_seqlens_q=torch.arange(len(blocks) + 1, dtype=torch.int32, device="cuda"),
         context_lens=torch.tensor(context_lens, device="cuda"),
     )
-    if fp8 and not values_token_major:
-        batch["v_cache"] = new_kv_cache(shape, cache_dtype, "cuda")[1].copy_(batch["v_cache"])
     if fp8:
         batch |= dict(
             k_scale=torch.full((KV_HEADS,), 0.5, device="cuda"), v_scale=torch.full((KV_HEADS,), 0.5, device="cuda")
@@ -185,20 +176,23 @@ def decode_batch(
     return batch
 
 
-# name: (label, fp8, values token-major, keys head-major)
-CACHES = {"bf16": ("", False, False, False), "fp8": (", fp8 cache", True, False, False)}
-CACHES["fp8_token_major"] = (", fp8 cache, values token-major", True, True, False)
-CACHES["bf16_head_major"] = (", head-major", False, False, True)
-CACHES["fp8_head_major"] = (", fp8 cache, keys head-major", True, False, True)
+# how decode_batch stores the caches: "engine" as the engine on a GPU (kernels/cache_write.new_kv_cache: head-major,
+# an fp8 cache's values transposed within each block), "keys-token-major" (an fp8 cache's values as the engine's,
+# its keys [block, offset, head, dim] contiguous), "token-major" (both caches contiguous)
+STORED_AS = ("engine", "keys-token-major", "token-major")
+CACHES = {"bf16": ("", False, "engine"), "fp8": (", fp8 cache", True, "engine")}  # name: (label, fp8, layout)
+CACHES["bf16_token_major"] = (", token-major", False, "token-major")
+CACHES["fp8_keys_token_major"] = (", fp8 cache, keys token-major", True, "keys-token-major")
+CACHES["fp8_token_major"] = (", fp8 cache, token-major", True, "token-major")
 
 
 def attention_sweep(
     sweep: bool = True, layouts: list[tuple[int, bool]] | None = None, caches: list[str] | None = None
 ) -> dict[str, Any]:
-    """Decode attention at W1's and W2's shapes, a bf16 cache and an fp8 one with its values stored either way
-    (``decode_batch``), for each (block size, scattered) cache layout of ``layouts`` (default: the engine's 16-token
-    blocks in random order): the library's launch and, with ``sweep``, the five fastest settings of the grid.
-    Returns each case's figures."""
+    """Decode attention at W1's and W2's shapes, the ``caches`` of ``CACHES`` (bf16 and fp8, stored as the engine
+    stores them or otherwise: ``decode_batch``), for each (block size, scattered) cache layout of ``layouts``
+    (default: the engine's 16-token blocks in random order): the library's launch and, with ``sweep``, the five
+    fastest settings of the grid. Returns each case's figures."""
     rng = random.Random(0)
     cases = {
         "w1 (256 seqs)": [rng.randint(64, 1024) + rng.randint(0, 256) for _ in range(256)],
@@ -206,10 +200,10 @@ def attention_sweep(
     }
     found: dict[str, Any] = {}
     kinds = [CACHES[name] for name in caches or CACHES]
-    for (name, ctx), (cache, fp8, token_major, head_major), (block_size, scattered) in itertools.product(
+    for (name, ctx), (cache, fp8, layout), (block_size, scattered) in itertools.product(
         cases.items(), kinds, layouts or [(BLOCK_SIZE, True)]
     ):
-        batch = decode_batch(ctx, fp8, block_size, scattered, token_major, head_major)
+        batch = decode_batch(ctx, fp8, block_size, scattered, layout)
         name += cache + f", blocks of {block_size}" + ("" if scattered else " in order")
         gbytes = sum(ctx) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2) / 1e9
         rows = []

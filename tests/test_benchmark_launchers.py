@@ -17,16 +17,19 @@ import torch
 import benchmarks.kernel_sweep as kernel_sweep
 from paged_backend.kernels.paged_attention import paged_attention_triton
 from tests.test_fp8_kv_cache import scaled_cache
-from tests.test_kernels import TOLERANCE, make_batch, relative_error
+from tests.test_kernels import TOLERANCE, make_batch, relative_error, stored_head_major
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain cache", "fp8 cache"])
 def test_kernel_sweep_launches_as_the_library_does(fp8: bool) -> None:
+    """On caches stored as a GPU's engine stores them (head-major; an fp8 cache's values transposed)."""
     batch = make_batch([1, 1, 1], [70, 31, 3], 8, 2, 64, torch.float32, 16, seed=31)  # a decode step
     scales: dict[str, torch.Tensor] = {}
     if fp8:
         batch["query"] = batch["query"].to(torch.bfloat16)
-        scales = dict(zip(("k_scale", "v_scale"), scaled_cache(batch, 2, seed=32), strict=True))
+        scales = dict(zip(("k_scale", "v_scale"), scaled_cache(batch, 2, 32, "keys-head-major"), strict=True))
+    else:
+        batch = stored_head_major(batch)
     expected = paged_attention_triton(**batch, scale=0.125, **scales)
     out = kernel_sweep.launch(**batch, scale=0.125, **scales)
     assert relative_error(out, expected) < TOLERANCE[batch["query"].dtype]
