@@ -207,7 +207,7 @@ def attention_sweep(
         name += cache + f", blocks of {block_size}" + ("" if scattered else " in order")
         gbytes = sum(ctx) * KV_HEADS * HEAD_DIM * 2 * (1 if fp8 else 2) / 1e9
         rows = []
-        settings_grid = itertools.product((64, 128, 256), (4, 8), (2, 3, 4, 5)) if sweep else []
+        settings_grid = itertools.product((64, 128, 256), (2, 4, 8), (2, 3, 4, 5)) if sweep else []
         for block_n, warps, stages in settings_grid:
             settings = dict(block_n=block_n, num_warps=warps, num_stages=stages)
             try:

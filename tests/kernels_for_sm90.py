@@ -54,7 +54,7 @@ def attention(cache_dtype: torch.dtype, q_lens: list[int], contexts: list[int], 
     from paged_backend.kernels.cache_write import new_kv_cache
     from paged_backend.kernels.paged_attention import paged_attention_triton
 
-    k_cache, v_cache = new_kv_cache((64, 16, 8, 128), cache_dtype, "cpu")
+    k_cache, v_cache = new_kv_cache((64, 16, 8, 128), cache_dtype, "cpu", head_major=True)  # a GPU's storage
     query = torch.zeros(sum(q_lens), 32, 128, dtype=BF16)
     tables = torch.zeros(len(q_lens), 16, dtype=torch.int32)
     cu_seqlens = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -68,7 +68,7 @@ def attention(cache_dtype: torch.dtype, q_lens: list[int], contexts: list[int], 
 def cache_write(cache_dtype: torch.dtype) -> None:
     from paged_backend.kernels.cache_write import new_kv_cache, write_kv_cache_triton
 
-    k_cache, v_cache = new_kv_cache((64, 16, 8, 128), cache_dtype, "cpu")
+    k_cache, v_cache = new_kv_cache((64, 16, 8, 128), cache_dtype, "cpu", head_major=True)
     rows = torch.zeros(5, 8, 128, dtype=BF16)
     scales = torch.ones(8) if cache_dtype == FP8 else None
     write_kv_cache_triton(rows, rows, k_cache, v_cache, torch.arange(5), scales, scales)

@@ -179,6 +179,25 @@ def test_attention_kernel_on_an_fp8_cache(dtype: torch.dtype, num_splits: int, l
     assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32], ids=["words", "bytes"])
+def test_fp8_caches_of_one_token_blocks_as_a_gpu_stores_them(query_dtype: torch.dtype) -> None:
+    """Blocks of one token hold no pair of values: a GPU's engine stores both fp8 caches head-major then (values
+    not transposed), and the kernel reads them through the key cache's strides: equal to the twin."""
+    batch = make_batch([1, 5, 1], [20, 0, 3], 4, 2, 64, torch.float32, 1, seed=41)
+    batch["query"] = batch["query"].to(query_dtype)
+    k_scale, v_scale = scaled_cache(batch, 2, seed=42)
+    stored = new_kv_cache(tuple(batch["k_cache"].shape), FP8, DEVICE, head_major=True)
+    assert all(head_major(c) for c in stored) and not values_transposed(stored[1])
+    for name, cache in zip(("k_cache", "v_cache"), stored):
+        batch[name] = cache.view(torch.uint8).copy_(batch[name].view(torch.uint8)).view(FP8)
+    scale = batch["query"].shape[-1] ** -0.5
+    args = (batch["block_tables"], batch["cu_seqlens_q"], batch["context_lens"], scale)
+    ref = paged_attention_torch(batch["query"].float(), batch["k_cache"], batch["v_cache"], *args,
+                                k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    out = paged_attention_triton(**batch, scale=scale, k_scale=k_scale, v_scale=v_scale)
+    assert not out.isnan().any() and relative_error(out, ref) < TOLERANCE[query_dtype]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("query_magnitude", [1.0, 6e4])
 def test_bf16_queries_over_an_fp8_cache(query_magnitude: float, layout: str) -> None:

@@ -188,6 +188,11 @@ def test_caches_of_other_strides_are_refused() -> None:
         check_cache_strides(k_cache, v_cache)
     with pytest.raises(ValueError, match="value strides"):
         check_cache_strides(token_major[0], by_head[1])
+    fp8_keys, fp8_values = new_kv_cache(shape, torch.float8_e4m3fn, DEVICE, head_major=True)
+    check_cache_strides(fp8_keys, fp8_values)  # the values transposed
+    wider = torch.zeros(4, 16, 4, 64, dtype=torch.float8_e4m3fn, device=DEVICE)[:, :, :2]  # keys not stored whole
+    with pytest.raises(ValueError, match="key strides"):
+        check_cache_strides(wider, fp8_values)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -61,8 +61,8 @@ def twin_plan(
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``cache``'s rows at ``slots`` (any shape): ``[*slots.shape, Hkv, D]``, by ``index_select``, which on a CPU
-    copies whole rows several times faster than advanced indexing; a value cache stored transposed
-    (kernels/cache_write.py) by its blocks and offsets."""
+    copies whole rows several times faster than advanced indexing; a cache stored otherwise (a GPU's head-major
+    one, a value cache stored transposed: kernels/cache_write.py) by its blocks and offsets."""
     if not cache.is_contiguous():
         return cache[slots // cache.shape[1], slots % cache.shape[1]]
     flat = cache.flatten(0, 1)

@@ -10,7 +10,8 @@ Both caches are indexed ``[block, offset, head, dim]``; what lies where in memor
 every kernel takes (``new_kv_cache``). On a GPU the caches are stored head-major, ``[block, head, offset, dim]``:
 decode attention reads one KV head's tokens of a block, and head-major they are one contiguous run of
 ``block_size * dim`` elements instead of ``block_size`` runs of ``dim`` (``benchmarks/kernel_sweep.py``'s
-head-major caches). An fp8 value cache is stored ``[block, head, dim, offset]``: the attention kernel reads an fp8
+head-major caches). An fp8 value cache with blocks of an even number of tokens is stored ``[block, head, dim,
+offset]``: the attention kernel reads an fp8
 cache as 16-bit words of two values and hands them to the tensor cores as they are, which take pairs along the
 product's reduction: the head dimension for q·kᵀ (the key cache's words), the tokens for p·v (the value words of
 this layout). Stored like keys, each converted value tile would pass through shared memory once more to be paired
@@ -83,7 +84,8 @@ def write_kv_cache_torch(
     v_scale: torch.Tensor | None = None,  # [Hkv] fp32, fp8 caches only
 ) -> None:
     """Reference twin: an ``index_copy_`` over the flattened (block, offset) axis (of the bytes: CPU torch has
-    no ``index_copy_`` for fp8); a transposed value cache by indexing its blocks and offsets."""
+    no ``index_copy_`` for fp8); a cache stored otherwise (head-major, values transposed) by indexing its blocks
+    and offsets."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -192,9 +194,11 @@ def write_kv_cache_triton(
 
 
 def check_cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The kernels address a value cache by the key cache's strides, unless it is stored transposed."""
-    if k_cache.stride(-1) != 1 or not (values_transposed(v_cache) or v_cache.stride() == k_cache.stride()):
+    """The kernels address a value cache by the key cache's strides (its block stride too, when it is stored
+    transposed), so the key cache must be stored whole, token-major or head-major, as ``new_kv_cache`` stores it."""
+    keys_whole = k_cache.is_contiguous() or head_major(k_cache)
+    if not keys_whole or not (values_transposed(v_cache) or v_cache.stride() == k_cache.stride()):
         raise ValueError(
-            f"caches as new_kv_cache makes them: key strides {k_cache.stride()} (last 1), value strides "
-            f"{v_cache.stride()} (the same, or an fp8 value cache's transposed ones)"
+            f"caches as new_kv_cache makes them: key strides {k_cache.stride()} (token-major or head-major), value "
+            f"strides {v_cache.stride()} (the same, or an fp8 value cache's transposed ones)"
         )

@@ -215,15 +215,16 @@ def choose_num_splits(num_seqs: int, num_tokens: int, num_kv_heads: int, device:
     return max(1, min(MAX_SPLITS, _next_pow2(-(-target // programs))))
 
 
-def _tiles(decode: bool, g_pad: int, dim_pad: int, fp8: bool = False) -> tuple[int, int, dict[str, int]]:
+def _tiles(decode: bool, g_pad: int, dim_pad: int, fp16_words: bool = False) -> tuple[int, int, dict[str, int]]:
     """(BLOCK_Q, BLOCK_N, launch options). A tile holds BLOCK_Q tokens x ``g_pad`` grouped heads of queries.
     Decode has one query a sequence, so its tiles take the 16 rows ``tl.dot`` needs at least and long key tiles,
-    streaming the cache; prefill tiles hold 64 rows, each key tile reused by all of them. An fp8 cache's decode
-    tiles are shorter: converted in registers, a 64-key tile keeps fewer values live and two stages in flight
-    suffice (``kernel_sweep.py --caches fp8``). 256-wide heads take short key tiles, so that K and V fit in shared
-    memory. ``benchmarks/kernel_sweep.py`` times the alternatives."""
+    streaming the cache; prefill tiles hold 64 rows, each key tile reused by all of them. An fp8 cache read by
+    bf16 queries (``fp16_words``: as 16-bit words) takes shorter decode tiles: converted in registers, a 64-key
+    tile keeps fewer values live and two stages in flight suffice (``kernel_sweep.py --caches fp8``). 256-wide
+    heads take short key tiles, so that K and V fit in shared memory. ``benchmarks/kernel_sweep.py`` times the
+    alternatives."""
     rows, block_n, tuning = (16, 128, {"num_warps": 4, "num_stages": 3}) if decode else (64, 64, {"num_stages": 2})
-    if decode and fp8:
+    if decode and fp16_words:
         block_n, tuning = 64, {"num_warps": 4, "num_stages": 2}
     if dim_pad >= 256:
         block_n = 32

@@ -1,5 +1,6 @@
-"""The paged KV cache tensors: per layer ``[num_blocks, block_size, Hkv, D]`` for k and for v (an fp8 value cache
-stored transposed under that shape: kernels/cache_write.py), and the swap space in CPU memory, indexed alike. An
+"""The paged KV cache tensors: per layer ``[num_blocks, block_size, Hkv, D]`` for k and for v (on a GPU stored
+head-major, an fp8 value cache transposed, under that shape: kernels/cache_write.py), and the swap space in CPU
+memory, indexed alike (token-major: blocks move between the two by index, not as raw bytes). An
 fp8 cache also has per layer a float32 scale per KV head for k and for v (the cache holds ``k / k_scale``)."""
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ class KVCacheSpec:
 
 
 class SwapSpace:
-    """The swap space: the cache's layout in CPU memory, pinned on a GPU machine. Page-locking the default 4 GiB
-    takes seconds of a start-up, so a thread of its own allocates it while the decoder layer compiles; the model
-    runner waits for it before capturing CUDA graphs (a host allocation during a capture would break it), and an
-    allocation that failed stops the start there. Left unwritten (a block is read back only after a swap-out
-    wrote all of it): zeroing it would be start-up time for nothing."""
+    """The swap space: the cache's shape in CPU memory (token-major), pinned on a GPU machine. Page-locking the
+    default 4 GiB takes seconds of a start-up, so a thread of its own allocates it while the decoder layer
+    compiles; the model runner waits for it before capturing CUDA graphs (a host allocation during a capture would
+    break it), and an allocation that failed stops the start there. Left unwritten (a block is read back only after
+    a swap-out wrote all of it): zeroing it would be start-up time for nothing."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int, device: torch.device) -> None:
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
