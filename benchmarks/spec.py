@@ -18,7 +18,8 @@ Each backend answers ``--prompts`` prompts of each workload one at a time (``max
 greedy), ``--repetitions`` times with fresh prompts; within a repetition every backend answers the same prompts,
 so a speed-up compares like with like, and no engine sees a prompt twice (each engine has its own prefix cache).
 The backends: ``engine`` (this library's defaults), ``engine_spec`` (``speculative_config`` ngram, ``--k``
-tokens, n-grams of 1 to 3), ``hf`` and ``hf_lookup``. A figure is the
+tokens, n-grams of the engine's default sizes unless ``--lookup-min``/``--lookup-max``; 1 to 3 before 2026-12-07's
+change of the default), ``hf`` and ``hf_lookup``. A figure is the
 generated tokens over the summed wall time of a repetition's requests; the spread is over repetitions. The mean
 accepted length is vLLM's: tokens a verifying step yields, 1 + taken proposals / verified rows.
 """
@@ -156,7 +157,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     texts = pools(per_run + 1)
     prompts = {name: [chat_ids(tokenizer, t) for t in texts[name][: per_run + 1]] for name in WORKLOADS}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    spec |= {k: v for k, v in (("prompt_lookup_min", args.lookup_min), ("prompt_lookup_max", args.lookup_max)) if v}
     # two engines in one process: each with a KV cache of its own fixed size (4,096 blocks: 65,536 tokens)
     common = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 2048, "num_kv_blocks": 4096}
     engines = {"engine": LLM(path, **common), "engine_spec": LLM(path, **common, speculative_config=spec)}
@@ -181,6 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prompts": args.prompts,
             "max_tokens": args.max_tokens,
             "repetitions": args.repetitions,
+            "ngram_sizes": engines["engine_spec"].llm_engine.config.speculative_config.ngram_sizes(),  # type: ignore[union-attr]
         },  # fmt: skip
         "backends": backends,
         "workloads": results,
@@ -250,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per workload, backend and repetition")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
+    parser.add_argument("--lookup-max", type=int, default=None, help="prompt_lookup_max (default: the engine's)")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--json", type=Path, default=None)
     add_plot_arguments(parser, "a bar chart of the results (needs matplotlib)")

@@ -184,21 +184,25 @@ class DeviceConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+DEFAULT_PROMPT_LOOKUP = (2, 4)  # (prompt_lookup_min, prompt_lookup_max) when neither is given
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's ``speculative_config``: each step proposes up to ``num_speculative_tokens`` tokens per decoding
     sequence, which one forward verifies. ``ngram`` (prompt lookup) proposes the tokens that followed the last
-    earlier occurrence of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens. Proposals
+    earlier occurrence of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens; as in vLLM,
+    one of the two given stands for both, and with neither given the n-grams are 2 to 4 tokens long (vLLM: 5 to
+    5), which on the real model pays best where a verifying step costs two to three decoded tokens
+    (docs/benchmarks.md, "Prompt lookup's shortest n-gram"). Proposals
     stop where they do not pay: for the whole step from ``disable_by_batch_size`` running sequences, and for a
     sample whose proposals are seldom taken (core/spec_decode.py); steps where no sample is proposed for run as
     usual (multi-step rounds, async scheduling)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     # vLLM's: no proposals in a step where this many sequences run or more (a large batch's step is bound by
     # compute, and every rejected proposal costs it); None: never switched off by the batch
     disable_by_batch_size: int | None = 32
@@ -215,8 +219,21 @@ class SpeculativeConfig:
                 f"and by no other method; got method {self.method!r} with model {type(self.model).__name__}",
             )
         check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 32)
-        check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, 64)
-        check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 64)
+        check_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1, 64, allow_none=True)
+        check_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max, 1, 64, allow_none=True)
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low, high = DEFAULT_PROMPT_LOOKUP
+        low, high = low or high, high or low  # one given stands for both
+        assert low is not None and high is not None
+        check_int("speculative_config.prompt_lookup_max", high, low, 64)
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+    def ngram_sizes(self) -> tuple[int, int]:
+        """(prompt_lookup_min, prompt_lookup_max), both set once the config is made."""
+        assert self.prompt_lookup_min is not None and self.prompt_lookup_max is not None
+        return self.prompt_lookup_min, self.prompt_lookup_max
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:

@@ -213,6 +213,19 @@ def test_verified_tokens_keep_the_target_distribution() -> None:
     assert not _follows(_verify_first_token(logits, 2, 20000, take=off_by_one_row), p)
 
 
+def test_ngram_sizes_follow_vllm() -> None:
+    """One of prompt_lookup_min / prompt_lookup_max given stands for both, as in vLLM (a script that names only
+    ``prompt_lookup_max`` looks up n-grams of that length alone); neither given: the library's default."""
+    from paged_backend.config import DEFAULT_PROMPT_LOOKUP, SpeculativeConfig
+
+    both = {"prompt_lookup_min": 1, "prompt_lookup_max": 6}
+    for given, sizes in [({}, DEFAULT_PROMPT_LOOKUP), ({"prompt_lookup_max": 3}, (3, 3)),
+                         ({"prompt_lookup_min": 5}, (5, 5)), (both, (1, 6))]:  # fmt: skip
+        config = SpeculativeConfig.of(given)
+        assert config is not None and config.ngram_sizes() == sizes
+        assert (config.prompt_lookup_min, config.prompt_lookup_max) == sizes
+
+
 def test_speculative_config_is_checked_by_name() -> None:
     config = EngineConfig.from_kwargs("m", speculative_config={"num_speculative_tokens": 3})
     assert config.speculative_config.num_speculative_tokens == 3
@@ -313,7 +326,9 @@ def test_a_paused_sample_whose_text_starts_copying_is_proposed_for_again() -> No
     from paged_backend.config import SpeculativeConfig
     from paged_backend.core.spec_decode import SHADOW_MIN_TAKEN, DraftPlanner
 
-    planner = DraftPlanner(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), max_model_len=1000)
+    planner = DraftPlanner(
+        SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3), max_model_len=1000
+    )
     request = Request("r", None, [5, 6], SamplingParams())
     copying, wandering = (Sequence(i, 0, request, [10, 11, 12, 13, 14, 15, 20, 10, 11], 2, arrival=i) for i in (0, 1))
     for seq, tokens in ((copying, [[12, 13], [14, 99]]), (wandering, [[50, 51, 52, 53]])):
@@ -335,7 +350,9 @@ def test_a_shadow_guess_holds_the_next_round_only_where_its_lookup_matched_sever
     from paged_backend.config import SpeculativeConfig
     from paged_backend.core.spec_decode import SHADOW_HOLD_MATCH, SHADOW_HOLD_MAX_ROWS, DraftPlanner
 
-    planner = DraftPlanner(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3), max_model_len=1000)
+    planner = DraftPlanner(
+        SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3), max_model_len=1000
+    )
     request = Request("r", None, [5, 6], SamplingParams())
     held = {}
     for tokens in ([10, 11, 12, 13, 14, 20, 10, 11], [10, 11, 12, 13, 14, 20, 30, 10], [10, 11, 12, 13, 14, 40]):

@@ -86,9 +86,7 @@ class DraftPlanner:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
         if proposer is None and config.method == "draft_model":
             proposer = DraftModelProposals()
-        self.proposer: Proposer = proposer or NgramProposer(
-            config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens
-        )
+        self.proposer: Proposer = proposer or NgramProposer(*config.ngram_sizes(), config.num_speculative_tokens)
         self.max_model_len = max_model_len
         self.k = config.num_speculative_tokens
         # a lookup costs no forward: a paused sample's proposals can be made and checked without verifying them
