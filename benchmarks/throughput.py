@@ -11,7 +11,9 @@ as the server steps it, paged_fp8kv with an fp8 KV cache, paged_fp8
 with fp8 weights: ``quantization="fp8"`` on the model saved to a file, paged_fp8_fp8kv the same with an fp8 KV
 cache, paged_fp8block the saved model quantized in blocks of 128 x 128 by transformers' ``FineGrainedFP8Config``,
 paged_invariant with ``batch_invariant=True``, paged_cublas_row with its one-row decode graph left to cuBLAS: the
-GEMV route of ``worker/one_row_gemv.py`` off in this process while that engine compiles), hf_patched
+GEMV route of ``worker/one_row_gemv.py`` off in this process while that engine compiles, paged_token_major with
+its KV caches stored token-major as on a CPU instead of a GPU's head-major: ``kernels/cache_write.new_kv_cache``),
+hf_patched
 (``model.generate`` after ``paged_backend.patch``, called like hf),
 hf (``model.generate``, batches of 64, left padded), hf_cb (``generate_batch``, transformers' continuous
 batching), hf_static (``generate`` with a static cache and torch.compile; w2 only).
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -544,9 +547,22 @@ def one_row_gemv_off() -> Iterator[None]:
         one_row_gemv.measured_on = measured_on
 
 
+@contextlib.contextmanager
+def token_major_caches() -> Iterator[None]:
+    """The engine's KV caches stored token-major while it starts (``paged_token_major``, beside ``paged``)."""
+    from paged_backend.kernels.cache_write import new_kv_cache
+    from paged_backend.worker import cache_engine
+
+    cache_engine.new_kv_cache = functools.partial(new_kv_cache, head_major=False)
+    try:
+        yield
+    finally:
+        cache_engine.new_kv_cache = new_kv_cache
+
+
 PAGED_BACKENDS = {
     *("paged", "paged_sync", "paged_loop", "paged_fp8kv", "paged_fp8", "paged_fp8_fp8kv", "paged_invariant"),
-    *("paged_spec", "paged_fp8block", "paged_cublas_row"),
+    *("paged_spec", "paged_fp8block", "paged_cublas_row", "paged_token_major"),
 }
 HF_BACKENDS = {"hf_patched", "hf", "hf_cb", "hf_static"}
 FP8_WEIGHTS = {"paged_fp8": {}, "paged_fp8_fp8kv": {"kv_cache_dtype": "fp8"}}  # the second as deployments run
@@ -751,10 +767,12 @@ class Bench:
             ),
             "paged_fp8kv": ({**base, "kv_cache_dtype": "fp8"}, "fp8-cache engine"),
             "paged_cublas_row": (base, "engine without the one-row GEMV"),
+            "paged_token_major": (base, "engine with token-major caches"),
         }
+        switches = {"paged_cublas_row": one_row_gemv_off, "paged_token_major": token_major_caches}
         for backend, (engine_args, what) in engines.items():
             if backend in self.backends:
-                with one_row_gemv_off() if backend == "paged_cublas_row" else contextlib.nullcontext():
+                with switches.get(backend, contextlib.nullcontext)():
                     self.measure_engine(backend, engine_args)
                 release_engine(what)  # its last reference went with measure_engine's frame
         if "paged_fp8kv" in self.backends:
