@@ -18,8 +18,8 @@ Each backend answers ``--prompts`` prompts of each workload one at a time (``max
 greedy), ``--repetitions`` times with fresh prompts; within a repetition every backend answers the same prompts,
 so a speed-up compares like with like, and no engine sees a prompt twice (each engine has its own prefix cache).
 The backends: ``engine`` (this library's defaults), ``engine_spec`` (``speculative_config`` ngram, ``--k``
-tokens, n-grams of the engine's default sizes unless ``--lookup-min``/``--lookup-max``; 1 to 3 before 2026-12-07's
-change of the default), ``hf`` and ``hf_lookup``. A figure is the
+tokens, n-grams of the engine's default sizes unless ``--lookup-min``/``--lookup-max``; the JSON's
+``settings.ngram_sizes``), ``hf`` and ``hf_lookup``. A figure is the
 generated tokens over the summed wall time of a repetition's requests; the spread is over repetitions. The mean
 accepted length is vLLM's: tokens a verifying step yields, 1 + taken proposals / verified rows.
 """
