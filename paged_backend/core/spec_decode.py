@@ -67,12 +67,13 @@ class DraftModelProposals:
 # MAX_PAUSE_TOKENS (open chat seldom copies), back to PAUSE_TOKENS after a window that pays. A paused sample is
 # still watched where proposals cost nothing to make (prompt lookup): the lookup is made as if it were proposed
 # for, and compared with the tokens it then decodes; when SHADOW_MIN_TAKEN of them would have been taken (text
-# that copies has started), the pause ends.
+# that copies has started), the pause ends. Three rather than two, by the real model's traces: code rewrites
+# verify more of their tokens, the other workloads as many (docs/benchmarks.md, "Prompt lookup's shortest n-gram").
 WINDOW_STEPS = 2
 MIN_TAKEN_PER_STEP = 1.0
 PAUSE_TOKENS = 32
 MAX_PAUSE_TOKENS = 512
-SHADOW_MIN_TAKEN = 2
+SHADOW_MIN_TAKEN = 3
 # Under async scheduling the round after the one in flight is queued before that round's tokens are read, so a
 # shadow guess learns a round late that it would have been taken. A guess whose lookup matched SHADOW_HOLD_MATCH
 # tokens or more (text that copies: code, quoted passages) holds the next round until its tokens are read; a
