@@ -8,14 +8,14 @@ reach this one).
 
 Both caches are indexed ``[block, offset, head, dim]``; what lies where in memory is the caches' strides, which
 every kernel takes (``new_kv_cache``). On a GPU the caches are stored head-major, ``[block, head, offset, dim]``:
-decode attention reads one KV head's tokens of a block, and head-major they are one contiguous run of
-``block_size * dim`` elements instead of ``block_size`` runs of ``dim`` (``benchmarks/kernel_sweep.py``'s
-head-major caches). An fp8 value cache with blocks of an even number of tokens is stored ``[block, head, dim,
-offset]``: the attention kernel reads an fp8 cache as 16-bit words of two values and hands them to the tensor
-cores as they are, which take pairs along the product's reduction: the head dimension for q·kᵀ (the key cache's
-words), the tokens for p·v (the value words of this layout). Stored like keys, each converted value tile would
-pass through shared memory once more to be paired along the tokens. A CPU keeps both token-major, where the torch
-twin gathers whole ``[head, dim]`` rows.
+decode attention reads one KV head's tokens of a block, and head-major they are one contiguous run of ``block_size *
+dim`` elements instead of ``block_size`` runs of ``dim`` (``benchmarks/kernel_sweep.py``: its ``bf16`` and ``fp8``
+cases against ``bf16_token_major`` and ``fp8_keys_token_major``). An fp8 value cache with blocks of an even number
+of tokens is stored ``[block, head, dim, offset]``: the attention kernel reads an fp8 cache as 16-bit words of two
+values and hands them to the tensor cores as they are, which take pairs along the product's reduction: the head
+dimension for q·kᵀ (the key cache's words), the tokens for p·v (the value words of this layout). Stored like keys,
+each converted value tile would pass through shared memory once more to be paired along the tokens. A CPU keeps both
+token-major, where the torch twin gathers whole ``[head, dim]`` rows.
 """
 
 from __future__ import annotations
