@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from paged_backend.config import EngineConfig
 from paged_backend.core.block_manager import BlockManager
+from paged_backend.core.lookup_round import lookup_continuation, lookup_round, observe_lookup_round
 from paged_backend.core.multi_step import continuation, plan_round
 from paged_backend.core.prompt_logprobs import prompt_logprob_rows, take_prompt_logprobs
 from paged_backend.core.scheduler_output import (
@@ -133,6 +134,8 @@ class Scheduler:
     def schedule_continuation(self, in_flight: SchedulerOutput, read: int = 0) -> SchedulerOutput | None:
         """Async scheduling's round after ``in_flight`` (of which ``read`` steps are counted), or None
         (``multi_step.continuation``)."""
+        if in_flight.batch.lookup_round is not None:
+            return lookup_continuation(self, in_flight)
         if in_flight.batch.num_steps is None:
             return verify_continuation(self, in_flight)
         return continuation(self, in_flight, read)
@@ -270,7 +273,8 @@ class Scheduler:
                 seqs, num_new, self.num_scheduler_steps, self.max_model_len, self.block_manager, self.grammar_rounds
             )
         lora = self.max_loras is not None
-        return plan.output(num_steps, blocks_to_copy, prompt_rows, self.block_manager.get_block_table, lora)
+        output = plan.output(num_steps, blocks_to_copy, prompt_rows, self.block_manager.get_block_table, lora)
+        return (lookup_round(self, output) if plan.drafts else None) or output
 
     def _alone_request(self) -> Request | None:
         """The request to run alone next (see ``retry_alone``): one already running, else the first waiting."""
@@ -318,7 +322,7 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[SequenceUpdate]:
         """The step ran: count its tokens as computed, fork samples, append each sampled token until a stop."""
-        in_round = output.batch.num_steps is not None
+        in_round = output.batch.num_steps is not None or output.batch.lookup_round is not None
         # A queued step (async scheduling) may hold rows that ended before it was read, or that a chained verifying
         # step ran at positions the step before did not reach (spec_chain.py): nothing of theirs counts.
         stale = set(stale_rows(output))
@@ -347,7 +351,9 @@ class Scheduler:
                 seq.grammar = runner_output.grammars[row]  # the round's, which took these tokens already
             row_drafts = drafts[output.batch.sampling_rows[row]] if drafts and row < num_parents else []
             taken, finish = append_tokens(seq, tokens, in_round or bool(row_drafts), self.max_model_len)
-            if self.drafter is not None:
+            if self.drafter is not None and runner_output.lookup_counts:
+                observe_lookup_round(self.drafter, seq, runner_output.lookup_counts[row], taken)
+            elif self.drafter is not None:
                 guesses = runner_output.draft_token_ids[row] if runner_output.draft_token_ids else []
                 self.drafter.observe(seq, row_drafts, tokens[:taken], finish is None, len(self.running), guesses)
             if finish is not None:

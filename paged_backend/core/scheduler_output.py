@@ -25,6 +25,20 @@ TopLogprobs = list[tuple[int, float, int]]  # (token id, logprob, rank): the sam
 
 
 @dataclass(frozen=True)
+class LookupRound:
+    """A round of verifying steps whose proposals the device looks up (prompt lookup), the tokens each step takes
+    fed to the next on the device (core/lookup_round.py, worker/lookup_round.py)."""
+
+    num_steps: int
+    num_speculative_tokens: int  # k: every row runs k + 1 tokens a step
+    ngram_sizes: tuple[int, int]  # prompt lookup's (min, max)
+    max_lens: list[int]  # [B] each row's length limit (``max_tokens``, ``max_model_len``): no proposal past it
+    capacity: int  # token ids a row can hold on the device (``max_model_len``)
+    # [B] each row's token ids; None: the rows (the same, in the same order) continue the round queued before
+    history: list[list[int]] | None
+
+
+@dataclass(frozen=True)
 class ScheduledBatch:
     """One step's work for every rank, in batch order (row ``i`` is the ``i``-th scheduled sequence)."""
 
@@ -52,6 +66,7 @@ class ScheduledBatch:
     # Row i's first input is the greedy token of that step's logits row first_from[i] (on the device; its place in
     # input_token_ids holds a zero).
     first_from: list[int] | None = None
+    lookup_round: LookupRound | None = None  # a round of verifying steps planned on the device (then num_steps None)
 
     @property
     def num_seqs(self) -> int:
@@ -101,6 +116,8 @@ class ModelRunnerOutput:
     grammars: list[GrammarState | None] = field(default_factory=list)
     # speculative decoding with a draft model: its guesses of each sample's next tokens, after these ([]: none)
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # a lookup round: for each of its steps, the proposals the lookup made and how many of them were taken
+    lookup_counts: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 @dataclass

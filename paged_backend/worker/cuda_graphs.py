@@ -190,3 +190,24 @@ class CUDAGraphRunner:
         self.static_tables[:b, :width].copy_(inputs.block_tables, non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size][:t]
+
+    def run_rows(
+        self,
+        ids: torch.Tensor,  # [B * q_len] on the device, as positions and slots
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        context_lens: torch.Tensor,  # [B]
+        tables: torch.Tensor,  # [B, W] int32
+    ) -> torch.Tensor:
+        """``run`` for rows of ``q_len`` tokens whose inputs are on the device already (a lookup round's,
+        worker/lookup_round.py): copied into the static buffers on the device, no host tensor read."""
+        b, t = context_lens.shape[0], ids.shape[0]
+        size = next(s for s in self.sizes if s >= b)
+        self.static_ints[:3, :t].copy_(torch.stack([ids, positions, slots]))
+        self.static_ints[3, :b].copy_(context_lens)
+        if size > b:  # padding sequences, as in ``run``
+            self.static_ints[:, t : size * self.q_len].copy_(self.padding_column.to(self.device))
+            self.static_ints[3, b:size] = 0
+        self.static_tables[:b, : tables.shape[1]].copy_(tables)
+        self.graphs[size].replay()
+        return self.outputs[size][:t]

@@ -41,6 +41,7 @@ from paged_backend.worker.cuda_graphs import CUDAGraphRunner, keep_agreed
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
 from paged_backend.worker.invariant_siblings import SiblingProducts, packed_siblings
+from paged_backend.worker.lookup_round import LookupState, launch_lookup_round
 from paged_backend.worker.mixed_graphs import MixedGraphRunner, mixed_capture_sizes
 from paged_backend.worker.sampler import RoundBias, Sampler
 from paged_backend.worker.step_inputs import (
@@ -100,6 +101,7 @@ class ModelRunner:
         self._recapture = False  # sleep() dropped CUDA graphs that wake_up() captures again
         self._last_round: tuple[torch.Tensor, list[int]] | None = None  # its tokens [K, B] and rows' steps
         self._unread: DeferredOutput | None = None  # the last single step, until it is sampled
+        self._lookup_state: LookupState | None = None  # the rows of the last lookup round queued, on the device
         self._round_parity = 0  # which half of the graphs' staging buffers the last round used
         self.calibrate_kv_scales = False  # the warm-ups below never calibrate
         self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
@@ -232,6 +234,10 @@ class ModelRunner:
         self.cache_engine.copy_blocks(batch.blocks_to_copy)
         for prompt_kv, table in scheduler_output.kv_imports:  # a request's own KV of its first tokens
             self.cache_engine.write_tokens(prompt_kv, table, self.model.dtype)
+        if batch.lookup_round is not None:  # proposals looked up on the device (worker/lookup_round.py)
+            self._last_round = None
+            pending, self._lookup_state = launch_lookup_round(self, batch, self._lookup_state)
+            return pending
         inputs = build_step_inputs(batch, self.block_size)
         if batch.num_steps is None:
             self._last_round = None
@@ -326,12 +332,23 @@ class ModelRunner:
             d.input_ids = torch.cat([input_ids, d.input_ids[input_ids.shape[0] :]])  # keeps any padding token
         if first_ids is not None:  # each row starts at cu_seqlens_q (padding rows come after the step's own)
             d.input_ids = d.input_ids.index_copy(0, d.metadata.cu_seqlens_q[: first_ids.shape[0]].long(), first_ids)
+        return self.forward_device(d.input_ids, d.positions, d.metadata, d.logits_indices, prompt_embeds)[:n]
+
+    def forward_device(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        prompt_embeds: EmbedsPieces = (),
+    ) -> torch.Tensor:
+        """The forward, without CUDA graphs, of inputs already on the device."""
         calibrate = self.calibrate_kv_scales
         # The calibrating step runs eagerly: compiled code would keep the flag it was traced with.
         with self.switch, self.switch.calibrating() if calibrate else self._compiled(), self._invariant():
-            logits = self._model_forward(d.input_ids, d.positions, d.metadata, d.logits_indices, prompt_embeds)
+            logits = self._model_forward(input_ids, positions, metadata, logits_indices, prompt_embeds)
         self.calibrate_kv_scales = False  # set once the step's forward went through (a failed one calibrates again)
-        return logits[:n]
+        return logits
 
     def run_decode_steps(
         self,

@@ -1,0 +1,41 @@
+"""Prompt lookup on the device: ``NgramProposer``'s search over every row of a batch at once, in tensor operations
+of fixed shapes, so that a round of verifying steps can run back to back without the host (worker/lookup_round.py).
+
+Each row holds its token ids in ``history[b, :lens[b]]``. A candidate end ``e`` (an earlier token equal to the
+last one) matches as many tokens as its run of equal tokens going back, up to ``max_n``; the longest match wins,
+at least ``min_n`` long, and among equals the most recent: the proposals are the tokens after it, as many as
+there are (``k`` at most). Same rule, same proposals as spec_decode/ngram_proposer.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def device_lookup(
+    history: torch.Tensor,  # [B, C] token ids, row b's first lens[b] real
+    lens: torch.Tensor,  # [B] int64, each at least 1
+    min_n: int,
+    max_n: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` proposal slots ``[B, k]`` and how many of them are proposals ``[B]`` (0: no match)."""
+    capacity = history.shape[1]
+    ends = torch.arange(capacity, device=history.device)  # [C] candidate ends
+    last = lens - 1  # [B] the position of each row's last token
+    run = ends[None, :] < last[:, None]  # [B, C] an end before the last token
+    matched = torch.zeros_like(history)
+    for back in range(max_n):
+        target = history.gather(1, (last - back).clamp(min=0)[:, None])  # [B, 1]
+        source = history[:, (ends - back).clamp(min=0)]  # [B, C] the token ``back`` before each end
+        # the host compares back to min(max_n, length - 1) tokens: the last token's run never reaches position 0
+        usable = (ends >= back)[None, :] & (back < torch.clamp(last, min=1))[:, None]
+        run = run & usable & (source == target)
+        matched += run
+    found = matched >= min_n
+    score = torch.where(found, matched * capacity + ends[None, :], -1)  # longest first, then the latest end
+    best, end = score.max(dim=1)
+    start = end + 1
+    slots = (start[:, None] + torch.arange(k, device=history.device)[None, :]).clamp(max=capacity - 1)
+    count = torch.where(best >= 0, (lens - start).clamp(min=0, max=k), 0)
+    return history.gather(1, slots), count

@@ -1,0 +1,176 @@
+"""A round of verifying steps run back to back on the device, each looking up its own proposals (prompt lookup,
+spec_decode/device_lookup.py) in the token ids the steps before it left: core/lookup_round.py plans them.
+
+A verifying step whose proposals the host looks up waits for the step before it to be read, then for the lookup
+and the launch: on a small model that wait is longer than the forward. Here every row keeps its token ids on the
+device (``history``, ``lens``): a step's inputs are the row's last token and the lookup's ``k`` proposal slots,
+at the positions after it; the greedy token of every position is taken while the proposals match, then one of
+the model's own (exactly what the host's verifying step takes, worker/rejection_sampler.py), and the taken tokens
+are written on. Every row runs ``k + 1`` tokens a step whatever its lookup found (a fixed shape: the verifying
+steps' CUDA graphs); slots a lookup left empty are verified for nothing, and their KV, like a rejected proposal's,
+lies past the row's length, written over later. A round queued behind another continues its device state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from paged_backend.core.scheduler_output import LookupRound, ModelRunnerOutput, ScheduledBatch
+from paged_backend.spec_decode.device_lookup import device_lookup
+from paged_backend.worker.attention import AttentionMetadata
+from paged_backend.worker.step_inputs import queued_copy
+
+if TYPE_CHECKING:
+    from paged_backend.worker.model_runner import ModelRunner
+
+
+@dataclass
+class LookupState:
+    """The rows' token ids on the device after the last round queued: ``[B, C]`` and their counts ``[B]``."""
+
+    history: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass
+class StepRecord:
+    """One verifying step of a round, on the device: every position's greedy token and its logprob ``[B, k + 1]``,
+    the proposals the lookup made and those taken ``[B]``."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    proposed: torch.Tensor
+    taken: torch.Tensor
+
+
+def launch_lookup_round(
+    runner: ModelRunner, batch: ScheduledBatch, state: LookupState | None
+) -> tuple[PendingLookupRound, LookupState]:
+    """Queue ``batch``'s round (``batch.lookup_round``) from its token ids, or from ``state`` when it continues
+    the round before; returns its output and the rows' state after it."""
+    plan = batch.lookup_round
+    assert plan is not None
+    device = runner.device
+    if plan.history is None:
+        if state is None or state.lens.shape[0] != batch.num_seqs:
+            raise RuntimeError("a lookup round continues the round before, but no round of its rows was queued")
+        history, lens = state.history, state.lens
+    else:
+        rows = torch.zeros(batch.num_seqs, plan.capacity, dtype=torch.long)
+        for row, ids in enumerate(plan.history):
+            rows[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        history = queued_copy(rows, device)
+        lens = queued_copy(torch.tensor([len(ids) for ids in plan.history], dtype=torch.long), device)
+    width = max(len(table) for table in batch.block_tables)
+    tables = torch.zeros(batch.num_seqs, width, dtype=torch.int32)
+    for row, table in enumerate(batch.block_tables):
+        tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    tables = queued_copy(tables, device)
+    max_lens = queued_copy(torch.tensor(plan.max_lens, dtype=torch.long), device)
+    records = []
+    for _ in range(plan.num_steps):
+        record, history, lens = verify_step(runner, plan, history, lens, tables, max_lens)
+        records.append(record)
+    return PendingLookupRound(records), LookupState(history, lens)
+
+
+def verify_step(
+    runner: ModelRunner,
+    plan: LookupRound,
+    history: torch.Tensor,
+    lens: torch.Tensor,
+    tables: torch.Tensor,
+    max_lens: torch.Tensor,
+) -> tuple[StepRecord, torch.Tensor, torch.Tensor]:
+    """One step of the round: lookup, forward, the taken tokens written on."""
+    k, block_size = plan.num_speculative_tokens, runner.block_size
+    slots_k = torch.arange(k + 1, device=history.device)
+    proposals, proposed = device_lookup(history, lens, *plan.ngram_sizes, k)
+    # none past the row's length limit: the token after the last proposal is the model's own and must fit too
+    proposed = torch.minimum(proposed, (max_lens - lens - 1).clamp(min=0))
+    ids = torch.cat([history.gather(1, (lens - 1)[:, None]), proposals], dim=1)  # [B, k + 1]
+    positions = (lens - 1)[:, None] + slots_k
+    slots = tables.gather(1, positions // block_size).long() * block_size + positions % block_size
+    logits = forward_rows(runner, ids, positions, slots, lens + k, tables)
+    tokens, logprobs = (t.view(ids.shape) for t in runner.sampler.greedy(logits))
+    matches = (tokens[:, :k] == proposals) & (slots_k[None, :k] < proposed[:, None])
+    taken = matches.long().cumprod(dim=1).sum(dim=1)  # [B] proposals taken, then the model's own token
+    at = (lens[:, None] + slots_k).clamp(max=history.shape[1] - 1)
+    written = torch.where(slots_k[None, :] <= taken[:, None], tokens, history.gather(1, at))
+    history = history.scatter(1, at, written)
+    return StepRecord(tokens, logprobs, proposed, taken), history, lens + taken + 1
+
+
+def forward_rows(
+    runner: ModelRunner,
+    ids: torch.Tensor,  # [B, q] on the device, as positions and slots
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,  # [B]
+    tables: torch.Tensor,  # [B, W] int32
+) -> torch.Tensor:
+    """Every token's logits ``[B * q, V]``: the verifying steps' CUDA graph where one holds the batch, else the
+    model's forward (padded with a sequence of one token where the compiled layer needs two rows)."""
+    num_seqs, q_len = ids.shape
+    graphs = runner.verify_graphs
+    if graphs is not None and graphs.q_len == q_len and num_seqs <= graphs.max_size:
+        with runner.switch:
+            return graphs.run_rows(ids.reshape(-1), positions.reshape(-1), slots.reshape(-1), context_lens, tables)
+    count = num_seqs * q_len
+    device = ids.device
+    cu = torch.arange(0, count + 1, q_len, dtype=torch.int32, device=device)
+    ids, positions, slots = ids.reshape(-1), positions.reshape(-1), slots.reshape(-1)
+    if runner.regions is not None and num_seqs < 2:  # a padding sequence: one token, no slot, no context
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        ids, positions, slots = torch.cat([ids, zero]), torch.cat([positions, zero]), torch.cat([slots, zero - 1])
+        cu = torch.cat([cu, cu[-1:] + 1])
+        context_lens = torch.cat([context_lens, zero])
+        tables = torch.cat([tables, tables.new_zeros(1, tables.shape[1])])
+    metadata = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=tables,
+        cu_seqlens_q=cu,
+        context_lens=context_lens,
+        exact=runner.batch_invariant,
+        twin_plans={} if device.type == "cpu" else None,
+    )
+    return runner.forward_device(ids, positions, metadata, torch.arange(count, device=device))
+
+
+class PendingLookupRound:
+    """A queued lookup round's steps, copied to pinned host memory behind its last step on a GPU."""
+
+    def __init__(self, records: list[StepRecord]) -> None:
+        self.num_steps = len(records)
+        tokens = torch.stack([r.tokens for r in records])  # [R, B, k + 1]
+        counts = torch.stack([torch.stack([r.proposed, r.taken], dim=1) for r in records])  # [R, B, 2]
+        both = torch.cat([tokens.double(), torch.stack([r.logprobs for r in records]).double(), counts.double()], -1)
+        on_gpu = both.device.type == "cuda"
+        self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=on_gpu)
+        self.host.copy_(both, non_blocking=on_gpu)  # token ids < 2**53 are exact in float64
+        self.event: torch.cuda.Event | None = None
+        if on_gpu:
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(both.device))
+
+    def wait_for_last_steps(self) -> None:
+        return None
+
+    def get_output(self) -> ModelRunnerOutput:
+        """Each row's taken tokens over the round's steps in order, their logprobs, and per step the proposals
+        the lookup made and how many were taken."""
+        if self.event is not None:
+            self.event.synchronize()
+        host = self.host.tolist()  # [R][B][2 (k + 1) + 2]
+        width = (len(host[0][0]) - 2) // 2
+        sampled, logprobs, counts = [], [], []
+        for row in range(len(host[0])):
+            steps = [host[step][row] for step in range(self.num_steps)]
+            row_counts = [(int(s[-2]), int(s[-1])) for s in steps]
+            sampled.append([int(t) for s, (_, n) in zip(steps, row_counts) for t in s[: n + 1]])
+            logprobs.append([p for s, (_, n) in zip(steps, row_counts) for p in s[width : width + n + 1]])
+            counts.append(row_counts)
+        return ModelRunnerOutput(sampled, logprobs, lookup_counts=counts)
