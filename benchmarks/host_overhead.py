@@ -16,6 +16,7 @@ import logging
 import random
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,12 @@ def ms_per_verifying_step(k: int = 8, cycle_length: int = 50, vocab: int = 1000)
     model = build_tiny_model("llama", vocab_size=vocab, max_position_embeddings=4096)
     llm = LLM(model, num_kv_blocks=4000, max_model_len=4096,
               speculative_config={"method": "ngram", "num_speculative_tokens": k})  # fmt: skip
-    llm.llm_engine.executor.model_runner.run = stub
+    runner = llm.llm_engine.executor.model_runner
+    runner.run = stub
+    # a lookup round's forwards (worker/lookup_round.py) come with their inputs on the device
+    runner.forward_device = lambda input_ids, positions, metadata, rows, *args: stub(
+        SimpleNamespace(input_ids=input_ids, logits_indices=rows)
+    )
     prompt = {"prompt_token_ids": (cycle * (1500 // cycle_length + 1))[:1500]}
     params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
     llm.generate(prompt, params, use_tqdm=False)  # warm-up
