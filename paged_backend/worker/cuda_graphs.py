@@ -205,8 +205,9 @@ class CUDAGraphRunner:
         size = next(s for s in self.sizes if s >= b)
         self.static_ints[:3, :t].copy_(torch.stack([ids, positions, slots]))
         self.static_ints[3, :b].copy_(context_lens)
-        if size > b:  # padding sequences, as in ``run``
-            self.static_ints[:, t : size * self.q_len].copy_(self.padding_column.to(self.device))
+        if size > b:  # padding sequences, as in ``run`` (filled on the device: no host copy waits for it)
+            self.static_ints[:2, t : size * self.q_len] = 0
+            self.static_ints[2, t : size * self.q_len] = -1
             self.static_ints[3, b:size] = 0
         self.static_tables[:b, : tables.shape[1]].copy_(tables)
         self.graphs[size].replay()

@@ -113,7 +113,7 @@ def forward_rows(
     tables: torch.Tensor,  # [B, W] int32
 ) -> torch.Tensor:
     """Every token's logits ``[B * q, V]``: the verifying steps' CUDA graph where one holds the batch, else the
-    model's forward (padded with a sequence of one token where the compiled layer needs two rows)."""
+    model's forward (padded as ``ModelRunner.run`` pads: the compiled layer saw no dimension of size 1)."""
     num_seqs, q_len = ids.shape
     graphs = runner.verify_graphs
     if graphs is not None and graphs.q_len == q_len and num_seqs <= graphs.max_size:
@@ -123,6 +123,8 @@ def forward_rows(
     device = ids.device
     cu = torch.arange(0, count + 1, q_len, dtype=torch.int32, device=device)
     ids, positions, slots = ids.reshape(-1), positions.reshape(-1), slots.reshape(-1)
+    if runner.regions is not None and tables.shape[1] < 2:  # the compiled layer saw tables two blocks wide or more
+        tables = torch.cat([tables, tables.new_zeros(num_seqs, 1)], dim=1)
     if runner.regions is not None and num_seqs < 2:  # a padding sequence: one token, no slot, no context
         zero = torch.zeros(1, dtype=torch.long, device=device)
         ids, positions, slots = torch.cat([ids, zero]), torch.cat([positions, zero]), torch.cat([slots, zero - 1])
