@@ -16,8 +16,8 @@ import logging
 import random
 import sys
 import time
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch

@@ -21,7 +21,8 @@ The backends: ``engine`` (this library's defaults), ``engine_spec`` (``speculati
 tokens, n-grams of the engine's default sizes unless ``--lookup-min``/``--lookup-max``; the JSON's
 ``settings.ngram_sizes``), ``hf`` and ``hf_lookup``. A figure is the
 generated tokens over the summed wall time of a repetition's requests; the spread is over repetitions. The mean
-accepted length is vLLM's: tokens a verifying step yields, 1 + taken proposals / verified rows.
+accepted length is vLLM's: tokens a verifying step yields, 1 + taken proposals / verified rows; ``lookup_rounds``
+counts a repetition's rounds of verifying steps on the device (core/lookup_round.py).
 """
 
 from __future__ import annotations
@@ -130,6 +131,21 @@ def hf_answer(model: Any, max_tokens: int, lookup: int | None) -> Callable[[list
     return answer
 
 
+def count_lookup_rounds(llm: LLM) -> list[int]:
+    """A counter (reset by the caller) of the rounds of verifying steps the engine runs on the device
+    (core/lookup_round.py)."""
+    count = [0]
+    executor = llm.llm_engine.executor
+    launch = executor.execute_model_async
+
+    def counted(scheduler_output: Any) -> Any:
+        count[0] += scheduler_output.batch.lookup_round is not None
+        return launch(scheduler_output)
+
+    executor.execute_model_async = counted  # type: ignore[method-assign]
+    return count
+
+
 def timed(answer: Callable[[list[int]], int], prompts: list[list[int]], device: str) -> tuple[int, float]:
     tokens, seconds = 0, 0.0
     for ids in prompts:
@@ -163,6 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     common = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 2048, "num_kv_blocks": 4096}
     engines = {"engine": LLM(path, **common), "engine_spec": LLM(path, **common, speculative_config=spec)}
     answers = {name: engine_answer(llm, args.max_tokens) for name, llm in engines.items()}
+    rounds = count_lookup_rounds(engines["engine_spec"])
     answers["hf"] = hf_answer(hf, args.max_tokens, None)
     answers["hf_lookup"] = hf_answer(hf, args.max_tokens, args.k)
     answers = {name: answers[name] for name in backends}
@@ -194,11 +211,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rep in range(args.repetitions):
             at = rep * args.prompts  # every backend answers the same prompts, each backend (and engine) once
             for name in backends:
-                before = engines["engine_spec"].stats()
+                before, rounds[0] = engines["engine_spec"].stats(), 0
                 tokens, seconds = timed(answers[name], prompts[workload][at : at + args.prompts], device)
                 rows[name]["tok_per_s"].append(tokens / seconds)
                 rows[name]["tokens"].append(tokens)
                 if name == "engine_spec":
+                    rows[name].setdefault("lookup_rounds", []).append(rounds[0])
                     after = engines["engine_spec"].stats()
                     drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
                     taken = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]

@@ -20,6 +20,10 @@ untimed warm-up on its own prompt. Backends:
   k of them and takes none: each verifying step is then followed by a chained step queued on the guess that it
   takes all (``core/spec_chain.py``), which is dropped, so its time a step is a verifying step's and a dropped
   one's (``all_taken_tok_per_s``, that time times k + 1, is no check on the replay above since the chain);
+- ``engine_copying``, ``engine_lookup_rounds_k<k>``, ``engine_lookup_host_k<k>``: prompt lookup itself, on prompts
+  that hold their own continuation (the prompt, the engine's greedy continuation of it, its last token again):
+  the engine without speculation, with it (verifying steps in rounds on the device while they pay,
+  core/lookup_round.py), and with those rounds off (every verifying step planned on the host);
 - ``hf``: ``model.generate`` (dynamic cache).
 
 Besides tokens per second: the mean accepted length (tokens a verifying step yields) and the wall time of a
@@ -45,6 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from throughput import MODEL_CONFIG, add_plot_arguments, random_normal, replotted, versions, write_json  # noqa: E402
 
+import paged_backend.core.lookup_round as lookup_round  # noqa: E402
 import paged_backend.core.spec_decode as spec_decode  # noqa: E402
 from paged_backend import LLM, SamplingParams  # noqa: E402
 
@@ -56,6 +61,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                     rms_norm_eps=1e-5, tie_word_embeddings=True),
 }  # fmt: skip
 PROMPT_TOKENS, NEW_TOKENS = 512, 256
+COPY_MARGIN = 40  # continuation tokens past NEW_TOKENS in a copying prompt: its last lookups still find k
 judge = spec_decode.judge
 
 
@@ -135,17 +141,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, vocab, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(args.repetitions + 1)]
-    common = {"max_model_len": PROMPT_TOKENS + NEW_TOKENS + 64, "num_kv_blocks": 1024}
+    common = {"max_model_len": PROMPT_TOKENS + 2 * (NEW_TOKENS + COPY_MARGIN) + 320, "num_kv_blocks": 1024}
     engine = LLM(model, skip_tokenizer_init=True, **common)
-    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    longer = SamplingParams(temperature=0, max_tokens=NEW_TOKENS + COPY_MARGIN, ignore_eos=True)
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], longer, use_tqdm=False)
     truths = [p + out.outputs[0].token_ids for p, out in zip(prompts, outs)]
+    # the prompt, its continuation, its last token again: the model goes on as it did, and prompt lookup finds it
+    copying = [t + [t[PROMPT_TOKENS - 1]] for t in truths]
     results: dict[str, Any] = {}
 
-    def measure(name: str, llm: LLM) -> None:
-        timed_engine(llm, prompts[-1])  # warm-up on the prompt no figure uses
+    def measure(name: str, llm: LLM, inputs: list[list[int]] = prompts) -> None:
+        timed_engine(llm, inputs[-1])  # warm-up on the prompt no figure uses
         before = llm.stats()
-        runs = [timed_engine(llm, p) for p in prompts[: args.repetitions]]
+        runs = [timed_engine(llm, p) for p in inputs[: args.repetitions]]
         after = llm.stats()
         drafts = after.get("spec_decode_num_drafts", 0) - before.get("spec_decode_num_drafts", 0)
         taken = after.get("spec_decode_num_accepted_tokens", 0) - before.get("spec_decode_num_accepted_tokens", 0)
@@ -175,6 +183,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 row = results[name]
                 row["all_taken_tok_per_s"] = [(k + 1) / ms * 1e3 for ms in row["ms_per_step"]]
             del llm
+    measure("engine_copying", engine, copying)
+    for k in args.k:  # prompt lookup itself on prompts that hold their continuation: rounds on the device, or not
+        for name, max_rows in ((f"engine_lookup_rounds_k{k}", lookup_round.LOOKUP_ROUND_MAX_ROWS),
+                               (f"engine_lookup_host_k{k}", 0)):  # fmt: skip
+            rows, lookup_round.LOOKUP_ROUND_MAX_ROWS = lookup_round.LOOKUP_ROUND_MAX_ROWS, max_rows
+            spec = {"method": "ngram", "num_speculative_tokens": k}
+            measure(name, LLM(model, skip_tokenizer_init=True, speculative_config=spec, **common), copying)
+            lookup_round.LOOKUP_ROUND_MAX_ROWS = rows
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     timed_hf(model, prompts[-1])
     hf = [timed_hf(model, p) for p in prompts[: args.repetitions]]
