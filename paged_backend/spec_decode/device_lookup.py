@@ -21,17 +21,18 @@ def device_lookup(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``k`` proposal slots ``[B, k]`` and how many of them are proposals ``[B]`` (0: no match)."""
     capacity = history.shape[1]
-    ends = torch.arange(capacity, device=history.device)  # [C] candidate ends
+    device = history.device
+    ends = torch.arange(capacity, device=device)  # [C] candidate ends
+    backs = torch.arange(max_n, device=device)  # [N] tokens back from an end
     last = lens - 1  # [B] the position of each row's last token
-    run = ends[None, :] < last[:, None]  # [B, C] an end before the last token
-    matched = torch.zeros_like(history)
-    for back in range(max_n):
-        target = history.gather(1, (last - back).clamp(min=0)[:, None])  # [B, 1]
-        source = history[:, (ends - back).clamp(min=0)]  # [B, C] the token ``back`` before each end
-        # the host compares back to min(max_n, length - 1) tokens: the last token's run never reaches position 0
-        usable = (ends >= back)[None, :] & (back < torch.clamp(last, min=1))[:, None]
-        run = run & usable & (source == target)
-        matched += run
+    # [B, C, N]: the token ``back`` before each end (-1 before the row's start: never a token id)
+    earlier = torch.cat([history.new_full((history.shape[0], max_n - 1), -1), history], dim=1)
+    before = earlier.unfold(1, max_n, 1).flip(2)
+    target = history.gather(1, (last[:, None] - backs).clamp(min=0))  # [B, N] the last token's, ``back`` before
+    # the host compares back to min(max_n, length - 1) tokens: the last token's run never reaches position 0
+    usable = backs[None, :] < last.clamp(min=1)[:, None]  # [B, N]
+    run = ((before == target[:, None, :]) & usable[:, None, :]).long().cumprod(dim=2)
+    matched = run.sum(dim=2) * (ends[None, :] < last[:, None])  # [B, C] an end before the last token
     found = matched >= min_n
     score = torch.where(found, matched * capacity + ends[None, :], -1)  # longest first, then the latest end
     best, end = score.max(dim=1)
