@@ -7,7 +7,10 @@ one run gives the whole trace, on a CPU as well as a GPU; what a GPU's speed-up 
 verifying step costs there, in tokens of a multi-step round (``--cost``: ``spec_verify.py`` measures it), with the
 prompts' prefill left out:
 
-    speed-up = tokens / (cost * verifying steps + tokens decoded plainly)
+    speed-up = tokens / (cost * verifying steps + round cost * lookup round steps + tokens decoded plainly)
+
+(a lookup round's steps, core/lookup_round.py, run back to back on the device: ``--round-cost`` for each, whether
+its lookup found proposals or not)
 
     python benchmarks/spec_trace.py --json benchmarks/results/spec_trace_cpu.json
 """
@@ -32,7 +35,7 @@ import spec  # noqa: E402
 from throughput import add_plot_arguments, replotted  # noqa: E402
 
 from paged_backend import LLM, SamplingParams  # noqa: E402
-from paged_backend.core import spec_decode  # noqa: E402
+from paged_backend.core import lookup_round, spec_decode  # noqa: E402
 from paged_backend.demo_checkpoint import default_cache_dir  # noqa: E402
 from paged_backend.entrypoints.demo_model import demo_model  # noqa: E402
 
@@ -51,13 +54,18 @@ def match_length(token_ids: list[int], min_n: int, max_n: int) -> int:
 
 
 def trace(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Every verified row of ``prompts``' requests (one at a time): its lookup's match length, proposals and
-    taken proposals; and the tokens made."""
+    """Every verified row of ``prompts``' requests (one at a time) that the host planned: its lookup's match
+    length, proposals and taken proposals; each step of a lookup round on the device that a row ran before it
+    ended (its proposals, those taken); and the tokens made."""
     config = llm.llm_engine.config.speculative_config
     assert config is not None
     rows: list[tuple[int, int, int]] = []
+    round_steps: list[tuple[int, int]] = []
     matched: dict[int, int] = {}  # sequence id -> the match of its proposals in flight
     drafts, count = spec_decode.DraftPlanner.drafts, spec_decode.DraftPlanner.count
+    scheduler = llm.llm_engine.scheduler
+    update = scheduler.update_from_output
+    in_round = [False]
 
     def drafting(planner: spec_decode.DraftPlanner, seq: Any, budget: int) -> list[int]:
         proposals = drafts(planner, seq, budget)
@@ -66,23 +74,44 @@ def trace(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]
         return proposals
 
     def counting(planner: spec_decode.DraftPlanner, seq: Any, proposed: int, accepted: int) -> None:
-        rows.append((matched.pop(seq.seq_id, 0), proposed, accepted))
+        if not in_round[0]:
+            rows.append((matched.pop(seq.seq_id, 0), proposed, accepted))
         count(planner, seq, proposed, accepted)
+
+    def updating(output: Any, runner_output: Any) -> Any:
+        in_round[0] = output.batch.lookup_round is not None
+        lengths = {id(seq): len(seq.token_ids) for seq in output.sampling_seqs}
+        try:
+            updates = update(output, runner_output)
+        finally:
+            in_round[0] = False
+        for seq, counts in zip(output.sampling_seqs, runner_output.lookup_counts):
+            left = len(seq.token_ids) - lengths[id(seq)]  # the tokens it took (a stop cuts them)
+            for proposed, taken in counts:
+                if left <= 0:
+                    break
+                round_steps.append((proposed, min(taken, left - 1)))
+                left -= taken + 1
+        return updates
 
     spec_decode.DraftPlanner.drafts = drafting  # type: ignore[method-assign]
     spec_decode.DraftPlanner.count = counting  # type: ignore[method-assign]
+    scheduler.update_from_output = updating  # type: ignore[method-assign]
     try:
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         tokens = sum(len(llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids)
                      for p in prompts)  # fmt: skip
     finally:
         spec_decode.DraftPlanner.drafts, spec_decode.DraftPlanner.count = drafts, count  # type: ignore[method-assign]
-    return {"tokens": tokens, "rows": rows}
+        scheduler.update_from_output = update  # type: ignore[method-assign]
+    return {"tokens": tokens, "rows": rows, "round_steps": round_steps}
 
 
-def summary(traced: dict[str, Any], costs: list[float]) -> dict[str, Any]:
-    rows, tokens = traced["rows"], traced["tokens"]
+def summary(traced: dict[str, Any], costs: list[float], round_cost: float) -> dict[str, Any]:
+    rows, tokens, steps = traced["rows"], traced["tokens"], traced["round_steps"]
+    from_rounds = sum(taken + 1 for _, taken in steps)
     verified = sum(accepted + 1 for _, _, accepted in rows)
+    plain = tokens - verified - from_rounds
     by_match: dict[int, list[int]] = collections.defaultdict(list)
     for match, _, accepted in rows:
         by_match[match].append(accepted)
@@ -90,12 +119,15 @@ def summary(traced: dict[str, Any], costs: list[float]) -> dict[str, Any]:
         "tokens": tokens,
         "verifying_steps": len(rows),
         "tokens_from_verifying_steps": verified,
-        "tokens_decoded_plainly": tokens - verified,
+        "lookup_round_steps": len(steps),
+        "lookup_round_steps_without_proposals": sum(proposed == 0 for proposed, _ in steps),
+        "tokens_from_lookup_rounds": from_rounds,
+        "tokens_decoded_plainly": plain,
         "taken_by_match_length": {
             str(m): {"steps": len(a), "mean_taken": statistics.mean(a), "none_taken": sum(x == 0 for x in a) / len(a)}
             for m, a in sorted(by_match.items())
         },
-        "modeled_speedup": {str(c): tokens / (c * len(rows) + tokens - verified) for c in costs},
+        "modeled_speedup": {str(c): tokens / (c * len(rows) + round_cost * len(steps) + plain) for c in costs},
     }
 
 
@@ -134,6 +166,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--cost", type=float, nargs="+", default=[1.2, 1.6, 2.0], help="a verifying step, in tokens")
     parser.add_argument(
+        "--round-cost", type=float, default=1.4, help="a verifying step of a lookup round on the device, in tokens"
+    )
+    parser.add_argument(
+        "--lookup-round-steps", type=int, default=None, help="steps a lookup round on the device (default 4; 0: none)"
+    )
+    parser.add_argument(
         "--min-taken",
         type=float,
         default=None,
@@ -164,6 +202,9 @@ def main() -> None:
         spec_decode.MIN_TAKEN_PER_STEP = args.min_taken
     if args.shadow_min_taken is not None:
         spec_decode.SHADOW_MIN_TAKEN = args.shadow_min_taken
+    if args.lookup_round_steps is not None:  # the engine's module constants, this process only
+        lookup_round.LOOKUP_ROUND_STEPS = max(1, args.lookup_round_steps)
+        lookup_round.LOOKUP_ROUND_MAX_ROWS = lookup_round.LOOKUP_ROUND_MAX_ROWS if args.lookup_round_steps else 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path, real = demo_model(None, default_cache_dir())
     if not real:
@@ -192,12 +233,14 @@ def main() -> None:
             "prompt_lookup_min": llm.llm_engine.config.speculative_config.prompt_lookup_min,  # type: ignore[union-attr]
             "prompt_lookup_max": llm.llm_engine.config.speculative_config.prompt_lookup_max,  # type: ignore[union-attr]
             "async_scheduling": llm.llm_engine.async_scheduling,
+            "lookup_round_steps": lookup_round.LOOKUP_ROUND_STEPS if lookup_round.LOOKUP_ROUND_MAX_ROWS else 0,
+            "round_cost": args.round_cost,
         },
         "workloads": {},
     }
     for name in spec.WORKLOADS:
         prompts = [spec.chat_ids(tokenizer, text) for text in pools[name][: args.prompts]]
-        results["workloads"][name] = found = summary(trace(llm, prompts, args.max_tokens), args.cost)
+        results["workloads"][name] = found = summary(trace(llm, prompts, args.max_tokens), args.cost, args.round_cost)
         logger.info("%s: %s", name, json.dumps(found))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
