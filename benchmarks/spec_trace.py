@@ -148,13 +148,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
             [p + i * width for p in range(len(workloads))], speedups, width, label=f"a verifying step = {cost}"
         )
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    labels = [f"{name}\n{w['tokens_from_verifying_steps'] / w['tokens']:.0%} verified" for name, w in workloads.items()]
+    verified = {name: w["tokens_from_verifying_steps"] + w.get("tokens_from_lookup_rounds", 0) for name, w in
+                workloads.items()}  # fmt: skip
+    labels = [f"{name}\n{verified[name] / w['tokens']:.0%} verified" for name, w in workloads.items()]
     ax.set_xticks([p + width * (len(costs) - 1) / 2 for p in range(len(workloads))], labels)
     ax.axhline(1.0, color="#888", linewidth=0.8)
     ax.set_ylabel("modeled speed-up")
     ax.legend(fontsize=8, title="round tokens", title_fontsize=8)
     pause = results["settings"]["min_taken_per_step"]
-    ax.set_title(f"SmolLM2, prompt lookup k = {results['settings']['k']}, pausing threshold {pause}", fontsize=10)
+    rounds = results["settings"].get("lookup_round_steps")
+    rounds = f", rounds of {rounds} at {results['settings']['round_cost']}" if rounds else ""
+    ax.set_title(f"SmolLM2, prompt lookup k = {results['settings']['k']}, pausing threshold {pause}{rounds}",
+                 fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
