@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 LOOKUP_ROUND_STEPS = 4
 LOOKUP_ROUND_MAX_ROWS = 8  # a round verifies k + 1 tokens a row a step: a small batch's, where the device waits
-# A round goes on while its last one read yielded this many tokens a verifying step (a verifying step costs a GPU
-# about what 1.3 tokens of a multi-step round do when nothing waits for the host: docs/benchmarks.md)
+# A round goes on while its last one read yielded this many tokens a verifying step: a verifying forward of k + 1
+# tokens costs more than a decode's, so a round that yields much less than two a step is better decoded plainly
 LOOKUP_ROUND_MIN_YIELD = 2.0
 
 
