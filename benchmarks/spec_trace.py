@@ -35,7 +35,7 @@ import spec  # noqa: E402
 from throughput import add_plot_arguments, replotted  # noqa: E402
 
 from paged_backend import LLM, SamplingParams  # noqa: E402
-from paged_backend.core import lookup_round, spec_decode  # noqa: E402
+from paged_backend.core import spec_decode  # noqa: E402
 from paged_backend.demo_checkpoint import default_cache_dir  # noqa: E402
 from paged_backend.entrypoints.demo_model import demo_model  # noqa: E402
 
@@ -207,9 +207,7 @@ def main() -> None:
         spec_decode.MIN_TAKEN_PER_STEP = args.min_taken
     if args.shadow_min_taken is not None:
         spec_decode.SHADOW_MIN_TAKEN = args.shadow_min_taken
-    if args.lookup_round_steps is not None:  # the engine's module constants, this process only
-        lookup_round.LOOKUP_ROUND_STEPS = max(1, args.lookup_round_steps)
-        lookup_round.LOOKUP_ROUND_MAX_ROWS = lookup_round.LOOKUP_ROUND_MAX_ROWS if args.lookup_round_steps else 0
+    spec.use_lookup_round_steps(args.lookup_round_steps)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path, real = demo_model(None, default_cache_dir())
     if not real:
@@ -238,7 +236,7 @@ def main() -> None:
             "prompt_lookup_min": llm.llm_engine.config.speculative_config.prompt_lookup_min,  # type: ignore[union-attr]
             "prompt_lookup_max": llm.llm_engine.config.speculative_config.prompt_lookup_max,  # type: ignore[union-attr]
             "async_scheduling": llm.llm_engine.async_scheduling,
-            "lookup_round_steps": lookup_round.LOOKUP_ROUND_STEPS if lookup_round.LOOKUP_ROUND_MAX_ROWS else 0,
+            "lookup_round_steps": spec.lookup_round_steps(),
             "round_cost": args.round_cost,
         },
         "workloads": {},

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from paged_backend.core.multi_step import can_run_ahead
 from paged_backend.core.scheduler_output import LookupRound, ScheduledBatch, SchedulerOutput
 from paged_backend.core.sequence import Sequence, SequenceStatus
+from paged_backend.core.spec_chain import allocate_spans
 from paged_backend.core.spec_decode import DraftPlanner
 from paged_backend.spec_decode.ngram_proposer import NgramProposer
 
@@ -102,26 +103,7 @@ def _runnable(scheduler: Scheduler, drafter: DraftPlanner, seqs: list[Sequence],
             return False
         if not drafter.speculates(seq, n) or len(seq.token_ids) - 1 + n + span > scheduler.max_model_len:
             return False
-    return _allocate(scheduler, seqs, [n + span for n in ahead])
-
-
-def _allocate(scheduler: Scheduler, seqs: list[Sequence], spans: list[int]) -> bool:
-    """Slots for ``spans[i]`` tokens from each row's computed tokens, if they leave the watermark free (proposals
-    never push a request out) and need no copy-on-write copy."""
-    bm = scheduler.block_manager
-    needed = sum(
-        bm.num_new_blocks_needed(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
-        for seq, n in zip(seqs, spans)
-    )
-    if bm.num_free_blocks - needed < bm.watermark_blocks:
-        return False
-    for seq, n in zip(seqs, spans):
-        planned = bm.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
-        if planned is None or planned:
-            if planned:
-                bm.undo_copies(seq.seq_id, planned)
-            return False
-    return True
+    return allocate_spans(scheduler, seqs, [(seq.num_computed_tokens, n + span) for seq, n in zip(seqs, ahead)])
 
 
 def _round_output(

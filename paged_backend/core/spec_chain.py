@@ -70,10 +70,16 @@ def verify_continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> Sch
 
 
 def _allocate(scheduler: Scheduler, seqs: list[Sequence], ahead: list[int], rows: list[list[int]]) -> bool:
-    """Slots for every row, from where the step in flight leaves it, if they leave the watermark free (as a
-    normal step's proposals must: they never push a request out) and need no copy-on-write copy."""
-    bm = scheduler.block_manager
+    """Slots for every row, from where the step in flight leaves it (``allocate_spans``)."""
     spans = [(seq.num_computed_tokens + n, 1 + len(row)) for seq, n, row in zip(seqs, ahead, rows)]
+    return allocate_spans(scheduler, seqs, spans)
+
+
+def allocate_spans(scheduler: Scheduler, seqs: list[Sequence], spans: list[tuple[int, int]]) -> bool:
+    """Slots for each sequence's span (its first position, its tokens) planned ahead of a step, if they leave the
+    watermark free (as a normal step's proposals must: they never push a request out) and need no copy-on-write
+    copy; blocks appended before a refusal stay with their sequences (they fill as it grows)."""
+    bm = scheduler.block_manager
     needed = sum(bm.num_new_blocks_needed(seq.seq_id, start, start + n) for seq, (start, n) in zip(seqs, spans))
     if bm.num_free_blocks - needed < bm.watermark_blocks:
         return False

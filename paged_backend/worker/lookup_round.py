@@ -21,18 +21,10 @@ import torch
 from paged_backend.core.scheduler_output import LookupRound, ModelRunnerOutput, ScheduledBatch
 from paged_backend.spec_decode.device_lookup import device_lookup
 from paged_backend.worker.attention import AttentionMetadata
-from paged_backend.worker.step_inputs import queued_copy
+from paged_backend.worker.step_inputs import block_table_array, queued_copy
 
 if TYPE_CHECKING:
     from paged_backend.worker.model_runner import ModelRunner
-
-
-@dataclass
-class LookupState:
-    """The rows' token ids on the device after the last round queued: ``[B, C]`` and their counts ``[B]``."""
-
-    history: torch.Tensor
-    lens: torch.Tensor
 
 
 @dataclass
@@ -46,35 +38,37 @@ class StepRecord:
     taken: torch.Tensor
 
 
-def launch_lookup_round(
-    runner: ModelRunner, batch: ScheduledBatch, state: LookupState | None
-) -> tuple[PendingLookupRound, LookupState]:
-    """Queue ``batch``'s round (``batch.lookup_round``) from its token ids, or from ``state`` when it continues
-    the round before; returns its output and the rows' state after it."""
-    plan = batch.lookup_round
-    assert plan is not None
-    device = runner.device
-    if plan.history is None:
-        if state is None or state.lens.shape[0] != batch.num_seqs:
+class LookupRounds:
+    """A model runner's lookup rounds, and its rows' token ids on the device after the last one queued
+    (``[B, C]``, their counts ``[B]``), which a round queued behind it continues."""
+
+    def __init__(self) -> None:
+        self.history: torch.Tensor | None = None
+        self.lens: torch.Tensor | None = None
+
+    def launch(self, runner: ModelRunner, batch: ScheduledBatch) -> PendingLookupRound:
+        """Queue ``batch``'s round (``batch.lookup_round``) from its token ids, or from where the round before
+        left its rows."""
+        plan = batch.lookup_round
+        assert plan is not None
+        device = runner.device
+        if plan.history is not None:
+            rows = torch.zeros(batch.num_seqs, plan.capacity, dtype=torch.long)
+            for row, ids in enumerate(plan.history):
+                rows[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            self.history = queued_copy(rows, device)
+            self.lens = queued_copy(torch.tensor([len(ids) for ids in plan.history], dtype=torch.long), device)
+        history, lens = self.history, self.lens
+        if history is None or lens is None or lens.shape[0] != batch.num_seqs:
             raise RuntimeError("a lookup round continues the round before, but no round of its rows was queued")
-        history, lens = state.history, state.lens
-    else:
-        rows = torch.zeros(batch.num_seqs, plan.capacity, dtype=torch.long)
-        for row, ids in enumerate(plan.history):
-            rows[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        history = queued_copy(rows, device)
-        lens = queued_copy(torch.tensor([len(ids) for ids in plan.history], dtype=torch.long), device)
-    width = max(len(table) for table in batch.block_tables)
-    tables = torch.zeros(batch.num_seqs, width, dtype=torch.int32)
-    for row, table in enumerate(batch.block_tables):
-        tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    tables = queued_copy(tables, device)
-    max_lens = queued_copy(torch.tensor(plan.max_lens, dtype=torch.long), device)
-    records = []
-    for _ in range(plan.num_steps):
-        record, history, lens = verify_step(runner, plan, history, lens, tables, max_lens)
-        records.append(record)
-    return PendingLookupRound(records), LookupState(history, lens)
+        tables = queued_copy(torch.from_numpy(block_table_array(batch.block_tables)), device)
+        max_lens = queued_copy(torch.tensor(plan.max_lens, dtype=torch.long), device)
+        records = []
+        for _ in range(plan.num_steps):
+            record, history, lens = verify_step(runner, plan, history, lens, tables, max_lens)
+            records.append(record)
+        self.history, self.lens = history, lens
+        return PendingLookupRound(records)
 
 
 def verify_step(

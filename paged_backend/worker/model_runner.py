@@ -41,7 +41,7 @@ from paged_backend.worker.cuda_graphs import CUDAGraphRunner, keep_agreed
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
 from paged_backend.worker.invariant_siblings import SiblingProducts, packed_siblings
-from paged_backend.worker.lookup_round import LookupState, launch_lookup_round
+from paged_backend.worker.lookup_round import LookupRounds
 from paged_backend.worker.mixed_graphs import MixedGraphRunner, mixed_capture_sizes
 from paged_backend.worker.sampler import RoundBias, Sampler
 from paged_backend.worker.step_inputs import (
@@ -101,7 +101,7 @@ class ModelRunner:
         self._recapture = False  # sleep() dropped CUDA graphs that wake_up() captures again
         self._last_round: tuple[torch.Tensor, list[int]] | None = None  # its tokens [K, B] and rows' steps
         self._unread: DeferredOutput | None = None  # the last single step, until it is sampled
-        self._lookup_state: LookupState | None = None  # the rows of the last lookup round queued, on the device
+        self.lookup_rounds = LookupRounds()  # its rows' state on the device, for the round queued behind
         self._round_parity = 0  # which half of the graphs' staging buffers the last round used
         self.calibrate_kv_scales = False  # the warm-ups below never calibrate
         self._graph_shape = (max_num_seqs, max(2, math.ceil(max_model_len / self.block_size)), num_scheduler_steps)
@@ -236,8 +236,7 @@ class ModelRunner:
             self.cache_engine.write_tokens(prompt_kv, table, self.model.dtype)
         if batch.lookup_round is not None:  # proposals looked up on the device (worker/lookup_round.py)
             self._last_round = None
-            pending, self._lookup_state = launch_lookup_round(self, batch, self._lookup_state)
-            return pending
+            return self.lookup_rounds.launch(self, batch)
         inputs = build_step_inputs(batch, self.block_size)
         if batch.num_steps is None:
             self._last_round = None

@@ -74,11 +74,7 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
     starts = np.asarray(batch.num_computed_tokens, dtype=np.int64)  # [B]
     cu = np.zeros(len(num_new) + 1, dtype=np.int64)
     np.cumsum(num_new, out=cu[1:])
-    tables = batch.block_tables
-    width = max(len(t) for t in tables)
-    block_tables = np.zeros((len(tables), width), dtype=np.int32)  # [B, W]
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = t
+    block_tables = block_table_array(batch.block_tables)  # [B, W]
     owner = np.repeat(np.arange(len(num_new)), num_new)  # [T]
     positions = np.arange(int(cu[-1]), dtype=np.int64) - cu[owner] + starts[owner]  # [T]
     slot_mapping = block_tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
@@ -91,6 +87,14 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         context_lens=torch.from_numpy(starts + num_new),
         logits_indices=torch.from_numpy(_logits_indices(batch, cu)),
     )
+
+
+def block_table_array(tables: list[list[int]]) -> np.ndarray:
+    """The rows' block tables as one ``[B, W]`` int32 array, each padded with zeros to the longest."""
+    array = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for i, t in enumerate(tables):
+        array[i, : len(t)] = t
+    return array
 
 
 def _logits_indices(batch: ScheduledBatch, cu: np.ndarray) -> np.ndarray:
