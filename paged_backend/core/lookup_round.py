@@ -7,8 +7,11 @@ take longer than a small model's forward: the device idles between verifying ste
 so the device runs verifying steps back to back as it runs a multi-step round's decodes. A round costs every row
 ``k + 1`` tokens a step whether its lookup finds anything or not, so it runs only where copying pays: a batch of
 greedy rows (``multi_step.can_run_ahead``) each proposed for by the host this step, after a verifying step that
-took all its proposals, and the next round is queued while the last round read yielded ``LOOKUP_ROUND_MIN_YIELD``
-tokens a step or more; otherwise the host's verifying steps and pauses (core/spec_decode.py) go on as before. A
+took all its proposals. A round started so is read before another is queued: a host step that took a few proposals
+is weak evidence (in open chat the copy mostly ends there, and a round queued blindly behind it would cost its
+steps for a token each). After a round read that yielded ``LOOKUP_ROUND_MIN_YIELD`` tokens a step or more, the next
+is queued behind each round, before it is read; otherwise the host's verifying steps and pauses
+(core/spec_decode.py) go on as before. A
 round is no longer than its rows' ``max_tokens`` likely leave at that yield. Each row holds slots for every token
 the rounds in flight could take (``k + 1`` a step); those it does not take lie past its length and are written
 over later. A row the round ended (a stop token, ``max_tokens``) takes its tokens up to the end, the rest
@@ -31,6 +34,9 @@ if TYPE_CHECKING:
     from paged_backend.core.scheduler import Scheduler
 
 LOOKUP_ROUND_STEPS = 4
+# A round started from a host step (the host saw its row take every proposal) knows less of what its lookups will
+# find than one queued after a round read that paid: it runs this many steps, then is read before the next
+LOOKUP_FIRST_ROUND_STEPS = 4
 LOOKUP_ROUND_MAX_ROWS = 8  # a round verifies k + 1 tokens a row a step: a small batch's, where the device waits
 # A round goes on while its last one read yielded this many tokens a verifying step: a verifying forward of k + 1
 # tokens costs more than a decode's, so a round that yields much less than two a step is better decoded plainly
@@ -48,7 +54,7 @@ def lookup_round(scheduler: Scheduler, output: SchedulerOutput) -> SchedulerOutp
     seqs = output.seqs
     if not all(drafts and seq.spec_took_all for seq, drafts in zip(seqs, batch.draft_token_ids)):
         return None
-    steps = _round_steps(seqs, 0)
+    steps = min(LOOKUP_FIRST_ROUND_STEPS, _round_steps(seqs, 0))
     if steps == 0 or not _runnable(scheduler, drafter, seqs, [0] * len(seqs), steps):
         return None
     return _round_output(scheduler, drafter, seqs, steps, [list(seq.token_ids) for seq in seqs])
@@ -56,12 +62,12 @@ def lookup_round(scheduler: Scheduler, output: SchedulerOutput) -> SchedulerOutp
 
 def lookup_continuation(scheduler: Scheduler, in_flight: SchedulerOutput) -> SchedulerOutput | None:
     """The lookup round after ``in_flight`` (one queued, not read), from where the device leaves its rows; None
-    when a row's last round read yielded too little, or what ``_runnable`` refuses."""
+    unless every row's last step read was a round that yielded enough, or what ``_runnable`` refuses."""
     drafter, plan = scheduler.drafter, in_flight.batch.lookup_round
     if drafter is None or plan is None:
         return None
     seqs = in_flight.seqs
-    if not all(seq.spec_took_all for seq in seqs):
+    if not all(seq.lookup_round_paid for seq in seqs):
         return None
     ahead = plan.num_steps * (plan.num_speculative_tokens + 1)  # the most each row takes in the round in flight
     steps = _round_steps(seqs, plan.num_steps)
@@ -154,4 +160,5 @@ def observe_lookup_round(drafter: DraftPlanner, seq: Sequence, counts: list[tupl
             drafter.count(seq, proposed, min(taken, num_taken))
         num_taken -= taken + 1
         steps += 1
-    seq.spec_took_all = steps > 0 and sum(t + 1 for _, t in counts[:steps]) >= LOOKUP_ROUND_MIN_YIELD * steps
+    paid = steps > 0 and sum(t + 1 for _, t in counts[:steps]) >= LOOKUP_ROUND_MIN_YIELD * steps
+    seq.spec_took_all = seq.lookup_round_paid = paid

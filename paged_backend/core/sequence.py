@@ -95,6 +95,8 @@ class Sequence:
     spec_shadow: tuple[int, list[int]] = field(default_factory=lambda: (0, []))
     spec_shadow_holds: bool = False  # its shadow guess matched SHADOW_HOLD_MATCH tokens: rounds wait for its check
     spec_took_all: bool = True  # its last verifying step took every proposal: core/spec_chain.py chains only then
+    # its last step was a lookup round, read, that yielded enough a step to go on (core/lookup_round.py)
+    lookup_round_paid: bool = False
 
     @property
     def params(self) -> SamplingParams:

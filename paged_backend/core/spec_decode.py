@@ -134,6 +134,7 @@ class DraftPlanner:
         ``guesses`` for its next tokens are kept for its next step."""
         if isinstance(self.proposer, DraftModelProposals) and goes_on:
             self.proposer.put(seq.seq_id, len(seq.token_ids), guesses)
+        seq.lookup_round_paid = False  # a step planned on the host: no round of the device's was read last
         if proposed:
             self.count(seq, len(proposed), taken_proposals(taken, proposed))
         elif goes_on and self.active(num_running):
