@@ -141,17 +141,26 @@ def test_rounds_end_where_their_yield_drops(tokenizer, monkeypatch) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a GPU only")
+@pytest.mark.parametrize("whole_step", [True, False], ids=["lookup_graphs", "verify_graphs_only"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_gpu_engine_runs_rounds_in_the_verifying_graphs_with_hf_greedy(tokenizer, dtype: str) -> None:
-    """Compiled layers and captured graphs: one stream (a padded graph bucket) and a batch of three."""
+def test_a_gpu_engine_runs_rounds_in_the_verifying_graphs_with_hf_greedy(
+    tokenizer, dtype: str, whole_step: bool
+) -> None:
+    """Compiled layers and captured graphs: one stream (a padded graph bucket) and a batch of three, each step
+    replayed whole (worker/lookup_graphs.py) or its forward alone (the lookup and acceptance launched eagerly)."""
     model = copying_model().to("cuda", getattr(torch, dtype))
     prompts = orbit_prompts(model)
     llm = LLM(model, tokenizer=tokenizer, num_kv_blocks=256, max_model_len=160, speculative_config=SPEC)
     runner = llm.llm_engine.executor.model_runner
-    assert runner.verify_graphs is not None and runner.verify_graphs.graphs
+    assert runner.verify_graphs is not None and runner.verify_graphs.graphs and runner.lookup_graphs is not None
     replays = []
-    replay = runner.verify_graphs.run_rows
-    runner.verify_graphs.run_rows = lambda *args: replays.append(args[3].shape[0]) or replay(*args)
+    if whole_step:
+        step = runner.lookup_graphs.step
+        runner.lookup_graphs.step = lambda size, rows: replays.append(rows) or step(size, rows)
+    else:
+        runner.lookup_graphs = None
+        replay = runner.verify_graphs.run_rows
+        runner.verify_graphs.run_rows = lambda *args: replays.append(args[3].shape[0]) or replay(*args)
     params = SamplingParams(temperature=0, max_tokens=40)
     outs = [llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)[0]]
     outs += llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -159,6 +168,49 @@ def test_a_gpu_engine_runs_rounds_in_the_verifying_graphs_with_hf_greedy(tokeniz
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40), prompt
     assert 1 in replays and 3 in replays, replays
     assert_idle(llm)
+
+
+def test_the_captured_step_halves_equal_the_eager_step() -> None:
+    """worker/lookup_graphs.py's two halves around the verifying forward, run here uncaptured on a CPU (``before``,
+    the forward over the static buffers, ``after``), against the eager step over the same rows: three rows in a
+    bucket of four (one padding row, which writes no slot and keeps its count), three steps in a row, the rows'
+    token ids and counts carried in the static buffers from step to step."""
+    from paged_backend.core.scheduler_output import LookupRound
+    from paged_backend.worker.cuda_graphs import CUDAGraphRunner
+    from paged_backend.worker.lookup_graphs import LookupGraphs
+    from paged_backend.worker.lookup_round import verify_step
+
+    model = copying_model()
+    prompts = orbit_prompts(model)
+    llm = LLM(model, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, max_model_len=160)
+    runner = llm.llm_engine.executor.model_runner
+    k, ngrams, width = SPEC["num_speculative_tokens"], (2, 3), runner._graph_shape[1]
+    verify = CUDAGraphRunner(runner._model_forward, 4, width, torch.device("cpu"), q_len=k + 1)
+    graphs = LookupGraphs(verify, ngrams, runner.block_size, runner.sampler.greedy)
+    tables = torch.arange(3 * width, dtype=torch.int32).view(3, width)  # every row its own blocks
+    plan = LookupRound(num_steps=3, num_speculative_tokens=k, ngram_sizes=ngrams, max_lens=[160, 160, 40],
+                       capacity=160, history=prompts)  # fmt: skip
+    size = graphs.start(plan.history, plan.max_lens, tables)
+    assert size == 4
+    captured = []
+    with torch.inference_mode():
+        for _ in range(plan.num_steps):
+            graphs.found[size] = graphs._before(size)
+            verify.outputs[size] = verify._run(size)
+            graphs.records[size] = graphs._after(size)
+            captured.append(graphs.records[size][:3].clone())
+        assert verify.static_ints[2, 3 * (k + 1) : 4 * (k + 1)].eq(-1).all() and graphs.lens[3] == 1
+        history = torch.zeros(3, 160, dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            history[row, : len(ids)] = torch.tensor(ids)
+        lens = torch.tensor([len(ids) for ids in prompts])
+        max_lens = torch.tensor(plan.max_lens)
+        eager = [verify_step(runner, plan, history, lens, tables, max_lens) for _ in range(plan.num_steps)]
+    for got, want in zip(captured, eager):
+        assert torch.equal(got[:, : k + 1], want[:, : k + 1]) and torch.equal(got[:, -2:], want[:, -2:])
+        torch.testing.assert_close(got[:, k + 1 : -2], want[:, k + 1 : -2])
+    assert sum(step[:, -1].sum() for step in eager) > 0  # proposals were taken: the halves were tested on them
+    assert torch.equal(graphs.lens[:3], lens) and torch.equal(graphs.history[:3], history)
 
 
 def test_a_round_is_no_longer_than_max_tokens_likely_leaves() -> None:

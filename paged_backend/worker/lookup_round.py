@@ -6,52 +6,53 @@ and the launch: on a small model that wait is longer than the forward. Here ever
 device (``history``, ``lens``): a step's inputs are the row's last token and the lookup's ``k`` proposal slots,
 at the positions after it; the greedy token of every position is taken while the proposals match, then one of
 the model's own (exactly what the host's verifying step takes, worker/rejection_sampler.py), and the taken tokens
-are written on. Every row runs ``k + 1`` tokens a step whatever its lookup found (a fixed shape: the verifying
-steps' CUDA graphs); slots a lookup left empty are verified for nothing, and their KV, like a rejected proposal's,
-lies past the row's length, written over later. A round queued behind another continues its device state.
+are written on (worker/lookup_step.py). Every row runs ``k + 1`` tokens a step whatever its lookup found (a fixed
+shape: the verifying steps' CUDA graphs, around which worker/lookup_graphs.py captures the rest of the step);
+slots a lookup left empty are verified for nothing, and their KV, like a rejected proposal's, lies past the row's
+length, written over later. A round queued behind another continues its device state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from paged_backend.core.scheduler_output import LookupRound, ModelRunnerOutput, ScheduledBatch
-from paged_backend.spec_decode.device_lookup import device_lookup
 from paged_backend.worker.attention import AttentionMetadata
+from paged_backend.worker.lookup_step import LookupInputs, take_tokens
 from paged_backend.worker.step_inputs import block_table_array, queued_copy
 
 if TYPE_CHECKING:
     from paged_backend.worker.model_runner import ModelRunner
 
 
-@dataclass
-class StepRecord:
-    """One verifying step of a round, on the device: every position's greedy token and its logprob ``[B, k + 1]``,
-    the proposals the lookup made and those taken ``[B]``."""
-
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    proposed: torch.Tensor
-    taken: torch.Tensor
-
-
 class LookupRounds:
     """A model runner's lookup rounds, and its rows' token ids on the device after the last one queued
-    (``[B, C]``, their counts ``[B]``), which a round queued behind it continues."""
+    (``[B, C]``, their counts ``[B]``), which a round queued behind it continues: in the verifying steps' CUDA
+    graphs (worker/lookup_graphs.py, which then holds them) where they hold the batch, else eagerly."""
 
     def __init__(self) -> None:
         self.history: torch.Tensor | None = None
         self.lens: torch.Tensor | None = None
+        self.on_graphs = False  # the last round's rows are in the runner's LookupGraphs
 
     def launch(self, runner: ModelRunner, batch: ScheduledBatch) -> PendingLookupRound:
         """Queue ``batch``'s round (``batch.lookup_round``) from its token ids, or from where the round before
         left its rows."""
         plan = batch.lookup_round
         assert plan is not None
-        device = runner.device
+        device, graphs = runner.device, runner.lookup_graphs
+        tables = queued_copy(torch.from_numpy(block_table_array(batch.block_tables)), device)
+        on_graphs = graphs is not None and graphs.holds(
+            batch.num_seqs, plan.num_speculative_tokens, plan.ngram_sizes, plan.capacity
+        )
+        if plan.history is None and on_graphs != self.on_graphs:
+            raise RuntimeError("a lookup round continues the round before, but no round of its rows was queued")
+        self.on_graphs = on_graphs
+        if graphs is not None and on_graphs:
+            size = graphs.start(plan.history, plan.max_lens, tables)
+            return PendingLookupRound([graphs.step(size, batch.num_seqs) for _ in range(plan.num_steps)])
         if plan.history is not None:
             rows = torch.zeros(batch.num_seqs, plan.capacity, dtype=torch.long)
             for row, ids in enumerate(plan.history):
@@ -61,14 +62,9 @@ class LookupRounds:
         history, lens = self.history, self.lens
         if history is None or lens is None or lens.shape[0] != batch.num_seqs:
             raise RuntimeError("a lookup round continues the round before, but no round of its rows was queued")
-        tables = queued_copy(torch.from_numpy(block_table_array(batch.block_tables)), device)
         max_lens = queued_copy(torch.tensor(plan.max_lens, dtype=torch.long), device)
-        records = []
-        for _ in range(plan.num_steps):
-            record, history, lens = verify_step(runner, plan, history, lens, tables, max_lens)
-            records.append(record)
-        self.history, self.lens = history, lens
-        return PendingLookupRound(records)
+        return PendingLookupRound([verify_step(runner, plan, history, lens, tables, max_lens) for _ in
+                                   range(plan.num_steps)])  # fmt: skip
 
 
 def verify_step(
@@ -78,24 +74,14 @@ def verify_step(
     lens: torch.Tensor,
     tables: torch.Tensor,
     max_lens: torch.Tensor,
-) -> tuple[StepRecord, torch.Tensor, torch.Tensor]:
-    """One step of the round: lookup, forward, the taken tokens written on."""
-    k, block_size = plan.num_speculative_tokens, runner.block_size
-    slots_k = torch.arange(k + 1, device=history.device)
-    proposals, proposed = device_lookup(history, lens, *plan.ngram_sizes, k)
-    # none past the row's length limit: the token after the last proposal is the model's own and must fit too
-    proposed = torch.minimum(proposed, (max_lens - lens - 1).clamp(min=0))
-    ids = torch.cat([history.gather(1, (lens - 1)[:, None]), proposals], dim=1)  # [B, k + 1]
-    positions = (lens - 1)[:, None] + slots_k
-    slots = tables.gather(1, positions // block_size).long() * block_size + positions % block_size
-    logits = forward_rows(runner, ids, positions, slots, lens + k, tables)
-    tokens, logprobs = (t.view(ids.shape) for t in runner.sampler.greedy(logits))
-    matches = (tokens[:, :k] == proposals) & (slots_k[None, :k] < proposed[:, None])
-    taken = matches.long().cumprod(dim=1).sum(dim=1)  # [B] proposals taken, then the model's own token
-    at = (lens[:, None] + slots_k).clamp(max=history.shape[1] - 1)
-    written = torch.where(slots_k[None, :] <= taken[:, None], tokens, history.gather(1, at))
-    history = history.scatter(1, at, written)
-    return StepRecord(tokens, logprobs, proposed, taken), history, lens + taken + 1
+) -> torch.Tensor:
+    """One step of the round, eagerly: lookup, forward, the taken tokens written on (``history`` and ``lens`` in
+    place); its record (``take_tokens``)."""
+    k = plan.num_speculative_tokens
+    inputs = LookupInputs(history, lens, max_lens, tables, plan.ngram_sizes, k, runner.block_size)
+    logits = forward_rows(runner, inputs.ids, inputs.positions, inputs.slots, lens + k, tables)
+    tokens, logprobs = (t.view(inputs.ids.shape) for t in runner.sampler.greedy(logits))
+    return take_tokens(inputs.proposals, inputs.proposed, tokens, logprobs, history, lens)
 
 
 def forward_rows(
@@ -139,14 +125,12 @@ def forward_rows(
 class PendingLookupRound:
     """A queued lookup round's steps, copied to pinned host memory behind its last step on a GPU."""
 
-    def __init__(self, records: list[StepRecord]) -> None:
+    def __init__(self, records: list[torch.Tensor]) -> None:  # each step's ``take_tokens`` record [B, 2 (k + 1) + 2]
         self.num_steps = len(records)
-        tokens = torch.stack([r.tokens for r in records])  # [R, B, k + 1]
-        counts = torch.stack([torch.stack([r.proposed, r.taken], dim=1) for r in records])  # [R, B, 2]
-        both = torch.cat([tokens.double(), torch.stack([r.logprobs for r in records]).double(), counts.double()], -1)
+        both = torch.stack(records)  # [R, B, 2 (k + 1) + 2]
         on_gpu = both.device.type == "cuda"
         self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=on_gpu)
-        self.host.copy_(both, non_blocking=on_gpu)  # token ids < 2**53 are exact in float64
+        self.host.copy_(both, non_blocking=on_gpu)
         self.event: torch.cuda.Event | None = None
         if on_gpu:
             self.event = torch.cuda.Event()

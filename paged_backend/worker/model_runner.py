@@ -41,6 +41,7 @@ from paged_backend.worker.cuda_graphs import CUDAGraphRunner, keep_agreed
 from paged_backend.worker.fuse_linears import PackingBackend
 from paged_backend.worker.hf_forward import hf_forward, takes_logits_to_keep
 from paged_backend.worker.invariant_siblings import SiblingProducts, packed_siblings
+from paged_backend.worker.lookup_graphs import LookupGraphs
 from paged_backend.worker.lookup_round import LookupRounds
 from paged_backend.worker.mixed_graphs import MixedGraphRunner, mixed_capture_sizes
 from paged_backend.worker.sampler import RoundBias, Sampler
@@ -78,6 +79,7 @@ class ModelRunner:
         calculate_kv_scales: bool = False,
         logprobs_mode: str = "raw_logprobs",
         verify_shape: tuple[int, int] | None = None,  # speculative decoding: (tokens a row, rows) of its graphs
+        lookup_ngrams: tuple[int, int] | None = None,  # prompt lookup's n-gram sizes, for its rounds' graphs
         max_num_batched_tokens: int = 0,  # steps with prompt tokens replay graphs up to this many (0: none)
         agree: Callable[[int], int] | None = None,  # tensor parallelism: the minimum of a value over the ranks
     ) -> None:
@@ -91,12 +93,15 @@ class ModelRunner:
         self.block_size = cache_engine.block_size
         self.switch = PagedAttentionSwitch(model, cache_engine.kv_caches, cache_engine.kv_scales)
         self.keeps_logits = takes_logits_to_keep(model)
+        # (input_ids [T], positions [T], metadata, logits_indices [N], prompt_embeds) -> [N, V]
+        self._model_forward: Callable[..., torch.Tensor] = functools.partial(hf_forward, model, self.keeps_logits)
         self.regions: RegionalCompile | None = None
         self.graphs: CUDAGraphRunner | None = None
         self.verify_graphs: CUDAGraphRunner | None = None  # steps whose rows are short: verifying ones
         self.mixed_graphs: MixedGraphRunner | None = None  # steps with prompt tokens, up to a few hundred
         self.mixed_sizes = mixed_capture_sizes(max_num_batched_tokens)
-        self.verify_shape, self.agree = verify_shape, agree
+        self.verify_shape, self.lookup_ngrams, self.agree = verify_shape, lookup_ngrams, agree
+        self.lookup_graphs: LookupGraphs | None = None  # the rest of a lookup round's step, around verify_graphs'
         self.weights: WeightAddresses | None = None
         self._recapture = False  # sleep() dropped CUDA graphs that wake_up() captures again
         self._last_round: tuple[torch.Tensor, list[int]] | None = None  # its tokens [K, B] and rows' steps
@@ -128,10 +133,14 @@ class ModelRunner:
             if self.verify_shape is not None:
                 q_len, rows = self.verify_shape
                 self.verify_graphs = CUDAGraphRunner(forward, rows, width, self.device, 1, invariant, q_len)
+                if self.lookup_ngrams is not None:
+                    self.lookup_graphs = LookupGraphs(
+                        self.verify_graphs, self.lookup_ngrams, self.block_size, self.sampler.greedy
+                    )
             if self.mixed_sizes:
                 rows = self.graphs.max_size
                 self.mixed_graphs = MixedGraphRunner(forward, self.mixed_sizes, rows, width, self.device, invariant)
-        names = ["graphs", "verify_graphs", "mixed_graphs"]  # the steady state's first, if memory runs short
+        names = ["graphs", "verify_graphs", "mixed_graphs", "lookup_graphs"]  # the steady state's first
         for name in names:
             runner = getattr(self, name)
             try:
@@ -148,7 +157,7 @@ class ModelRunner:
     def sleep(self) -> None:
         """Free the KV cache and the CUDA graphs (and their memory pools); the weights are the user's and stay."""
         self._recapture = self._has_graphs()
-        self.graphs, self.verify_graphs, self.mixed_graphs = None, None, None
+        self.graphs, self.verify_graphs, self.mixed_graphs, self.lookup_graphs = None, None, None, None
         self.cache_engine.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -388,13 +397,3 @@ class ModelRunner:
                 copies.add(token, logprob)
             previous = token
         return torch.stack(tokens), torch.stack(logprobs), last_steps, copies
-
-    def _model_forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        metadata: AttentionMetadata,
-        logits_indices: torch.Tensor,  # [N]
-        prompt_embeds: EmbedsPieces = (),
-    ) -> torch.Tensor:  # [N, V]
-        return hf_forward(self.model, self.keeps_logits, input_ids, positions, metadata, logits_indices, prompt_embeds)

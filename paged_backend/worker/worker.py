@@ -173,6 +173,7 @@ class Worker:
             calculate_kv_scales=config.cache_config.calculate_kv_scales,
             logprobs_mode=config.model_config.logprobs_mode,
             verify_shape=verify_shape(config),
+            lookup_ngrams=lookup_ngrams(config),
             max_num_batched_tokens=config.max_num_batched_tokens,
             agree=self.agree,
         )
@@ -242,6 +243,15 @@ def verify_shape(config: EngineConfig) -> tuple[int, int] | None:
         return None
     q_len = spec.num_speculative_tokens + 1
     return q_len, max(1, min(proposal_rows(config), config.max_num_batched_tokens // q_len))
+
+
+def lookup_ngrams(config: EngineConfig) -> tuple[int, int] | None:
+    """Prompt lookup's n-gram sizes where its rounds run on the device (one worker: core/lookup_round.py), for
+    their CUDA graphs."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "ngram" or config.parallel_config.tensor_parallel_size > 1:
+        return None
+    return spec.ngram_sizes()
 
 
 def check_draft_positions(draft: PreTrainedModel, max_model_len: int) -> None:
