@@ -6,9 +6,9 @@ margin (``decisive``: else bf16 ties on random weights break otherwise in a veri
 
     python benchmarks/spec_verify.py --shape 8b --k 2,4,8 --json benchmarks/results/spec_verify_<card>_<commit>.json
 
-Shapes: ``8b`` (Llama-3-8B, the throughput benchmark's), ``smollm2`` (SmolLM2-135M). One prompt of 512 random
-tokens, 256 new tokens, greedy; ``--repetitions`` fresh prompts a backend (the spread is min-max), each after an
-untimed warm-up on its own prompt. Backends:
+Shapes: ``8b`` (Llama-3-8B, the throughput benchmark's), ``smollm2`` (SmolLM2-135M, its head untied: see
+``SHAPES``). One prompt of 512 random tokens, 256 new tokens, greedy; ``--repetitions`` fresh prompts a backend (the
+spread is min-max), each after an untimed warm-up on its own prompt. Backends:
 
 - ``engine``: the engine's defaults (multi-step rounds, async scheduling);
 - ``engine_spec_all_k<k>``: ``speculative_config`` with ``num_speculative_tokens`` k, proposals replayed from the
@@ -58,8 +58,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "8b": MODEL_CONFIG,
     "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
-                    rms_norm_eps=1e-5, tie_word_embeddings=True),
+                    rms_norm_eps=1e-5, tie_word_embeddings=False),
 }  # fmt: skip
+# SmolLM2's head is tied to its embedding; here it is not: on ``decisive`` weights a tied head makes every token its
+# own greedy successor, and a text of one token repeated holds nothing for prompt lookup to copy at length. A step
+# reads the head's [V, H] matrix either way (the embedding gives one row a token), so its bytes are the model's.
 PROMPT_TOKENS, NEW_TOKENS = 512, 256
 COPY_MARGIN = 40  # continuation tokens past NEW_TOKENS in a copying prompt: its last lookups still find k
 judge = spec_decode.judge
