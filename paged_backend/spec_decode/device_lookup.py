@@ -25,14 +25,18 @@ def device_lookup(
     ends = torch.arange(capacity, device=device)  # [C] candidate ends
     backs = torch.arange(max_n, device=device)  # [N] tokens back from an end
     last = lens - 1  # [B] the position of each row's last token
-    # [B, C, N]: the token ``back`` before each end (-1 before the row's start: never a token id)
+    # the token ``back`` before each end (-1 before the row's start: never a token id), back by back: [B, C] at a
+    # time, not [B, C, N], which a long max_model_len makes large
     earlier = torch.cat([history.new_full((history.shape[0], max_n - 1), -1), history], dim=1)
-    before = earlier.unfold(1, max_n, 1).flip(2)
     target = history.gather(1, (last[:, None] - backs).clamp(min=0))  # [B, N] the last token's, ``back`` before
     # the host compares back to min(max_n, length - 1) tokens: the last token's run never reaches position 0
     usable = backs[None, :] < last.clamp(min=1)[:, None]  # [B, N]
-    run = ((before == target[:, None, :]) & usable[:, None, :]).long().cumprod(dim=2)
-    matched = run.sum(dim=2) * (ends[None, :] < last[:, None])  # [B, C] an end before the last token
+    alive = ends[None, :] < last[:, None]  # [B, C] an end before the last token, its run unbroken so far
+    matched = torch.zeros_like(history)
+    for back in range(max_n):
+        before = earlier[:, max_n - 1 - back : max_n - 1 - back + capacity]  # [B, C]
+        alive = alive & (before == target[:, back : back + 1]) & usable[:, back : back + 1]
+        matched += alive
     found = matched >= min_n
     score = torch.where(found, matched * capacity + ends[None, :], -1)  # longest first, then the latest end
     best, end = score.max(dim=1)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from paged_backend.core.lookup_round import LOOKUP_ROUND_MAX_ROWS
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner, capture_buckets
 from paged_backend.worker.lookup_step import LookupInputs, take_tokens
 from paged_backend.worker.step_inputs import queued_copy
@@ -41,13 +42,15 @@ class LookupGraphs:
         """Whether a round of ``num_seqs`` rows with these settings replays these graphs (a lookup finds the same
         in wider buffers: columns past a row's count are never matched)."""
         shape = (k, ngram_sizes) == (self.k, self.ngram_sizes) and capacity <= self.capacity
-        return bool(self.after) and shape and num_seqs <= self.verify.max_size
+        return shape and any(size >= num_seqs for size in self.after)
 
     def capture(self) -> None:
-        """Both sides for every bucket the verifying graphs have (captured first: ``after`` reads their output)."""
+        """Both sides for the verifying graphs' buckets (captured first: ``after`` reads their output) up to the
+        first that holds a round's rows (core/lookup_round.py plans no more)."""
         if not self.verify.graphs:
             raise RuntimeError("the verifying steps' graphs were not captured")
-        sizes = sorted(self.verify.graphs)
+        largest = min(size for size in self.verify.graphs if size >= min(LOOKUP_ROUND_MAX_ROWS, self.verify.max_size))
+        sizes = [size for size in self.verify.graphs if size <= largest]
         self.before, self.found = capture_buckets(sizes, self._before, self.verify.device)
         self.after, self.records = capture_buckets(sizes, self._after, self.verify.device)
         self.lens.fill_(1)  # the captures' warm-up runs counted tokens on the padding
@@ -78,7 +81,7 @@ class LookupGraphs:
         """A round over ``len(max_lens)`` rows: their token ids (None: the rows the last round left, continued)
         and block tables ``[B, W]`` (int32, on the device) put in place; the bucket it replays."""
         num_seqs, verify = len(max_lens), self.verify
-        size = next(s for s in verify.sizes if s >= num_seqs)
+        size = next(s for s in verify.sizes if s >= num_seqs)  # captured: see holds()
         device = self.history.device
         if rows is not None:
             ids = torch.zeros(size, self.capacity, dtype=torch.long)
