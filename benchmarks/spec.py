@@ -22,13 +22,15 @@ tokens, n-grams of the engine's default sizes unless ``--lookup-min``/``--lookup
 ``settings.ngram_sizes``), ``hf`` and ``hf_lookup``. A figure is the
 generated tokens over the summed wall time of a repetition's requests; the spread is over repetitions. The mean
 accepted length is vLLM's: tokens a verifying step yields, 1 + taken proposals / verified rows; ``lookup_rounds``
-counts a repetition's rounds of verifying steps on the device (core/lookup_round.py).
+counts a repetition's rounds of verifying steps on the device (core/lookup_round.py), and each engine's ``steps``
+its steps by kind (``step_kind``): where a repetition's time may go, beside the tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import logging
 import platform
 import re
@@ -159,19 +161,31 @@ def lookup_round_settings() -> dict[str, int]:
     return {"lookup_round_steps": steps, "lookup_first_round_steps": min(steps, lookup_round.LOOKUP_FIRST_ROUND_STEPS)}
 
 
-def count_lookup_rounds(llm: LLM) -> list[int]:
-    """A counter (reset by the caller) of the rounds of verifying steps the engine runs on the device
-    (core/lookup_round.py)."""
-    count = [0]
+def step_kind(batch: Any) -> str:
+    """What a launched step is: a lookup round on the device, a verifying step (``verify_chained``: queued behind
+    the one before, core/spec_chain.py), a multi-step round queued behind one in flight (``round_queued``) or
+    planned after the last was read (``round_after_read``), or a single step (prefills, lone decodes)."""
+    if batch.lookup_round is not None:
+        return "lookup_round"
+    if batch.draft_token_ids is not None and any(batch.draft_token_ids):
+        return "verify_chained" if batch.first_from is not None else "verify"
+    if batch.num_steps is not None:
+        return "round_queued" if batch.prev_rows is not None else "round_after_read"
+    return "single"
+
+
+def count_steps(llm: LLM) -> collections.Counter[str]:
+    """A counter (cleared by the caller) of the steps the engine launches, by ``step_kind``."""
+    counts: collections.Counter[str] = collections.Counter()
     executor = llm.llm_engine.executor
     launch = executor.execute_model_async
 
     def counted(scheduler_output: Any) -> Any:
-        count[0] += scheduler_output.batch.lookup_round is not None
+        counts[step_kind(scheduler_output.batch)] += 1
         return launch(scheduler_output)
 
     executor.execute_model_async = counted  # type: ignore[method-assign]
-    return count
+    return counts
 
 
 def timed(answer: Callable[[list[int]], int], prompts: list[list[int]], device: str) -> tuple[int, float]:
@@ -208,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     common = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 2048, "num_kv_blocks": 4096}
     engines = {"engine": LLM(path, **common), "engine_spec": LLM(path, **common, speculative_config=spec)}
     answers = {name: engine_answer(llm, args.max_tokens) for name, llm in engines.items()}
-    rounds = count_lookup_rounds(engines["engine_spec"])
+    steps = {name: count_steps(llm) for name, llm in engines.items()}
     answers["hf"] = hf_answer(hf, args.max_tokens, None)
     answers["hf_lookup"] = hf_answer(hf, args.max_tokens, args.k)
     answers = {name: answers[name] for name in backends}
@@ -241,12 +255,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rep in range(args.repetitions):
             at = rep * args.prompts  # every backend answers the same prompts, each backend (and engine) once
             for name in backends:
-                before, rounds[0] = engines["engine_spec"].stats(), 0
+                before = engines["engine_spec"].stats()
+                for counts in steps.values():
+                    counts.clear()
                 tokens, seconds = timed(answers[name], prompts[workload][at : at + args.prompts], device)
                 rows[name]["tok_per_s"].append(tokens / seconds)
                 rows[name]["tokens"].append(tokens)
+                if name in steps:
+                    rows[name].setdefault("steps", []).append(dict(steps[name]))
                 if name == "engine_spec":
-                    rows[name].setdefault("lookup_rounds", []).append(rounds[0])
+                    rows[name].setdefault("lookup_rounds", []).append(steps[name]["lookup_round"])
                     after = engines["engine_spec"].stats()
                     drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
                     taken = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
