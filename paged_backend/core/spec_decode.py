@@ -81,6 +81,13 @@ SHADOW_MIN_TAKEN = 3
 # gains, so rounds are held only in batches of up to SHADOW_HOLD_MAX_ROWS rows.
 SHADOW_HOLD_MATCH = 2
 SHADOW_HOLD_MAX_ROWS = 4
+# A sample proposed for has each multi-step round read before the next is planned (its proposals need the round's
+# tokens): the device waits for the host between rounds, which a plain engine's queued rounds never do. Until its
+# text is seen to copy (its verifying steps took COPYING_TAKEN proposals a step on average; a verifying step costs
+# about three tokens of a round on a small model, docs/benchmarks.md) and while a lookup over the tokens known finds
+# nothing, its next round is queued behind the one in flight: open chat seldom copies, and a copy that starts
+# inside the round in flight is verified a round later.
+COPYING_TAKEN = 4.0
 
 
 class DraftPlanner:
@@ -168,6 +175,13 @@ class DraftPlanner:
         paused = [seq for seq in seqs if len(seq.token_ids) < seq.spec_paused_until]  # a pause's guess only
         return any(seq.spec_shadow_holds and seq.spec_shadow[1] for seq in paused)
 
+    def runs_ahead(self, seq: Sequence) -> bool:
+        """Whether ``seq``, proposed for, may have its next multi-step round queued before the one in flight is
+        read (see COPYING_TAKEN)."""
+        if not self.watches or seq.num_accepted_tokens >= COPYING_TAKEN * max(1, seq.num_verified_steps):
+            return False
+        return not self.proposer.propose(seq.token_ids, 1, seq_id=seq.seq_id)
+
     def forget(self, seq: Sequence) -> None:
         """The sample ended: a proposer with state per sequence drops its own."""
         forget = getattr(self.proposer, "forget", None)
@@ -178,6 +192,7 @@ class DraftPlanner:
         """A verified row: the engine's and the sample's counts, and the sample judged."""
         seq.num_draft_tokens += proposed
         seq.num_accepted_tokens += accepted
+        seq.num_verified_steps += 1
         seq.spec_took_all = accepted == proposed
         judge(seq, accepted)
         self.num_drafts += 1
