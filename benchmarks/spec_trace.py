@@ -7,10 +7,14 @@ one run gives the whole trace, on a CPU as well as a GPU; what a GPU's speed-up 
 verifying step costs there, in tokens of a multi-step round (``--cost``: ``spec_verify.py`` measures it), with the
 prompts' prefill left out:
 
-    speed-up = tokens / (cost * verifying steps + round cost * lookup round steps + tokens decoded plainly)
+    speed-up = tokens / (cost * verifying steps + round cost * lookup round steps + tokens decoded plainly
+                         + read cost * rounds read before the next)
 
 (a lookup round's steps, core/lookup_round.py, run back to back on the device: ``--round-cost`` for each, whether
-its lookup found proposals or not)
+its lookup found proposals or not). ``--read-cost`` is what the device waits for the host when a multi-step round
+is planned only after the round before it was read (``step_kind``'s ``round_after_read`` behind
+a round: a sample proposed for next; the engine without speculation queues every round but its first behind the
+one before), in tokens; 0 leaves it out. Run with ``--async-scheduling`` for a GPU's steps.
 
     python benchmarks/spec_trace.py --json benchmarks/results/spec_trace_cpu.json
 """
@@ -66,6 +70,8 @@ def trace(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]
     scheduler = llm.llm_engine.scheduler
     update = scheduler.update_from_output
     in_round = [False]
+    kinds = ["single"]  # the last step read's ``spec.step_kind``; rounds planned after a read behind a round
+    waits = [0]
 
     def drafting(planner: spec_decode.DraftPlanner, seq: Any, budget: int) -> list[int]:
         proposals = drafts(planner, seq, budget)
@@ -80,6 +86,9 @@ def trace(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]
 
     def updating(output: Any, runner_output: Any) -> Any:
         in_round[0] = output.batch.lookup_round is not None
+        kind = spec.step_kind(output.batch)
+        waits[0] += kind == "round_after_read" and kinds[0] in ("round_after_read", "round_queued")
+        kinds[0] = kind
         lengths = {id(seq): len(seq.token_ids) for seq in output.sampling_seqs}
         try:
             updates = update(output, runner_output)
@@ -104,11 +113,11 @@ def trace(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]
     finally:
         spec_decode.DraftPlanner.drafts, spec_decode.DraftPlanner.count = drafts, count  # type: ignore[method-assign]
         scheduler.update_from_output = update  # type: ignore[method-assign]
-    return {"tokens": tokens, "rows": rows, "round_steps": round_steps}
+    return {"tokens": tokens, "rows": rows, "round_steps": round_steps, "waits": waits[0]}
 
 
-def summary(traced: dict[str, Any], costs: list[float], round_cost: float) -> dict[str, Any]:
-    rows, tokens, steps = traced["rows"], traced["tokens"], traced["round_steps"]
+def summary(traced: dict[str, Any], costs: list[float], round_cost: float, read_cost: float) -> dict[str, Any]:
+    rows, tokens, steps, waits = traced["rows"], traced["tokens"], traced["round_steps"], traced["waits"]
     from_rounds = sum(taken + 1 for _, taken in steps)
     verified = sum(accepted + 1 for _, _, accepted in rows)
     plain = tokens - verified - from_rounds
@@ -127,7 +136,10 @@ def summary(traced: dict[str, Any], costs: list[float], round_cost: float) -> di
             str(m): {"steps": len(a), "mean_taken": statistics.mean(a), "none_taken": sum(x == 0 for x in a) / len(a)}
             for m, a in sorted(by_match.items())
         },
-        "modeled_speedup": {str(c): tokens / (c * len(rows) + round_cost * len(steps) + plain) for c in costs},
+        "rounds_read_before_the_next": waits,
+        "modeled_speedup": {
+            str(c): tokens / (c * len(rows) + round_cost * len(steps) + plain + read_cost * waits) for c in costs
+        },
     }
 
 
@@ -175,6 +187,13 @@ def main() -> None:
     )
     spec.add_lookup_round_arguments(parser)
     parser.add_argument(
+        "--read-cost", type=float, default=0.0,
+        help="the device's wait for the host before a round planned after a read, in tokens (0: not modeled)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--copying-taken", type=float, default=None, help="spec_decode.COPYING_TAKEN in this process (see spec.py)"
+    )
+    parser.add_argument(
         "--min-taken",
         type=float,
         default=None,
@@ -206,6 +225,8 @@ def main() -> None:
     if args.shadow_min_taken is not None:
         spec_decode.SHADOW_MIN_TAKEN = args.shadow_min_taken
     spec.use_lookup_round_steps(args)
+    if args.copying_taken is not None:
+        spec_decode.COPYING_TAKEN = args.copying_taken
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path, real = demo_model(None, default_cache_dir())
     if not real:
@@ -236,12 +257,16 @@ def main() -> None:
             "async_scheduling": llm.llm_engine.async_scheduling,
             **spec.lookup_round_settings(),
             "round_cost": args.round_cost,
+            "read_cost": args.read_cost,
+            "copying_taken": spec_decode.COPYING_TAKEN,
         },
         "workloads": {},
     }
     for name in spec.WORKLOADS:
         prompts = [spec.chat_ids(tokenizer, text) for text in pools[name][: args.prompts]]
-        results["workloads"][name] = found = summary(trace(llm, prompts, args.max_tokens), args.cost, args.round_cost)
+        results["workloads"][name] = found = summary(
+            trace(llm, prompts, args.max_tokens), args.cost, args.round_cost, args.read_cost
+        )
         logger.info("%s: %s", name, json.dumps(found))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
