@@ -1,21 +1,20 @@
 """Prompt lookup's rounds on the device: while text is being copied, verifying steps run back to back without the
 host, each looking up its own proposals (worker/lookup_round.py); the scheduler plans them here.
 
-A verifying step planned on the host waits for the step before it to be read, and the host's lookup and launch
-take longer than a small model's forward: the device idles between verifying steps. A lookup round queues
+A verifying step planned on the host waits for the step before it to be read, and the host's lookup and launch take
+longer than a small model's forward: the device idles between verifying steps. A lookup round queues
 ``LOOKUP_ROUND_STEPS`` of them at once, and under async scheduling the round after it is queued before it is read,
 so the device runs verifying steps back to back as it runs a multi-step round's decodes. A round costs every row
 ``k + 1`` tokens a step whether its lookup finds anything or not, so it runs only where copying pays: a batch of
-greedy rows (``multi_step.can_run_ahead``) each proposed for by the host this step, after a verifying step that
-took all its proposals. A round started so is read before another is queued: a host step that took a few proposals
-is weak evidence (in open chat the copy mostly ends there, and a round queued blindly behind it would cost its
-steps for a token each). After a round read that yielded ``LOOKUP_ROUND_MIN_YIELD`` tokens a step or more, the next
-is queued behind each round, before it is read; otherwise the host's verifying steps and pauses
-(core/spec_decode.py) go on as before. A
-round is no longer than its rows' ``max_tokens`` likely leave at that yield. Each row holds slots for every token
-the rounds in flight could take (``k + 1`` a step); those it does not take lie past its length and are written
-over later. A row the round ended (a stop token, ``max_tokens``) takes its tokens up to the end, the rest
-computed for nothing.
+greedy rows (``multi_step.can_run_ahead``) each proposed for by the host this step, after a verifying step that took
+all its proposals. A round started so is read before another is queued: a host step that took a few proposals is
+weak evidence (in open chat the copy mostly ends there, and a round queued blindly behind it would cost its steps
+for a token each). After a round read that yielded ``LOOKUP_ROUND_MIN_YIELD`` tokens a step or more, the next is
+queued behind each round, before it is read; otherwise the host's verifying steps and pauses (core/spec_decode.py)
+go on as before. A round is no longer than its rows' ``max_tokens`` likely leave at that yield. Each row holds slots
+for every token the rounds in flight could take (``k + 1`` a step); those it does not take lie past its length and
+are written over later. A row the round ended (a stop token, ``max_tokens``) takes its tokens up to the end, the
+rest computed for nothing.
 """
 
 from __future__ import annotations
