@@ -1,8 +1,8 @@
 """CUDA graphs around a lookup round's verifying step (worker/lookup_round.py): what comes before its forward (the
 lookup and the inputs it makes) and what comes after (the greedy tokens, what is taken, the token ids written on),
-for every bucket of the verifying steps' graphs.
+for the verifying steps' graph buckets that hold a round's rows.
 
-Each side is some seventy small operations. Launched one by one from Python they take the host longer than the
+The two sides are dozens of small operations. Launched one by one from Python they take the host longer than the
 forward takes the GPU, so a round's steps, queued back to back, still leave the device waiting between them.
 Captured, a step is three launches: before, the verifying forward's own graph, after. The rows' token ids and
 counts live in this object's static buffers for as long as their rounds go on; rows past the batch in a bucket are
@@ -53,8 +53,8 @@ class LookupGraphs:
         sizes = [size for size in self.verify.graphs if size <= largest]
         self.before, self.found = capture_buckets(sizes, self._before, self.verify.device)
         self.after, self.records = capture_buckets(sizes, self._after, self.verify.device)
-        self.lens.fill_(1)  # the captures' warm-up runs counted tokens on the padding
-        self.valid.fill_(False)
+        self.history.zero_()  # the captures' warm-up runs wrote on the (padding) rows
+        self.lens.fill_(1)
 
     def _before(self, size: int) -> torch.Tensor:
         """The lookup and the forward's inputs, written into the verifying graph's static buffers; the lookup's
