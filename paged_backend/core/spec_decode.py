@@ -83,10 +83,11 @@ SHADOW_HOLD_MATCH = 2
 SHADOW_HOLD_MAX_ROWS = 4
 # A sample proposed for has each multi-step round read before the next is planned (its proposals need the round's
 # tokens): the device waits for the host between rounds, which a plain engine's queued rounds never do. Until its
-# text is seen to copy (its verifying steps took COPYING_TAKEN proposals a step on average; a verifying step costs
-# about three tokens of a round on a small model, docs/benchmarks.md) and while a lookup over the tokens known finds
-# nothing, its next round is queued behind the one in flight: open chat seldom copies, and a copy that starts
-# inside the round in flight is verified a round later.
+# text is seen to copy (its verifying steps took COPYING_TAKEN proposals a step on average, or half of k when that
+# is less: no step takes more than k; a verifying step costs about three tokens of a round on a small model,
+# docs/benchmarks.md) and while a lookup over the tokens known finds nothing, its next round is queued behind the
+# one in flight: open chat seldom copies, and a copy that starts inside the round in flight is verified a round
+# later.
 COPYING_TAKEN = 4.0
 
 
@@ -178,7 +179,8 @@ class DraftPlanner:
     def runs_ahead(self, seq: Sequence) -> bool:
         """Whether ``seq``, proposed for, may have its next multi-step round queued before the one in flight is
         read (see COPYING_TAKEN)."""
-        if not self.watches or seq.num_accepted_tokens >= COPYING_TAKEN * max(1, seq.num_verified_steps):
+        bar = min(COPYING_TAKEN, self.k / 2)
+        if not self.watches or seq.num_accepted_tokens >= bar * max(1, seq.num_verified_steps):
             return False
         return not self.proposer.propose(seq.token_ids, 1, seq_id=seq.seq_id)
 

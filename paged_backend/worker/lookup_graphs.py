@@ -28,7 +28,10 @@ class LookupGraphs:
         self.verify, self.ngram_sizes, self.block_size, self.greedy = verify, ngram_sizes, block_size, greedy
         self.capacity = verify.static_tables.shape[1] * block_size  # the tokens a row's block table can hold
         self.k = verify.q_len - 1
-        rows, device = verify.max_size, verify.device
+        # the buckets up to the first that holds a round's rows (core/lookup_round.py plans no more)
+        self.largest = next(size for size in verify.sizes if size >= min(LOOKUP_ROUND_MAX_ROWS, verify.max_size))
+        rows, device = self.largest, verify.device
+        self.num_rows = 0  # the rows of the round last started
         self.history = torch.zeros(rows, self.capacity, dtype=torch.long, device=device)  # [R, C] token ids
         self.lens = torch.ones(rows, dtype=torch.long, device=device)  # [R] each row's count
         self.max_lens = torch.ones(rows, dtype=torch.long, device=device)  # [R] no proposal past it
@@ -45,12 +48,11 @@ class LookupGraphs:
         return shape and any(size >= num_seqs for size in self.after)
 
     def capture(self) -> None:
-        """Both sides for the verifying graphs' buckets (captured first: ``after`` reads their output) up to the
-        first that holds a round's rows (core/lookup_round.py plans no more)."""
-        if not self.verify.graphs:
+        """Both sides for the verifying graphs' buckets up to ``largest`` (captured first: ``after`` reads their
+        output)."""
+        sizes = [size for size in self.verify.graphs if size <= self.largest]
+        if self.largest not in sizes:
             raise RuntimeError("the verifying steps' graphs were not captured")
-        largest = min(size for size in self.verify.graphs if size >= min(LOOKUP_ROUND_MAX_ROWS, self.verify.max_size))
-        sizes = [size for size in self.verify.graphs if size <= largest]
         self.before, self.found = capture_buckets(sizes, self._before, self.verify.device)
         self.after, self.records = capture_buckets(sizes, self._after, self.verify.device)
         self.history.zero_()  # the captures' warm-up runs wrote on the (padding) rows
@@ -83,6 +85,9 @@ class LookupGraphs:
         num_seqs, verify = len(max_lens), self.verify
         size = next(s for s in verify.sizes if s >= num_seqs)  # captured: see holds()
         device = self.history.device
+        if rows is None and num_seqs != self.num_rows:
+            raise RuntimeError("a lookup round continues the round before, but that round had other rows")
+        self.num_rows = num_seqs
         if rows is not None:
             ids = torch.zeros(size, self.capacity, dtype=torch.long)
             for row, tokens in enumerate(rows):
@@ -93,6 +98,7 @@ class LookupGraphs:
             self.valid[:size].copy_(queued_copy(torch.arange(size) < num_seqs, device))
         self.max_lens[:size].copy_(queued_copy(torch.tensor(max_lens + [1] * (size - num_seqs)), device))
         verify.static_tables[:num_seqs, : tables.shape[1]].copy_(tables)
+        verify.static_tables[:num_seqs, tables.shape[1] :] = 0  # no block of an earlier step's rows
         verify.static_tables[num_seqs:size] = 0
         return size
 
