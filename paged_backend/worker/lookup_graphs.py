@@ -17,7 +17,7 @@ import torch
 
 from paged_backend.core.lookup_round import LOOKUP_ROUND_MAX_ROWS
 from paged_backend.worker.cuda_graphs import CUDAGraphRunner, capture_buckets
-from paged_backend.worker.lookup_step import LookupInputs, take_tokens
+from paged_backend.worker.lookup_step import LookupInputs, take_tokens, token_rows
 from paged_backend.worker.step_inputs import queued_copy
 
 Greedy = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -89,10 +89,7 @@ class LookupGraphs:
             raise RuntimeError("a lookup round continues the round before, but that round had other rows")
         self.num_rows = num_seqs
         if rows is not None:
-            ids = torch.zeros(size, self.capacity, dtype=torch.long)
-            for row, tokens in enumerate(rows):
-                ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            self.history[:size].copy_(queued_copy(ids, device))
+            self.history[:size].copy_(queued_copy(token_rows(rows, size, self.capacity), device))
             counts = torch.tensor([len(tokens) for tokens in rows] + [1] * (size - num_seqs))
             self.lens[:size].copy_(queued_copy(counts, device))
             self.valid[:size].copy_(queued_copy(torch.arange(size) < num_seqs, device))

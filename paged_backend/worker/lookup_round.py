@@ -20,7 +20,7 @@ import torch
 
 from paged_backend.core.scheduler_output import LookupRound, ModelRunnerOutput, ScheduledBatch
 from paged_backend.worker.attention import AttentionMetadata
-from paged_backend.worker.lookup_step import LookupInputs, take_tokens
+from paged_backend.worker.lookup_step import LookupInputs, take_tokens, token_rows
 from paged_backend.worker.step_inputs import block_table_array, queued_copy
 
 if TYPE_CHECKING:
@@ -54,10 +54,7 @@ class LookupRounds:
             size = graphs.start(plan.history, plan.max_lens, tables)
             return PendingLookupRound([graphs.step(size, batch.num_seqs) for _ in range(plan.num_steps)])
         if plan.history is not None:
-            rows = torch.zeros(batch.num_seqs, plan.capacity, dtype=torch.long)
-            for row, ids in enumerate(plan.history):
-                rows[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            self.history = queued_copy(rows, device)
+            self.history = queued_copy(token_rows(plan.history, batch.num_seqs, plan.capacity), device)
             self.lens = queued_copy(torch.tensor([len(ids) for ids in plan.history], dtype=torch.long), device)
         history, lens = self.history, self.lens
         if history is None or lens is None or lens.shape[0] != batch.num_seqs:

@@ -12,6 +12,15 @@ import torch
 from paged_backend.spec_decode.device_lookup import device_lookup
 
 
+def token_rows(rows: list[list[int]], num_rows: int, capacity: int) -> torch.Tensor:
+    """Each row's token ids from the left of a ``[num_rows, capacity]`` host tensor (zeros past them, and in the
+    rows past ``rows``: padding)."""
+    ids = torch.zeros(num_rows, capacity, dtype=torch.long)
+    for row, tokens in enumerate(rows):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    return ids
+
+
 class LookupInputs:
     """A step's rows ``[B, k + 1]``: token ids (the row's last token, then its proposal slots), positions and
     cache slots; the proposals ``[B, k]`` and how many of them a row has ``[B]``."""
