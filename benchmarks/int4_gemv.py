@@ -1,9 +1,12 @@
-"""One row through an int4 projection, weights cold in HBM: bf16 cuBLAS (``F.linear``, as a bf16 model runs it),
-this library's AWQ GEMV (``awq_gemm_triton``, the launch the engine picks) and, where the optional ``gemlite``
-package imports on the device, GemLite's own kernel for one row (``GEMV_REVSPLITK``) on the same int4 values,
-for the 8B shape's fused q/k/v, o, fused gate/up and down projections. GemLite runs twice: adding its parts of K
-in fp32 (left out where it is off by more than 2% of the largest output), and with its sm90 default of bf16
-atomic adds (timed whatever its error, which is recorded beside it).
+"""A decode step's rows through an int4 projection, weights cold in HBM: bf16 cuBLAS (``F.linear``, as a bf16
+model runs it), this library's fused kernel (``awq_gemm_triton``, the launch the engine picks: the GEMV at one row)
+and, above ``FUSED_MAX_M`` rows, the engine's route there (``awq_gemm``: the weight dequantized, then cuBLAS) and,
+where the optional ``gemlite`` package imports on the device, GemLite's kernels on the same int4 values, for the 8B
+shape's fused q/k/v, o, fused gate/up and down projections. Up to four rows GemLite runs its one-row kernel
+(``GEMV_REVSPLITK``) twice: adding its parts of K in fp32 (left out where it is off by more than 2% of the largest
+output), and with its sm90 default of bf16 atomic adds (timed whatever its error, which is recorded beside it);
+above, the kernel its own rule picks for the row count (``GEMM`` from 64 rows, with its tuned configs where the
+card has them).
 
     python benchmarks/int4_gemv.py --json benchmarks/results/int4_gemv_<card>_<commit>.json
 
@@ -38,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import add_plot_arguments, replotted  # noqa: E402
 
 from paged_backend.kernels.awq_format import dequantize, unpack  # noqa: E402
-from paged_backend.kernels.awq_gemm import awq_gemm_triton  # noqa: E402
+from paged_backend.kernels.awq_gemm import FUSED_MAX_M, awq_gemm, awq_gemm_triton  # noqa: E402
 from paged_backend.quantization.rtn import pack_linear  # noqa: E402
 
 logger = logging.getLogger("benchmarks.int4_gemv")
@@ -72,10 +75,11 @@ def hqq_layout(
 # (``native_atomic_bf16``): every add rounds to bf16's 8 bits, and down's K = 14,336 takes dozens of adds an
 # output. With it off, the parts add in fp32 and one more kernel casts the result, as our GEMV's fp32 parts do.
 GEMLITE_VARIANTS = {"gemlite_gemv_revsplitk": False, "gemlite_gemv_revsplitk_bf16_atomics": True}
+GEMLITE_GEMV_MAX_ROWS = 4  # above, GemLite's own choice of kernel (``gemlite.core.get_matmul_type``)
 
 
 def gemlite_layer(
-    k: int, n: int, group: int, weights: tuple[torch.Tensor, ...], native_atomic_bf16: bool
+    k: int, n: int, group: int, weights: tuple[torch.Tensor, ...], native_atomic_bf16: bool, gemv: bool = True
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     import gemlite  # type: ignore[import-not-found]
 
@@ -89,7 +93,7 @@ def gemlite_layer(
 
     def forward(x: torch.Tensor) -> torch.Tensor:  # the setting is global, read as each call launches
         gemlite.set_native_atomic_bfp16(native_atomic_bf16)
-        return layer.forward_manual(x, matmul_type="GEMV_REVSPLITK")
+        return layer.forward_manual(x, matmul_type="GEMV_REVSPLITK") if gemv else layer(x)
 
     return forward
 
@@ -118,9 +122,13 @@ def projection(name: str, rows: int, group: int, repetitions: int, with_gemlite:
         "bf16_cublas": [functools.partial(F.linear, x, d) for d in denses],
         "awq_gemv": [functools.partial(awq_gemm_triton, x, *w) for w in int4_sets],
     }
-    for variant, native_atomic_bf16 in GEMLITE_VARIANTS.items() if with_gemlite else ():
+    if rows > FUSED_MAX_M:
+        kernels["awq_engine"] = [functools.partial(awq_gemm, x, *w) for w in int4_sets]
+    gemv = rows <= GEMLITE_GEMV_MAX_ROWS
+    variants = GEMLITE_VARIANTS if gemv else {"gemlite": False}
+    for variant, native_atomic_bf16 in variants.items() if with_gemlite else ():
         try:
-            layers = [gemlite_layer(k, n, group, w, native_atomic_bf16) for w in int4_sets]
+            layers = [gemlite_layer(k, n, group, w, native_atomic_bf16, gemv) for w in int4_sets]
             layers[0](x)
         except Exception as exc:  # noqa: BLE001 - another library's failure leaves its column out, not the run
             logger.info("%s: GemLite failed (%s: %s); %s is left out", name, type(exc).__name__, exc, variant)
@@ -129,7 +137,7 @@ def projection(name: str, rows: int, group: int, repetitions: int, with_gemlite:
     result: dict[str, Any] = {"in": k, "out": n, "rows": rows, "int4_bytes": int4_bytes}
     for kernel, calls in kernels.items():
         error = (calls[0]().float() - truth).abs().max().item() / scale
-        if error > 2e-2 and kernel == "gemlite_gemv_revsplitk":
+        if error > 2e-2 and kernel in ("gemlite_gemv_revsplitk", "gemlite"):
             logger.info("%s: GemLite's output is off by %.3g of the largest value; left out", name, error)
             continue
         if error > 2e-2 and kernel != "gemlite_gemv_revsplitk_bf16_atomics":  # that one is timed, its error kept
@@ -141,7 +149,7 @@ def projection(name: str, rows: int, group: int, repetitions: int, with_gemlite:
     return result
 
 
-KERNELS = ("bf16_cublas", "awq_gemv", *GEMLITE_VARIANTS)
+KERNELS = ("bf16_cublas", "awq_gemv", "awq_engine", *GEMLITE_VARIANTS, "gemlite")
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -163,7 +171,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_xticks([p + width * (len(KERNELS) - 1) / 2 for p in range(len(projections))], list(projections))
     ax.set_ylabel("µs a call (CUDA graph, weights cold)")
     ax.legend(fontsize=8)
-    ax.set_title(f"{results['card']}: one row, int4 group {results['group_size']} against bf16", fontsize=10)
+    rows = results.get("rows", 1)
+    ax.set_title(f"{results['card']}: {rows} row{'s' * (rows > 1)}, int4 group {results['group_size']} against bf16",
+                 fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -206,13 +216,11 @@ def main() -> None:
             name: projection(name, args.rows, args.group_size, args.repetitions, with_gemlite) for name in args.shapes
         },
     }
-    logger.info("%-8s %10s %16s %16s %28s", "", "bf16 us", "AWQ GEMV", "GemLite", "GemLite bf16 atomics (error)")
+    columns = [k for k in KERNELS[1:] if any(k in r for r in results["projections"].values())]
+    logger.info("%-8s %10s" + " %20s" * len(columns), "", "bf16 us", *columns)
     for name, r in results["projections"].items():
-        cells = [f"{r[k]['us']:.1f} ({r[k]['speedup_over_bf16']:.2f}x)" if k in r else "-"
-                 for k in ("awq_gemv", *GEMLITE_VARIANTS)]  # fmt: skip
-        bf16_atomics = r.get("gemlite_gemv_revsplitk_bf16_atomics")
-        cells[-1] += f" ({bf16_atomics['max_rel_error']:.1e})" if bf16_atomics else ""
-        logger.info("%-8s %10.1f %16s %16s %28s", name, r["bf16_cublas"]["us"], *cells)
+        cells = [f"{r[k]['us']:.1f} ({r[k]['speedup_over_bf16']:.2f}x)" if k in r else "-" for k in columns]
+        logger.info("%-8s %10.1f" + " %20s" * len(cells), name, r["bf16_cublas"]["us"], *cells)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
