@@ -481,6 +481,7 @@ COLORS = {
     "paged_fp8block": "#084",
     "paged_invariant": "#396",
     "paged_spec": "#4b8",
+    "paged_steps16": "#2c7",
     "hf_patched": "#8c8",
 }  # this library's engine, directly and under HF's generate
 
@@ -562,7 +563,7 @@ def token_major_caches() -> Iterator[None]:
 
 PAGED_BACKENDS = {
     *("paged", "paged_sync", "paged_loop", "paged_fp8kv", "paged_fp8", "paged_fp8_fp8kv", "paged_invariant"),
-    *("paged_spec", "paged_fp8block", "paged_cublas_row", "paged_token_major"),
+    *("paged_spec", "paged_fp8block", "paged_cublas_row", "paged_token_major", "paged_steps16"),
 }
 HF_BACKENDS = {"hf_patched", "hf", "hf_cb", "hf_static"}
 FP8_WEIGHTS = {"paged_fp8": {}, "paged_fp8_fp8kv": {"kv_cache_dtype": "fp8"}}  # the second as deployments run
@@ -581,6 +582,7 @@ def make_parser() -> argparse.ArgumentParser:
         "paged_fp8block (the saved model quantized by transformers' FineGrainedFP8Config, blocks of 128 x 128), "
         "paged_invariant (batch_invariant=True; also checks a request alone and in a batch of 64), "
         "paged_spec (speculative_config: prompt lookup, k=--spec-k), "
+        "paged_steps16 (num_scheduler_steps=16: decode rounds twice the default's length), "
         "hf_patched (HF generate patched onto the engine), hf, hf_cb, hf_static",
     )
     parser.add_argument("--spec-k", type=int, default=4, help="paged_spec's num_speculative_tokens")
@@ -768,6 +770,7 @@ class Bench:
             "paged_fp8kv": ({**base, "kv_cache_dtype": "fp8"}, "fp8-cache engine"),
             "paged_cublas_row": (base, "engine without the one-row GEMV"),
             "paged_token_major": (base, "engine with token-major caches"),
+            "paged_steps16": ({**base, "num_scheduler_steps": 16}, "engine with rounds of 16 steps"),
         }
         switches = {"paged_cublas_row": one_row_gemv_off, "paged_token_major": token_major_caches}
         for backend, (engine_args, what) in engines.items():
