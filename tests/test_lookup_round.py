@@ -174,7 +174,9 @@ def test_the_captured_step_halves_equal_the_eager_step() -> None:
     """worker/lookup_graphs.py's two halves around the verifying forward, run here uncaptured on a CPU (``before``,
     the forward over the static buffers, ``after``), against the eager step over the same rows: three rows in a
     bucket of four (one padding row, which writes no slot and keeps its count), three steps in a row, the rows'
-    token ids and counts carried in the static buffers from step to step."""
+    token ids and counts carried in the static buffers from step to step. Then a fresh round of shorter rows over
+    the same buffers: only each row's tokens are copied in, and the first round's tokens past them, left in
+    place, must change nothing."""
     from paged_backend.core.scheduler_output import LookupRound
     from paged_backend.worker.cuda_graphs import CUDAGraphRunner
     from paged_backend.worker.lookup_graphs import LookupGraphs
@@ -188,29 +190,32 @@ def test_the_captured_step_halves_equal_the_eager_step() -> None:
     verify = CUDAGraphRunner(runner._model_forward, 4, width, torch.device("cpu"), q_len=k + 1)
     graphs = LookupGraphs(verify, ngrams, runner.block_size, runner.sampler.greedy)
     tables = torch.arange(3 * width, dtype=torch.int32).view(3, width)  # every row its own blocks
-    plan = LookupRound(num_steps=3, num_speculative_tokens=k, ngram_sizes=ngrams, max_lens=[160, 160, 40],
-                       capacity=160, history=prompts)  # fmt: skip
-    size = graphs.start(plan.history, plan.max_lens, tables)
-    assert size == 4
-    captured = []
-    with torch.inference_mode():
-        for _ in range(plan.num_steps):
-            graphs.found[size] = graphs._before(size)
-            verify.outputs[size] = verify._run(size)
-            graphs.records[size] = graphs._after(size)
-            captured.append(graphs.records[size][:3].clone())
-        assert verify.static_ints[2, 3 * (k + 1) : 4 * (k + 1)].eq(-1).all() and graphs.lens[3] == 1
-        history = torch.zeros(3, 160, dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            history[row, : len(ids)] = torch.tensor(ids)
-        lens = torch.tensor([len(ids) for ids in prompts])
-        max_lens = torch.tensor(plan.max_lens)
-        eager = [verify_step(runner, plan, history, lens, tables, max_lens) for _ in range(plan.num_steps)]
-    for got, want in zip(captured, eager):
-        assert torch.equal(got[:, : k + 1], want[:, : k + 1]) and torch.equal(got[:, -2:], want[:, -2:])
-        torch.testing.assert_close(got[:, k + 1 : -2], want[:, k + 1 : -2])
-    assert sum(step[:, -1].sum() for step in eager) > 0  # proposals were taken: the halves were tested on them
-    assert torch.equal(graphs.lens[:3], lens) and torch.equal(graphs.history[:3], history)
+    for rows in (prompts, [ids[3:] for ids in orbit_prompts(model, seed=1)]):  # the second's rows shorter
+        plan = LookupRound(num_steps=3, num_speculative_tokens=k, ngram_sizes=ngrams, max_lens=[160, 160, 40],
+                           capacity=160, history=rows)  # fmt: skip
+        size = graphs.start(plan.history, plan.max_lens, tables)
+        assert size == 4
+        captured = []
+        with torch.inference_mode():
+            for _ in range(plan.num_steps):
+                graphs.found[size] = graphs._before(size)
+                verify.outputs[size] = verify._run(size)
+                graphs.records[size] = graphs._after(size)
+                captured.append(graphs.records[size][:3].clone())
+            assert verify.static_ints[2, 3 * (k + 1) : 4 * (k + 1)].eq(-1).all() and graphs.lens[3] == 1
+            history = torch.zeros(3, 160, dtype=torch.long)
+            for row, ids in enumerate(rows):
+                history[row, : len(ids)] = torch.tensor(ids)
+            lens = torch.tensor([len(ids) for ids in rows])
+            max_lens = torch.tensor(plan.max_lens)
+            eager = [verify_step(runner, plan, history, lens, tables, max_lens) for _ in range(plan.num_steps)]
+        for got, want in zip(captured, eager):
+            assert torch.equal(got[:, : k + 1], want[:, : k + 1]) and torch.equal(got[:, -2:], want[:, -2:])
+            torch.testing.assert_close(got[:, k + 1 : -2], want[:, k + 1 : -2])
+        assert sum(step[:, -1].sum() for step in eager) > 0  # proposals were taken: the halves were tested on them
+        assert torch.equal(graphs.lens[:3], lens)
+        for row, n in enumerate(lens.tolist()):
+            assert torch.equal(graphs.history[row, :n], history[row, :n])
 
 
 def test_a_round_is_no_longer_than_max_tokens_likely_leaves() -> None:

@@ -89,7 +89,8 @@ class LookupGraphs:
             raise RuntimeError("a lookup round continues the round before, but that round had other rows")
         self.num_rows = num_seqs
         if rows is not None:
-            self.history[:size].copy_(queued_copy(token_rows(rows, size, self.capacity), device))
+            ids = token_rows(rows, size)
+            self.history[:size, : ids.shape[1]].copy_(queued_copy(ids, device))
             counts = torch.tensor([len(tokens) for tokens in rows] + [1] * (size - num_seqs))
             self.lens[:size].copy_(queued_copy(counts, device))
             self.valid[:size].copy_(queued_copy(torch.arange(size) < num_seqs, device))

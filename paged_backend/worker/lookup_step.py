@@ -12,10 +12,12 @@ import torch
 from paged_backend.spec_decode.device_lookup import device_lookup
 
 
-def token_rows(rows: list[list[int]], num_rows: int, capacity: int) -> torch.Tensor:
-    """Each row's token ids from the left of a ``[num_rows, capacity]`` host tensor (zeros past them, and in the
-    rows past ``rows``: padding)."""
-    ids = torch.zeros(num_rows, capacity, dtype=torch.long)
+def token_rows(rows: list[list[int]], num_rows: int) -> torch.Tensor:
+    """Each row's token ids from the left of a ``[num_rows, longest row]`` host tensor (zeros past them, and in the
+    rows past ``rows``: padding), for the left columns of a ``[B, C]`` history: a lookup reads no column at or
+    past a row's length, so the columns right of the longest row need no copy (at a long ``max_model_len`` most
+    of them)."""
+    ids = torch.zeros(num_rows, max(map(len, rows), default=1), dtype=torch.long)
     for row, tokens in enumerate(rows):
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     return ids
