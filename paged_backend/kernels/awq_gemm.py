@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from paged_backend.kernels import num_sms, tl, triton
+from paged_backend.kernels import compile_ahead, num_sms, tl, triton
 from paged_backend.kernels.arrival import arrival_counters, split_k_parts
 from paged_backend.kernels.awq_format import dequantize
 
@@ -254,7 +254,7 @@ def awq_gemm_triton(
     step = group_size if gemv else block_k  # the GEMV loops over whole groups
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), step) * step
     split_k = triton.cdiv(k, k_per_split)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = _output(m, n, x.dtype, x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     # K split: fp32 parts, added by the last program of each tile (``kernels/arrival.py``)
     partial = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
@@ -262,7 +262,7 @@ def awq_gemm_triton(
     tensors = (x.contiguous(), qweight, qzeros, scales, out, partial, arrival_counters(x.device, grid[0] * grid[1]))
     tuning = dict(num_warps=num_warps, num_stages=num_stages)
     if gemv:
-        awq_gemv_kernel[grid](
+        compile_ahead.launch(awq_gemv_kernel, grid)(
             *tensors,
             m,
             n // 8,
@@ -278,7 +278,7 @@ def awq_gemm_triton(
             **tuning,
         )
     else:
-        _awq_gemm_kernel[grid](
+        compile_ahead.launch(_awq_gemm_kernel, grid)(
             *tensors,
             m,
             n,
@@ -307,13 +307,21 @@ def awq_dequantize_triton(
     n = scales.shape[1]
     group_size = k // scales.shape[0]
     block_k = min(group_size, 32)
-    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    out = _output(k, n, dtype, qweight.device)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, 128))
     row_packs = _row_packs(qweight, qzeros, scales)
-    _awq_dequantize_kernel[grid](
+    compile_ahead.launch(_awq_dequantize_kernel, grid)(
         qweight, qzeros, scales, out, n, k, group_size, row_packs, BLOCK_N=128, BLOCK_K=block_k
     )
     return out
+
+
+def _output(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A launch's output; zeros while launches only compile (``compile_ahead``: no kernel writes it, and what
+    reads it must not meet NaNs)."""
+    if compile_ahead.deferring():
+        return torch.zeros(rows, cols, dtype=dtype, device=device)
+    return torch.empty(rows, cols, dtype=dtype, device=device)
 
 
 def awq_gemm(
