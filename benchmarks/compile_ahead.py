@@ -29,6 +29,9 @@ from triton.backends.compiler import GPUTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from throughput import add_plot_arguments, replotted  # noqa: E402
 
 from paged_backend.kernels.awq_gemm import DOT_MIN_M, FUSED_MAX_M, _awq_gemm_kernel, _launch_shape  # noqa: E402
 from paged_backend.kernels.awq_gemv import awq_gemv_kernel  # noqa: E402
@@ -97,12 +100,35 @@ def timed(found: dict[tuple[Any, ...], Spec], workers: int) -> float:
     return time.perf_counter() - start
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Seconds to compile every specialization, by threads (the runs as dots beside each median)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seconds = results["seconds"]
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    bars = ax.bar(list(seconds), [entry["median"] for entry in seconds.values()], color="#4c72b0")
+    ax.bar_label(bars, fmt="%.1f s", fontsize=8)
+    for i, entry in enumerate(seconds.values()):
+        ax.plot([i] * len(entry["runs"]), entry["runs"], "k.", markersize=4)
+    ax.set_xlabel("compiling threads")
+    ax.set_ylabel("seconds, every specialization")
+    ax.set_title(f"{results['specializations']} int4 specializations for sm_90, {results['cpus']} CPUs", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, os.cpu_count() or 1])
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
+    add_plot_arguments(parser, "a bar chart of the run")
     args = parser.parse_args()
+    if replotted(parser, args, plot) is not None:
+        return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     found = specializations()
     logger.info("%d specializations: %s", len(found), [(key[0], dict(key[2])) for key in found])
@@ -120,6 +146,8 @@ def main() -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot is not None:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
