@@ -13,7 +13,6 @@ kernels per tile and split; an integer argument specialized on being 1 or a mult
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from throughput import add_plot_arguments, replotted  # noqa: E402
+from throughput import add_plot_arguments, replotted, write_json  # noqa: E402
 
 from paged_backend.kernels.awq_gemm import DOT_MIN_M, FUSED_MAX_M, _awq_gemm_kernel, _launch_shape  # noqa: E402
 from paged_backend.kernels.awq_gemv import awq_gemv_kernel  # noqa: E402
@@ -143,9 +142,7 @@ def main() -> None:
         runs = [timed(found, workers) for _ in range(args.repetitions)]
         results["seconds"][str(workers)] = {"median": statistics.median(runs), "runs": runs}
         logger.info("%d workers: %.1f s (%s)", workers, statistics.median(runs), ", ".join(f"{r:.1f}" for r in runs))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.json, results)
     if args.plot is not None:
         plot(results, args.plot)
 
