@@ -54,9 +54,9 @@ class LookupRounds:
             size = graphs.start(plan.history, plan.max_lens, tables)
             return PendingLookupRound([graphs.step(size, batch.num_seqs) for _ in range(plan.num_steps)])
         if plan.history is not None:
-            ids = token_rows(plan.history, batch.num_seqs)
+            rows = token_rows(plan.history, batch.num_seqs)
             self.history = torch.zeros(batch.num_seqs, plan.capacity, dtype=torch.long, device=device)
-            self.history[:, : ids.shape[1]].copy_(queued_copy(ids, device))
+            self.history[:, : rows.shape[1]].copy_(queued_copy(rows, device))
             self.lens = queued_copy(torch.tensor([len(ids) for ids in plan.history], dtype=torch.long), device)
         history, lens = self.history, self.lens
         if history is None or lens is None or lens.shape[0] != batch.num_seqs:
