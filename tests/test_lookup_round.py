@@ -176,7 +176,8 @@ def test_the_captured_step_halves_equal_the_eager_step() -> None:
     bucket of four (one padding row, which writes no slot and keeps its count), three steps in a row, the rows'
     token ids and counts carried in the static buffers from step to step. Then a fresh round of shorter rows over
     the same buffers: only each row's tokens are copied in, and the first round's tokens past them, left in
-    place, must change nothing."""
+    place, must change no match (a lookup's candidate ends stop before a row's last token; proposal slots past a
+    row's length are never counted, whatever they hold, and these rows' lookups do not reach them)."""
     from paged_backend.core.scheduler_output import LookupRound
     from paged_backend.worker.cuda_graphs import CUDAGraphRunner
     from paged_backend.worker.lookup_graphs import LookupGraphs

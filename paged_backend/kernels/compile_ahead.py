@@ -43,7 +43,7 @@ class _Ahead:
     def _compile(self, kernel: Compilable, grid: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
         if self.device.type != "cuda":
             return kernel.warmup(*args, grid=grid, **kwargs)
-        with torch.cuda.device(self.device):  # a new thread's current device is the first one
+        with torch.cuda.device(self.device):  # the engine's, which a new thread's current device need not be
             return kernel.warmup(*args, grid=grid, **kwargs)
 
 
@@ -76,6 +76,8 @@ def launch(kernel: Compilable, grid: Any) -> Callable[..., object]:
 def compiling_ahead(device: torch.device, workers: int | None = None) -> Iterator[None]:
     """Launches through ``launch`` inside are compiles in a pool of ``workers`` threads (one a core by default);
     on leaving, every compile has finished (the first failure raised)."""
+    if device.type == "cuda" and device.index is None:  # a pool thread's current device is the first one
+        device = torch.device("cuda", torch.cuda.current_device())
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         ahead = _Ahead(pool, device)
         token = _ACTIVE.set(ahead)
