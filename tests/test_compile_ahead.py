@@ -43,10 +43,11 @@ def test_launches_inside_are_compiles_one_per_specialization() -> None:
     their own; nothing is launched, and the compiles ran on the pool's threads."""
     kernel = FakeKernel()
     x = torch.zeros(64)
-    with compile_ahead.compiling_ahead(torch.device("cpu"), workers=2):
-        assert compile_ahead.deferring()
+    with compile_ahead.compiling_ahead(torch.device("cpu"), workers=2) as ahead:
+        assert compile_ahead.deferring() and not ahead.compiles  # capture_buckets' pass stops on none
         for rows, block in ((32, 16), (48, 16), (1, 16), (3, 16), (32, 32)):
             compile_ahead.launch(kernel, (rows, 1, 1))(x, rows, BLOCK=block)
+        assert len(ahead.compiles) == 4
     assert not compile_ahead.deferring()
     assert not kernel.launched
     assert sorted((args[1], kwargs["BLOCK"]) for _, args, kwargs in kernel.compiled) == [

@@ -73,16 +73,17 @@ def launch(kernel: Compilable, grid: Any) -> Callable[..., object]:
 
 
 @contextlib.contextmanager
-def compiling_ahead(device: torch.device, workers: int | None = None) -> Iterator[None]:
+def compiling_ahead(device: torch.device, workers: int | None = None) -> Iterator[_Ahead]:
     """Launches through ``launch`` inside are compiles in a pool of ``workers`` threads (one a core by default);
-    on leaving, every compile has finished (the first failure raised)."""
+    on leaving, every compile has finished (the first failure raised). Yields the pool's submissions
+    (``compiles``: none when nothing run inside takes part)."""
     if device.type == "cuda" and device.index is None:  # a pool thread's current device is the first one
         device = torch.device("cuda", torch.cuda.current_device())
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         ahead = _Ahead(pool, device)
         token = _ACTIVE.set(ahead)
         try:
-            yield
+            yield ahead
         finally:
             _ACTIVE.reset(token)
         for compiled in ahead.compiles.values():

@@ -59,19 +59,19 @@ def capture_buckets(
     run: Callable[[int], torch.Tensor],
     device: torch.device,
     prepare: Callable[[int], None] = lambda size: None,
-    ahead: bool = False,
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
     """``run(size)`` captured for every size, largest first, into one memory pool (after ``prepare(size)`` and a
-    warm-up run that compiles kernels and settles the allocator): the graphs and their outputs. With ``ahead``,
-    a first pass over every size compiles the kernels that take part in ``kernels/compile_ahead.py`` side by side
-    (the int4 ones: a model with int4 layers), its outputs thrown away."""
+    warm-up run that compiles kernels and settles the allocator): the graphs and their outputs. A first pass,
+    its outputs thrown away, compiles the kernels that take part in ``kernels/compile_ahead.py`` (the int4 ones)
+    for every size side by side; it stops after the largest size where none of them runs (one forward more)."""
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, torch.Tensor] = {}
-    if ahead:
-        with compiling_ahead(device):
-            for size in sorted(sizes, reverse=True):
-                prepare(size)
-                run(size)
+    with compiling_ahead(device) as ahead:
+        for size in sorted(sizes, reverse=True):
+            prepare(size)
+            run(size)
+            if not ahead.compiles:
+                break
     pool = torch.cuda.graph_pool_handle()
     torch.cuda.synchronize(device)
     # An engine dropped earlier in this process may still be garbage in a reference cycle: collected during a
@@ -136,7 +136,6 @@ class CUDAGraphRunner:
         self.logits_indices = torch.arange(n, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.compile_ahead = False  # see capture_buckets
 
     def _run(self, size: int) -> torch.Tensor:  # [size * q_len, V]
         tokens = size * self.q_len
@@ -153,7 +152,7 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first. Inputs are all padding: no cache slot is read or written."""
         start = time.perf_counter()
-        self.graphs, self.outputs = capture_buckets(self.sizes, self._run, self.device, ahead=self.compile_ahead)
+        self.graphs, self.outputs = capture_buckets(self.sizes, self._run, self.device)
         logger.info(
             "captured %d CUDA graphs (batch sizes %s) in %.1f s",
             len(self.sizes),

@@ -74,7 +74,6 @@ class MixedGraphRunner:
         self.static_tables = torch.zeros(rows + 1, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.compile_ahead = False  # see cuda_graphs.capture_buckets
 
     def bucket(self, inputs: StepInputs) -> int | None:
         """The smallest bucket that holds the step, or None."""
@@ -100,7 +99,7 @@ class MixedGraphRunner:
         """Capture every bucket, largest first, into one memory pool, each over a step of padding only."""
         start = time.perf_counter()
         prepare = lambda size: self._fill(size, _empty_step())  # noqa: E731 - no slot written, no key read
-        self.graphs, self.outputs = capture_buckets(self.sizes, self._run, self.device, prepare, self.compile_ahead)
+        self.graphs, self.outputs = capture_buckets(self.sizes, self._run, self.device, prepare)
         logger.info("captured %d CUDA graphs of steps with prompt tokens (up to %d tokens) in %.1f s",
                     len(self.sizes), self.sizes[-1], time.perf_counter() - start)  # fmt: skip
 

@@ -26,7 +26,6 @@ from paged_backend.core.scheduler_output import ModelRunnerOutput, ScheduledBatc
 from paged_backend.core.sequence import Sequence as Seq
 from paged_backend.lora.manager import LoRAManager
 from paged_backend.model_structure import find_decoder_layers
-from paged_backend.quantization.awq import AWQLinear
 from paged_backend.worker import batch_invariant as invariance
 from paged_backend.worker.async_output import (
     AsyncModelRunnerOutput,
@@ -141,10 +140,6 @@ class ModelRunner:
             if self.mixed_sizes:
                 rows = self.graphs.max_size
                 self.mixed_graphs = MixedGraphRunner(forward, self.mixed_sizes, rows, width, self.device, invariant)
-        int4 = any(isinstance(module, AWQLinear) for module in self.model.modules())  # see kernels/compile_ahead.py
-        for graphs in (self.graphs, self.verify_graphs, self.mixed_graphs):
-            if graphs is not None:
-                graphs.compile_ahead = int4
         names = ["graphs", "verify_graphs", "mixed_graphs", "lookup_graphs"]  # the steady state's first
         for name in names:
             runner = getattr(self, name)
