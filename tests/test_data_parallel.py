@@ -201,3 +201,17 @@ def test_a_killed_replica_loses_no_whole_request_and_rejoins(base, replicas, ref
     replicas.generate([{"prompt_token_ids": [60 + 9 * i, 1, 2, 3, 4]} for i in range(4)], SamplingParams(max_tokens=2))
     assert admitted(replicas)[victim] > before[victim]  # the restarted replica takes requests again
     assert_idle(replicas)
+
+
+def test_replicas_stats_add_up_counters_and_each_position_of_the_taken_proposals() -> None:
+    from paged_backend.entrypoints.data_parallel.replicas import summed_stats
+
+    def replica(drafts: int, per_pos: list[int]) -> dict:
+        return {"block_size": 16, "kv_waste_fraction": 0.5, "num_prompt_tokens_cached": 1,
+                "num_prompt_tokens_admitted": 4, "spec_decode_num_drafts": drafts,
+                "spec_decode_num_accepted_tokens_per_pos": per_pos}  # fmt: skip
+
+    total = summed_stats([replica(3, [3, 2, 0]), replica(5, [4, 1, 1])], [])
+    assert total["spec_decode_num_drafts"] == 8 and total["prefix_cache_hit_rate"] == 0.25
+    assert total["spec_decode_num_accepted_tokens_per_pos"] == [7, 3, 1]
+    assert summed_stats([], [])["spec_decode_num_accepted_tokens_per_pos"] == []

@@ -284,6 +284,33 @@ def test_assisted_decoding_runs_on_the_engine(tokenizer) -> None:
             model.generate(two, attention_mask=mask, max_new_tokens=4, assistant_model=assistant)
 
 
+def test_an_assisted_first_call_builds_the_engine_with_those_proposals(tokenizer) -> None:
+    """HF's prompt lookup or assistant model, in the call that builds the engine, become its speculative_config
+    (vLLM's names, HF's settings): the engine proposes as asked, and greedy output stays HF's. A later call on that
+    engine, or a patch that named its own speculative_config, keeps the engine's."""
+    model, assistant = build_tiny_model("llama", vocab_size=512), build_tiny_model("qwen2", vocab_size=512)
+    ids = torch.tensor([PROMPTS[2]])
+    want = unpatched(model, ids, max_new_tokens=12, do_sample=False)
+    cases = [(dict(prompt_lookup_num_tokens=3), {}, ("ngram", 3, (1, 2))),
+             (dict(prompt_lookup_num_tokens=5, max_matching_ngram_size=4), {}, ("ngram", 5, (1, 4))),
+             (dict(assistant_model=assistant), {}, ("draft_model", 20, None)),
+             (dict(prompt_lookup_num_tokens=3), {"speculative_config": {"num_speculative_tokens": 7}},
+              ("ngram", 7, None))]  # fmt: skip
+    for assisted, patch_args, (method, k, sizes) in cases:
+        with patched(model, tokenizer, **ENGINE, **patch_args) as handle:
+            assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, **assisted), want), assisted
+            spec = handle.engine.config.speculative_config
+            assert (spec.method, spec.num_speculative_tokens) == (method, k), (assisted, spec)
+            assert sizes is None or spec.ngram_sizes() == sizes
+            if method == "draft_model":
+                assert spec.model is assistant and handle.engine.scheduler.drafter.num_drafts > 0
+            assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), want)  # later: the same engine
+    with patched(model, tokenizer, **ENGINE) as handle:
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3), want)
+        assert handle.engine.config.speculative_config is None and handle.told_speculation
+
+
 def test_pipeline_on_a_patched_model(tokenizer) -> None:
     model = tiny_model("llama")
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")

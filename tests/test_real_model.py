@@ -292,3 +292,20 @@ def test_speculative_decoding_answers_equal_hf_and_take_the_copied_tokens(smollm
         assert engine_answers(llm, COPYING) == [hf_answer(hf, q) for q in COPYING]
         stats = llm.stats()
     assert stats["spec_decode_num_accepted_tokens"] >= 0.3 * stats["spec_decode_num_draft_tokens"] > 0, stats
+
+
+def test_speculative_answers_equal_hf_through_preemption_prefix_hits_and_chunked_prefill(
+    smollm2: RealModel, hf: tuple[Any, Any]
+) -> None:
+    """The copying answers again, on an engine with few blocks (samples preempted and recomputed), prompts
+    admitted in chunks of 24 tokens, and the chat template's preamble from the prefix cache (the first answer
+    runs alone first): still HF's tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 8}
+    questions = [*COPYING, QUESTIONS[1]]
+    with LLM(str(smollm2.checkpoint), dtype="float32", block_size=16, num_kv_blocks=9, max_model_len=144,
+             long_prefill_token_threshold=24, enable_prefix_caching=True, speculative_config=spec) as llm:  # fmt: skip
+        answers = engine_answers(llm, questions[:1]) + engine_answers(llm, questions[1:])
+        stats = llm.stats()
+    assert answers == [hf_answer(hf, q) for q in questions]
+    assert stats["num_preemptions"] > 0 and stats["num_prompt_tokens_cached"] > 0, stats
+    assert stats["num_chunked_prefill_steps"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats

@@ -17,6 +17,7 @@ from paged_backend.spec_decode.ngram_proposer import NgramProposer
 from paged_backend.worker.rejection_sampler import draft_views, take_verified
 from paged_backend.worker.sampler import Sampler
 from tests.conftest import assert_idle, hf_greedy, tiny_model
+from tests.fixtures.tiny_models import build_tiny_model
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -175,6 +176,26 @@ def test_stops_and_max_tokens_cut_taken_proposals(tokenizer) -> None:
     assert_idle(spec)
 
 
+def test_stop_strings_cut_taken_proposals_as_without_them(tokenizer) -> None:
+    """A stop string that ends inside a row's taken proposals ends the output where it does without proposals,
+    with and without the stop string in the text."""
+    model = tiny_model("llama")
+    plain = LLM(model, tokenizer=tokenizer, block_size=4, num_kv_blocks=128, max_model_len=128)
+    spec = spec_llm(model, tokenizer, repetitive_prompts()[1:2])
+    prompt = {"prompt_token_ids": repetitive_prompts()[1]}
+    text = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=40, stop=[stop], include_stop_str_in_output=include)
+        want = plain.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.text, want.token_ids, want.finish_reason, want.stop_reason)  # fmt: skip
+        assert want.finish_reason == "stop" and want.stop_reason == stop
+    assert spec.llm_engine.scheduler.drafter.num_accepted_tokens > 0
+
+
 def test_seeded_sampling_with_proposals_repeats_itself(tokenizer) -> None:
     llm = spec_llm(tiny_model("llama"), tokenizer)
     prompt = {"prompt_token_ids": repetitive_prompts()[0]}
@@ -213,6 +234,86 @@ def test_verified_tokens_keep_the_target_distribution() -> None:
     assert not _follows(_verify_first_token(logits, 2, 20000, take=off_by_one_row), p)
 
 
+class _Continuations:
+    """Proposes, once a sequence holds ``length`` tokens, the two tokens a table gives for its last one."""
+
+    def __init__(self, length: int, table: dict[int, list[int]]) -> None:
+        self.length, self.table = length, table
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int = 0) -> list[int]:
+        return self.table[token_ids[-1]][:max_tokens] if len(token_ids) == self.length else []
+
+
+def _pairs_after_proposals(model, prompt: list[int], table: dict[int, list[int]], n: int) -> tuple[torch.Tensor, int]:
+    """Counts [V, V] of the second and third tokens of ``n`` unseeded samples (temperature 1) through an engine
+    whose second step verifies the two proposals ``table`` gives for the first token, and the proposals taken."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": None}
+    llm = LLM(model, skip_tokenizer_init=True, max_model_len=32, block_size=4, num_kv_blocks=512,
+              speculative_config=spec)  # fmt: skip
+    drafter = llm.llm_engine.scheduler.drafter
+    drafter.proposer = _Continuations(len(prompt) + 1, table)
+    params = SamplingParams(n=250, temperature=1.0, max_tokens=4, ignore_eos=True)  # room for both proposals
+    outs = llm.generate([{"prompt_token_ids": prompt}] * (n // 250), params, use_tqdm=False)
+    assert (drafter.num_drafts, drafter.num_draft_tokens) == (n, 2 * n), vars(drafter)
+    vocab = model.config.vocab_size
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for out in outs:
+        for sample in out.outputs:
+            counts[sample.token_ids[1], sample.token_ids[2]] += 1
+    return counts, drafter.num_accepted_tokens
+
+
+def _largest_deviation(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest |z| over the cells expected 10 times or more, the others pooled into one cell."""
+    n = float(counts.sum())
+    kept = expected * n >= 10
+    observed = torch.cat([counts[kept], counts[~kept].sum()[None]])
+    probs = torch.cat([expected[kept], expected[~kept].sum()[None]])
+    return float(((observed - n * probs) / (n * probs * (1 - probs)).clamp_min(1e-12).sqrt()).abs().max())
+
+
+def test_sampled_tokens_through_the_engine_keep_the_target_distribution(monkeypatch) -> None:
+    """Two proposals verified at temperature 1: the pair of tokens the samples then take follows the model's own
+    joint distribution (from HF's forwards over every continuation); a verifier that keeps drawing past a refused
+    proposal, takes the proposals whatever was drawn, or reads the draws one row late does not."""
+    from dataclasses import replace
+
+    import paged_backend.worker.step_sampler as step_sampler
+
+    vocab, prompt, n = 8, [3, 5, 1, 6, 4, 7], 2000
+    model = build_tiny_model("llama", vocab_size=vocab, seed=1)
+    with torch.no_grad():  # logits that differ from one context to the next, none of them near one-hot
+        model.lm_head.weight.mul_(3.0)
+
+    def probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.softmax(model(torch.tensor([ids])).logits[0, -1].double(), dim=-1)
+
+    first = probs(prompt)
+    second = {x: probs(prompt + [x]) for x in range(vocab)}
+    joint = sum(first[x] * torch.stack([second[x][y] * probs(prompt + [x, y]) for y in range(vocab)])
+                for x in range(vocab))  # fmt: skip
+    table = {x: [int(second[x].argmax()), int(probs(prompt + [x, int(second[x].argmax())]).argmax())]
+             for x in range(vocab)}  # fmt: skip
+    counts, taken = _pairs_after_proposals(model, prompt, table, n)
+    assert _largest_deviation(counts, joint) <= 5 and n // 2 < taken < 2 * n, taken  # proposals taken and refused
+
+    def past_refusals(results, drafts):
+        spans = [len(d) + 1 for d in drafts] if drafts is not None else [1] * len(results)
+        return [results[sum(spans[:i]) : sum(spans[: i + 1])] for i in range(len(spans))]
+
+    def proposals_taken(results, drafts):
+        return [[replace(r, token_id=t) for r, t in zip(draws, d)] + draws[len(d) :]
+                for draws, d in zip(past_refusals(results, drafts), drafts or [[]] * len(results))]  # fmt: skip
+
+    def one_row_late(results, drafts):
+        return take_verified(results[1:] + results[:1], drafts)
+
+    for wrong in (past_refusals, proposals_taken, one_row_late):
+        monkeypatch.setattr(step_sampler, "take_verified", wrong)
+        assert _largest_deviation(_pairs_after_proposals(model, prompt, table, n)[0], joint) > 5, wrong.__name__
+
+
 def test_ngram_sizes_follow_vllm() -> None:
     """One of prompt_lookup_min / prompt_lookup_max given stands for both, as in vLLM (a script that names only
     ``prompt_lookup_max`` looks up n-grams of that length alone); neither given: the library's default."""
@@ -238,6 +339,9 @@ def test_speculative_config_is_checked_by_name() -> None:
         assert info.value.field == field, info.value
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         EngineConfig.from_kwargs("m", speculative_config={}, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="batch_invariant=True") as info:
+        EngineConfig.from_kwargs("m", speculative_config={}, batch_invariant=True)
+    assert info.value.field == "speculative_config"
 
 
 def test_verifying_graphs_hold_what_the_step_budget_does() -> None:
@@ -263,17 +367,29 @@ def test_counters_reach_stats_and_the_server_metrics(tokenizer) -> None:
     model = tiny_model("llama")
     prompts = repetitive_prompts()[:2]
     llm = spec_llm(model, tokenizer, prompts)
-    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
-                 use_tqdm=False)  # fmt: skip
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
+                        use_tqdm=False)  # fmt: skip
     stats, drafter = llm.stats(), llm.llm_engine.scheduler.drafter
     assert (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"]) == (
         drafter.num_drafts, drafter.num_draft_tokens)  # fmt: skip
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    # by position: the i-th proposal of a row is taken no more often than the one before it
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == SPEC["num_speculative_tokens"] and sum(per_pos) == stats["spec_decode_num_accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True) and per_pos[0] > 0, per_pos
+    requests = [out.metrics for out in outs]  # each request's own, adding up to the engine's
+    assert sum(m["spec_num_drafts"] for m in requests) == drafter.num_drafts
+    assert sum(m["spec_num_accepted_tokens"] for m in requests) == drafter.num_accepted_tokens
+    for m in requests:
+        assert m["spec_mean_accepted_length"] == 1 + m["spec_num_accepted_tokens"] / m["spec_num_drafts"]
     metrics = ServerMetrics("m")
     metrics.render(stats)
     text = metrics.render(stats).decode()  # rendered twice: a counter grows by what changed, not by the total
     line = f'paged_backend:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(drafter.num_draft_tokens)}'
     assert line in text, text
+    for position, count in enumerate(per_pos):
+        name = "paged_backend:spec_decode_num_accepted_tokens_per_pos_total"
+        assert f'{name}{{model_name="m",position="{position}"}} {float(count)}' in text, text
 
 
 class WrongProposer:

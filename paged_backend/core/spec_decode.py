@@ -101,8 +101,10 @@ class DraftPlanner:
         # a lookup costs no forward: a paused sample's proposals can be made and checked without verifying them
         self.watches = isinstance(self.proposer, NgramProposer)
         self.disable_by_batch_size = config.disable_by_batch_size
-        # over the engine's life: rows verified, tokens proposed in them, and those taken
+        # over the engine's life: rows verified, tokens proposed in them, and those taken (in all, and by position:
+        # vLLM's num_accepted_tokens_per_pos, how often the i-th proposal of a row was taken)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * self.k
 
     def active(self, num_running: int) -> bool:
         """Whether this step makes proposals at all: not once the batch is large."""
@@ -200,6 +202,8 @@ class DraftPlanner:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.num_accepted_tokens_per_pos[position] += 1
 
 
 def speculates(seq: Sequence, ahead: int = 0) -> bool:

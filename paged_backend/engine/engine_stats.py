@@ -38,4 +38,5 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "spec_decode_num_drafts": 0 if drafter is None else drafter.num_drafts,
         "spec_decode_num_draft_tokens": 0 if drafter is None else drafter.num_draft_tokens,
         "spec_decode_num_accepted_tokens": 0 if drafter is None else drafter.num_accepted_tokens,
+        "spec_decode_num_accepted_tokens_per_pos": [] if drafter is None else list(drafter.num_accepted_tokens_per_pos),
     }

@@ -164,10 +164,11 @@ def make_request_output(request: Request, prompt_logprobs: SequenceOf[PromptLogp
     if request.first_token_time is not None:
         metrics["first_token_time"] = request.first_token_time
     proposed = sum(seq.num_draft_tokens for seq in seqs)
-    if proposed:  # speculative decoding: its tokens proposed and taken, and the share taken
-        taken = sum(seq.num_accepted_tokens for seq in seqs)
-        metrics |= {"spec_num_draft_tokens": proposed, "spec_num_accepted_tokens": taken}
+    if proposed:  # speculative decoding: rows verified, tokens proposed and taken, the share taken, tokens a row
+        drafts, taken = sum(seq.num_verified_steps for seq in seqs), sum(seq.num_accepted_tokens for seq in seqs)
+        metrics |= {"spec_num_drafts": drafts, "spec_num_draft_tokens": proposed, "spec_num_accepted_tokens": taken}
         metrics["spec_acceptance_rate"] = taken / proposed
+        metrics["spec_mean_accepted_length"] = 1 + taken / drafts
     return RequestOutput(
         request_id=request.request_id,
         prompt=request.prompt,

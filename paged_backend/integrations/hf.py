@@ -22,7 +22,13 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from paged_backend.integrations.hf_args import DEFAULT_MAX_LENGTH, OBJECT_ARGUMENTS, plan_call, static_cache_call
+from paged_backend.integrations.hf_args import (
+    DEFAULT_MAX_LENGTH,
+    OBJECT_ARGUMENTS,
+    assisted_speculation,
+    plan_call,
+    static_cache_call,
+)
 from paged_backend.integrations.hf_outputs import Replay, hf_output, hf_replay, static_cache, step_logits
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.outputs import RequestOutput
@@ -56,6 +62,7 @@ class PagedGenerate:
         self.previous = model.__dict__.get("generate")  # an instance attribute to restore, if there was one
         self.original = self.previous or type(model).generate.__get__(model)
         self.llm: LLM | None = None
+        self.told_speculation = False  # an assisted call met an engine built without proposals (said once)
         # Guards building the engine, and HF's generate run before there is one. Reentrant: HF's generate may call
         # generate on the same model from inside (a model that is its own assistant_model).
         self.lock = threading.RLock()
@@ -117,6 +124,7 @@ class PagedGenerate:
         call = plan_call(self.model, inputs, config, model_kwargs, default_length, kwargs.get("assistant_model"))
         if isinstance(call, str):
             return self._fall_back(call, inputs, generation_config, streamer, kwargs)
+        self._speculate_as_asked(assisted_speculation(config, kwargs.get("assistant_model")))
         if "prompt_embeds" in call.prompts[0] and self.built_llm().llm_engine.input_processor.embedding is None:
             torch.set_rng_state(rng)
             reason = "inputs_embeds on a model whose input embedding is not an nn.Embedding"
@@ -162,6 +170,20 @@ class PagedGenerate:
                 for t, row in enumerate(logits)
             )
         return hf_output(sequences, scores, logits if config.output_logits else None, replay)
+
+    def _speculate_as_asked(self, spec: dict[str, Any] | None) -> None:
+        """An assisted call (``spec``, from ``assisted_speculation``) that builds the engine builds it with those
+        proposals, unless ``patch`` named a ``speculative_config``; an engine already built keeps its own (same
+        tokens for greedy, its own speed), said once."""
+        with self.lock:
+            if spec is None or "speculative_config" in self.engine_kwargs:
+                return
+            if self.llm is None:
+                self.engine_kwargs = {**self.engine_kwargs, "speculative_config": spec}
+            elif self.llm.llm_engine.config.speculative_config is None and not self.told_speculation:
+                self.told_speculation = True
+                logger.info("assisted decoding runs on an engine built without speculation: its tokens, no proposals "
+                            "(patch(model, speculative_config=...) sets them)")  # fmt: skip
 
     def _run(
         self, prompts: list[dict[str, Any]], params: list[SamplingParams], streamer: Any, keep_logits: bool = False

@@ -153,6 +153,8 @@ def summed_stats(per_replica: Sequence[dict[str, Any]], replicas: list[dict[str,
     """One engine's ``stats()`` keys over the replicas that answered (counters summed, the hit rate over the
     summed tokens), plus ``replicas``: each replica's state and, when it answered, its own stats."""
     total: dict[str, Any] = {key: sum(s.get(key, 0) for s in per_replica) for key in _SUMMED}
+    per_pos = [s.get("spec_decode_num_accepted_tokens_per_pos", []) for s in per_replica]
+    total["spec_decode_num_accepted_tokens_per_pos"] = [sum(c) for c in zip(*per_pos)] if per_pos else []
     if per_replica:
         total["block_size"] = per_replica[0]["block_size"]
         waste = [s["kv_waste_fraction"] for s in per_replica]

@@ -58,6 +58,13 @@ class ServerMetrics:
             )
         }
         self.spec_seen: dict[str, int] = dict.fromkeys(self.spec, 0)
+        self.spec_per_pos = Counter(
+            "paged_backend:spec_decode_num_accepted_tokens_per_pos",
+            "proposed tokens taken, by their position in the row",
+            [*labels, "position"],
+            registry=self.registry,
+        )
+        self.spec_per_pos_seen: list[int] = []
         # data-parallel replicas (--data-parallel-size): each one's state, and requests run again after one died
         self.replica_up = Gauge(
             "paged_backend:replica_up",
@@ -104,6 +111,11 @@ class ServerMetrics:
         for name, counter in self.spec.items():  # a sum over replicas drops when one restarts: counters only rise
             counter.labels(**self.labels).inc(max(0, stats[name] - self.spec_seen[name]))
             self.spec_seen[name] = stats[name]
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", [])
+        seen = self.spec_per_pos_seen + [0] * (len(per_pos) - len(self.spec_per_pos_seen))
+        for position, (count, before) in enumerate(zip(per_pos, seen)):
+            self.spec_per_pos.labels(**self.labels, position=str(position)).inc(max(0, count - before))
+        self.spec_per_pos_seen = list(per_pos)
         if "replicas" in stats:
             self.replica_up.clear()  # a replica's state changes: only its current one is shown
             for replica in stats["replicas"]:
