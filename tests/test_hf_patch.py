@@ -305,10 +305,13 @@ def test_an_assisted_first_call_builds_the_engine_with_those_proposals(tokenizer
             if method == "draft_model":
                 assert spec.model is assistant and handle.engine.scheduler.drafter.num_drafts > 0
             assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), want)  # later: the same engine
-    with patched(model, tokenizer, **ENGINE) as handle:
-        model.generate(ids, max_new_tokens=4, do_sample=False)
-        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3), want)
-        assert handle.engine.config.speculative_config is None and handle.told_speculation
+    # a plain first call, then one asking more proposals than the engine verifies: no proposals, said once
+    for first in (dict(), dict(prompt_lookup_num_tokens=50)):
+        with patched(model, tokenizer, **ENGINE) as handle:
+            model.generate(ids, max_new_tokens=4, do_sample=False, **first)
+            later = model.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
+            assert torch.equal(later, want) and handle.engine.config.speculative_config is None
+            assert handle.told_speculation
 
 
 def test_pipeline_on_a_patched_model(tokenizer) -> None:

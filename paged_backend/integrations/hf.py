@@ -173,17 +173,28 @@ class PagedGenerate:
 
     def _speculate_as_asked(self, spec: dict[str, Any] | None) -> None:
         """An assisted call (``spec``, from ``assisted_speculation``) that builds the engine builds it with those
-        proposals, unless ``patch`` named a ``speculative_config``; an engine already built keeps its own (same
-        tokens for greedy, its own speed), said once."""
+        proposals, unless ``patch`` named a ``speculative_config``; settings the engine does not take (say more
+        proposals than it verifies), or an engine already built without proposals, decode the same tokens without
+        them, said once."""
+        from paged_backend.config import SpeculativeConfig
+
         with self.lock:
             if spec is None or "speculative_config" in self.engine_kwargs:
                 return
             if self.llm is None:
+                try:
+                    SpeculativeConfig.of(spec)
+                except ValueError as exc:
+                    self._tell(f"the engine takes no such proposals ({exc})")
+                    return
                 self.engine_kwargs = {**self.engine_kwargs, "speculative_config": spec}
-            elif self.llm.llm_engine.config.speculative_config is None and not self.told_speculation:
-                self.told_speculation = True
-                logger.info("assisted decoding runs on an engine built without speculation: its tokens, no proposals "
-                            "(patch(model, speculative_config=...) sets them)")  # fmt: skip
+            elif self.llm.llm_engine.config.speculative_config is None:
+                self._tell("the engine was built without proposals (patch(model, speculative_config=...) sets them)")
+
+    def _tell(self, why: str) -> None:
+        if not self.told_speculation:
+            self.told_speculation = True
+            logger.info("assisted decoding runs on the engine without proposals: %s", why)
 
     def _run(
         self, prompts: list[dict[str, Any]], params: list[SamplingParams], streamer: Any, keep_logits: bool = False

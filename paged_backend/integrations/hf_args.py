@@ -161,23 +161,20 @@ def sliding_layers(model: Any) -> bool:
 
 # HF's prompt lookup matches n-grams of up to ``max_matching_ngram_size`` tokens, 2 when unset, down to one
 HF_PROMPT_LOOKUP_MAX = 2
-MAX_PROPOSALS = 32  # speculative_config.num_speculative_tokens' largest
 
 
 def assisted_speculation(config: GenerationConfig, assistant: Any) -> dict[str, Any] | None:
-    """The engine's ``speculative_config`` for a call's assisted decoding, HF's settings in vLLM's names: prompt
-    lookup of ``prompt_lookup_num_tokens`` tokens, or the ``assistant_model`` as a draft model proposing its
-    ``num_assistant_tokens``; None when the call is not assisted, or asks for more proposals than the engine takes."""
+    """The engine's ``speculative_config`` for a call's assisted decoding, HF's settings in vLLM's names (not
+    checked here): prompt lookup of ``prompt_lookup_num_tokens`` tokens, or the ``assistant_model`` as a draft
+    model proposing its ``num_assistant_tokens``; None when the call is not assisted."""
     if assistant is not None:
         k = getattr(assistant.generation_config, "num_assistant_tokens", None) or config.num_assistant_tokens
-        spec: dict[str, Any] = {"method": "draft_model", "model": assistant, "num_speculative_tokens": k}
-    elif config.prompt_lookup_num_tokens is not None:
-        k = config.prompt_lookup_num_tokens
+        return {"method": "draft_model", "model": assistant, "num_speculative_tokens": k}
+    if config.prompt_lookup_num_tokens is not None:
         top = config.max_matching_ngram_size or HF_PROMPT_LOOKUP_MAX
-        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": top}
-    else:
-        return None
-    return spec if isinstance(k, int) and 1 <= k <= MAX_PROPOSALS else None
+        k = config.prompt_lookup_num_tokens
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": top}
+    return None
 
 
 def assisted_reason(model: Any, config: GenerationConfig, assistant: Any, batch_size: int, embeds: bool) -> str | None:
