@@ -211,7 +211,9 @@ def test_replicas_stats_add_up_counters_and_each_position_of_the_taken_proposals
                 "num_prompt_tokens_admitted": 4, "spec_decode_num_drafts": drafts,
                 "spec_decode_num_accepted_tokens_per_pos": per_pos}  # fmt: skip
 
-    total = summed_stats([replica(3, [3, 2, 0]), replica(5, [4, 1, 1])], [])
-    assert total["spec_decode_num_drafts"] == 8 and total["prefix_cache_hit_rate"] == 0.25
-    assert total["spec_decode_num_accepted_tokens_per_pos"] == [7, 3, 1]
+    older = replica(2, [])
+    del older["spec_decode_num_accepted_tokens_per_pos"]  # a replica whose stats lack the positions adds none
+    total = summed_stats([replica(3, [3, 2, 0]), replica(5, [4, 1, 1, 1]), older], [])
+    assert total["spec_decode_num_drafts"] == 10 and total["prefix_cache_hit_rate"] == 0.25
+    assert total["spec_decode_num_accepted_tokens_per_pos"] == [7, 3, 1, 1]
     assert summed_stats([], [])["spec_decode_num_accepted_tokens_per_pos"] == []

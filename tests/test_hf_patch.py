@@ -11,6 +11,7 @@ import torch
 from transformers import TextStreamer, pipeline
 
 from paged_backend import patch, patched, unpatch
+from paged_backend.integrations.hf_args import ADAPTIVE_ASSISTANT_K
 from tests.conftest import tiny_model
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -286,14 +287,19 @@ def test_assisted_decoding_runs_on_the_engine(tokenizer) -> None:
 
 def test_an_assisted_first_call_builds_the_engine_with_those_proposals(tokenizer) -> None:
     """HF's prompt lookup or assistant model, in the call that builds the engine, become its speculative_config
-    (vLLM's names, HF's settings): the engine proposes as asked, and greedy output stays HF's. A later call on that
-    engine, or a patch that named its own speculative_config, keeps the engine's."""
+    (vLLM's names, HF's settings; prompt lookup first, as HF picks): the engine proposes as asked, and greedy output
+    stays HF's. A later call on that engine, or a patch that named its own speculative_config, keeps the engine's;
+    after close() the next first call decides again."""
     model, assistant = build_tiny_model("llama", vocab_size=512), build_tiny_model("qwen2", vocab_size=512)
+    named = build_tiny_model("qwen2", vocab_size=512)
+    named.generation_config.num_assistant_tokens = 3  # a constant schedule (HF's default): its number is the k
     ids = torch.tensor([PROMPTS[2]])
     want = unpatched(model, ids, max_new_tokens=12, do_sample=False)
     cases = [(dict(prompt_lookup_num_tokens=3), {}, ("ngram", 3, (1, 2))),
              (dict(prompt_lookup_num_tokens=5, max_matching_ngram_size=4), {}, ("ngram", 5, (1, 4))),
-             (dict(assistant_model=assistant), {}, ("draft_model", 20, None)),
+             (dict(assistant_model=assistant), {}, ("draft_model", ADAPTIVE_ASSISTANT_K, None)),
+             (dict(assistant_model=named), {}, ("draft_model", 3, None)),
+             (dict(assistant_model=assistant, prompt_lookup_num_tokens=2), {}, ("ngram", 2, (1, 2))),
              (dict(prompt_lookup_num_tokens=3), {"speculative_config": {"num_speculative_tokens": 7}},
               ("ngram", 7, None))]  # fmt: skip
     for assisted, patch_args, (method, k, sizes) in cases:
@@ -303,12 +309,17 @@ def test_an_assisted_first_call_builds_the_engine_with_those_proposals(tokenizer
             assert (spec.method, spec.num_speculative_tokens) == (method, k), (assisted, spec)
             assert sizes is None or spec.ngram_sizes() == sizes
             if method == "draft_model":
-                assert spec.model is assistant and handle.engine.scheduler.drafter.num_drafts > 0
+                assert spec.model is assisted["assistant_model"] and handle.engine.scheduler.drafter.num_drafts > 0
             assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), want)  # later: the same engine
-    # a plain first call, then one asking more proposals than the engine verifies: no proposals, said once
-    for first in (dict(), dict(prompt_lookup_num_tokens=50)):
-        with patched(model, tokenizer, **ENGINE) as handle:
-            model.generate(ids, max_new_tokens=4, do_sample=False, **first)
+            handle.close()
+            model.generate(ids, max_new_tokens=4, do_sample=False)
+            assert handle.engine.config.speculative_config is None or patch_args  # the next first call's choice
+    # a plain first call; one asking more proposals than the engine verifies; one an engine refuses beside
+    # batch_invariant: the same tokens without proposals, said once
+    for first, patch_args in [(dict(), {}), (dict(prompt_lookup_num_tokens=50), {}),
+                              (dict(prompt_lookup_num_tokens=3), {"batch_invariant": True})]:  # fmt: skip
+        with patched(model, tokenizer, **ENGINE, **patch_args) as handle:
+            assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, **first), want)
             later = model.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
             assert torch.equal(later, want) and handle.engine.config.speculative_config is None
             assert handle.told_speculation

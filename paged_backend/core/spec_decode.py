@@ -124,7 +124,7 @@ class DraftPlanner:
         max_len = self.max_model_len
         if params.max_tokens is not None:
             max_len = min(max_len, seq.num_prompt_tokens + params.max_tokens)
-        room = min(budget - 1, max_len - len(seq.token_ids) - 1)
+        room = min(budget - 1, max_len - len(seq.token_ids) - 1, self.k)
         if room <= 0:
             return []
         try:

@@ -62,7 +62,10 @@ class PagedGenerate:
         self.previous = model.__dict__.get("generate")  # an instance attribute to restore, if there was one
         self.original = self.previous or type(model).generate.__get__(model)
         self.llm: LLM | None = None
-        self.told_speculation = False  # an assisted call met an engine built without proposals (said once)
+        # the speculative_config the first call's assisted decoding asked for (patch() named none), tried when the
+        # engine is built; an assisted call that runs without proposals is said once
+        self.asked_speculation: dict[str, Any] | None = None
+        self.told_speculation = False
         # Guards building the engine, and HF's generate run before there is one. Reentrant: HF's generate may call
         # generate on the same model from inside (a model that is its own assistant_model).
         self.lock = threading.RLock()
@@ -74,7 +77,14 @@ class PagedGenerate:
             if self.llm is None:
                 from paged_backend.entrypoints.llm import LLM
 
-                self.llm = LLM(self.model, tokenizer=self.tokenizer, **self.engine_kwargs)
+                if self.asked_speculation is not None:  # refused (TP, batch_invariant, a short draft): built without
+                    kwargs = {**self.engine_kwargs, "speculative_config": self.asked_speculation}
+                    try:
+                        self.llm = LLM(self.model, tokenizer=self.tokenizer, **kwargs)
+                    except (ValueError, TypeError) as exc:
+                        self._tell(f"the engine takes no such proposals ({exc})")
+                if self.llm is None:
+                    self.llm = LLM(self.model, tokenizer=self.tokenizer, **self.engine_kwargs)
             return self.llm
 
     @property
@@ -86,6 +96,7 @@ class PagedGenerate:
         """Give the engine's memory back (``LLM.shutdown``); a later call builds a new engine."""
         with self.lock:
             llm, self.llm = self.llm, None
+            self.asked_speculation, self.told_speculation = None, False  # the next engine's first call decides
         if llm is not None:
             llm.shutdown()
 
@@ -173,28 +184,20 @@ class PagedGenerate:
 
     def _speculate_as_asked(self, spec: dict[str, Any] | None) -> None:
         """An assisted call (``spec``, from ``assisted_speculation``) that builds the engine builds it with those
-        proposals, unless ``patch`` named a ``speculative_config``; settings the engine does not take (say more
-        proposals than it verifies), or an engine already built without proposals, decode the same tokens without
-        them, said once."""
-        from paged_backend.config import SpeculativeConfig
-
+        proposals (``built_llm``), unless ``patch`` named a ``speculative_config``; settings the engine refuses,
+        or an engine already built without proposals, decode the same tokens without them, said once."""
         with self.lock:
             if spec is None or "speculative_config" in self.engine_kwargs:
                 return
             if self.llm is None:
-                try:
-                    SpeculativeConfig.of(spec)
-                except ValueError as exc:
-                    self._tell(f"the engine takes no such proposals ({exc})")
-                    return
-                self.engine_kwargs = {**self.engine_kwargs, "speculative_config": spec}
+                self.asked_speculation = spec
             elif self.llm.llm_engine.config.speculative_config is None:
                 self._tell("the engine was built without proposals (patch(model, speculative_config=...) sets them)")
 
     def _tell(self, why: str) -> None:
         if not self.told_speculation:
             self.told_speculation = True
-            logger.info("assisted decoding runs on the engine without proposals: %s", why)
+            logger.warning("assisted decoding runs on the engine without proposals: %s", why)
 
     def _run(
         self, prompts: list[dict[str, Any]], params: list[SamplingParams], streamer: Any, keep_logits: bool = False

@@ -9,6 +9,7 @@ process lives but whose engine loop stopped is killed, so that Ray restarts it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -154,7 +155,7 @@ def summed_stats(per_replica: Sequence[dict[str, Any]], replicas: list[dict[str,
     summed tokens), plus ``replicas``: each replica's state and, when it answered, its own stats."""
     total: dict[str, Any] = {key: sum(s.get(key, 0) for s in per_replica) for key in _SUMMED}
     per_pos = [s.get("spec_decode_num_accepted_tokens_per_pos", []) for s in per_replica]
-    total["spec_decode_num_accepted_tokens_per_pos"] = [sum(c) for c in zip(*per_pos)] if per_pos else []
+    total["spec_decode_num_accepted_tokens_per_pos"] = [sum(c) for c in itertools.zip_longest(*per_pos, fillvalue=0)]
     if per_replica:
         total["block_size"] = per_replica[0]["block_size"]
         waste = [s["kv_waste_fraction"] for s in per_replica]

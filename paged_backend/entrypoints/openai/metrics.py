@@ -112,10 +112,11 @@ class ServerMetrics:
             counter.labels(**self.labels).inc(max(0, stats[name] - self.spec_seen[name]))
             self.spec_seen[name] = stats[name]
         per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", [])
-        seen = self.spec_per_pos_seen + [0] * (len(per_pos) - len(self.spec_per_pos_seen))
-        for position, (count, before) in enumerate(zip(per_pos, seen)):
-            self.spec_per_pos.labels(**self.labels, position=str(position)).inc(max(0, count - before))
-        self.spec_per_pos_seen = list(per_pos)
+        seen = self.spec_per_pos_seen
+        seen += [0] * (len(per_pos) - len(seen))  # positions missing from this sum keep what was seen of them
+        for position, count in enumerate(per_pos):
+            self.spec_per_pos.labels(**self.labels, position=str(position)).inc(max(0, count - seen[position]))
+            seen[position] = count
         if "replicas" in stats:
             self.replica_up.clear()  # a replica's state changes: only its current one is shown
             for replica in stats["replicas"]:
