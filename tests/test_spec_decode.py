@@ -912,3 +912,32 @@ def test_the_server_speculates_and_reports_it_in_metrics(tokenizer) -> None:
         taken > 0
         and f'paged_backend:spec_decode_num_accepted_tokens_total{{model_name="{NAME}"}} {float(taken)}' in metrics
     )
+
+
+def test_server_metrics_follow_each_replica_so_a_missed_scrape_counts_nothing_twice() -> None:
+    """Data-parallel stats: a replica that misses a scrape and answers again adds only what it grew; one that
+    restarted (its ``restarts`` changed) counts from zero; positions grow each on their own."""
+    pytest.importorskip("prometheus_client")
+    from paged_backend.entrypoints.openai.metrics import ServerMetrics
+
+    def scrape(*replicas: tuple[int, int, int | None, list[int]]) -> dict:
+        entries = []
+        for index, restarts, drafts, per_pos in replicas:
+            entry = {"replica": index, "restarts": restarts, "state": "running"}
+            if drafts is not None:  # None: its stats call failed this time
+                entry["stats"] = {"spec_decode_num_drafts": drafts, "spec_decode_num_accepted_tokens_per_pos": per_pos}
+            entries.append(entry)
+        return {"num_running": 0, "num_waiting": 0, "num_swapped": 0, "num_free_blocks": 1, "num_kv_blocks": 1,
+                "prefix_cache_hit_rate": 0.0, "num_request_retries": 0, "replicas": entries}  # fmt: skip
+
+    metrics = ServerMetrics("m")
+    drafts = 'paged_backend:spec_decode_num_drafts_total{model_name="m"}'
+    at_1 = 'paged_backend:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"}'
+    for replicas, want, want_at_1 in [
+        (((0, 0, 10, [6, 2]), (1, 0, 5, [3])), 15, 2),
+        (((0, 0, 12, [7, 3]), (1, 0, None, [])), 17, 3),  # replica 1 missed the scrape
+        (((0, 0, 12, [7, 3]), (1, 0, 8, [4, 1])), 20, 4),  # it answers again: only its growth
+        (((0, 1, 2, [1, 1]), (1, 0, 8, [4, 1])), 22, 5),  # replica 0 restarted: from zero
+    ]:
+        text = metrics.render(scrape(*replicas)).decode()
+        assert f"{drafts} {float(want)}" in text and f"{at_1} {float(want_at_1)}" in text, text

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from paged_backend.outputs import RequestOutput
 
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
 
 
@@ -57,14 +58,14 @@ class ServerMetrics:
                 ("spec_decode_num_accepted_tokens", "proposed tokens taken"),
             )
         }
-        self.spec_seen: dict[str, int] = dict.fromkeys(self.spec, 0)
+        # each source's last totals: the engine, or each data-parallel replica by (index, restarts)
+        self.spec_seen: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.spec_per_pos = Counter(
             "paged_backend:spec_decode_num_accepted_tokens_per_pos",
             "proposed tokens taken, by their position in the row",
             [*labels, "position"],
             registry=self.registry,
         )
-        self.spec_per_pos_seen: list[int] = []
         # data-parallel replicas (--data-parallel-size): each one's state, and requests run again after one died
         self.replica_up = Gauge(
             "paged_backend:replica_up",
@@ -108,15 +109,7 @@ class ServerMetrics:
         self.swapped.labels(**self.labels).set(stats["num_swapped"])
         self.kv_usage.labels(**self.labels).set(1 - stats["num_free_blocks"] / max(1, stats["num_kv_blocks"]))
         self.hit_rate.labels(**self.labels).set(stats["prefix_cache_hit_rate"])
-        for name, counter in self.spec.items():  # a sum over replicas drops when one restarts: counters only rise
-            counter.labels(**self.labels).inc(max(0, stats[name] - self.spec_seen[name]))
-            self.spec_seen[name] = stats[name]
-        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", [])
-        seen = self.spec_per_pos_seen
-        seen += [0] * (len(per_pos) - len(seen))  # positions missing from this sum keep what was seen of them
-        for position, count in enumerate(per_pos):
-            self.spec_per_pos.labels(**self.labels, position=str(position)).inc(max(0, count - seen[position]))
-            seen[position] = count
+        self._count_speculation(stats)
         if "replicas" in stats:
             self.replica_up.clear()  # a replica's state changes: only its current one is shown
             for replica in stats["replicas"]:
@@ -125,3 +118,27 @@ class ServerMetrics:
             self.retries.labels(**self.labels).inc(stats["num_request_retries"] - self.retries_seen)
             self.retries_seen = stats["num_request_retries"]
         return generate_latest(self.registry)
+
+    def _count_speculation(self, stats: dict[str, Any]) -> None:
+        """The spec-decode counters grown by what each source's totals grew since it was last seen. A sum over
+        data-parallel replicas would drop when one misses a scrape and count its history again when it answers:
+        each replica is followed on its own, a restarted one (its ``restarts`` changed) from zero."""
+        sources: dict[tuple[Any, ...], dict[str, Any]] = {("engine",): stats}
+        if "replicas" in stats:
+            sources = {(r["replica"], r["restarts"]): r["stats"] for r in stats["replicas"] if "stats" in r}
+        grown = dict.fromkeys(self.spec, 0)
+        grown_at: list[int] = []
+        for key, totals in sources.items():
+            last = self.spec_seen.get(key, {})
+            for name in self.spec:
+                grown[name] += max(0, totals.get(name, 0) - last.get(name, 0))
+            seen = last.get(PER_POSITION, [])
+            for position, count in enumerate(totals.get(PER_POSITION, [])):
+                grown_at += [0] * (position + 1 - len(grown_at))
+                grown_at[position] += max(0, count - (seen[position] if position < len(seen) else 0))
+            self.spec_seen[key] = {name: totals.get(name, 0) for name in self.spec}
+            self.spec_seen[key][PER_POSITION] = list(totals.get(PER_POSITION, []))
+        for name, counter in self.spec.items():
+            counter.labels(**self.labels).inc(grown[name])
+        for position, count in enumerate(grown_at):
+            self.spec_per_pos.labels(**self.labels, position=str(position)).inc(count)
