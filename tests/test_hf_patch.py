@@ -11,7 +11,7 @@ import torch
 from transformers import TextStreamer, pipeline
 
 from paged_backend import patch, patched, unpatch
-from paged_backend.integrations.hf_args import ADAPTIVE_ASSISTANT_K
+from paged_backend.integrations.hf_assisted import ADAPTIVE_ASSISTANT_K
 from tests.conftest import tiny_model
 from tests.fixtures.tiny_models import build_tiny_model
 

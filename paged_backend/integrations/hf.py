@@ -22,13 +22,8 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from paged_backend.integrations.hf_args import (
-    DEFAULT_MAX_LENGTH,
-    OBJECT_ARGUMENTS,
-    assisted_speculation,
-    plan_call,
-    static_cache_call,
-)
+from paged_backend.integrations.hf_args import DEFAULT_MAX_LENGTH, OBJECT_ARGUMENTS, plan_call, static_cache_call
+from paged_backend.integrations.hf_assisted import assisted_speculation
 from paged_backend.integrations.hf_outputs import Replay, hf_output, hf_replay, static_cache, step_logits
 from paged_backend.model_structure import set_module_attribute
 from paged_backend.outputs import RequestOutput
