@@ -39,17 +39,24 @@ def test_prompt_lookup_proposes_what_followed_the_last_occurrence_of_the_longest
     assert proposer.propose([1, 2, 3, 1, 2, 3, 4, 1, 2, 3], max_tokens=2) == [4, 1]
     assert proposer.propose([5, 6, 7]) == [] and proposer.propose([5]) == []
     assert NgramProposer(2, 3, 3).propose([4, 1, 7, 1]) == []  # (1) repeats, but no 2-gram does
+    # (7, 8) last at 3: what followed runs out after (9, 7, 8), and repeats as that period
+    assert NgramProposer(2, 2, 7).propose([1, 2, 7, 8, 9, 7, 8]) == [9, 7, 8, 9, 7, 8, 9]
+    assert NgramProposer(1, 2, 4).propose([3, 5, 5, 5]) == [5, 5, 5, 5]  # a loop of one token: k of them
 
 
 def test_prompt_lookup_equals_a_plain_search_on_random_ids() -> None:
     """The proposer's one-pass search against the definition, written out: the longest suffix first, its last
-    earlier occurrence; ``last_match`` is that suffix's length (0 when nothing is proposed)."""
+    earlier occurrence, the tokens after it continued as an overlapping copy (each the one a period back) where
+    they run out; ``last_match`` is that suffix's length (0 when nothing is proposed)."""
 
     def plain(ids: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
         for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
             for end in range(len(ids) - 2, n - 2, -1):
                 if ids[end - n + 1 : end + 1] == ids[len(ids) - n :]:
-                    return ids[end + 1 : end + 1 + k], n
+                    after = list(ids[end + 1 :])
+                    while len(after) < k:  # the text goes on repeating with the period the match stands for
+                        after.append(after[len(after) - (len(ids) - end - 1)])
+                    return after[:k], n
         return [], 0
 
     rng = random.Random(0)

@@ -3,8 +3,9 @@ of fixed shapes, so that a round of verifying steps can run back to back without
 
 Each row holds its token ids in ``history[b, :lens[b]]``. A candidate end ``e`` (an earlier token equal to the
 last one) matches as many tokens as its run of equal tokens going back, up to ``max_n``; the longest match wins,
-at least ``min_n`` long, and among equals the most recent: the proposals are the tokens after it, as many as
-there are (``k`` at most). Same rule, same proposals as spec_decode/ngram_proposer.py.
+at least ``min_n`` long, and among equals the most recent: the proposals are the ``k`` tokens after it, those
+to the row's end repeated as a period where they run out. Same rule, same proposals as
+spec_decode/ngram_proposer.py.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def device_lookup(
     score = torch.where(found, matched * capacity + ends[None, :], -1)  # longest first, then the latest end
     best, end = score.max(dim=1)
     start = end + 1
-    slots = (start[:, None] + torch.arange(k, device=history.device)[None, :]).clamp(max=capacity - 1)
-    count = torch.where(best >= 0, (lens - start).clamp(min=0, max=k), 0)
+    period = (lens - start).clamp(min=1)  # the tokens after the match, to the row's end (at least one if found)
+    slots = (start[:, None] + torch.arange(k, device=device)[None, :] % period[:, None]).clamp(max=capacity - 1)
+    count = torch.where(best >= 0, k, 0)
     return history.gather(1, slots), count

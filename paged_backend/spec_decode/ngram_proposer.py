@@ -5,6 +5,12 @@ Text that copies from its context (an answer quoting a retrieved passage, code r
 that repeats its keys) continues as it did before; the guess costs a scan of the token ids, no model. The longest
 suffix (``max_n`` tokens, down to ``min_n``) that occurred before wins, and of its occurrences the most recent,
 whose continuation is the likeliest to be repeated now.
+
+That continuation runs from the occurrence to the sequence's end, ``p`` tokens when the occurrence lies ``p`` back.
+Fewer than ``k`` means the text repeats with a period of ``p`` (a list's rows, a loop a small greedy model fell
+into), and the guess goes on as the repetition would: token ``j`` is the continuation's ``j mod p``, an
+overlapping copy. The earliest occurrence of a long repetition proposes the same (HF's choice); the latest one
+alone would propose ``p`` tokens a step, two in a loop of two.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ class NgramProposer:
         self.last_match = 0  # how many tokens the last lookup's suffix matched (0: it proposed nothing)
 
     def propose(self, token_ids: list[int], max_tokens: int | None = None, seq_id: int | None = None) -> list[int]:
-        """Up to ``min(k, max_tokens)`` tokens that followed the last earlier occurrence of the longest suffix
-        of ``token_ids`` between ``min_n`` and ``max_n`` tokens long; none when no such suffix occurred before.
+        """``min(k, max_tokens)`` tokens that followed the last earlier occurrence of the longest suffix of
+        ``token_ids`` between ``min_n`` and ``max_n`` tokens long (repeated as a period where they run out); none
+        when no such suffix occurred before.
         With a ``seq_id``, ``token_ids`` are that sequence's, which only grow until ``forget``.
 
         One pass over the ids finds where the last token occurred before; only those places are compared
@@ -44,7 +51,7 @@ class NgramProposer:
         return self._search(np.concatenate([self._array(token_ids, seq_id), np.asarray(ahead, dtype=np.int64)]), k)
 
     def _search(self, ids: np.ndarray, k: int) -> list[int]:
-        """The lookup over ``ids`` (at least ``min_n + 1`` of them), ``k`` proposals at most."""
+        """The lookup over ``ids`` (at least ``min_n + 1`` of them): ``k`` proposals, or none."""
         length = len(ids)
         ends = np.flatnonzero(ids[: length - 1] == ids[length - 1])  # an earlier occurrence ends at each
         matched = np.ones(ends.size, dtype=np.int64)  # how many of the suffix's tokens each end matches
@@ -58,9 +65,8 @@ class NgramProposer:
         if not ends.size or matched.max() < self.min_n:
             return []
         start = int(ends[np.flatnonzero(matched == matched.max())[-1]]) + 1
-        proposals = [int(t) for t in ids[start : start + k]]
-        self.last_match = int(matched.max()) if proposals else 0
-        return proposals
+        self.last_match = int(matched.max())
+        return [int(t) for t in ids[start + np.arange(k) % (length - start)]]  # the period's overlapping copy
 
     def _array(self, token_ids: list[int], seq_id: int | None) -> np.ndarray:
         """``token_ids`` as int64: the sequence's array with its new tokens written on (doubled as it fills)."""
