@@ -923,7 +923,8 @@ def test_the_server_speculates_and_reports_it_in_metrics(tokenizer) -> None:
 
 def test_server_metrics_follow_each_replica_so_a_missed_scrape_counts_nothing_twice() -> None:
     """Data-parallel stats: a replica that misses a scrape and answers again adds only what it grew; one that
-    restarted (its ``restarts`` changed) counts from zero; positions grow each on their own."""
+    restarted (its ``restarts`` changed) counts from zero, its run before forgotten; positions grow each on their
+    own."""
     pytest.importorskip("prometheus_client")
     from paged_backend.entrypoints.openai.metrics import ServerMetrics
 
@@ -948,3 +949,4 @@ def test_server_metrics_follow_each_replica_so_a_missed_scrape_counts_nothing_tw
     ]:
         text = metrics.render(scrape(*replicas)).decode()
         assert f"{drafts} {float(want)}" in text and f"{at_1} {float(want_at_1)}" in text, text
+    assert sorted(metrics.spec_seen) == [(0, 1), (1, 0)]  # replica 0's run before its restart is forgotten

@@ -138,6 +138,9 @@ class ServerMetrics:
                 grown_at[position] += max(0, count - (seen[position] if position < len(seen) else 0))
             self.spec_seen[key] = {name: totals.get(name, 0) for name in self.spec}
             self.spec_seen[key][PER_POSITION] = list(totals.get(PER_POSITION, []))
+        newest = {key[0]: key[1] for key in sources if len(key) == 2}  # replica index -> its restarts now
+        for key in [key for key in self.spec_seen if len(key) == 2 and key[1] < newest.get(key[0], key[1])]:
+            del self.spec_seen[key]  # a replica's run before a restart: its totals never come back
         for name, counter in self.spec.items():
             counter.labels(**self.labels).inc(grown[name])
         for position, count in enumerate(grown_at):
