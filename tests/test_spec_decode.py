@@ -449,8 +449,8 @@ def test_a_sample_that_keeps_failing_is_paused_longer_each_time() -> None:
 
 def test_a_paused_sample_whose_text_starts_copying_is_proposed_for_again() -> None:
     """While paused, prompt lookup's guesses are made and checked against the tokens that follow: one that
-    would have had SHADOW_MIN_TAKEN proposals taken ends the pause; one refused at once is replaced by a new
-    guess, and the pause goes on."""
+    would have had SHADOW_MIN_TAKEN proposals taken ends the pause (as soon as they are seen); one refused at once
+    is replaced by a new guess, and the pause goes on."""
     from paged_backend.config import SpeculativeConfig
     from paged_backend.core.spec_decode import SHADOW_MIN_TAKEN, DraftPlanner
 
@@ -468,6 +468,16 @@ def test_a_paused_sample_whose_text_starts_copying_is_proposed_for_again() -> No
             planner.watch(seq)
     assert SHADOW_MIN_TAKEN <= 3 and copying.spec_paused_until == 0  # 12, 13, 14 would have been taken
     assert wandering.spec_paused_until == 10**6 and wandering.spec_shadow[0] == len(wandering.token_ids)
+    # the pause ends as soon as SHADOW_MIN_TAKEN of a guess are seen taken, before the rest of it is decoded
+    early = Sequence(2, 0, request, [10, 11, 12, 13, 14, 15, 20, 10, 11], 2, arrival=2)
+    early.spec_paused_until = 10**6
+    planner.watch(early)
+    early.token_ids += [12, 13]
+    planner.watch(early)
+    assert early.spec_paused_until == 10**6  # two taken: not yet
+    early.token_ids += [14]
+    planner.watch(early)
+    assert early.spec_paused_until == 0  # 12, 13, 14 taken; 15 not decoded yet
 
 
 def test_a_shadow_guess_holds_the_next_round_only_where_its_lookup_matched_several_tokens() -> None:

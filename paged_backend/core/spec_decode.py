@@ -160,12 +160,12 @@ class DraftPlanner:
         if guess:
             got = seq.token_ids[start : start + len(guess)]
             taken = taken_proposals(got, guess)
-            if taken == len(got) < len(guess):
-                return  # right so far, not all seen yet
-            if taken >= SHADOW_MIN_TAKEN:
+            if taken >= SHADOW_MIN_TAKEN:  # decided, whatever the rest of the guess would have been
                 seq.spec_paused_until = seq.spec_pause = 0
                 seq.spec_shadow, seq.spec_shadow_holds = (0, []), False
                 return
+            if taken == len(got) < len(guess):
+                return  # right so far, not all seen yet
         seq.spec_shadow = (len(seq.token_ids), self.proposer.propose(seq.token_ids, self.k, seq_id=seq.seq_id))
         matched = self.proposer.last_match if isinstance(self.proposer, NgramProposer) else 0
         seq.spec_shadow_holds = matched >= SHADOW_HOLD_MATCH
