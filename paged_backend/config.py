@@ -191,7 +191,8 @@ DEFAULT_PROMPT_LOOKUP = (2, 4)  # (prompt_lookup_min, prompt_lookup_max) when ne
 class SpeculativeConfig:
     """vLLM's ``speculative_config``: each step proposes up to ``num_speculative_tokens`` tokens per decoding
     sequence, which one forward verifies. ``ngram`` (prompt lookup) proposes the tokens that followed the last
-    earlier occurrence of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens; as in vLLM,
+    earlier occurrence of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens (repeated as a
+    period where they run out before ``num_speculative_tokens``); as in vLLM,
     one of the two given stands for both, and with neither given the n-grams are 2 to 4 tokens long (vLLM: 5 to
     5), which on the real model pays best where a verifying step costs two to three decoded tokens
     (docs/benchmarks.md, "Prompt lookup's shortest n-gram"). Proposals

@@ -13,6 +13,7 @@ from paged_backend import LLM, SamplingParams
 from paged_backend.core import lookup_round as planning
 from paged_backend.spec_decode.device_lookup import device_lookup
 from paged_backend.spec_decode.ngram_proposer import NgramProposer
+from paged_backend.worker.lookup_step import LookupInputs
 from tests.conftest import assert_idle, hf_greedy
 from tests.fixtures.tiny_models import build_tiny_model
 
@@ -20,19 +21,28 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, 
 
 
 def test_the_device_lookup_proposes_what_prompt_lookup_does() -> None:
-    """Random rows of few distinct ids (many matches, of every length), every n-gram range and k."""
+    """Random rows of few distinct ids (many matches, of every length, some filling the history), every n-gram range
+    and k (some past the rows' lengths); through a step's inputs, each row's length limit cuts its proposals as the
+    host's room does."""
     rng = random.Random(0)
     for _ in range(600):
         min_n = rng.choice([1, 2, 3])
-        max_n, k = rng.choice([min_n, min_n + 1, 4]), rng.choice([1, 3, 8])
-        rows = [[rng.randint(0, rng.choice([2, 3, 6])) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+        max_n, k = rng.choice([min_n, min_n + 1, 4]), rng.choice([1, 3, 8, 33])
+        rows = [[rng.randint(0, rng.choice([2, 3, 6])) for _ in range(rng.randint(1, 40))] for _ in range(3)]
         history = torch.full((3, 40), -7, dtype=torch.long)  # what lies past a row's length must not count
         for b, row in enumerate(rows):
             history[b, : len(row)] = torch.tensor(row)
-        proposals, count = device_lookup(history, torch.tensor([len(r) for r in rows]), min_n, max_n, k)
+        lens = torch.tensor([len(r) for r in rows])
+        proposals, count = device_lookup(history, lens, min_n, max_n, k)
         host = NgramProposer(min_n, max_n, k)
         for b, row in enumerate(rows):
             assert proposals[b, : count[b]].tolist() == host.propose(row), (min_n, max_n, k, row)
+        max_lens = lens + torch.tensor([rng.randint(0, 12) for _ in rows])
+        step = LookupInputs(history, lens, max_lens, torch.zeros(3, 8, dtype=torch.int32), (min_n, max_n), k, 16)
+        for b, row in enumerate(rows):
+            room = int(max_lens[b]) - len(row) - 1
+            want = host.propose(row, room) if room > 0 else []
+            assert step.proposals[b, : step.proposed[b]].tolist() == want, (min_n, max_n, k, row, room)
 
 
 def copying_model():

@@ -42,6 +42,7 @@ def test_prompt_lookup_proposes_what_followed_the_last_occurrence_of_the_longest
     # (7, 8) last at 3: what followed runs out after (9, 7, 8), and repeats as that period
     assert NgramProposer(2, 2, 7).propose([1, 2, 7, 8, 9, 7, 8]) == [9, 7, 8, 9, 7, 8, 9]
     assert NgramProposer(1, 2, 4).propose([3, 5, 5, 5]) == [5, 5, 5, 5]  # a loop of one token: k of them
+    assert NgramProposer(1, 2, 4).propose([3, 5, 5, 5], max_tokens=2) == [5, 5]
 
 
 def test_prompt_lookup_equals_a_plain_search_on_random_ids() -> None:
@@ -68,6 +69,8 @@ def test_prompt_lookup_equals_a_plain_search_on_random_ids() -> None:
         proposer.last_match = 7  # a lookup that finds nothing must not leave an earlier one's
         proposals = proposer.propose(ids)
         assert (proposals, proposer.last_match) == plain(ids, min_n, max_n, k), (ids, min_n, max_n, k)
+        room = rng.randrange(1, 7)  # a step's room (budget, max_tokens, max_model_len) cuts the same guess
+        assert proposer.propose(ids, room) == plain(ids, min_n, max_n, k)[0][:room], (ids, min_n, max_n, k, room)
 
 
 def test_prompt_lookup_keeps_each_sequence_as_an_array_that_grows_with_it() -> None:
@@ -478,6 +481,24 @@ def test_a_paused_sample_whose_text_starts_copying_is_proposed_for_again() -> No
     early.token_ids += [14]
     planner.watch(early)
     assert early.spec_paused_until == 0  # 12, 13, 14 taken; 15 not decoded yet
+    # a loop shorter than SHADOW_MIN_TAKEN: its guess goes on as the loop would, and the pause ends
+    looping = Sequence(3, 0, request, [9, 40, 41, 40, 41], 2, arrival=3)
+    looping.spec_paused_until = 10**6
+    planner.watch(looping)
+    assert looping.spec_shadow == (5, [40, 41, 40, 41])
+    looping.token_ids += [40, 41, 40]
+    planner.watch(looping)
+    assert looping.spec_paused_until == 0
+    # k below SHADOW_MIN_TAKEN: a guess taken whole ends the pause (else none ever could, and rounds held for it)
+    short = DraftPlanner(
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=3), max_model_len=1000
+    )
+    looping = Sequence(4, 0, request, [9, 40, 41, 40, 41], 2, arrival=4)
+    looping.spec_paused_until = 10**6
+    short.watch(looping)
+    looping.token_ids += [40, 41]
+    short.watch(looping)
+    assert looping.spec_paused_until == 0 and not short.holds_round([looping])
 
 
 def test_a_shadow_guess_holds_the_next_round_only_where_its_lookup_matched_several_tokens() -> None:

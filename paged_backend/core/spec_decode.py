@@ -66,9 +66,10 @@ class DraftModelProposals:
 # proposals a step the sample is paused: PAUSE_TOKENS tokens, doubled after each window that fails again up to
 # MAX_PAUSE_TOKENS (open chat seldom copies), back to PAUSE_TOKENS after a window that pays. A paused sample is
 # still watched where proposals cost nothing to make (prompt lookup): the lookup is made as if it were proposed
-# for, and compared with the tokens it then decodes; when SHADOW_MIN_TAKEN of them would have been taken (text
-# that copies has started), the pause ends. Three rather than two, by the real model's traces: code rewrites
-# verify more of their tokens, the other workloads as many (docs/benchmarks.md, "Prompt lookup's shortest n-gram").
+# for, and compared with the tokens it then decodes; when SHADOW_MIN_TAKEN of them (all k, when k is smaller)
+# would have been taken (text that copies has started), the pause ends. Three rather than two, by the real model's
+# traces: code rewrites verify more of their tokens, the other workloads as many (docs/benchmarks.md, "Prompt
+# lookup's shortest n-gram").
 WINDOW_STEPS = 2
 MIN_TAKEN_PER_STEP = 1.0
 PAUSE_TOKENS = 32
@@ -160,7 +161,7 @@ class DraftPlanner:
         if guess:
             got = seq.token_ids[start : start + len(guess)]
             taken = taken_proposals(got, guess)
-            if taken >= SHADOW_MIN_TAKEN:  # decided, whatever the rest of the guess would have been
+            if taken >= min(SHADOW_MIN_TAKEN, self.k):  # decided, whatever the rest of the guess would have been
                 seq.spec_paused_until = seq.spec_pause = 0
                 seq.spec_shadow, seq.spec_shadow_holds = (0, []), False
                 return
