@@ -26,7 +26,8 @@ counts a repetition's rounds of verifying steps on the device (core/lookup_round
 its steps by kind (``step_kind``): where a repetition's time may go, beside the tokens. Each repetition has
 prompts of its own, so beside the per-repetition speed-ups the JSON has ``pooled_speedup_spec_over_engine``: all
 repetitions' tokens over their summed time, as a user asking every prompt would see it (``--replot`` prints it,
-also for a JSON written before it was recorded).
+also for a JSON written before it was recorded); ``per_prompt`` keeps each answer's tokens and seconds, so a
+prompt that dominates a repetition's time can be found.
 """
 
 from __future__ import annotations
@@ -192,17 +193,18 @@ def count_steps(llm: LLM) -> collections.Counter[str]:
     return counts
 
 
-def timed(answer: Callable[[list[int]], int], prompts: list[list[int]], device: str) -> tuple[int, float]:
-    tokens, seconds = 0, 0.0
+def timed(answer: Callable[[list[int]], int], prompts: list[list[int]], device: str) -> list[tuple[int, float]]:
+    """(tokens, seconds) of each prompt's answer, one after another."""
+    each = []
     for ids in prompts:
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        tokens += answer(ids)
+        tokens = answer(ids)
         if device == "cuda":
             torch.cuda.synchronize()
-        seconds += time.perf_counter() - start
-    return tokens, seconds
+        each.append((tokens, time.perf_counter() - start))
+    return each
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -265,9 +267,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 before = engines["engine_spec"].stats()
                 for counts in steps.values():
                     counts.clear()
-                tokens, seconds = timed(answers[name], prompts[workload][at : at + args.prompts], device)
+                each = timed(answers[name], prompts[workload][at : at + args.prompts], device)
+                tokens, seconds = sum(t for t, _ in each), sum(s for _, s in each)
                 rows[name]["tok_per_s"].append(tokens / seconds)
                 rows[name]["tokens"].append(tokens)
+                rows[name].setdefault("per_prompt", []).append([[t, s] for t, s in each])  # (tokens, seconds)
                 if name in steps:
                     rows[name].setdefault("steps", []).append(dict(steps[name]))
                 if name == "engine_spec":
